@@ -1,0 +1,41 @@
+"""tfe_estimator: secure aggregation for TensorFlow Estimator with TF Encrypted.
+
+Change one line, the `RunConfig`, and an Estimator trains data-parallel while
+each replica's gradients are secret-shared and summed by non-colluding TF
+Encrypted servers::
+
+    import tensorflow as tf
+    import tfe_estimator
+
+    config = tfe_estimator.TfeRunConfig(model_dir="/tmp/model", protocol="pond")
+    est = tf.estimator.LinearRegressor(feature_columns=cols, config=config)
+    tf.estimator.train_and_evaluate(est, train_spec, eval_spec)
+
+Importing this package imports TensorFlow but neither starts its runtime nor
+imports tf-encrypted; that happens when a reduction is first built.
+"""
+from tfe_estimator._version import __version__
+from tfe_estimator.aggregation import SecureAggregation
+from tfe_estimator.audit import assert_no_plaintext_on_servers
+from tfe_estimator.cluster import TfeCluster
+from tfe_estimator.errors import InsecureRandomnessError, PlaintextOnServerError
+from tfe_estimator.precision import PRECISIONS, Precision
+from tfe_estimator.protocols import PROTOCOLS
+from tfe_estimator.run_config import TfeRunConfig, TfeSettings, default_session_config
+from tfe_estimator.strategy import TfeStrategy
+
+__all__ = [
+    "__version__",
+    "TfeRunConfig",
+    "TfeSettings",
+    "TfeStrategy",
+    "SecureAggregation",
+    "TfeCluster",
+    "InsecureRandomnessError",
+    "PlaintextOnServerError",
+    "Precision",
+    "PRECISIONS",
+    "PROTOCOLS",
+    "assert_no_plaintext_on_servers",
+    "default_session_config",
+]

@@ -1,0 +1,167 @@
+"""`TfeRunConfig`: the one line a user changes to train with secure aggregation.
+
+Built like `tf.estimator.tpu.RunConfig`: its own keyword arguments plus any
+`tf.estimator.RunConfig` keyword argument, an immutable settings object, and a
+`replace()` that keeps the settings.
+
+Example::
+
+    config = TfeRunConfig(model_dir="/tmp/model", protocol="pond", num_replicas=2,
+                          save_checkpoints_steps=100)
+    est = tf.estimator.LinearRegressor(feature_columns=cols, config=config)
+    tf.estimator.train_and_evaluate(est, train_spec, eval_spec)
+
+Note: `tf.estimator.RunConfig` already has an argument called `protocol`, the
+gRPC protocol of distributed servers. Here `protocol` is the tf-encrypted
+protocol; pass the gRPC one as `grpc_protocol`. The inherited `protocol`
+property keeps its gRPC meaning (Estimator reads it); the tf-encrypted one is
+`tfe_protocol`.
+"""
+import dataclasses
+from typing import Optional
+
+import tensorflow as tf
+from tensorflow_estimator.python.estimator import run_config as run_config_lib
+
+from tfe_estimator import cluster as cluster_lib
+from tfe_estimator.devices import cpus_needed, local_layout, validate_num_replicas
+from tfe_estimator.precision import get_precision
+from tfe_estimator.protocols import validate_protocol
+from tfe_estimator.strategy import TfeStrategy
+
+__all__ = ["TfeRunConfig", "TfeSettings", "default_session_config"]
+
+_OURS = ("protocol", "precision", "num_replicas", "grpc_protocol")
+
+
+def default_session_config() -> tf.compat.v1.ConfigProto:
+    """Estimator's default session config (soft placement, one optimizer pass)."""
+    return run_config_lib.get_default_session_config()
+
+
+@dataclasses.dataclass(frozen=True)
+class TfeSettings:
+    """The validated secure-aggregation settings of a `TfeRunConfig`."""
+
+    protocol: str = "pond"
+    precision: str = "low"
+    num_replicas: Optional[int] = None
+
+    def __post_init__(self):
+        validate_protocol(self.protocol)
+        get_precision(self.precision)
+        if self.num_replicas is not None:
+            validate_num_replicas(self.num_replicas)
+
+
+class TfeRunConfig(tf.estimator.RunConfig):
+    """A `RunConfig` whose `train_distribute` and `eval_distribute` are `TfeStrategy`.
+
+    Without a cluster in TF_CONFIG it trains on `num_replicas` local replicas.
+    With one, the chief and worker tasks are the replicas (the data owners)
+    and the tasks of the job `tfe` are the TFE parties; see
+    `tfe_estimator.cluster`.
+
+    Args:
+      protocol: tf-encrypted protocol, "pond" or "aby3".
+      num_replicas: local replicas (default 2). Ignored in a TF_CONFIG
+        cluster, where each chief/worker task is one replica.
+      precision: "low" or "high"; see `tfe_estimator.precision`.
+      grpc_protocol: `tf.estimator.RunConfig`'s `protocol` (gRPC flavour).
+      **kwargs: any other `tf.estimator.RunConfig` argument except
+        `train_distribute` and `eval_distribute`.
+
+    Raises:
+      ValueError, TypeError: for a bad protocol, precision or num_replicas,
+        a distribute argument, or a TF_CONFIG that cannot run secure
+        aggregation (the message names TF_CONFIG and the fix).
+    """
+
+    def __init__(
+        self,
+        protocol: str = "pond",
+        num_replicas: Optional[int] = None,
+        precision: str = "low",
+        grpc_protocol: Optional[str] = None,
+        **kwargs,
+    ) -> None:
+        for name in ("train_distribute", "eval_distribute"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"TfeRunConfig sets {name} itself (a TfeStrategy); got {name}="
+                    f"{kwargs[name]!r}. To combine your own strategy, use "
+                    "tf.estimator.RunConfig with tfe_estimator.TfeStrategy."
+                )
+        settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas)
+        kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
+        super().__init__(protocol=grpc_protocol, **kwargs)
+        self._tfe_settings = settings
+
+    @property
+    def tfe_settings(self) -> TfeSettings:
+        """The secure-aggregation settings."""
+        return self._tfe_settings
+
+    @property
+    def tfe_protocol(self) -> str:
+        """The tf-encrypted protocol ("pond" or "aby3")."""
+        return self._tfe_settings.protocol
+
+    @property
+    def precision(self) -> str:
+        """The fixed-point precision ("low" or "high")."""
+        return self._tfe_settings.precision
+
+    @property
+    def num_replicas(self) -> int:
+        """How many replicas train: local ones, or the cluster's chief + workers."""
+        return self._train_distribute.num_replicas_in_sync
+
+    def replace(self, **kwargs) -> "TfeRunConfig":
+        """Returns a copy with `kwargs` replaced; keeps the TFE settings.
+
+        Accepts the `tf.estimator.RunConfig.replace` properties plus
+        `protocol` (tf-encrypted's), `precision`, `num_replicas` and
+        `grpc_protocol`.
+        """
+        ours = {k: kwargs.pop(k) for k in _OURS if k in kwargs}
+        if "grpc_protocol" in ours:
+            kwargs["protocol"] = ours.pop("grpc_protocol")
+        settings = self._tfe_settings
+        if ours:
+            settings = dataclasses.replace(settings, **ours)
+            kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config", self.session_config)))
+        new = super().replace(**kwargs)
+        new._tfe_settings = settings  # pylint: disable=protected-access
+        return new
+
+
+def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
+    """The strategies and session config `RunConfig` gets for `settings`."""
+    spec = cluster_lib.TfeCluster.from_environment()
+    if spec is not None and spec.task_type == cluster_lib.TFE_JOB:
+        raise ValueError(
+            f"TF_CONFIG says this is task {spec.task_index} of the '{cluster_lib.TFE_JOB}' job: "
+            "TFE parties run `tfe-estimator server`, not a training script."
+        )
+    if spec is None or spec.is_evaluator:  # the evaluator evaluates on its own replicas
+        replicas, servers = local_layout(validate_num_replicas(settings.num_replicas), settings.protocol)
+    else:
+        spec.check_protocol(settings.protocol)
+        replicas, servers = spec.replica_devices(), spec.server_devices()
+    strategies = [
+        TfeStrategy(devices=replicas, protocol=settings.protocol,
+                    precision=settings.precision, server_devices=servers)
+        for _ in ("train", "eval")
+    ]
+    if session_config is None:
+        session_config = default_session_config()
+    session_config = strategies[0].update_config_proto(session_config)
+    session_config.device_count["CPU"] = max(
+        session_config.device_count.get("CPU", 1), cpus_needed(replicas + servers)
+    )
+    return {
+        "train_distribute": strategies[0],
+        "eval_distribute": strategies[1],
+        "session_config": session_config,
+    }
