@@ -1,0 +1,264 @@
+"""The Kubernetes renderer: every task's TF_CONFIG validates, agrees and matches its Service."""
+import json
+import pathlib
+import shlex
+
+import pytest
+
+from tfe_estimator import kubernetes
+from tfe_estimator.cluster import TfeCluster
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "deploy" / "kubernetes" / "example-1-worker.yaml"
+IMAGE = "registry.example.com/train:1.0"
+SHAPES = [(w, e) for w in (0, 1, 3) for e in (True, False)]
+
+
+def _render(workers, evaluator, **kwargs):
+    kwargs.setdefault("command", ["python", "train.py"])
+    return kubernetes.render_manifests("demo", IMAGE, workers, evaluator=evaluator, namespace="ml", **kwargs)
+
+
+def _expected_tasks(workers, evaluator):
+    tasks = [("chief", 0)] + [("worker", i) for i in range(workers)]
+    if evaluator:
+        tasks.append(("evaluator", 0))
+    return tasks + [("tfe", i) for i in range(3)]
+
+
+def _pod_template(workload):
+    return workload["spec"]["template"]
+
+
+def _container(workload):
+    (container,) = _pod_template(workload)["spec"]["containers"]
+    return container
+
+
+def _tf_config(workload):
+    (value,) = [e["value"] for e in _container(workload)["env"] if e["name"] == "TF_CONFIG"]
+    return value
+
+
+def _task_of(obj):
+    labels = obj["metadata"]["labels"]
+    return labels[kubernetes.JOB_LABEL], int(labels[kubernetes.INDEX_LABEL])
+
+
+def _by_kind(manifests):
+    kinds = {}
+    for m in manifests:
+        kinds.setdefault(m["kind"], []).append(m)
+    return kinds
+
+
+def _matches(selector, labels):
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("workers,evaluator", SHAPES)
+def test_one_service_and_one_workload_per_task(workers, evaluator):
+    manifests = _render(workers, evaluator)
+    kinds = _by_kind(manifests)
+    assert set(kinds) <= {"Service", "Job", "Deployment", "NetworkPolicy"}
+    expected = _expected_tasks(workers, evaluator)
+    services = [_task_of(s) for s in kinds["Service"]]
+    workloads = [_task_of(w) for w in kinds.get("Job", []) + kinds["Deployment"]]
+    assert sorted(services) == sorted(expected)
+    assert sorted(workloads) == sorted(expected)
+    for w in kinds.get("Job", []):
+        assert _task_of(w)[0] in ("chief", "worker", "evaluator")
+        assert _pod_template(w)["spec"]["restartPolicy"] == "OnFailure"
+    for d in kinds["Deployment"]:
+        assert _task_of(d)[0] == "tfe"
+        assert d["spec"]["replicas"] == 1
+        assert d["spec"]["strategy"]["type"] == "Recreate"
+        assert _matches(d["spec"]["selector"]["matchLabels"], _pod_template(d)["metadata"]["labels"])
+    for m in manifests:
+        assert m["metadata"]["namespace"] == "ml"
+        assert m["metadata"]["labels"][kubernetes.CLUSTER_LABEL] == "demo"
+    assert len(kinds["NetworkPolicy"]) == 1
+    assert len(manifests) == 2 * len(expected) + 1
+
+
+@pytest.mark.parametrize("workers,evaluator", SHAPES)
+def test_every_tf_config_validates_and_all_agree(workers, evaluator):
+    manifests = _render(workers, evaluator)
+    workloads = [m for m in manifests if m["kind"] in ("Job", "Deployment")]
+    clusters = []
+    for w in workloads:
+        text = _tf_config(w)
+        parsed = TfeCluster.from_json(text)
+        assert parsed is not None
+        assert (parsed.task_type, parsed.task_index) == _task_of(w)
+        assert (parsed.task_type, parsed.task_index) == _task_of(_pod_template(w))
+        parsed.check_protocol("pond")
+        parsed.check_protocol("aby3")
+        clusters.append(json.loads(text)["cluster"])
+    assert all(c == clusters[0] for c in clusters)
+    cluster = clusters[0]
+    assert ("evaluator" in cluster) == evaluator
+    assert ("worker" in cluster) == (workers > 0)
+    assert len(cluster.get("worker", [])) == workers
+    assert len(cluster["chief"]) == 1 and len(cluster["tfe"]) == 3
+
+
+@pytest.mark.parametrize("workers,evaluator", SHAPES)
+def test_addresses_are_unique_and_name_the_services(workers, evaluator):
+    manifests = _render(workers, evaluator, port=4444)
+    cluster = json.loads(_tf_config(next(m for m in manifests if m["kind"] == "Job")))["cluster"]
+    addresses = [a for job in cluster.values() for a in job]
+    assert len(addresses) == len(set(addresses))
+    services = {s["metadata"]["name"]: s for s in manifests if s["kind"] == "Service"}
+    assert len(services) == len(addresses)
+    for job, job_addresses in cluster.items():
+        for index, address in enumerate(job_addresses):
+            host, port = address.rsplit(":", 1)
+            service_name, namespace, svc = host.split(".")
+            assert (service_name, namespace, svc) == (f"demo-{job}-{index}", "ml", "svc")
+            service = services[service_name]
+            assert service["spec"]["clusterIP"] == "None"  # headless: DNS names the pod itself
+            assert [p["port"] for p in service["spec"]["ports"]] == [int(port)] == [4444]
+            # The Service's selector picks exactly this task's pod template.
+            picked = [
+                _task_of(_pod_template(w))
+                for w in manifests
+                if w["kind"] in ("Job", "Deployment")
+                and _matches(service["spec"]["selector"], _pod_template(w)["metadata"]["labels"])
+            ]
+            assert picked == [(job, index)]
+    for w in manifests:
+        if w["kind"] in ("Job", "Deployment"):
+            assert [p["containerPort"] for p in _container(w)["ports"]] == [4444]
+
+
+def test_tfe_pods_run_the_server_and_others_the_training_command():
+    command = ["python", "-m", "my_trainer", "--steps", "5"]
+    manifests = _render(2, True, command=command, data_claim="{name}-data-{job}-{index}", model_claim="{name}-model")
+    for w in manifests:
+        if w["kind"] not in ("Job", "Deployment"):
+            continue
+        container, spec = _container(w), _pod_template(w)["spec"]
+        assert container["image"] == IMAGE
+        assert spec["automountServiceAccountToken"] is False
+        job, index = _task_of(w)
+        if job == "tfe":
+            assert container["command"] == ["tfe-estimator", "server"]
+            assert "volumes" not in spec and "volumeMounts" not in container  # servers never see data
+        else:
+            assert container["command"] == command
+            data = {"claimName": f"demo-data-{job}-{index}", "readOnly": True}
+            model = {"claimName": "demo-model", "readOnly": job == "evaluator"}
+            volumes = {v["name"]: v["persistentVolumeClaim"] for v in spec["volumes"]}
+            mounts = {m["name"]: (m["mountPath"], m["readOnly"]) for m in container["volumeMounts"]}
+            if job == "worker":  # only the chief writes checkpoints; only the evaluator reads them
+                assert volumes == {"data": data} and mounts == {"data": ("/data", True)}
+            else:
+                assert volumes == {"data": data, "model": model}
+                assert mounts == {"data": ("/data", True), "model": ("/model", job == "evaluator")}
+
+
+def test_no_volumes_without_claims():
+    for w in _render(1, True):
+        if w["kind"] in ("Job", "Deployment"):
+            assert "volumes" not in _pod_template(w)["spec"]
+            assert "volumeMounts" not in _container(w)
+
+
+@pytest.mark.parametrize("workers,evaluator", SHAPES)
+def test_network_policy_admits_only_the_clusters_pods(workers, evaluator):
+    manifests = _render(workers, evaluator)
+    (policy,) = [m for m in manifests if m["kind"] == "NetworkPolicy"]
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    selector = spec["podSelector"]
+    assert set(selector) == {"matchLabels"}
+    pods = [_pod_template(w)["metadata"]["labels"] for w in manifests if w["kind"] in ("Job", "Deployment")]
+    assert all(_matches(selector["matchLabels"], labels) for labels in pods)
+    other_cluster = _render(workers, evaluator)[0]["metadata"]["labels"] | {kubernetes.CLUSTER_LABEL: "other"}
+    assert not _matches(selector["matchLabels"], other_cluster)
+    assert not _matches(selector["matchLabels"], {})
+    (rule,) = spec["ingress"]
+    (peer,) = rule["from"]
+    assert peer == {"podSelector": selector}  # no namespaceSelector, no ipBlock: same namespace, same cluster
+    assert rule["ports"] == [{"protocol": "TCP", "port": 2222}]
+
+
+@pytest.mark.parametrize("workers,evaluator", SHAPES)
+def test_yaml_stream_parses(workers, evaluator):
+    yaml = pytest.importorskip("yaml")
+    manifests = _render(workers, evaluator)
+    assert list(yaml.safe_load_all(kubernetes.to_yaml(manifests))) == manifests
+
+
+def test_committed_example_equals_a_fresh_render(capsys):
+    text = EXAMPLE.read_text()
+    (line,) = [l for l in text.splitlines() if l.startswith("# $ python -m tfe_estimator.kubernetes ")]
+    args = shlex.split(line[len("# $ python -m tfe_estimator.kubernetes ") :])
+    assert "-o" not in args and "--output" not in args
+    assert kubernetes.main(args) == 0
+    fresh = capsys.readouterr().out
+    header = text[: text.index("---\n")]
+    assert text == header + fresh, (
+        f"{EXAMPLE} is stale: regenerate it with the command in its header "
+        "(python -m tfe_estimator.kubernetes ... >> the file, after the comment lines)."
+    )
+    assert header.strip() and all(l.startswith("#") for l in header.splitlines())
+    kinds = [m["kind"] for m in json.loads("[" + ",".join(fresh.split("---\n")[1:]) + "]")]
+    assert kinds.count("Job") == 3 and kinds.count("Deployment") == 3  # chief, 1 worker, evaluator
+
+
+def test_main_writes_a_file(tmp_path):
+    out = tmp_path / "cluster.yaml"
+    assert kubernetes.main(["--name", "x1", "--image", IMAGE, "--workers", "0", "--no-evaluator", "-o", str(out)]) == 0
+    assert out.read_text() == kubernetes.to_yaml(
+        kubernetes.render_manifests("x1", IMAGE, 0, evaluator=False, command=kubernetes.DEFAULT_COMMAND)
+    )
+
+
+def test_main_reports_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as e:
+        kubernetes.main(["--name", "Bad_Name", "--image", IMAGE])
+    assert e.value.code == 2
+    assert "DNS-1123" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"workers": -1}, "workers=-1 must be an integer >= 0"),
+        ({"workers": 1.5}, "workers=1.5 must be an integer"),
+        ({"workers": True}, "workers=True must be an integer"),
+        ({"image": ""}, "image='' must be a non-empty container image"),
+        ({"image": "   "}, "must be a non-empty container image"),
+        ({"image": "a b"}, "without spaces"),
+        ({"name": "Demo"}, "not a valid cluster name: it must be a DNS-1123 label"),
+        ({"name": "my_cluster"}, "DNS-1123"),
+        ({"name": "-demo"}, "DNS-1123"),
+        ({"name": "demo-"}, "DNS-1123"),
+        ({"name": "1demo"}, "starts with a letter"),
+        ({"name": ""}, "DNS-1123"),
+        ({"name": "a" * 60}, "too long"),
+        ({"namespace": "My NS"}, "namespace='My NS' is not a valid Kubernetes namespace"),
+        ({"command": []}, "command=[] must be a non-empty list"),
+        ({"command": "python train.py"}, "a list, not one shell string"),
+        ({"port": 0}, "port=0 must be an integer TCP port"),
+        ({"port": 70000}, "port=70000"),
+        ({"data_claim": "data-{owner}"}, "placeholders"),
+        ({"data_claim": "Data_{job}"}, "not a valid PersistentVolumeClaim name"),
+        ({"data_mount_path": "data"}, "data_mount_path='data' must be an absolute path"),
+        ({"model_claim": "{name}_model"}, "model_claim='{name}_model' gives 'demo_model'"),
+        ({"model_mount_path": "/data/"}, "data_mount_path and model_mount_path are both"),
+    ],
+)
+def test_bad_arguments_raise_clear_value_errors(kwargs, message):
+    args = {"name": "demo", "image": IMAGE, "workers": 1} | kwargs
+    with pytest.raises(ValueError) as e:
+        kubernetes.render_manifests(**args)
+    assert message in str(e.value)
+
+
+def test_longest_valid_name_renders():
+    name = "a" * (63 - len("-evaluator-0"))
+    names = [m["metadata"]["name"] for m in kubernetes.render_manifests(name, IMAGE, 3) if m["kind"] == "Service"]
+    assert max(len(n) for n in names) == 63
