@@ -198,7 +198,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         return (
             "Fixes: lower the learning rate, clip gradients (e.g. tf.clip_by_global_norm in "
             "the model_fn), scale features and labels"
-            + (", or use precision='high' (limit 2**30)." if self._precision.name == "low" else ".")
+            + (", or use precision=high (limit 2**30)." if self._precision.name == "low" else ".")
         )
 
 

@@ -1,0 +1,170 @@
+"""SecureAggregation against its plaintext twin, ReductionToOneDevice, on the same values."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfe_estimator
+from tfe_estimator import InsecureRandomnessError, SecureAggregation
+
+N = 2
+DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(N + 3)]
+REPLICAS, SERVERS = DEVICES[:N], DEVICES[N:]
+# Stated tolerance: encoding truncates toward zero at 2**-32 per replica; the
+# sum is then decoded in float64 and cast back, so float32 rounding dominates.
+ATOL, RTOL = N * 2.0**-32, 1e-6
+
+
+def _session_config():
+    return tf.compat.v1.ConfigProto(allow_soft_placement=False, device_count={"CPU": len(DEVICES)})
+
+
+def _reduce(cross_device_ops, per_replica_arrays, reduce_op, sparse=False):
+    """Reduces `per_replica_arrays[k][r]` (tensor k of replica r) under a MirroredStrategy."""
+    graph = tf.Graph()
+    with graph.as_default():
+        strategy = tf.compat.v1.distribute.MirroredStrategy(devices=REPLICAS, cross_device_ops=cross_device_ops)
+        with strategy.scope():
+
+            def replica_fn():
+                rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+                out = []
+                for arrays in per_replica_arrays:
+                    value = tf.gather(tf.constant(np.stack(arrays)), rid)
+                    if sparse:
+                        value = tf.IndexedSlices(value, tf.constant([0, 2], tf.int64), tf.constant([4, value.shape[1]], tf.int64))
+                    out.append(value)
+                return out
+
+            values = strategy.extended.call_for_each_replica(replica_fn)
+            reduced = strategy.extended.batch_reduce_to(reduce_op, [(v, v) for v in values])
+            fetches = [strategy.experimental_local_results(r) for r in reduced]
+        with tf.compat.v1.Session(graph=graph, config=_session_config()) as sess:
+            results = sess.run(fetches)
+    if sparse:  # ReductionToOneDevice keeps IndexedSlices; we return dense sums
+        results = [[tf.compat.v1.Session().run(tf.convert_to_tensor(v)) if hasattr(v, "indices") else v for v in r] for r in results]
+    return results, graph
+
+
+def _secure():
+    return SecureAggregation(protocol="pond", precision="low", server_devices=SERVERS)
+
+
+def _random_values(rng, shape, dtype):
+    if np.issubdtype(dtype, np.integer):
+        return [rng.randint(-1000, 1000, size=shape).astype(dtype) for _ in range(N)]
+    return [np.asarray(rng.randn(*shape) * 10).astype(dtype) for _ in range(N)]
+
+
+@pytest.mark.parametrize("reduce_op", [tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+def test_matches_reduction_to_one_device(reduce_op, dtype):
+    # Prepare: several shapes of one dtype, reduced as one batch.
+    rng = np.random.RandomState(1)
+    tensors = [_random_values(rng, shape, dtype) for shape in [(), (3,), (2, 3), (4, 1, 2)]]
+    # Execute
+    secure, _ = _reduce(_secure(), tensors, reduce_op)
+    plain, _ = _reduce(tf.distribute.ReductionToOneDevice(), tensors, reduce_op)
+    # Assert: every replica receives the same sum as the plaintext twin, with its dtype.
+    for s_per_replica, p_per_replica in zip(secure, plain):
+        for s, p in zip(s_per_replica, p_per_replica):
+            assert np.asarray(s).dtype == np.asarray(p).dtype
+            np.testing.assert_allclose(s, p, rtol=RTOL, atol=ATOL)
+
+
+def test_mixed_batch_of_many_tensors_keeps_order():
+    rng = np.random.RandomState(2)
+    tensors = []
+    for k in range(40):
+        tensors.append(_random_values(rng, (k % 5 + 1, 3), np.float32 if k % 3 else np.int64))
+    secure, _ = _reduce(_secure(), tensors, tf.distribute.ReduceOp.SUM)
+    plain, _ = _reduce(tf.distribute.ReductionToOneDevice(), tensors, tf.distribute.ReduceOp.SUM)
+    for s_per_replica, p_per_replica in zip(secure, plain):
+        for s, p in zip(s_per_replica, p_per_replica):
+            np.testing.assert_allclose(s, p, rtol=RTOL, atol=ATOL)
+
+
+def test_indexed_slices_are_summed_dense():
+    rng = np.random.RandomState(3)
+    tensors = [_random_values(rng, (2, 3), np.float32)]
+    secure, _ = _reduce(_secure(), tensors, tf.distribute.ReduceOp.SUM, sparse=True)
+    expected = np.zeros((4, 3), np.float32)
+    expected[[0, 2]] = tensors[0][0] + tensors[0][1]
+    for s in secure[0]:
+        assert np.asarray(s).shape == (4, 3)
+        np.testing.assert_allclose(s, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_resolution_keeps_small_gradients():
+    # Pond's default fixed point (resolution ~1.5e-4) would zero these out.
+    tiny = [[np.full((5,), 3e-7, np.float32), np.full((5,), 4e-7, np.float32)]]
+    secure, _ = _reduce(_secure(), tiny, tf.distribute.ReduceOp.SUM)
+    np.testing.assert_allclose(secure[0][0], np.full((5,), 7e-7), rtol=1e-3)
+
+
+def test_servers_only_hold_integer_shares():
+    rng = np.random.RandomState(4)
+    _, graph = _reduce(_secure(), [_random_values(rng, (3, 3), np.float32)], tf.distribute.ReduceOp.SUM)
+    audited = tfe_estimator.assert_no_plaintext_on_servers(graph, SERVERS)
+    assert audited > 0  # the servers do take part
+    replica_ops = [op for op in graph.get_operations() if op.device in REPLICAS and op.type == "SecureSeededRandomUniform"]
+    assert replica_ops, "each replica should draw its own mask from a secure seed"
+
+
+def test_audit_catches_a_float_on_a_server():
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(SERVERS[0]):
+        tf.constant(1.0) + 2.0
+    with pytest.raises(tfe_estimator.PlaintextOnServerError, match="float32"):
+        tfe_estimator.assert_no_plaintext_on_servers(graph, SERVERS)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [(np.nan, "NaN or infinite"), (np.inf, "NaN or infinite"), (3e7, "largest magnitude")],
+)
+def test_non_finite_or_out_of_range_values_are_refused(bad, message):
+    values = [[np.array([1.0, 2.0], np.float32), np.array([1.0, bad], np.float32)]]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message) as info:
+        _reduce(_secure(), values, tf.distribute.ReduceOp.SUM)
+    assert "replica 1" in str(info.value)
+
+
+def test_out_of_range_message_names_the_limit_and_the_fixes():
+    values = [[np.array([1.0], np.float32), np.array([-2.5e7], np.float32)]]
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        _reduce(_secure(), values, tf.distribute.ReduceOp.SUM)
+    text = str(info.value)
+    assert "25000000" in text and "16777216" in text
+    assert "learning rate" in text and "clip" in text and "precision=high" in text
+
+
+def test_missing_secure_randomness_is_refused(monkeypatch):
+    from tf_encrypted.operations import secure_random
+
+    monkeypatch.setattr(secure_random, "supports_secure_randomness", lambda: False)
+    values = [[np.array([1.0], np.float32), np.array([2.0], np.float32)]]
+    with pytest.raises(InsecureRandomnessError, match="secure random op"):
+        _reduce(_secure(), values, tf.distribute.ReduceOp.SUM)
+
+
+def test_gather_is_refused():
+    graph = tf.Graph()
+    with graph.as_default():
+        strategy = tf.compat.v1.distribute.MirroredStrategy(devices=REPLICAS, cross_device_ops=_secure())
+        with strategy.scope():
+            v = strategy.extended.call_for_each_replica(lambda: tf.constant([1.0]))
+            with pytest.raises(NotImplementedError, match="only sums"):
+                strategy.extended._gather_to(v, destinations=REPLICAS[0], axis=0)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(protocol="spdz"), ValueError, "Unknown protocol 'spdz'"),
+        (dict(precision="medium"), ValueError, "Unknown precision 'medium'"),
+        (dict(server_devices=["/cpu:1", "/cpu:2"]), ValueError, "needs 3 server devices, got 2"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SecureAggregation(**kwargs)

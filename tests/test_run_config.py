@@ -1,0 +1,100 @@
+"""TfeRunConfig and TfeStrategy: settings, validation, replace(), devices."""
+import json
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tfe_estimator
+from tfe_estimator import TfeRunConfig, TfeStrategy
+
+
+@pytest.fixture(autouse=True)
+def _no_tf_config(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+def test_defaults_are_two_local_replicas_with_their_own_server_devices():
+    config = TfeRunConfig(model_dir="/tmp/unused")
+    assert isinstance(config, tf.estimator.RunConfig)
+    assert (config.tfe_protocol, config.precision, config.num_replicas) == ("pond", "low", 2)
+    for strategy in (config.train_distribute, config.eval_distribute):
+        assert isinstance(strategy, TfeStrategy)
+        replicas = set(strategy.extended.worker_devices)
+        servers = set(strategy.secure_aggregation.server_devices)
+        assert len(replicas) == 2 and len(servers) == 3 and not replicas & servers
+    assert config.session_config.device_count["CPU"] == 5
+    assert config.protocol is None  # RunConfig's gRPC protocol keeps its meaning
+
+
+def test_run_config_kwargs_pass_through_and_grpc_protocol_is_separate():
+    config = TfeRunConfig(protocol="pond", num_replicas=3, save_checkpoints_steps=7,
+                          tf_random_seed=3, grpc_protocol="grpc")
+    assert config.save_checkpoints_steps == 7 and config.tf_random_seed == 3
+    assert config.protocol == "grpc" and config.tfe_protocol == "pond"
+    assert config.num_replicas == 3 and config.session_config.device_count["CPU"] == 6
+
+
+def test_replace_keeps_and_changes_tfe_settings():
+    config = TfeRunConfig(num_replicas=3, model_dir="/tmp/a")
+    moved = config.replace(model_dir="/tmp/b")
+    assert isinstance(moved, TfeRunConfig)
+    assert moved.model_dir == "/tmp/b" and moved.num_replicas == 3 and moved.tfe_protocol == "pond"
+    fewer = config.replace(num_replicas=2, precision="high")
+    assert fewer.num_replicas == 2 and fewer.precision == "high"
+    assert fewer.train_distribute.secure_aggregation.precision.name == "high"
+    assert config.num_replicas == 3  # the original is untouched
+
+
+def test_estimator_accepts_the_config():
+    est = tf.estimator.LinearRegressor(
+        feature_columns=[tf.feature_column.numeric_column("x")], config=TfeRunConfig(), model_dir="/tmp/unused2"
+    )
+    assert isinstance(est.config, TfeRunConfig) and est.config.num_replicas == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(protocol="spdz"), ValueError, r"Unknown protocol 'spdz': use one of \['aby3', 'pond'\]"),
+        (dict(precision="ultra"), ValueError, r"Unknown precision 'ultra': use one of \['high', 'low'\]"),
+        (dict(num_replicas=0), ValueError, "num_replicas must be >= 1, got 0"),
+        (dict(num_replicas=-3), ValueError, "num_replicas must be >= 1, got -3"),
+        (dict(num_replicas=2.5), TypeError, "num_replicas must be an int >= 1, got 2.5"),
+        (dict(num_replicas=True), TypeError, "num_replicas must be an int >= 1, got True"),
+        (dict(num_replicas=200), ValueError, "cannot sum 200 replicas.*at most 128"),
+        (dict(train_distribute=tf.distribute.OneDeviceStrategy("/cpu:0")), ValueError, "sets train_distribute itself"),
+        (dict(grpc_protocol="carrier-pigeon"), ValueError, "protocol should be grpc"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TfeRunConfig(**kwargs)
+
+
+def test_strategy_can_be_used_directly():
+    strategy = TfeStrategy(protocol="pond")
+    assert strategy.num_replicas_in_sync == 2
+    proto = strategy.update_config_proto(tf.compat.v1.ConfigProto())
+    assert proto.device_count["CPU"] == 5
+
+
+def test_importing_the_package_neither_imports_tf_encrypted_nor_starts_the_runtime():
+    code = (
+        "import sys, tfe_estimator, model_fns, input_fns\n"
+        "from tensorflow.python.eager import context\n"
+        "assert 'tf_encrypted' not in sys.modules, 'tf_encrypted imported'\n"
+        "assert context.context()._context_handle is None, 'runtime started'\n"
+        "assert tfe_estimator.__version__\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_tfe_task_is_told_to_run_the_server(monkeypatch):
+    cluster = {"chief": ["localhost:1"], "tfe": ["localhost:2", "localhost:3", "localhost:4"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "tfe", "index": 0}}))
+    with pytest.raises(ValueError, match="run `tfe-estimator server`"):
+        TfeRunConfig()
