@@ -1,0 +1,170 @@
+"""Validation of a model_fn's `params` and the optimizer they name.
+
+Every model_fn in this package calls `validate_params` first, so a misspelt
+or missing key fails at graph-build time with a message naming the key, the
+allowed keys and the fix, and `make_optimizer` inside the model_fn, so each
+graph (and, under a distribution strategy, each replica's call) gets its own
+Keras optimizer.
+
+Example::
+
+    params = validate_params("logistic_regression", {"feature_columns": cols},
+                             defaults={"learning_rate": 0.05, "optimizer": "adam"})
+    optimizer = make_optimizer(params)
+"""
+import collections.abc
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+
+import tensorflow as tf
+
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "validate_params", "make_optimizer"]
+
+OPTIMIZERS = {
+    "adagrad": tf.keras.optimizers.Adagrad,
+    "adam": tf.keras.optimizers.Adam,
+    "ftrl": tf.keras.optimizers.Ftrl,
+    "rmsprop": tf.keras.optimizers.RMSprop,
+    "sgd": tf.keras.optimizers.SGD,
+}
+
+OptimizerSpec = Union[str, tf.keras.optimizers.Optimizer, Callable[[], tf.keras.optimizers.Optimizer]]
+
+
+def validate_params(
+    model: str,
+    params: Optional[Mapping[str, Any]],
+    defaults: Mapping[str, Any],
+    required: Sequence[str] = ("feature_columns",),
+) -> Dict[str, Any]:
+    """Returns `params` merged over `defaults`, after checking keys and values.
+
+    Args:
+      model: the model_fn's module name, used in messages.
+      params: the `params` the Estimator passes to the model_fn.
+      defaults: the optional keys and their default values.
+      required: the keys without a default.
+
+    Raises:
+      ValueError: for an unknown or missing key or a bad value.
+      TypeError: for a value of the wrong type.
+    """
+    params = dict(params or {})
+    allowed = sorted(set(required) | set(defaults))
+    where = f"model_fns.{model}.model_fn"
+    for key in params:
+        if key not in allowed:
+            raise ValueError(
+                f"{where}: unknown params key {key!r}. Allowed keys: {allowed}. "
+                f"Fix: remove or rename it in tf.estimator.Estimator(params=...)."
+            )
+    for key in required:
+        if params.get(key) is None:
+            raise ValueError(
+                f"{where}: params key {key!r} is required but missing. Allowed keys: {allowed}. "
+                f"Fix: pass tf.estimator.Estimator(model_fn, params={{{key!r}: ..., ...}})."
+            )
+    if "optimizer" in defaults and "learning_rate" in params and not isinstance(
+        params.get("optimizer", defaults["optimizer"]), str
+    ):
+        raise ValueError(
+            f"{where}: params key 'learning_rate' applies only when 'optimizer' is a name "
+            f"({sorted(OPTIMIZERS)}); got optimizer={params['optimizer']!r}. "
+            "Fix: set the learning rate on the optimizer you pass, and drop 'learning_rate'."
+        )
+    merged = {**defaults, **params}
+    for key, value in merged.items():
+        _CHECKS.get(key, lambda *_: None)(where, key, value)
+    return merged
+
+
+def make_optimizer(params: Mapping[str, Any]) -> tf.keras.optimizers.Optimizer:
+    """Returns a new Keras optimizer for `params["optimizer"]`.
+
+    A name builds that optimizer with `params["learning_rate"]`; an instance is
+    copied through its config (a Keras optimizer must not be shared between
+    graphs, and Estimator builds a new graph for every `train` call); a
+    callable is called. The optimizer's `iterations` is the global step, so
+    Estimator's step counting and hooks work.
+    """
+    spec = params["optimizer"]
+    if isinstance(spec, str):
+        optimizer = OPTIMIZERS[spec.lower()](learning_rate=params["learning_rate"])
+    elif isinstance(spec, tf.keras.optimizers.Optimizer):
+        optimizer = spec.__class__.from_config(spec.get_config())
+    else:
+        optimizer = spec()
+        if not isinstance(optimizer, tf.keras.optimizers.Optimizer):
+            raise TypeError(
+                "params['optimizer'] is a callable that returned "
+                f"{type(optimizer).__name__}; it must return a tf.keras.optimizers.Optimizer "
+                "(e.g. lambda: tf.keras.optimizers.Adam(0.01))."
+            )
+    optimizer.iterations = tf.compat.v1.train.get_or_create_global_step()
+    return optimizer
+
+
+def _check_feature_columns(where, key, value):
+    if isinstance(value, (str, bytes)) or not isinstance(value, collections.abc.Iterable) or not list(value):
+        raise ValueError(
+            f"{where}: params[{key!r}] must be a non-empty list of feature columns "
+            f"(e.g. [tf.feature_column.numeric_column('x', shape=(4,))]); got {value!r}."
+        )
+
+
+def _check_learning_rate(where, key, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{where}: params[{key!r}] must be a number > 0; got {value!r}.")
+
+
+def _check_optimizer(where, key, value):
+    if isinstance(value, str):
+        if value.lower() not in OPTIMIZERS:
+            raise ValueError(
+                f"{where}: params[{key!r}]={value!r} is not a known optimizer name. "
+                f"Known names: {sorted(OPTIMIZERS)}; or pass a tf.keras.optimizers.Optimizer "
+                "instance or a callable returning one."
+            )
+    elif not isinstance(value, tf.keras.optimizers.Optimizer) and not callable(value):
+        raise TypeError(
+            f"{where}: params[{key!r}] must be an optimizer name ({sorted(OPTIMIZERS)}), a "
+            f"tf.keras.optimizers.Optimizer or a callable returning one; got {type(value).__name__}. "
+            "(TF1 tf.compat.v1.train optimizers are not supported.)"
+        )
+
+
+def _check_n_classes(where, key, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(f"{where}: params[{key!r}] must be an int >= 2; got {value!r}.")
+
+
+def _check_label_dimension(where, key, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}: params[{key!r}] must be an int >= 1; got {value!r}.")
+
+
+def _check_hidden_units(where, key, value):
+    units = list(value) if isinstance(value, collections.abc.Iterable) and not isinstance(value, str) else None
+    if not units or any(isinstance(u, bool) or not isinstance(u, int) or u < 1 for u in units):
+        raise ValueError(
+            f"{where}: params[{key!r}] must be a non-empty list of positive ints, one per "
+            f"hidden layer (e.g. [64, 32]); got {value!r}."
+        )
+
+
+def _check_dropout(where, key, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 <= value < 1):
+        raise ValueError(
+            f"{where}: params[{key!r}] must be None or a drop probability in [0, 1); got {value!r}."
+        )
+
+
+_CHECKS = {
+    "feature_columns": _check_feature_columns,
+    "learning_rate": _check_learning_rate,
+    "optimizer": _check_optimizer,
+    "n_classes": _check_n_classes,
+    "label_dimension": _check_label_dimension,
+    "hidden_units": _check_hidden_units,
+    "dropout": _check_dropout,
+}
