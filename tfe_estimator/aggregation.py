@@ -33,7 +33,7 @@ from tensorflow.python.distribute import values as value_lib
 from tensorflow.python.platform import tf_logging as logging
 
 from tfe_estimator.precision import get_precision
-from tfe_estimator.protocols import PROTOCOLS, validate_protocol
+from tfe_estimator.protocols import PROTOCOLS, load_backend, validate_protocol
 from tfe_estimator import secure_sum
 
 __all__ = ["SecureAggregation"]
@@ -136,9 +136,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
 
     def _secure_reduce(self, reduce_op, values, sources, targets, kind):
         """Securely reduces PerReplica `values` (all on `sources`) to `targets`."""
-        from tfe_estimator import tfe_backend  # pylint: disable=import-outside-toplevel
-
-        tfe_backend.require_secure_randomness()
+        tfe_backend = load_backend()
         num = len(sources)
         self._precision.check_headroom(num)
         players = tfe_backend.DevicePlayers(self._servers_for(sources))

@@ -181,8 +181,13 @@ class TfeCluster:
         """`(job, index)` of each data owner, in replica order."""
         return [(job, i) for job in DATA_OWNER_JOBS for i in range(len(self.jobs.get(job, ())))]
 
-    def cluster_spec(self):
-        """The `tf.train.ClusterSpec` of all jobs."""
+    def cluster_spec(self, without: Tuple[str, ...] = ()):
+        """The `tf.train.ClusterSpec` of all jobs but those in `without`."""
         import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-        return tf.train.ClusterSpec({job: list(a) for job, a in self.jobs.items()})
+        return tf.train.ClusterSpec({job: list(a) for job, a in self.jobs.items() if job not in without})
+
+    def to_tf_config(self, task_type: str, task_index: int) -> str:
+        """The TF_CONFIG JSON of task `task_type:task_index` of this cluster."""
+        return json.dumps({"cluster": {j: list(a) for j, a in self.jobs.items()},
+                           "task": {"type": task_type, "index": task_index}})

@@ -19,7 +19,7 @@ Example::
     3
 """
 
-__all__ = ["PROTOCOLS", "validate_protocol"]
+__all__ = ["PROTOCOLS", "validate_protocol", "load_backend"]
 
 #: Protocol name -> number of `tfe` tasks (parties) it needs.
 PROTOCOLS = {"pond": 3, "aby3": 3}
@@ -37,3 +37,29 @@ def validate_protocol(protocol: str) -> str:
             "('pond': 2 servers and a crypto producer; 'aby3': 3 servers, honest majority)."
         )
     return protocol
+
+
+def load_backend(require_secure_randomness: bool = True):
+    """Imports `tfe_estimator.tfe_backend` (and so tf-encrypted) safely; returns it.
+
+    Importing tf_encrypted builds a default ABY3 protocol whose ops land in
+    whatever graph is the default at that moment (an Estimator's training
+    graph, with devices that do not exist on a cluster), so the first import
+    happens inside a throwaway graph. It also registers tf-encrypted's ops,
+    which a task must do before its TensorFlow server starts.
+
+    Raises:
+      InsecureRandomnessError: if `require_secure_randomness` and
+        tf-encrypted's secure random op library did not load.
+    """
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    if "tfe_estimator.tfe_backend" not in sys.modules:
+        with tf.Graph().as_default():
+            import tfe_estimator.tfe_backend  # pylint: disable=import-outside-toplevel,unused-import
+    backend = sys.modules["tfe_estimator.tfe_backend"]
+    if require_secure_randomness:
+        backend.require_secure_randomness()
+    return backend

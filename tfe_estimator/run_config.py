@@ -26,7 +26,7 @@ from tensorflow_estimator.python.estimator import run_config as run_config_lib
 from tfe_estimator import cluster as cluster_lib
 from tfe_estimator.devices import cpus_needed, local_layout, validate_num_replicas
 from tfe_estimator.precision import get_precision
-from tfe_estimator.protocols import validate_protocol
+from tfe_estimator.protocols import load_backend, validate_protocol
 from tfe_estimator.strategy import TfeStrategy
 
 __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config"]
@@ -144,6 +144,9 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
             f"TF_CONFIG says this is task {spec.task_index} of the '{cluster_lib.TFE_JOB}' job: "
             "TFE parties run `tfe-estimator server`, not a training script."
         )
+    # Fail early without secure randomness, and register tf-encrypted's ops
+    # before Estimator starts this task's TensorFlow server.
+    load_backend()
     if spec is None or spec.is_evaluator:  # the evaluator evaluates on its own replicas
         replicas, servers = local_layout(validate_num_replicas(settings.num_replicas), settings.protocol)
     else:

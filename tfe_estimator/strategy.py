@@ -27,6 +27,17 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
         self._tfe_num_cpus = num_cpus
         super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
 
+    def _make_collective_ops(self, devices):
+        # MirroredStrategy keeps a CollectiveAllReduce (and its thread pool)
+        # for XLA-on-GPU steps without merge_call. Those reductions would be
+        # plaintext NCCL sums, so there are none here; see _use_merge_call.
+        del devices
+        return None
+
+    def _use_merge_call(self):
+        # Always reduce through merge_call, i.e. through SecureAggregation.
+        return True
+
     def _update_config_proto(self, config_proto):
         updated = super()._update_config_proto(config_proto)
         if updated.device_count.get("CPU", 1) < self._tfe_num_cpus:
@@ -73,9 +84,12 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
             server_devices = server_devices or default_servers
         ops = SecureAggregation(protocol=protocol, precision=precision, server_devices=server_devices)
         ops.precision.check_headroom(len(devices))
-        extended = _TfeExtended(
-            self, list(devices), ops, cpus_needed(list(devices) + list(server_devices or ()))
-        )
+        # MirroredStrategy refuses remote (in-graph multi-worker) devices when
+        # built eagerly; Estimator only ever uses it in graph mode.
+        with tf.Graph().as_default():
+            extended = _TfeExtended(
+                self, list(devices), ops, cpus_needed(list(devices) + list(server_devices or ()))
+            )
         # MirroredStrategyV1.__init__ would build a plain MirroredExtended.
         distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
 

@@ -1,0 +1,98 @@
+"""The `tfe-estimator` command: `server`, `launch`, `demo`, `k8s`.
+
+Example::
+
+    $ tfe-estimator demo                      # secure vs plaintext on one machine
+    $ tfe-estimator demo --cluster            # the same on a loopback cluster
+    $ tfe-estimator launch --workers 1 --evaluator -- python train.py
+    $ TF_CONFIG=... tfe-estimator server      # one TFE party of a real cluster
+    $ tfe-estimator k8s --name demo --image my/train:1 --workers 2 -- python train.py
+"""
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["parse_args", "main"]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parses the command line (without the program name)."""
+    parser = argparse.ArgumentParser(prog="tfe-estimator", description="Secure aggregation for TensorFlow Estimator.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("server", help="run this task's TFE party server from TF_CONFIG and block")
+
+    launch = sub.add_parser("launch", help="run a whole cluster on loopback ports as local processes")
+    launch.add_argument("--workers", type=int, default=1, help="workers besides the chief (default 1)")
+    launch.add_argument("--evaluator", action="store_true", help="also run an evaluator task")
+    launch.add_argument("--protocol", default="pond", help="tf-encrypted protocol: pond or aby3")
+    launch.add_argument("--task-cwd", default=None,
+                        help="working directory per task, with {job} and {index}, e.g. 'owners/{job}-{index}'")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart a dying worker or tfe task this often at the same address")
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
+
+    demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")
+    demo.add_argument("--cluster", action="store_true", help="on a loopback cluster (chief + workers + tfe)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default 400 local, 300 cluster)")
+    demo.add_argument("--workers", type=int, default=1, help="with --cluster: workers besides the chief")
+    demo.add_argument("--num-replicas", type=int, default=2, help="without --cluster: local replicas")
+    demo.add_argument("--protocol", default="pond")
+
+    k8s = sub.add_parser("k8s", help="print Kubernetes manifests for a cluster", add_help=False)
+    k8s.add_argument("k8s_args", nargs=argparse.REMAINDER)
+    return parser.parse_args(argv)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "server":
+        from tfe_estimator.server import run_server  # pylint: disable=import-outside-toplevel
+
+        return run_server()
+    if args.command == "launch":
+        from tfe_estimator.launcher import Launcher  # pylint: disable=import-outside-toplevel
+
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return Launcher(cmd, workers=args.workers, evaluator=args.evaluator, protocol=args.protocol,
+                        task_cwd=args.task_cwd, max_restarts=args.max_restarts).run()
+    if args.command == "demo":
+        return _demo(args)
+    if args.command == "k8s":
+        from tfe_estimator import kubernetes  # pylint: disable=import-outside-toplevel
+
+        return kubernetes.main(args.k8s_args)
+    raise AssertionError(args.command)  # argparse allows only the commands above
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.demo import format_comparison, run_local_demo  # pylint: disable=import-outside-toplevel
+
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    if args.cluster:
+        from tfe_estimator.demo_cluster import run_cluster_demo  # pylint: disable=import-outside-toplevel
+
+        results = run_cluster_demo(steps=args.steps or 300, workers=args.workers, protocol=args.protocol)
+        title = (f"LinearRegressor on the diabetes data, loopback cluster: chief + {args.workers} worker(s), "
+                 f"each reading only its own share, + 3 tfe servers ({args.protocol})")
+    else:
+        results = run_local_demo(steps=args.steps or 400, num_replicas=args.num_replicas, protocol=args.protocol)
+        title = f"LinearRegressor on the diabetes data, {args.num_replicas} local replicas ({args.protocol})"
+    print(format_comparison(results, title))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the `tfe-estimator` console script."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return _run(parse_args(argv))
+    except ValueError as e:  # bad input: one clear line, not a traceback
+        print(f"tfe-estimator: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The main job on a loopback cluster: each data owner reads only its own files.
+
+`run_cluster_demo` splits scikit-learn's diabetes data between the owners
+(the chief and each worker), writes each share into that owner's own
+directory as ``data/train.csv`` and the test set into the evaluator's, and
+launches the cluster twice with `tfe_estimator.launcher.Launcher`: once with
+`TfeRunConfig` (secure aggregation on the ``tfe`` tasks) and once with the
+plaintext in-graph twin (`MirroredStrategy` with `ReductionToOneDevice` over
+the same devices). Every task runs ``python -m tfe_estimator.demo_cluster``
+(`main` below) in its own directory, so the one relative pattern
+``data/train.csv`` names different files in different processes.
+
+Example::
+
+    $ tfe-estimator demo --cluster        # or: make demo-cluster
+"""
+import argparse
+import os
+import sys
+import tempfile
+from typing import Dict, Optional, Sequence, TextIO
+
+import numpy as np
+
+__all__ = ["COLUMNS", "write_owner_data", "run_cluster_demo", "main"]
+
+COLUMNS = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6", "target"]
+TRAIN_FILE, TEST_FILE = "data/train.csv", "data/test.csv"
+
+
+def write_owner_data(workdir: str, owners: Sequence[str], x_train, y_train, x_test, y_test) -> Dict[str, int]:
+    """Writes one share of the training data into each owner's directory.
+
+    Returns:
+      owner directory name -> number of training rows written there.
+    """
+    counts = {}
+    for i, owner in enumerate(owners):
+        rows = np.arange(i, len(x_train), len(owners))
+        counts[owner] = _write_csv(os.path.join(workdir, owner, TRAIN_FILE), x_train[rows], y_train[rows])
+    _write_csv(os.path.join(workdir, "evaluator-0", TEST_FILE), x_test, y_test)
+    return counts
+
+
+def _write_csv(path, x, y) -> int:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savetxt(path, np.column_stack([x, y]), delimiter=",", fmt="%.8g")
+    return len(x)
+
+
+def run_cluster_demo(
+    steps: int = 300, workers: int = 1, protocol: str = "pond",
+    workdir: Optional[str] = None, out: TextIO = sys.stdout,
+) -> Dict[str, Dict]:
+    """Trains secure and plaintext twins on a loopback cluster; returns both results."""
+    from tfe_estimator.demo import load_diabetes_split  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.launcher import Launcher  # pylint: disable=import-outside-toplevel
+
+    workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="tfe-estimator-cluster-demo-"))
+    x_train, y_train, x_test, y_test, names = load_diabetes_split()
+    owners = ["chief-0"] + [f"worker-{i}" for i in range(workers)]
+    write_owner_data(workdir, owners, x_train, y_train, x_test, y_test)
+    results = {"feature_names": names}
+    for mode in ("secure", "plaintext"):
+        model_dir = os.path.join(workdir, f"model-{mode}")
+        command = [sys.executable, "-m", "tfe_estimator.demo_cluster", "--mode", mode,
+                   "--model-dir", model_dir, "--steps", str(steps)]
+        status = Launcher(command, workers=workers, evaluator=True, protocol=protocol,
+                          task_cwd=os.path.join(workdir, "{job}-{index}"), out=out).run()
+        if status != 0:
+            raise RuntimeError(f"the {mode} cluster run failed with status {status}; see the log above")
+        results[mode] = _read_result(model_dir, x_test, y_test)
+    return results
+
+
+def _read_result(model_dir, x_test, y_test) -> Dict:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    weights = np.array([tf.train.load_variable(checkpoint, f"linear/linear_model/{name}/weights")[0, 0]
+                        for name in COLUMNS[:-1]])
+    bias = float(tf.train.load_variable(checkpoint, "linear/linear_model/bias_weights")[0])
+    predictions = x_test @ weights + bias
+    mse = float(np.mean((predictions - y_test) ** 2))
+    r2 = 1.0 - np.sum((y_test - predictions) ** 2) / np.sum((y_test - y_test.mean()) ** 2)
+    eval_dir = os.path.join(model_dir, "eval")
+    return {
+        "weights": weights, "bias": bias, "test_mse": mse, "test_r2": float(r2), "train_seconds": float("nan"),
+        "global_step": int(tf.train.load_variable(checkpoint, "global_step")),
+        "eval_summaries": sorted(os.listdir(eval_dir)) if os.path.isdir(eval_dir) else [],
+    }
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(description="One task of the cluster demo (reads TF_CONFIG).")
+    parser.add_argument("--mode", choices=["secure", "plaintext"], default="secure")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=0.05)
+    return parser.parse_args(argv)
+
+
+def _config(mode, model_dir):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator import TfeCluster, TfeRunConfig  # pylint: disable=import-outside-toplevel
+
+    if mode == "secure":
+        protocol = os.environ.get("TFE_ESTIMATOR_PROTOCOL", "pond")
+        return TfeRunConfig(model_dir=model_dir, protocol=protocol, tf_random_seed=0,  # tfe_estimator
+                            save_checkpoints_steps=100)
+    cluster = TfeCluster.from_environment()
+    devices = cluster.replica_devices() if not cluster.is_evaluator else ["/cpu:0"]
+    with tf.Graph().as_default():  # in-graph multi-worker MirroredStrategy is graph-only
+        strategies = [tf.compat.v1.distribute.MirroredStrategy(
+            devices=list(devices), cross_device_ops=tf.distribute.ReductionToOneDevice()) for _ in range(2)]
+    return tf.estimator.RunConfig(model_dir=model_dir, train_distribute=strategies[0],
+                                  eval_distribute=strategies[1], tf_random_seed=0, save_checkpoints_steps=100)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs this task's part of `tf.estimator.train_and_evaluate`."""
+    args = _parse_args(argv)
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from input_fns import csv_input_fn  # pylint: disable=import-outside-toplevel
+
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
+    features = COLUMNS[:-1]
+    columns = [tf.feature_column.numeric_column(name) for name in features]
+    est = tf.estimator.LinearRegressor(
+        feature_columns=columns, config=_config(args.mode, args.model_dir),
+        optimizer=lambda: tf.keras.optimizers.SGD(args.learning_rate))
+    # Relative paths: each owner's pipeline runs in its own process and directory.
+    train = csv_input_fn(TRAIN_FILE, "target", args.batch_size, column_names=COLUMNS, seed=0)
+    test = csv_input_fn(TEST_FILE, "target", 90, column_names=COLUMNS, num_epochs=1, shuffle=False)
+    tf.estimator.train_and_evaluate(
+        est,
+        tf.estimator.TrainSpec(train, max_steps=args.steps),
+        tf.estimator.EvalSpec(test, steps=None, start_delay_secs=0, throttle_secs=1),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
