@@ -91,6 +91,8 @@ class Launcher:
         at the same address before the launch is given up.
       out: where the prefixed log lines go.
       grace_seconds: how long a task may take to exit after SIGTERM before SIGKILL.
+      host: the address every task binds to (loopback).
+      server_command: argv of the ``tfe`` tasks (default `SERVER_COMMAND`).
 
     Example::
 
@@ -108,6 +110,7 @@ class Launcher:
         out: TextIO = sys.stdout,
         grace_seconds: float = 10.0,
         host: str = "127.0.0.1",
+        server_command: Sequence[str] = SERVER_COMMAND,
     ) -> None:
         if not command:
             raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")
@@ -130,7 +133,7 @@ class Launcher:
                     PYTHONUNBUFFERED="1",
                 )
                 if job == TFE_JOB:
-                    argv, cwd = SERVER_COMMAND, None
+                    argv, cwd = list(server_command), None
                 else:
                     argv = list(command)
                     cwd = task_cwd.format(job=job, index=index) if task_cwd else None

@@ -1,0 +1,180 @@
+"""Multi-process loopback clusters: train_and_evaluate, data locality, faults, cleanup."""
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfe_estimator.demo_cluster import COLUMNS, TEST_FILE, TRAIN_FILE
+from tfe_estimator.launcher import Launcher
+
+pytestmark = pytest.mark.multiprocess
+
+FEATURES = COLUMNS[:-1]
+TRUE = {"age": 10.0, "sex": -7.0}  # the chief's data teaches age, the worker's sex
+
+
+def _write(path, x, y):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savetxt(path, np.column_stack([x, y]), delimiter=",", fmt="%.8g")
+
+
+def _owner_data(workdir, rows=256):
+    """Each owner's folder holds data only it can teach the model from."""
+    rng = np.random.RandomState(0)
+    for owner, feature in (("chief-0", "age"), ("worker-0", "sex")):
+        x = np.zeros((rows, len(FEATURES)), np.float32)
+        x[:, FEATURES.index(feature)] = rng.randn(rows)
+        _write(os.path.join(workdir, owner, TRAIN_FILE), x, x @ _true_weights() + 3.0)
+    x = np.zeros((90, len(FEATURES)), np.float32)
+    x[:, :2] = rng.randn(90, 2)
+    _write(os.path.join(workdir, "evaluator-0", TEST_FILE), x, x @ _true_weights() + 3.0)
+
+
+def _true_weights():
+    return np.array([TRUE.get(name, 0.0) for name in FEATURES], np.float32)
+
+
+def _weights(model_dir):
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    return np.array([tf.train.load_variable(checkpoint, f"linear/linear_model/{n}/weights")[0, 0] for n in FEATURES])
+
+
+def _launcher(workdir, mode, steps, **kwargs):
+    command = [sys.executable, "-m", "tfe_estimator.demo_cluster", "--mode", mode,
+               "--model-dir", os.path.join(workdir, f"model-{mode}"), "--steps", str(steps),
+               "--learning-rate", "0.1"]
+    return Launcher(command, workers=1, evaluator=True, task_cwd=os.path.join(workdir, "{job}-{index}"),
+                    out=kwargs.pop("out", io.StringIO()), **kwargs)
+
+
+def _assert_all_gone(launcher):
+    for task in launcher.tasks:
+        assert task.process.poll() is not None, f"{task.name} is still running"
+        assert not _alive(task.process.pid)
+
+
+def test_train_and_evaluate_on_loopback_cluster_matches_plaintext_and_keeps_data_local(tmp_path):
+    # Prepare: two owners, different data in their own folders, one relative pattern.
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    # Execute: the secure cluster and its plaintext in-graph twin.
+    results = {}
+    for mode in ("secure", "plaintext"):
+        launcher = _launcher(workdir, mode, steps=120)
+        status = launcher.run()
+        log = launcher._out.getvalue()
+        assert status == 0, log[-5000:]
+        _assert_all_gone(launcher)
+        results[mode] = _weights(os.path.join(workdir, f"model-{mode}"))
+    # Assert: the same model, learned from both owners' files.
+    np.testing.assert_allclose(results["secure"], results["plaintext"], atol=1e-2)
+    np.testing.assert_allclose(results["secure"], _true_weights(), atol=0.5)
+    eval_dir = os.path.join(workdir, "model-secure", "eval")
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(eval_dir)), "no eval summaries"
+    assert "[evaluator:0]" in log and "Saving dict for global step 120" in log
+
+
+def test_a_dead_tfe_server_is_restarted_and_training_resumes(tmp_path):
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    launcher = _launcher(workdir, "secure", steps=400, max_restarts=1)
+    status = []
+    runner = threading.Thread(target=lambda: status.append(launcher.run()))
+    runner.start()
+    try:
+        # Kill server1 once the first checkpoint exists, i.e. mid-training.
+        model_dir = os.path.join(workdir, "model-secure")
+        deadline = time.monotonic() + 240
+        while not os.path.exists(os.path.join(model_dir, "model.ckpt-100.index")):
+            assert time.monotonic() < deadline and runner.is_alive(), launcher._out.getvalue()[-5000:]
+            time.sleep(0.2)
+        victim = launcher.task("tfe", 1)
+        os.killpg(victim.process.pid, signal.SIGKILL)
+    finally:
+        runner.join(timeout=600)
+    log = launcher._out.getvalue()
+    assert status == [0], log[-5000:]
+    assert "tfe:1 died with status -9; restarting it" in log
+    assert "Saving dict for global step 400" in log
+    np.testing.assert_allclose(_weights(model_dir), _true_weights(), atol=0.5)
+    _assert_all_gone(launcher)
+
+
+def _sleeper(seconds):
+    return [sys.executable, "-c", f"import time; time.sleep({seconds})"]
+
+
+def test_a_dying_worker_stops_the_cluster_and_is_named():
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, "-c", "import os, time, json; "
+                         "t = json.loads(os.environ['TF_CONFIG'])['task']; "
+                         "time.sleep(60 if t['type'] == 'chief' else 1); raise SystemExit(3)"],
+                        workers=1, out=out, server_command=_sleeper(60))
+    start = time.monotonic()
+    assert launcher.run() == 3
+    assert time.monotonic() - start < 30
+    assert "worker:0 died with status 3 while the chief was training; stopping the cluster" in out.getvalue()
+    _assert_all_gone(launcher)
+
+
+def test_exit_status_is_the_chiefs_and_every_line_is_prefixed():
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, "-c", "import os, json; t = json.loads(os.environ['TF_CONFIG'])['task'];"
+                         "print('hello from', t['type']); raise SystemExit(5 if t['type'] == 'chief' else 0)"],
+                        workers=2, out=out, server_command=_sleeper(60))
+    assert launcher.run() == 5
+    text = out.getvalue()
+    assert "[chief:0] hello from chief" in text and "[worker:1] hello from worker" in text
+    _assert_all_gone(launcher)
+
+
+def test_ctrl_c_leaves_no_process_behind(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    # Each task records its pid and starts a grandchild, which must die too.
+    script = (f"import os, subprocess, sys, time, json; t = json.loads(os.environ['TF_CONFIG'])['task'];"
+              f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
+              f"open(os.path.join({str(pid_dir)!r}, t['type'] + str(t['index'])), 'w').write(f'{{os.getpid()}} {{c.pid}}');"
+              f"time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-m", "tfe_estimator.cli", "launch", "--workers", "1", "--evaluator",
+                             "--", sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while len(os.listdir(pid_dir)) < 3:
+        assert time.monotonic() < deadline, "tasks did not start"
+        time.sleep(0.2)
+    time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output[-3000:]
+    assert "interrupted: stopping the cluster" in output
+    pids = [int(p) for f in os.listdir(pid_dir) for p in (pid_dir / f).read_text().split()]
+    assert len(pids) == 6
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+def _alive(pid):
+    """True if `pid` runs; a zombie (dead, waiting for its reaper) does not count."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_launch_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="--workers must be an integer >= 0, got -1"):
+        Launcher(["true"], workers=-1)
+    with pytest.raises(ValueError, match="launch needs a command"):
+        Launcher([], workers=1)
+    with pytest.raises(ValueError, match="Unknown protocol 'spdz'"):
+        Launcher(["true"], protocol="spdz")
