@@ -13,6 +13,13 @@ under one (e.g. `tfe_estimator.TfeRunConfig`) Estimator passes a
                                    batch_size=64, column_names=names)
     est.train(train, steps=1000)
 
+Evaluation caveat (Estimator's, not these functions'): with several replicas
+per input pipeline, evaluation ends at the first step in which some replica
+gets no batch, so when the last round of per-replica batches is incomplete
+its records are not evaluated. For exact metrics on a finite set, pick a
+global `batch_size` that covers it in one step (``len(data)`` rounded up to a
+multiple of the replicas), as the examples do.
+
 Importing this package imports TensorFlow and nothing else.
 """
 from input_fns import sharding

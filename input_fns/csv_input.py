@@ -174,8 +174,8 @@ def _data_lines(filename, header, require_header):
         if require_header:
             checks.append(tf.debugging.Assert(
                 tf.logical_or(position > 0, is_header),
-                [f"{_CALLER}: the first line of", filename, "is not the header row '" + header
-                 + "' of the first matching file but", line],
+                [f"{_CALLER}: the first line of", filename,
+                 "is not the header row of the first matching file:", header, "but:", line],
                 summarize=1))
         with tf.control_dependencies(checks):
             return tf.logical_and(tf.logical_not(is_header), tf.strings.length(line) > 0)

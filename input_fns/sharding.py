@@ -95,7 +95,7 @@ def matching_files(pattern: str, caller: str) -> tf.Tensor:
     check = tf.debugging.assert_greater(
         tf.size(files), 0,
         message=(
-            f"{caller}: no file matches file_pattern '{pattern}'. Check the path; in cluster "
+            f"{caller}: no file matches file_pattern {pattern} . Check the path; in cluster "
             "mode the files must exist on the host of this input pipeline"
         ),
     )

@@ -231,7 +231,7 @@ def test_no_matching_files_names_the_pattern(tmp_path, file_format):
     pattern = str(tmp_path / f"missing-*.{ext}")
     kwargs = {"column_names": ["id", "x", "label"]} if ext == "csv" else {}
 
-    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(f"no file matches file_pattern '{pattern}'")):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(f"no file matches file_pattern {pattern} .")):
         list(make_fn(pattern, batch_size=2, **kwargs)(context(2, 1)))
 
 
@@ -285,3 +285,15 @@ def test_csv_input_fn_trains_under_secure_aggregation(tmp_path):
     # Both weights grow positive and about equal, as the separating line a + b = 0 says.
     assert weights.min() > 0.5, weights
     assert abs(weights[0] - weights[1]) < 0.5 * weights.max(), weights
+
+
+@pytest.mark.slow
+def test_no_matching_files_fails_secure_training_naming_the_pattern(tmp_path):
+    pattern = str(tmp_path / "missing-*.csv")
+    est = tf.estimator.Estimator(
+        logistic_regression.model_fn,
+        params={"feature_columns": [tf.feature_column.numeric_column("a")]},
+        config=tfe_estimator.TfeRunConfig(model_dir=str(tmp_path / "model"), num_replicas=2))
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(f"no file matches file_pattern {pattern} .")):
+        est.train(input_fns.csv_input_fn(pattern, "label", batch_size=4, column_names=["a", "label"]), steps=1)
