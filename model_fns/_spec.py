@@ -49,7 +49,6 @@ def estimator_spec(
     """The head's `EstimatorSpec`, training the variables of `layers`."""
     optimizer = make_optimizer(params) if mode == tf.estimator.ModeKeys.TRAIN else None
     trainable = [v for layer in layers for v in layer.trainable_variables]
-    update_ops = [op for layer in layers for op in layer.updates]
     return head.create_estimator_spec(
         features=features,
         mode=mode,
@@ -57,5 +56,4 @@ def estimator_spec(
         labels=labels,
         optimizer=optimizer,
         trainable_variables=trainable,
-        update_ops=update_ops or None,
     )

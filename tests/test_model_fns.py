@@ -141,7 +141,9 @@ def test_linear_regression_recovers_weights_securely(linear_data, tmp_path):
 EXPORT_CASES = {
     "linear_regression": (linear_regression.model_fn, {}, "predictions"),
     "logistic_regression": (logistic_regression.model_fn, {}, "probabilities"),
-    "dnn_classifier": (dnn_classifier.model_fn, {"hidden_units": [8], "n_classes": 3}, "probabilities"),
+    # With dropout: predictions (and the export) must not drop units.
+    "dnn_classifier": (dnn_classifier.model_fn, {"hidden_units": [8], "n_classes": 3, "dropout": 0.5},
+                       "probabilities"),
 }
 
 
