@@ -45,8 +45,11 @@ def _reduce(cross_device_ops, per_replica_arrays, reduce_op, sparse=False):
     return results, graph
 
 
-def _secure():
-    return SecureAggregation(protocol="pond", precision="low", server_devices=SERVERS)
+def _secure(protocol="pond", precision="low"):
+    return SecureAggregation(protocol=protocol, precision=precision, server_devices=SERVERS)
+
+
+PROTOCOL_PRECISIONS = [("pond", "low"), ("pond", "high"), ("aby3", "low"), ("aby3", "high")]
 
 
 def _random_values(rng, shape, dtype):
@@ -55,14 +58,15 @@ def _random_values(rng, shape, dtype):
     return [np.asarray(rng.randn(*shape) * 10).astype(dtype) for _ in range(N)]
 
 
+@pytest.mark.parametrize("protocol, precision", PROTOCOL_PRECISIONS)
 @pytest.mark.parametrize("reduce_op", [tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
-def test_matches_reduction_to_one_device(reduce_op, dtype):
+def test_matches_reduction_to_one_device(reduce_op, dtype, protocol, precision):
     # Prepare: several shapes of one dtype, reduced as one batch.
     rng = np.random.RandomState(1)
     tensors = [_random_values(rng, shape, dtype) for shape in [(), (3,), (2, 3), (4, 1, 2)]]
     # Execute
-    secure, _ = _reduce(_secure(), tensors, reduce_op)
+    secure, _ = _reduce(_secure(protocol, precision), tensors, reduce_op)
     plain, _ = _reduce(tf.distribute.ReductionToOneDevice(), tensors, reduce_op)
     # Assert: every replica receives the same sum as the plaintext twin, with its dtype.
     for s_per_replica, p_per_replica in zip(secure, plain):
@@ -94,20 +98,23 @@ def test_indexed_slices_are_summed_dense():
         np.testing.assert_allclose(s, expected, rtol=RTOL, atol=ATOL)
 
 
-def test_resolution_keeps_small_gradients():
-    # Pond's default fixed point (resolution ~1.5e-4) would zero these out.
-    tiny = [[np.full((5,), 3e-7, np.float32), np.full((5,), 4e-7, np.float32)]]
-    secure, _ = _reduce(_secure(), tiny, tf.distribute.ReduceOp.SUM)
-    np.testing.assert_allclose(secure[0][0], np.full((5,), 7e-7), rtol=1e-3)
+@pytest.mark.parametrize("protocol, precision", PROTOCOL_PRECISIONS)
+def test_resolution_and_range_hold_at_both_ends(protocol, precision):
+    # Pond's default fixed point (resolution ~1.5e-4) would zero out the tiny ones.
+    big = 0.99 * tfe_estimator.PRECISIONS[precision].max_magnitude
+    values = [[np.array([3e-7, big, -big], np.float64), np.array([4e-7, big, -big], np.float64)]]
+    secure, _ = _reduce(_secure(protocol, precision), values, tf.distribute.ReduceOp.SUM)
+    np.testing.assert_allclose(secure[0][0], [7e-7, 2 * big, -2 * big], rtol=1e-9, atol=ATOL)
 
 
-def test_servers_only_hold_integer_shares():
+@pytest.mark.parametrize("protocol, precision", PROTOCOL_PRECISIONS)
+def test_servers_only_hold_integer_shares(protocol, precision):
     rng = np.random.RandomState(4)
-    _, graph = _reduce(_secure(), [_random_values(rng, (3, 3), np.float32)], tf.distribute.ReduceOp.SUM)
+    _, graph = _reduce(_secure(protocol, precision), [_random_values(rng, (3, 3), np.float32)], tf.distribute.ReduceOp.SUM)
     audited = tfe_estimator.assert_no_plaintext_on_servers(graph, SERVERS)
     assert audited > 0  # the servers do take part
-    replica_ops = [op for op in graph.get_operations() if op.device in REPLICAS and op.type == "SecureSeededRandomUniform"]
-    assert replica_ops, "each replica should draw its own mask from a secure seed"
+    seeds = [op for op in graph.get_operations() if op.device in REPLICAS and op.type == "SecureSeed"]
+    assert len({op.device for op in seeds}) == N, "each replica should draw its own shares from a secure seed"
 
 
 def test_audit_catches_a_float_on_a_server():

@@ -56,11 +56,16 @@ def _variables(est):
     return {n: est.get_variable_value(n) for n in est.get_variable_names() if "Adam" not in n and "Ftrl" not in n}
 
 
-@pytest.mark.parametrize("make", [_linear, _dnn], ids=["LinearRegressor", "DNNRegressor"])
-def test_canned_estimator_matches_plaintext_twin(make, tmp_path, linear_data):
+@pytest.mark.parametrize(
+    "make, protocol",
+    [(_linear, "pond"), (_dnn, "pond"), (_linear, "aby3")],
+    ids=["LinearRegressor-pond", "DNNRegressor-pond", "LinearRegressor-aby3"],
+)
+def test_canned_estimator_matches_plaintext_twin(make, protocol, tmp_path, linear_data):
     # Prepare
     x, y, w = linear_data
-    secure = make(tfe_estimator.TfeRunConfig(model_dir=str(tmp_path / "secure"), num_replicas=2, tf_random_seed=7))
+    secure = make(tfe_estimator.TfeRunConfig(
+        model_dir=str(tmp_path / "secure"), protocol=protocol, num_replicas=2, tf_random_seed=7))
     plain = make(_plaintext_config(str(tmp_path / "plain")))
     # Execute
     for est in (secure, plain):
@@ -91,9 +96,10 @@ class _AuditHook(tf.estimator.SessionRunHook):
         self.audited = tfe_estimator.assert_no_plaintext_on_servers(graph, self.server_devices)
 
 
-def test_training_graph_keeps_plaintext_off_the_servers(tmp_path, linear_data):
+@pytest.mark.parametrize("protocol", ["pond", "aby3"])
+def test_training_graph_keeps_plaintext_off_the_servers(protocol, tmp_path, linear_data):
     x, y, _ = linear_data
-    config = tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), num_replicas=2)
+    config = tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), protocol=protocol, num_replicas=2)
     hook = _AuditHook(config.train_distribute.secure_aggregation.server_devices)
     _linear(config).train(_input_fn(x, y), steps=2, hooks=[hook])
     assert hook.audited > 0

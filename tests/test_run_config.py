@@ -98,3 +98,18 @@ def test_tfe_task_is_told_to_run_the_server(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "tfe", "index": 0}}))
     with pytest.raises(ValueError, match="run `tfe-estimator server`"):
         TfeRunConfig()
+
+
+def test_protocol_other_than_the_launched_one_is_refused(monkeypatch):
+    monkeypatch.setenv("TFE_ESTIMATOR_PROTOCOL", "aby3")
+    with pytest.raises(ValueError, match="TfeRunConfig\\(protocol='pond'\\) but this task was launched for protocol 'aby3'"):
+        TfeRunConfig(protocol="pond")
+    assert TfeRunConfig(protocol="aby3").tfe_protocol == "aby3"
+
+
+@pytest.mark.parametrize("protocol", ["pond", "aby3"])
+@pytest.mark.parametrize("precision", ["low", "high"])
+def test_every_protocol_and_precision_builds(protocol, precision):
+    config = TfeRunConfig(protocol=protocol, precision=precision)
+    ops = config.train_distribute.secure_aggregation
+    assert (ops.protocol, ops.precision.name) == (protocol, precision)

@@ -47,7 +47,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
     Args:
       protocol: "pond" (2 servers + a crypto producer, 2-out-of-2 additive
         sharing) or "aby3" (3 servers, replicated sharing, honest majority).
-      precision: "low" (64-bit ring) or "high" (int100 ring); see
+      precision: "low" (64-bit ring) or "high" (128-bit ring); see
         `tfe_estimator.precision`.
       server_devices: the three devices of the protocol's parties (for Pond:
         server0, server1 and the crypto producer, which a sum never uses).

@@ -16,13 +16,16 @@ below ``2**(I + ceil(log2 N))`` and cannot wrap.
 precision     ring    integer  fraction  largest |value|     resolution
 ============  ======  =======  ========  ==================  ===============
 ``"low"``     64      24       32        2**24 = 16,777,216  2**-32 = 2.3e-10
-``"high"``    100     30       32        2**30 = 1.07e9      2**-32 = 2.3e-10
+``"high"``    128     30       32        2**30 = 1.07e9      2**-32 = 2.3e-10
 ============  ======  =======  ========  ==================  ===============
 
 ``"low"`` leaves 7 headroom bits (up to 128 replicas). ``"high"`` uses
-tf-encrypted's int100 (CRT) backing: the encoded value still passes through
-int64 on the way in, which bounds ``I + F`` to 62, but the sum has 37 bits of
-headroom. Example::
+tf-encrypted's 128-bit ring (its ``int128`` op library): 65 headroom bits,
+and 64 times the range of ``"low"``. The encoded value still passes through
+int64 on the way in (and float64 on the way out), which bounds ``I + F`` to
+62. tf-encrypted's int100 (CRT) backing is not used: in 0.9.1 it decodes
+through int32, which would bound ``I + F`` to 31 and make "high" the smaller
+range. Example::
 
     >>> from tfe_estimator.precision import get_precision
     >>> p = get_precision("low")
@@ -42,7 +45,7 @@ class Precision:
 
     Attributes:
       name: "low" or "high".
-      ring_bits: bits of the ring the shares live in (64 or 100).
+      ring_bits: bits of the ring the shares live in (64 or 128).
       integer_bits: I, values must satisfy ``|x| < 2**I``.
       fraction_bits: F, the resolution is ``2**-F``.
     """
@@ -101,7 +104,12 @@ class Precision:
         return FixedpointConfig(
             scaling_base=2,
             nbits=self.ring_bits,
-            precision_integral=self.integer_bits,
+            # tf-encrypted uses precision_integral only for Pond's decoding
+            # shift `(x + 2**(I+F)).to_native() - 2**(I+F)`. On the 128-bit
+            # ring to_native is float64, where adding 2**62 would erase the
+            # low bits of small sums; a zero integral part keeps the shift at
+            # 2**F, which is exact. Our range checks use `integer_bits`.
+            precision_integral=0,
             precision_fractional=self.fraction_bits,
             matmul_threshold=1,  # secure aggregation never multiplies
             truncation_gap=0,  # nor truncates
@@ -111,7 +119,7 @@ class Precision:
 
 PRECISIONS = {
     "low": Precision(name="low", ring_bits=64, integer_bits=24, fraction_bits=32),
-    "high": Precision(name="high", ring_bits=100, integer_bits=30, fraction_bits=32),
+    "high": Precision(name="high", ring_bits=128, integer_bits=30, fraction_bits=32),
 }
 
 
@@ -132,6 +140,6 @@ def get_precision(precision: Union[str, Precision]) -> Precision:
     if precision not in PRECISIONS:
         raise ValueError(
             f"Unknown precision {precision!r}: use one of {sorted(PRECISIONS)} "
-            "('low': 64-bit ring, |values| < 2**24; 'high': int100 ring, |values| < 2**30)."
+            "('low': 64-bit ring, |values| < 2**24; 'high': 128-bit ring, |values| < 2**30)."
         )
     return PRECISIONS[precision]

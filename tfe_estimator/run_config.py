@@ -18,6 +18,7 @@ property keeps its gRPC meaning (Estimator reads it); the tf-encrypted one is
 `tfe_protocol`.
 """
 import dataclasses
+import os
 from typing import Optional
 
 import tensorflow as tf
@@ -30,6 +31,9 @@ from tfe_estimator.protocols import load_backend, validate_protocol
 from tfe_estimator.strategy import TfeStrategy
 
 __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config"]
+
+#: Set by `tfe-estimator launch` in every task's environment.
+LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
 
 _OURS = ("protocol", "precision", "num_replicas", "grpc_protocol")
 
@@ -93,6 +97,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
                     "tf.estimator.RunConfig with tfe_estimator.TfeStrategy."
                 )
         settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas)
+        _check_launch_protocol(settings.protocol)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
@@ -130,10 +135,23 @@ class TfeRunConfig(tf.estimator.RunConfig):
         settings = self._tfe_settings
         if ours:
             settings = dataclasses.replace(settings, **ours)
+            _check_launch_protocol(settings.protocol)
             kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config", self.session_config)))
         new = super().replace(**kwargs)
         new._tfe_settings = settings  # pylint: disable=protected-access
         return new
+
+
+def _check_launch_protocol(protocol: str) -> None:
+    """Refuses a protocol other than the one `tfe-estimator launch` started the cluster for."""
+    launched = os.environ.get(LAUNCH_PROTOCOL_ENV)
+    if launched and launched != protocol:
+        raise ValueError(
+            f"TfeRunConfig(protocol={protocol!r}) but this task was launched for protocol "
+            f"{launched!r} ({LAUNCH_PROTOCOL_ENV}={launched}): every task of a cluster must use "
+            f"the same protocol. Pass protocol=os.environ[{LAUNCH_PROTOCOL_ENV!r}] or launch "
+            f"with --protocol {protocol}."
+        )
 
 
 def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
