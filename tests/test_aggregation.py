@@ -175,3 +175,31 @@ def test_gather_is_refused():
 def test_bad_arguments_are_refused(kwargs, error, match):
     with pytest.raises(error, match=match):
         SecureAggregation(**kwargs)
+
+
+def test_clip_norm_bounds_each_replicas_update_instead_of_refusing():
+    # An all-reduce (what optimizers do with gradients) is clipped per replica.
+    values = [[np.array([3e7, 4e7], np.float32), np.array([0.3, 0.4], np.float32)]]
+    secure, _ = _reduce(SecureAggregation(server_devices=SERVERS, clip_norm=1.0), values, tf.distribute.ReduceOp.SUM)
+    # Replica 0 is clipped to norm 1, replica 1 (norm 0.5) is left alone.
+    np.testing.assert_allclose(secure[0][0], [0.6 + 0.3, 0.8 + 0.4], rtol=1e-6)
+
+
+def test_clip_norm_leaves_reductions_to_one_device_alone():
+    # The reported loss and metric reads go to one device and are not clipped.
+    graph = tf.Graph()
+    with graph.as_default():
+        strategy = tf.compat.v1.distribute.MirroredStrategy(
+            devices=REPLICAS, cross_device_ops=SecureAggregation(server_devices=SERVERS, clip_norm=1.0))
+        with strategy.scope():
+            loss = strategy.extended.call_for_each_replica(lambda: tf.constant(5.0))
+            total = strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+        with tf.compat.v1.Session(graph=graph, config=_session_config()) as sess:
+            assert sess.run(total) == 10.0
+
+
+@pytest.mark.parametrize("clip_norm, error", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                                               ("1", TypeError), (True, TypeError)])
+def test_bad_clip_norm_is_refused(clip_norm, error):
+    with pytest.raises(error, match="clip_norm must be"):
+        SecureAggregation(clip_norm=clip_norm)

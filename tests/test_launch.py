@@ -49,7 +49,7 @@ def _weights(model_dir):
 def _launcher(workdir, mode, steps, **kwargs):
     command = [sys.executable, "-m", "tfe_estimator.demo_cluster", "--mode", mode,
                "--model-dir", os.path.join(workdir, f"model-{mode}"), "--steps", str(steps),
-               "--learning-rate", "0.1"]
+               "--learning-rate", "0.1"] + (["--audit"] if mode == "secure" else [])
     return Launcher(command, workers=1, evaluator=True, task_cwd=os.path.join(workdir, "{job}-{index}"),
                     out=kwargs.pop("out", io.StringIO()), **kwargs)
 
@@ -73,12 +73,27 @@ def test_train_and_evaluate_on_loopback_cluster_matches_plaintext_and_keeps_data
         assert status == 0, log[-5000:]
         _assert_all_gone(launcher)
         results[mode] = _weights(os.path.join(workdir, f"model-{mode}"))
+        if mode == "secure":
+            assert "none takes or produces a float tensor" in log  # the chief audited its graph
     # Assert: the same model, learned from both owners' files.
     np.testing.assert_allclose(results["secure"], results["plaintext"], atol=1e-2)
     np.testing.assert_allclose(results["secure"], _true_weights(), atol=0.5)
     eval_dir = os.path.join(workdir, "model-secure", "eval")
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(eval_dir)), "no eval summaries"
     assert "[evaluator:0]" in log and "Saving dict for global step 120" in log
+
+
+def test_aby3_cluster_trains_and_keeps_plaintext_off_the_servers(tmp_path):
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    launcher = _launcher(workdir, "secure", steps=120, protocol="aby3")
+    status = launcher.run()
+    log = launcher._out.getvalue()
+    assert status == 0, log[-5000:]
+    assert "cluster (aby3)" in log
+    assert "none takes or produces a float tensor" in log  # the chief's audit of its training graph
+    np.testing.assert_allclose(_weights(os.path.join(workdir, "model-secure")), _true_weights(), atol=0.5)
+    _assert_all_gone(launcher)
 
 
 def test_a_dead_tfe_server_is_restarted_and_training_resumes(tmp_path):

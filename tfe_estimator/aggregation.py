@@ -7,8 +7,9 @@ Distribution Strategies" (2019): every reduction a `MirroredStrategy` does
 to one device. Per reduction and per replica, all dense values of one kind
 (floats, or integers) are packed into one vector, checked, fixed-point encoded
 and secret-shared once on the replica's own device; the TFE servers add the
-shares they hold; each destination device receives both shares of the sum and
-decodes it. The servers only ever hold ring elements.
+shares they hold; each destination device receives both shares of the sum,
+adds them and decodes the result once (the MEAN's division folded into the
+decoding scale). The servers only ever hold ring elements.
 
 It subclasses `ReductionToOneDevice` only because `MirroredStrategy` refuses
 in-graph multi-worker training with any other cross-device ops; none of the
@@ -54,6 +55,12 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         None puts all three on the host CPU of the first replica's task: a
         functional, in-process simulation without any security boundary,
         which `TfeStrategy` never uses.
+      clip_norm: if set, each replica's float values of an update (a
+        reduction to variables or an all-reduce, which is what optimizers do
+        with gradients) are clipped to this global L2 norm on the replica's
+        device before the range check, so large gradients are bounded
+        instead of refused. Reductions to one device (the reported loss,
+        metric reads) are never clipped.
 
     Raises:
       ValueError: for an unknown protocol or precision, or a wrong number of
@@ -73,8 +80,10 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         protocol: str = "pond",
         precision: str = "low",
         server_devices: Optional[Sequence[str]] = None,
+        clip_norm: Optional[float] = None,
     ) -> None:
         self._protocol = validate_protocol(protocol)
+        self._clip_norm = validate_clip_norm(clip_norm)
         self._precision = get_precision(precision)
         if server_devices is not None:
             server_devices = tuple(device_util.canonicalize(d) for d in server_devices)
@@ -97,6 +106,11 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         return self._precision
 
     @property
+    def clip_norm(self) -> Optional[float]:
+        """The per-replica L2 clipping norm of updates, or None."""
+        return self._clip_norm
+
+    @property
     def server_devices(self):
         """The devices of the protocol's parties, or None for the in-process default."""
         return self._server_devices
@@ -117,12 +131,15 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                 targets = cross_device_ops_lib.get_devices_from(destinations)
             else:
                 targets = sources
-            groups.setdefault((sources, targets, _kind(value)), []).append(index)
+            kind = _kind(value)
+            clip = (self._clip_norm is not None and kind == _FLOAT
+                    and isinstance(destinations, value_lib.DistributedValues))
+            groups.setdefault((sources, targets, kind, clip), []).append(index)
 
         results = [None] * len(value_destination_pairs)
-        for (sources, targets, kind), indices in groups.items():
+        for (sources, targets, kind, clip), indices in groups.items():
             values = [value_destination_pairs[i][0] for i in indices]
-            reduced = self._secure_reduce(reduce_op, values, sources, targets, kind)
+            reduced = self._secure_reduce(reduce_op, values, sources, targets, kind, clip)
             for i, r in zip(indices, reduced):
                 results[i] = r
         return results
@@ -134,7 +151,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             "TfeStrategy."
         )
 
-    def _secure_reduce(self, reduce_op, values, sources, targets, kind):
+    def _secure_reduce(self, reduce_op, values, sources, targets, kind, clip=False):
         """Securely reduces PerReplica `values` (all on `sources`) to `targets`."""
         tfe_backend = load_backend()
         num = len(sources)
@@ -145,20 +162,25 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             protocol = tfe_backend.make_protocol(self._protocol, self._precision, players.servers)
             inputs = []
             shapes = None
+            pack_dtype = _pack_dtype(kind, dtypes)
+            fraction_bits = self._precision.fraction_bits if kind == _FLOAT else 0
             for r, device in enumerate(sources):
                 with tf.device(device):
                     dense = [_densify(v.values[r]) for v in values]
-                    vector, shapes = secure_sum.pack(dense, _pack_dtype(kind, dtypes))
+                    vector, shapes = secure_sum.pack(dense, pack_dtype)
+                    if clip:
+                        vector = tf.clip_by_norm(vector, self._clip_norm)
                     vector = secure_sum.check_encodable(
                         vector, self._bound(kind, num), f"replica {r} ({device})", self._hint(kind)
                     )
-                inputs.append((players.device_player(device), vector))
-            sums = secure_sum.share_and_sum(
-                protocol, inputs, [players.device_player(d) for d in targets], scaled=kind == _FLOAT
-            )
+                    ring = secure_sum.encode(vector, fraction_bits)
+                inputs.append((players.device_player(device), ring))
+            sums = secure_sum.share_and_sum(protocol, inputs, [players.device_player(d) for d in targets])
+        scale = 1.0 / num if kind == _FLOAT and reduce_op == tf.distribute.ReduceOp.MEAN else 1.0
         per_target = []
         for device, total in zip(targets, sums):
-            with tf.device(device):
+            with tf.device(device), tf.name_scope("secure_aggregation_decode"):
+                total = secure_sum.decode(total, pack_dtype, fraction_bits, scale)
                 parts = secure_sum.unpack(total, shapes)
                 parts = [_finish(p, dtype, kind, reduce_op, num) for p, dtype in zip(parts, dtypes)]
             per_target.append(parts)
@@ -200,6 +222,17 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         )
 
 
+def validate_clip_norm(clip_norm) -> Optional[float]:
+    """Returns `clip_norm` as a float if it is None or a finite number > 0."""
+    if clip_norm is None:
+        return None
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)):
+        raise TypeError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
+    if not math.isfinite(clip_norm) or clip_norm <= 0:
+        raise ValueError(f"clip_norm must be a finite number > 0 or None, got {clip_norm!r}.")
+    return float(clip_norm)
+
+
 def _kind(value):
     dtype = value.values[0].dtype if isinstance(value, value_lib.DistributedValues) else value.dtype
     if dtype.is_floating:
@@ -226,10 +259,10 @@ def _pack_dtype(kind, dtypes):
 
 
 def _finish(part, dtype, kind, reduce_op, num):
-    """Casts a decoded sum back to the input dtype and applies MEAN."""
-    if reduce_op == tf.distribute.ReduceOp.MEAN:
-        if kind == _FLOAT:
-            part = part / num
-        else:
-            return tf.cast(part, dtype) / num  # like ReductionToOneDevice
+    """Casts a decoded sum back to the input dtype; applies MEAN to integers.
+
+    A float MEAN is already divided by `decode`'s scale.
+    """
+    if kind == _INT and reduce_op == tf.distribute.ReduceOp.MEAN:
+        return tf.cast(part, dtype) / num  # like ReductionToOneDevice
     return tf.cast(part, dtype)

@@ -21,8 +21,16 @@ import tempfile
 from typing import Dict, Optional, Sequence, TextIO
 
 import numpy as np
+import tensorflow as tf
 
-__all__ = ["COLUMNS", "write_owner_data", "run_cluster_demo", "main"]
+from input_fns import csv_input_fn
+from tfe_estimator.audit import assert_no_plaintext_on_servers
+from tfe_estimator.cluster import TfeCluster
+from tfe_estimator.demo import load_diabetes_split
+from tfe_estimator.launcher import Launcher
+from tfe_estimator.run_config import TfeRunConfig
+
+__all__ = ["COLUMNS", "AuditHook", "write_owner_data", "run_cluster_demo", "main"]
 
 COLUMNS = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6", "target"]
 TRAIN_FILE, TEST_FILE = "data/train.csv", "data/test.csv"
@@ -53,9 +61,6 @@ def run_cluster_demo(
     workdir: Optional[str] = None, out: TextIO = sys.stdout,
 ) -> Dict[str, Dict]:
     """Trains secure and plaintext twins on a loopback cluster; returns both results."""
-    from tfe_estimator.demo import load_diabetes_split  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.launcher import Launcher  # pylint: disable=import-outside-toplevel
-
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="tfe-estimator-cluster-demo-"))
     x_train, y_train, x_test, y_test, names = load_diabetes_split()
     owners = ["chief-0"] + [f"worker-{i}" for i in range(workers)]
@@ -74,8 +79,6 @@ def run_cluster_demo(
 
 
 def _read_result(model_dir, x_test, y_test) -> Dict:
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-
     checkpoint = tf.train.latest_checkpoint(model_dir)
     weights = np.array([tf.train.load_variable(checkpoint, f"linear/linear_model/{name}/weights")[0, 0]
                         for name in COLUMNS[:-1]])
@@ -98,14 +101,22 @@ def _parse_args(argv):
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=0.05)
+    parser.add_argument("--audit", action="store_true",
+                        help="check that no float tensor is placed on a tfe server in the training graph")
     return parser.parse_args(argv)
 
 
+class AuditHook(tf.estimator.SessionRunHook):
+    """Runs `assert_no_plaintext_on_servers` on the finished training graph."""
+
+    def begin(self):
+        count = assert_no_plaintext_on_servers(tf.compat.v1.get_default_graph())
+        if count == 0:
+            raise RuntimeError("audit: the training graph places nothing on the tfe servers")
+        print(f"audit: {count} ops on the tfe servers, none takes or produces a float tensor", flush=True)
+
+
 def _config(mode, model_dir):
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-
-    from tfe_estimator import TfeCluster, TfeRunConfig  # pylint: disable=import-outside-toplevel
-
     if mode == "secure":
         protocol = os.environ.get("TFE_ESTIMATOR_PROTOCOL", "pond")
         return TfeRunConfig(model_dir=model_dir, protocol=protocol, tf_random_seed=0,  # tfe_estimator
@@ -122,10 +133,6 @@ def _config(mode, model_dir):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs this task's part of `tf.estimator.train_and_evaluate`."""
     args = _parse_args(argv)
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-
-    from input_fns import csv_input_fn  # pylint: disable=import-outside-toplevel
-
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
     features = COLUMNS[:-1]
     columns = [tf.feature_column.numeric_column(name) for name in features]
@@ -135,9 +142,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Relative paths: each owner's pipeline runs in its own process and directory.
     train = csv_input_fn(TRAIN_FILE, "target", args.batch_size, column_names=COLUMNS, seed=0)
     test = csv_input_fn(TEST_FILE, "target", 90, column_names=COLUMNS, num_epochs=1, shuffle=False)
+    hooks = []
+    if args.audit:
+        hooks.append(AuditHook())
     tf.estimator.train_and_evaluate(
         est,
-        tf.estimator.TrainSpec(train, max_steps=args.steps),
+        tf.estimator.TrainSpec(train, max_steps=args.steps, hooks=hooks),
         tf.estimator.EvalSpec(test, steps=None, start_delay_secs=0, throttle_secs=1),
     )
     return 0

@@ -25,6 +25,7 @@ import tensorflow as tf
 from tensorflow_estimator.python.estimator import run_config as run_config_lib
 
 from tfe_estimator import cluster as cluster_lib
+from tfe_estimator.aggregation import validate_clip_norm
 from tfe_estimator.devices import cpus_needed, local_layout, validate_num_replicas
 from tfe_estimator.precision import get_precision
 from tfe_estimator.protocols import load_backend, validate_protocol
@@ -35,7 +36,7 @@ __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config"]
 #: Set by `tfe-estimator launch` in every task's environment.
 LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
 
-_OURS = ("protocol", "precision", "num_replicas", "grpc_protocol")
+_OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol")
 
 
 def default_session_config() -> tf.compat.v1.ConfigProto:
@@ -50,9 +51,11 @@ class TfeSettings:
     protocol: str = "pond"
     precision: str = "low"
     num_replicas: Optional[int] = None
+    clip_norm: Optional[float] = None
 
     def __post_init__(self):
         validate_protocol(self.protocol)
+        validate_clip_norm(self.clip_norm)
         get_precision(self.precision)
         if self.num_replicas is not None:
             validate_num_replicas(self.num_replicas)
@@ -71,6 +74,9 @@ class TfeRunConfig(tf.estimator.RunConfig):
       num_replicas: local replicas (default 2). Ignored in a TF_CONFIG
         cluster, where each chief/worker task is one replica.
       precision: "low" or "high"; see `tfe_estimator.precision`.
+      clip_norm: optional per-replica L2 norm to clip gradients to before
+        they are shared, so out-of-range gradients are bounded instead of
+        refused (see `SecureAggregation`).
       grpc_protocol: `tf.estimator.RunConfig`'s `protocol` (gRPC flavour).
       **kwargs: any other `tf.estimator.RunConfig` argument except
         `train_distribute` and `eval_distribute`.
@@ -86,6 +92,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         protocol: str = "pond",
         num_replicas: Optional[int] = None,
         precision: str = "low",
+        clip_norm: Optional[float] = None,
         grpc_protocol: Optional[str] = None,
         **kwargs,
     ) -> None:
@@ -96,7 +103,8 @@ class TfeRunConfig(tf.estimator.RunConfig):
                     f"{kwargs[name]!r}. To combine your own strategy, use "
                     "tf.estimator.RunConfig with tfe_estimator.TfeStrategy."
                 )
-        settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas)
+        settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
+                               clip_norm=clip_norm)
         _check_launch_protocol(settings.protocol)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         super().__init__(protocol=grpc_protocol, **kwargs)
@@ -126,8 +134,8 @@ class TfeRunConfig(tf.estimator.RunConfig):
         """Returns a copy with `kwargs` replaced; keeps the TFE settings.
 
         Accepts the `tf.estimator.RunConfig.replace` properties plus
-        `protocol` (tf-encrypted's), `precision`, `num_replicas` and
-        `grpc_protocol`.
+        `protocol` (tf-encrypted's), `precision`, `num_replicas`, `clip_norm`
+        and `grpc_protocol`.
         """
         ours = {k: kwargs.pop(k) for k in _OURS if k in kwargs}
         if "grpc_protocol" in ours:
@@ -171,8 +179,8 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
         spec.check_protocol(settings.protocol)
         replicas, servers = spec.replica_devices(), spec.server_devices()
     strategies = [
-        TfeStrategy(devices=replicas, protocol=settings.protocol,
-                    precision=settings.precision, server_devices=servers)
+        TfeStrategy(devices=replicas, protocol=settings.protocol, precision=settings.precision,
+                    server_devices=servers, clip_norm=settings.clip_norm)
         for _ in ("train", "eval")
     ]
     if session_config is None:

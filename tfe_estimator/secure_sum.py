@@ -1,27 +1,35 @@
-"""Pure secure-sum functions: pack, check, share, add, reveal, unpack.
+"""Pure secure-sum functions: pack, check, encode, share, add, reveal, decode, unpack.
 
 Nothing here knows about `PerReplica` or `Mirrored`; `aggregation.py` wires
 these functions into a `tf.distribute.CrossDeviceOps`. The cryptography is
 tf-encrypted's: `share_and_sum` calls the protocol's `define_private_input`
-(encode to the ring and secret-share on the owner's device; Pond sends one of
-the two shares as a seed), `add` (each server adds the shares it holds) and
-`define_output` (both shares of the sum go to one destination device, which
-adds and decodes them: the servers never see the sum).
+(secret-share on the owner's device; Pond sends one of the two shares as a
+seed) and `add` (each server adds the shares it holds); the sum's shares go
+to each destination device, which adds them: the servers never see the sum.
+
+Encoding and decoding are done here, in the vector's own float type, because
+they are cheaper than tf-encrypted's generic path and give the same ring
+elements: scaling by ``2**F`` is exact in binary floating point, so
+``cast(x * 2**F, int64)`` equals tf-encrypted's
+``cast(float64(x) * 2**F, int64)`` (round toward zero) for every ``|x|`` that
+`check_encodable` lets through. Values are shared unscaled
+(``apply_scaling=False``) and decoded once on each destination.
 
 Example::
 
     vector, shapes = pack([grad_a, grad_b], tf.float32)
     vector = check_encodable(vector, precision.max_magnitude, "replica 0", hint)
-    sums = share_and_sum(protocol, [(player0, v0), (player1, v1)],
-                         [dest_player0, dest_player1], scaled=True)
-    grad_a_sum, grad_b_sum = unpack(sums[0], shapes)
+    ring = encode(vector, precision.fraction_bits)
+    sums = share_and_sum(protocol, [(player0, ring0), (player1, ring1)],
+                         [dest_player0, dest_player1])
+    grad_a_sum, grad_b_sum = unpack(decode(sums[0], tf.float32, precision.fraction_bits), shapes)
 """
 import functools
 from typing import List, Sequence, Tuple
 
 import tensorflow as tf
 
-__all__ = ["pack", "unpack", "check_encodable", "share_and_sum"]
+__all__ = ["pack", "unpack", "check_encodable", "encode", "decode", "share_and_sum"]
 
 
 def pack(tensors: Sequence[tf.Tensor], dtype: tf.DType) -> Tuple[tf.Tensor, List[tf.TensorShape]]:
@@ -63,8 +71,14 @@ def check_encodable(vector: tf.Tensor, bound: float, owner: str, hint: str) -> t
 
     Fixed-point encoding turns NaN and infinity into garbage and wraps values
     out of range without a sound; the reduced loss takes the same path, so
-    Estimator's NaN guard would never fire. The checks are control
-    dependencies of the returned tensor, so they run whenever it is used.
+    Estimator's NaN guard would never fire. The check is a control dependency
+    of the returned tensor, so it runs whenever that tensor is used.
+
+    A float vector is checked in one pass in its own dtype:
+    ``all(|x| < bound)`` is False for NaN (every comparison with NaN is),
+    for infinity and for values out of range. Only when it fails does a
+    branch compute what the error message reports (how many elements are not
+    finite, the largest magnitude).
 
     Args:
       vector: a float or integer vector, on its owner's device.
@@ -76,67 +90,122 @@ def check_encodable(vector: tf.Tensor, bound: float, owner: str, hint: str) -> t
       `vector`, guarded.
     """
     with tf.name_scope("check_encodable"):
-        as_float = tf.cast(vector, tf.float64)
-        checks = []
         if vector.dtype.is_floating:
-            non_finite = tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(as_float)), tf.int64))
-            checks.append(
-                tf.debugging.Assert(
-                    tf.equal(non_finite, 0),
-                    [
-                        f"Secure aggregation refused the values of {owner}: they contain",
-                        non_finite,
-                        "NaN or infinite elements, which fixed-point encoding cannot represent "
-                        "(training has diverged or the input data has NaN/Inf). Check the "
-                        "input data and lower the learning rate.",
-                    ],
-                    name="assert_finite",
-                )
-            )
-        with tf.control_dependencies(checks):
-            largest = tf.reduce_max(tf.abs(as_float))
-            checks.append(
-                tf.debugging.Assert(
-                    largest < bound,
-                    [
-                        f"Secure aggregation refused the values of {owner}: largest magnitude",
-                        largest,
-                        f"is not below the fixed-point limit {bound:.10g}. Encoding it would "
-                        f"wrap around the ring. {hint}",
-                    ],
-                    name="assert_in_range",
-                )
-            )
-        with tf.control_dependencies(checks):
+            # |x| < bound is exact in float32 for bound = 2**I (I <= 127).
+            ok = tf.reduce_all(tf.abs(vector) < tf.constant(bound, vector.dtype))
+        else:  # integers (counters): few elements; compare in float64, no abs overflow
+            ok = tf.reduce_all(tf.abs(tf.cast(vector, tf.float64)) < bound)
+        guard = tf.cond(ok, tf.no_op, lambda: _refuse(vector, bound, owner, hint), name="guard")
+        with tf.control_dependencies([guard]):
             return tf.identity(vector)
 
 
-def share_and_sum(protocol, inputs, destinations, scaled: bool) -> List[tf.Tensor]:
+def _refuse(vector, bound, owner, hint):
+    """The failing branch of `check_encodable`: raises with the details."""
+    as_float = tf.cast(vector, tf.float64)
+    non_finite = tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(as_float)), tf.int64))
+    assert_finite = tf.debugging.Assert(
+        tf.equal(non_finite, 0),
+        [
+            f"Secure aggregation refused the values of {owner}: they contain",
+            non_finite,
+            "NaN or infinite elements, which fixed-point encoding cannot represent "
+            "(training has diverged or the input data has NaN/Inf). Check the "
+            "input data and lower the learning rate.",
+        ],
+        name="assert_finite",
+    )
+    with tf.control_dependencies([assert_finite]):
+        largest = tf.reduce_max(tf.abs(as_float))
+        assert_in_range = tf.debugging.Assert(
+            largest < bound,
+            [
+                f"Secure aggregation refused the values of {owner}: largest magnitude",
+                largest,
+                f"is not below the fixed-point limit {bound:.10g}. Encoding it would "
+                f"wrap around the ring. {hint}",
+            ],
+            name="assert_in_range",
+        )
+    with tf.control_dependencies([assert_in_range]):
+        return tf.no_op()
+
+
+def encode(vector: tf.Tensor, fraction_bits: int) -> tf.Tensor:
+    """Fixed-point encodes a checked float vector (integers: as they are) to int64.
+
+    ``round_toward_zero(x * 2**fraction_bits)``, computed in the vector's own
+    float type: multiplying by a power of two is exact, and the cast truncates
+    toward zero, so the result is the same integer tf-encrypted's encoder
+    would produce via float64.
+    """
+    with tf.name_scope("encode"):
+        if vector.dtype.is_floating:
+            vector = vector * tf.constant(2.0**fraction_bits, vector.dtype)
+        return tf.cast(vector, tf.int64)
+
+
+def decode(ring: tf.Tensor, dtype: tf.DType, fraction_bits: int, scale: float = 1.0) -> tf.Tensor:
+    """Decodes an int64 sum to `dtype`, times `scale` (e.g. ``1/N`` for a mean).
+
+    Floats: ``cast(ring, dtype) * (2**-fraction_bits * scale)``, one rounding
+    to `dtype` instead of tf-encrypted's float64 detour. Integers: the exact
+    sum, cast to `dtype` (`scale` must be 1).
+    """
+    with tf.name_scope("decode"):
+        if not dtype.is_floating:
+            return tf.cast(ring, dtype)
+        return tf.cast(ring, dtype) * tf.constant(2.0**-fraction_bits * scale, dtype)
+
+
+def share_and_sum(protocol, inputs, destinations) -> List[tf.Tensor]:
     """Secret-shares each input, sums the shares on the servers, reveals to each destination.
 
     Args:
       protocol: a tf-encrypted protocol (`Pond` or `ABY3`) whose players are
         devices (see `tfe_backend.DevicePlayers`).
-      inputs: `(player, vector)` pairs, one per replica; each vector is
-        shared on its player's device.
+      inputs: `(player, vector)` pairs, one per replica; each vector holds
+        ring elements (int64, see `encode`) and is shared on its player's device.
       destinations: players to reveal the sum to.
-      scaled: True for floats (fixed-point encoded), False for integers
-        (shared exactly).
 
     Returns:
-      One revealed, decoded sum per destination (float64 if `scaled`,
-      otherwise int64), placed on that destination's device.
+      One revealed int64 sum (still encoded) per destination, placed on that
+      destination's device.
     """
     shared = [
         protocol.define_private_input(
-            player, functools.partial(tf.identity, vector), apply_scaling=scaled
+            player, functools.partial(tf.identity, vector), apply_scaling=False
         )
         for player, vector in inputs
     ]
     total = functools.reduce(protocol.add, shared)
+    shares = _native_int64_shares(protocol, total)
     revealed: List[tf.Tensor] = []
     for player in destinations:
-        # define_output decodes on `player`'s device and passes the plaintext
-        # to the function; returning None keeps tf-encrypted from re-sharing it.
-        protocol.define_output(player, [total], revealed.append)
+        if shares is not None:
+            # Pond on the 64-bit ring: the two shares travel to the
+            # destination, which adds them (tf-encrypted's reconstruction,
+            # without its decode, which is the identity on int64 apart from
+            # two extra passes over the vector).
+            with tf.name_scope("reveal"), tf.device(player.device_name):
+                revealed.append(tf.add(shares[0], shares[1]))
+        else:
+            # define_output reconstructs on `player`'s device and passes the
+            # integers to the function; returning None keeps tf-encrypted from
+            # re-sharing them.
+            protocol.define_output(player, [total], revealed.append)
     return revealed
+
+
+def _native_int64_shares(protocol, total):
+    """The two int64 share tensors of a Pond sum on the 64-bit ring, else None."""
+    factory = getattr(protocol, "tensor_factory", None)
+    parts = getattr(total, "unwrapped", None)
+    if factory is None or parts is None or len(parts) != 2:
+        return None
+    if factory.native_type != tf.int64 or factory.modulus != 2**64:
+        return None
+    values = [getattr(p, "value", None) for p in parts]
+    if not all(isinstance(v, tf.Tensor) and v.dtype == tf.int64 for v in values):
+        return None
+    return values

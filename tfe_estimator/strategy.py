@@ -55,6 +55,8 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
       precision: "low" or "high" (see `tfe_estimator.precision`).
       server_devices: the devices of the three TFE parties. None with
         `devices=None`: three local CPU devices of their own.
+      clip_norm: optional per-replica L2 clipping of updates before they are
+        shared (see `SecureAggregation`).
 
     Graph-mode sessions create CPU devices from `ConfigProto.device_count`;
     Estimator passes its session config through this strategy's
@@ -77,12 +79,14 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         protocol: str = "pond",
         precision: str = "low",
         server_devices: Optional[Sequence[str]] = None,
+        clip_norm: Optional[float] = None,
     ) -> None:
         protocol = validate_protocol(protocol)
         if devices is None:
             devices, default_servers = local_layout(DEFAULT_NUM_REPLICAS, protocol)
             server_devices = server_devices or default_servers
-        ops = SecureAggregation(protocol=protocol, precision=precision, server_devices=server_devices)
+        ops = SecureAggregation(protocol=protocol, precision=precision, server_devices=server_devices,
+                                clip_norm=clip_norm)
         ops.precision.check_headroom(len(devices))
         # MirroredStrategy refuses remote (in-graph multi-worker) devices when
         # built eagerly; Estimator only ever uses it in graph mode.
