@@ -40,3 +40,30 @@ def test_example_runs_and_twins_agree(name, metrics, tmp_path, capsys):
         assert results["secure"][metric] == pytest.approx(results["plaintext"][metric], abs=0.02), metric
     printed = capsys.readouterr().out
     assert "secure" in printed and "plaintext" in printed and "accuracy" in printed
+
+
+@pytest.mark.slow
+def test_linear_regressor_example_twins_agree(tmp_path, capsys):
+    results = load_example("linear_regressor").main(["--steps", "50", "--model-dir", str(tmp_path)])
+    assert results["secure"]["global_step"] == results["plaintext"]["global_step"] == 50
+    assert abs(results["secure"]["bias"] - results["plaintext"]["bias"]) < 1e-2
+    assert max(abs(results["secure"]["weights"] - results["plaintext"]["weights"])) < 1e-2
+    assert "average_loss" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_linear_regressor_cluster_example_runs_under_launch(tmp_path):
+    import io
+    import sys
+
+    from tfe_estimator.demo import load_diabetes_split
+    from tfe_estimator.demo_cluster import write_owner_data
+    from tfe_estimator.launcher import Launcher
+
+    write_owner_data(str(tmp_path), ["chief-0", "worker-0"], *load_diabetes_split()[:4])
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, str(EXAMPLES / "linear_regressor_cluster.py"),
+                         "--model-dir", str(tmp_path / "model"), "--steps", "30"],
+                        workers=1, evaluator=True, task_cwd=str(tmp_path / "{job}-{index}"), out=out)
+    assert launcher.run() == 0, out.getvalue()[-5000:]
+    assert "Saving dict for global step 30" in out.getvalue()

@@ -1,0 +1,53 @@
+"""The canned LinearRegressor on a cluster, each data owner reading its own files.
+
+This is the `train.py` that every chief, worker and evaluator task runs; the
+`tfe` tasks run `tfe-estimator server`. Each task runs in its own directory,
+where the owner's rows are in ``data/train.csv`` (and the evaluator's in
+``data/test.csv``), with the columns of `COLUMNS` and no header. On one
+machine, try it with the loopback launcher::
+
+    python -c "from tfe_estimator.demo_cluster import *; from tfe_estimator.demo import *; \
+        write_owner_data('owners', ['chief-0', 'worker-0'], *load_diabetes_split()[:4])"
+    tfe-estimator launch --workers 1 --evaluator --task-cwd 'owners/{job}-{index}' -- \
+        python $PWD/examples/linear_regressor_cluster.py --model-dir $PWD/model
+
+Lines specific to tfe_estimator are marked `# tfe_estimator:`.
+"""
+import argparse
+import os
+
+import tensorflow as tf
+
+import input_fns
+import tfe_estimator
+
+COLUMNS = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6", "target"]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-dir", required=True, help="shared by the chief and the evaluator")
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    config = tfe_estimator.TfeRunConfig(  # tfe_estimator: reads TF_CONFIG (chief/worker/evaluator + tfe job)
+        model_dir=args.model_dir, protocol=os.environ.get("TFE_ESTIMATOR_PROTOCOL", "pond"),
+        save_checkpoints_steps=100)
+    est = tf.estimator.LinearRegressor(
+        feature_columns=[tf.feature_column.numeric_column(name) for name in COLUMNS[:-1]],
+        optimizer=lambda: tf.keras.optimizers.SGD(0.05), config=config)
+    # Relative paths, read by dataset ops in each owner's own process.
+    train = input_fns.csv_input_fn("data/train.csv", "target", 32, column_names=COLUMNS)
+    test = input_fns.csv_input_fn("data/test.csv", "target", 90, column_names=COLUMNS, num_epochs=1, shuffle=False)
+    tf.estimator.train_and_evaluate(
+        est, tf.estimator.TrainSpec(train, max_steps=args.steps),
+        tf.estimator.EvalSpec(test, steps=None, start_delay_secs=0, throttle_secs=1))
+    return 0
+
+
+if __name__ == "__main__":
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO)
+    raise SystemExit(main())
