@@ -96,27 +96,32 @@ def test_aby3_cluster_trains_and_keeps_plaintext_off_the_servers(tmp_path):
     _assert_all_gone(launcher)
 
 
-def test_a_dead_tfe_server_is_restarted_and_training_resumes(tmp_path):
+@pytest.mark.parametrize("job, delay", [("tfe", 0.0), ("worker", 25.0)])
+def test_a_dead_task_is_restarted_and_training_resumes(job, delay, tmp_path, monkeypatch):
+    # A tfe server (restarted at once) or a data owner (restarted after 25 s)
+    # dies mid-training; training resumes from the last checkpoint.
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")  # TensorFlow's "still waiting" is an INFO line
     workdir = str(tmp_path)
     _owner_data(workdir)
-    launcher = _launcher(workdir, "secure", steps=400, max_restarts=1)
+    launcher = _launcher(workdir, "secure", steps=400, max_restarts=1, restart_delay=delay)
     status = []
     runner = threading.Thread(target=lambda: status.append(launcher.run()))
     runner.start()
     try:
-        # Kill server1 once the first checkpoint exists, i.e. mid-training.
         model_dir = os.path.join(workdir, "model-secure")
         deadline = time.monotonic() + 240
         while not os.path.exists(os.path.join(model_dir, "model.ckpt-100.index")):
             assert time.monotonic() < deadline and runner.is_alive(), launcher._out.getvalue()[-5000:]
             time.sleep(0.2)
-        victim = launcher.task("tfe", 1)
+        victim = launcher.task(job, 1 if job == "tfe" else 0)
         os.killpg(victim.process.pid, signal.SIGKILL)
     finally:
         runner.join(timeout=600)
     log = launcher._out.getvalue()
     assert status == [0], log[-5000:]
-    assert "tfe:1 died with status -9; restarting it" in log
+    assert f"{victim.name} died with status -9; restarting it" in log
+    if delay:  # while it is down, the chief says what it waits for
+        assert f"still waiting for response from worker: /job:{job}/replica:0/task:0" in log, log[-8000:]
     assert "Saving dict for global step 400" in log
     np.testing.assert_allclose(_weights(model_dir), _true_weights(), atol=0.5)
     _assert_all_gone(launcher)

@@ -31,6 +31,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="working directory per task, with {job} and {index}, e.g. 'owners/{job}-{index}'")
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="restart a dying worker or tfe task this often at the same address")
+    launch.add_argument("--restart-delay", type=float, default=0.0, help="seconds to wait before a restart")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
 
     demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")
@@ -55,7 +56,8 @@ def _run(args: argparse.Namespace) -> int:
 
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return Launcher(cmd, workers=args.workers, evaluator=args.evaluator, protocol=args.protocol,
-                        task_cwd=args.task_cwd, max_restarts=args.max_restarts).run()
+                        task_cwd=args.task_cwd, max_restarts=args.max_restarts,
+                        restart_delay=args.restart_delay).run()
     if args.command == "demo":
         return _demo(args)
     if args.command == "k8s":

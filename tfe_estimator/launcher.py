@@ -69,6 +69,7 @@ class _Task:
     cwd: Optional[str]
     process: Optional[subprocess.Popen] = None
     restarts: int = 0
+    restart_at: Optional[float] = None
     reader: Optional[threading.Thread] = None
 
     @property
@@ -89,6 +90,7 @@ class Launcher:
         each data owner reads its own files through one relative path.
       max_restarts: how often a worker or ``tfe`` task that dies is restarted
         at the same address before the launch is given up.
+      restart_delay: seconds to wait before such a restart.
       out: where the prefixed log lines go.
       grace_seconds: how long a task may take to exit after SIGTERM before SIGKILL.
       host: the address every task binds to (loopback).
@@ -107,6 +109,7 @@ class Launcher:
         protocol: str = "pond",
         task_cwd: Optional[str] = None,
         max_restarts: int = 0,
+        restart_delay: float = 0.0,
         out: TextIO = sys.stdout,
         grace_seconds: float = 10.0,
         host: str = "127.0.0.1",
@@ -119,6 +122,7 @@ class Launcher:
         self.cluster = plan_cluster(workers, evaluator, protocol, host)
         self.protocol = protocol
         self.max_restarts = max_restarts
+        self.restart_delay = float(restart_delay)
         self.grace_seconds = grace_seconds
         self._out = out
         self._lock = threading.Lock()
@@ -210,6 +214,11 @@ class Launcher:
             for task in self.tasks:
                 if task is chief or task.process.poll() is None:
                     continue
+                if task.restart_at is not None:
+                    if time.monotonic() >= task.restart_at:
+                        task.restart_at = None
+                        self._start(task)
+                    continue
                 status = task.process.returncode
                 if task.job == "evaluator":
                     if status != 0:
@@ -219,8 +228,9 @@ class Launcher:
                 if task.restarts < self.max_restarts:
                     task.restarts += 1
                     self.say(f"{task.name} died with status {status}; restarting it at "
-                             f"{self.cluster.jobs[task.job][task.index]} ({task.restarts}/{self.max_restarts})")
-                    self._start(task)
+                             f"{self.cluster.jobs[task.job][task.index]} in {self.restart_delay:g} s "
+                             f"({task.restarts}/{self.max_restarts})")
+                    task.restart_at = time.monotonic() + self.restart_delay
                     continue
                 self.say(f"{task.name} died with status {status} while the chief was training; stopping the cluster")
                 return status or 1
