@@ -16,6 +16,9 @@ demo-cluster: venv
 test: venv
 	$(VENV_PY) -m pytest tests
 
+bench: venv
+	$(VENV_PY) -m tfe_estimator.bench
+
 test-fast: venv
 	$(VENV_PY) -m pytest tests -m "not slow and not multiprocess"
 

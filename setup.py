@@ -34,6 +34,7 @@ EXTRAS_REQUIRE = {
         "pytest-timeout>=2.2,<3",
         "hypothesis>=6.80,<7",
         "scipy>=1.10,<1.16",
+        "matplotlib>=3.7,<3.10",  # the benchmark's smoke test draws its plot
     ],
     "bench": ["matplotlib>=3.7,<3.10"],
 }

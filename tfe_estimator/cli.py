@@ -1,4 +1,4 @@
-"""The `tfe-estimator` command: `server`, `launch`, `demo`, `k8s`.
+"""The `tfe-estimator` command: `server`, `launch`, `demo`, `bench`, `k8s`.
 
 Example::
 
@@ -6,6 +6,7 @@ Example::
     $ tfe-estimator demo --cluster            # the same on a loopback cluster
     $ tfe-estimator launch --workers 1 --evaluator -- python train.py
     $ TF_CONFIG=... tfe-estimator server      # one TFE party of a real cluster
+    $ tfe-estimator bench                     # secure vs plaintext step time
     $ tfe-estimator k8s --name demo --image my/train:1 --workers 2 -- python train.py
 """
 import argparse
@@ -16,8 +17,15 @@ from typing import Optional, Sequence
 __all__ = ["parse_args", "main"]
 
 
+#: Subcommands whose arguments are parsed by the module that runs them.
+_PASS_THROUGH = ("bench", "k8s")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parses the command line (without the program name)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in _PASS_THROUGH:
+        return argparse.Namespace(command=argv[0], args=argv[1:])
     parser = argparse.ArgumentParser(prog="tfe-estimator", description="Secure aggregation for TensorFlow Estimator.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -41,8 +49,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     demo.add_argument("--num-replicas", type=int, default=2, help="without --cluster: local replicas")
     demo.add_argument("--protocol", default="pond")
 
-    k8s = sub.add_parser("k8s", help="print Kubernetes manifests for a cluster", add_help=False)
-    k8s.add_argument("k8s_args", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="secure vs plaintext step time, side by side (see bench --help)")
+    sub.add_parser("k8s", help="print Kubernetes manifests for a cluster (see k8s --help)")
     return parser.parse_args(argv)
 
 
@@ -60,10 +68,14 @@ def _run(args: argparse.Namespace) -> int:
                         restart_delay=args.restart_delay).run()
     if args.command == "demo":
         return _demo(args)
+    if args.command == "bench":
+        from tfe_estimator import bench  # pylint: disable=import-outside-toplevel
+
+        return bench.main(args.args)
     if args.command == "k8s":
         from tfe_estimator import kubernetes  # pylint: disable=import-outside-toplevel
 
-        return kubernetes.main(args.k8s_args)
+        return kubernetes.main(args.args)
     raise AssertionError(args.command)  # argparse allows only the commands above
 
 

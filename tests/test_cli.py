@@ -1,0 +1,50 @@
+"""The `tfe-estimator` command line: parsing and clear errors."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tfe_estimator import cli
+
+
+def test_launch_arguments_are_parsed():
+    args = cli.parse_args(["launch", "--workers", "2", "--evaluator", "--protocol", "aby3",
+                           "--task-cwd", "o/{job}-{index}", "--max-restarts", "1", "--", "python", "t.py", "--x"])
+    assert (args.command, args.workers, args.evaluator, args.protocol) == ("launch", 2, True, "aby3")
+    assert args.cmd == ["--", "python", "t.py", "--x"] and args.max_restarts == 1
+
+
+def test_pass_through_commands_keep_their_arguments():
+    assert cli.parse_args(["bench", "--quick"]).args == ["--quick"]
+    assert cli.parse_args(["k8s", "--help"]).args == ["--help"]
+
+
+def _run(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "tfe_estimator.cli", *argv], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_server_without_tf_config_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    out = _run("server")
+    assert out.returncode == 2
+    assert "`tfe-estimator server` needs TF_CONFIG with a cluster" in out.stderr
+
+
+def test_server_for_a_chief_task_is_refused(monkeypatch):
+    cluster = {"chief": ["127.0.0.1:1"], "tfe": ["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}}))
+    out = _run("server")
+    assert out.returncode == 2 and "runs the 'tfe' tasks, but TF_CONFIG says this task is chief:0" in out.stderr
+
+
+def test_launch_without_a_command_is_a_clear_error():
+    out = _run("launch", "--workers", "1")
+    assert out.returncode == 2 and "launch needs a command" in out.stderr
+
+
+@pytest.mark.parametrize("bad", ["--workers=-2", "--protocol=spdz"])
+def test_launch_with_bad_values_is_a_clear_error(bad):
+    out = _run("launch", bad, "--", "true")
+    assert out.returncode == 2 and ("--workers must be" in out.stderr or "Unknown protocol 'spdz'" in out.stderr)
