@@ -14,16 +14,7 @@ COLS = [tf.feature_column.numeric_column("x", shape=[3])]
 
 def _plaintext_config(model_dir):
     """The twin: MirroredStrategy with ReductionToOneDevice on the same devices."""
-    strategies = [
-        tf.compat.v1.distribute.MirroredStrategy(devices=REPLICAS, cross_device_ops=tf.distribute.ReductionToOneDevice())
-        for _ in range(2)
-    ]
-    session_config = tfe_estimator.default_session_config()
-    session_config.device_count["CPU"] = 2
-    return tf.estimator.RunConfig(
-        model_dir=model_dir, train_distribute=strategies[0], eval_distribute=strategies[1],
-        session_config=session_config, tf_random_seed=7,
-    )
+    return tfe_estimator.plaintext_twin_config(REPLICAS, model_dir=model_dir, tf_random_seed=7)
 
 
 def _input_fn(x, y, batch=32, repeat=True):

@@ -6,7 +6,6 @@ import sys
 import pytest
 import tensorflow as tf
 
-import tfe_estimator
 from tfe_estimator import TfeRunConfig, TfeStrategy
 
 

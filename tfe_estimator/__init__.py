@@ -21,7 +21,7 @@ from tfe_estimator.cluster import TfeCluster
 from tfe_estimator.errors import InsecureRandomnessError, PlaintextOnServerError
 from tfe_estimator.precision import PRECISIONS, Precision
 from tfe_estimator.protocols import PROTOCOLS
-from tfe_estimator.run_config import TfeRunConfig, TfeSettings, default_session_config
+from tfe_estimator.run_config import TfeRunConfig, TfeSettings, default_session_config, plaintext_twin_config
 from tfe_estimator.strategy import TfeStrategy
 
 __all__ = [
@@ -38,4 +38,5 @@ __all__ = [
     "PROTOCOLS",
     "assert_no_plaintext_on_servers",
     "default_session_config",
+    "plaintext_twin_config",
 ]

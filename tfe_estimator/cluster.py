@@ -23,11 +23,11 @@ Example::
 import dataclasses
 import json
 import os
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfe_estimator.protocols import PROTOCOLS
 
-__all__ = ["TfeCluster", "TFE_JOB", "DATA_OWNER_JOBS", "KNOWN_JOBS"]
+__all__ = ["TfeCluster", "TFE_JOB", "DATA_OWNER_JOBS", "KNOWN_JOBS", "tf_config_json"]
 
 TFE_JOB = "tfe"
 DATA_OWNER_JOBS = ("chief", "worker")
@@ -189,5 +189,10 @@ class TfeCluster:
 
     def to_tf_config(self, task_type: str, task_index: int) -> str:
         """The TF_CONFIG JSON of task `task_type:task_index` of this cluster."""
-        return json.dumps({"cluster": {j: list(a) for j, a in self.jobs.items()},
-                           "task": {"type": task_type, "index": task_index}})
+        return tf_config_json(self.jobs, task_type, task_index)
+
+
+def tf_config_json(jobs: Mapping[str, Sequence[str]], task_type: str, task_index: int) -> str:
+    """The compact TF_CONFIG JSON of task `task_type:task_index` of a cluster of `jobs`."""
+    cluster = {job: list(addresses) for job, addresses in jobs.items()}
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_index}}, separators=(",", ":"))

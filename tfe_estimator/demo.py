@@ -81,21 +81,6 @@ def _train_and_test(config, data, steps, batch_size, learning_rate) -> Dict:
     }
 
 
-def _plaintext_twin_config(model_dir, replicas, seed):
-    strategies = [
-        tf.compat.v1.distribute.MirroredStrategy(devices=list(replicas), cross_device_ops=tf.distribute.ReductionToOneDevice())
-        for _ in range(2)
-    ]
-    from tfe_estimator.run_config import default_session_config  # pylint: disable=import-outside-toplevel
-
-    session_config = default_session_config()
-    session_config.device_count["CPU"] = len(replicas)
-    return tf.estimator.RunConfig(
-        model_dir=model_dir, train_distribute=strategies[0], eval_distribute=strategies[1],
-        session_config=session_config, tf_random_seed=seed,
-    )
-
-
 def run_local_demo(
     steps: int = 400,
     num_replicas: int = 2,
@@ -106,7 +91,7 @@ def run_local_demo(
     seed: int = 0,
 ) -> Dict[str, Dict]:
     """Trains the secure model and its plaintext twin; returns both results."""
-    from tfe_estimator.run_config import TfeRunConfig  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.run_config import TfeRunConfig, plaintext_twin_config  # pylint: disable=import-outside-toplevel
 
     model_dir = model_dir or tempfile.mkdtemp(prefix="tfe-estimator-demo-")
     data = load_diabetes_split(seed)
@@ -114,7 +99,7 @@ def run_local_demo(
         model_dir=f"{model_dir}/secure", protocol=protocol, num_replicas=num_replicas, tf_random_seed=seed
     )
     replicas = secure_config.train_distribute.extended.worker_devices
-    plain_config = _plaintext_twin_config(f"{model_dir}/plaintext", replicas, seed)
+    plain_config = plaintext_twin_config(replicas, model_dir=f"{model_dir}/plaintext", tf_random_seed=seed)
     return {
         "secure": _train_and_test(secure_config, data, steps, batch_size, learning_rate),
         "plaintext": _train_and_test(plain_config, data, steps, batch_size, learning_rate),

@@ -29,7 +29,7 @@ from tfe_estimator.audit import assert_no_plaintext_on_servers
 from tfe_estimator.cluster import TfeCluster
 from tfe_estimator.demo import load_diabetes_split
 from tfe_estimator.launcher import Launcher
-from tfe_estimator.run_config import TfeRunConfig
+from tfe_estimator.run_config import TfeRunConfig, plaintext_twin_config
 
 __all__ = ["COLUMNS", "AuditHook", "write_owner_data", "run_cluster_demo", "main"]
 
@@ -124,11 +124,7 @@ def _config(mode, model_dir):
                             save_checkpoints_steps=100)
     cluster = TfeCluster.from_environment()
     devices = cluster.replica_devices() if not cluster.is_evaluator else ["/cpu:0"]
-    with tf.Graph().as_default():  # in-graph multi-worker MirroredStrategy is graph-only
-        strategies = [tf.compat.v1.distribute.MirroredStrategy(
-            devices=list(devices), cross_device_ops=tf.distribute.ReductionToOneDevice()) for _ in range(2)]
-    return tf.estimator.RunConfig(model_dir=model_dir, train_distribute=strategies[0],
-                                  eval_distribute=strategies[1], tf_random_seed=0, save_checkpoints_steps=100)
+    return plaintext_twin_config(devices, model_dir=model_dir, tf_random_seed=0, save_checkpoints_steps=100)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -36,6 +36,8 @@ import re
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from tfe_estimator.cluster import TFE_JOB, tf_config_json
+
 __all__ = [
     "CLUSTER_LABEL",
     "JOB_LABEL",
@@ -63,7 +65,6 @@ SERVER_COMMAND: Tuple[str, ...] = ("tfe-estimator", "server")
 #: The TFE parties: server0, server1 and a third (Pond's crypto producer, ABY3's server2).
 NUM_TFE_TASKS = 3
 
-_TFE_JOB = "tfe"  # tfe_estimator.cluster.TFE_JOB, not imported to keep this module TF-free
 _DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
@@ -141,7 +142,7 @@ def _tasks(workers: int, evaluator: bool) -> List[Tuple[str, int]]:
     tasks = [("chief", 0)] + [("worker", i) for i in range(workers)]
     if evaluator:
         tasks.append(("evaluator", 0))
-    return tasks + [(_TFE_JOB, i) for i in range(NUM_TFE_TASKS)]
+    return tasks + [(TFE_JOB, i) for i in range(NUM_TFE_TASKS)]
 
 
 def _labels(name: str, job: Optional[str] = None, index: Optional[int] = None) -> Dict[str, str]:
@@ -173,7 +174,7 @@ def _pod_spec(
 ) -> Dict[str, Any]:
     """A pod spec; `mounts` are (volume name, claim name, mount path, read-only)."""
     container: Dict[str, Any] = {
-        "name": "tensorflow" if job != _TFE_JOB else "tfe-server",
+        "name": "tensorflow" if job != TFE_JOB else "tfe-server",
         "image": image,
         "command": list(command),
         "env": [{"name": "TF_CONFIG", "value": tf_config}],
@@ -285,7 +286,7 @@ def render_manifests(
     for job, index in tasks:
         task_name = f"{name}-{job}-{index}"
         labels = _labels(name, job, index)
-        tf_config = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}}, separators=(",", ":"))
+        tf_config = tf_config_json(cluster, job, index)
         manifests.append(
             {
                 "apiVersion": "v1",
@@ -300,7 +301,7 @@ def render_manifests(
                 },
             }
         )
-        if job == _TFE_JOB:
+        if job == TFE_JOB:
             # The TFE parties never see data or the model: no volumes.
             pod_spec = _pod_spec(job, image, SERVER_COMMAND, tf_config, port, "Always")
             manifests.append(

@@ -19,7 +19,7 @@ property keeps its gRPC meaning (Estimator reads it); the tf-encrypted one is
 """
 import dataclasses
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import tensorflow as tf
 from tensorflow_estimator.python.estimator import run_config as run_config_lib
@@ -31,7 +31,7 @@ from tfe_estimator.precision import get_precision
 from tfe_estimator.protocols import load_backend, validate_protocol
 from tfe_estimator.strategy import TfeStrategy
 
-__all__ = ["TfeRunConfig", "TfeSettings", "default_session_config"]
+__all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_twin_config"]
 
 #: Set by `tfe-estimator launch` in every task's environment.
 LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
@@ -42,6 +42,31 @@ _OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol")
 def default_session_config() -> tf.compat.v1.ConfigProto:
     """Estimator's default session config (soft placement, one optimizer pass)."""
     return run_config_lib.get_default_session_config()
+
+
+def plaintext_twin_config(devices: Sequence[str], session_config=None, **run_config_kwargs) -> tf.estimator.RunConfig:
+    """The plaintext twin of a `TfeRunConfig`: the same replicas, summed in the clear.
+
+    Its strategies are `MirroredStrategy` with `ReductionToOneDevice` on
+    `devices` (local, or a cluster's `TfeCluster.replica_devices()`), so a
+    model trained with it is what the secure one must match.
+
+    Example::
+
+        secure = TfeRunConfig(model_dir="/tmp/secure", num_replicas=2)
+        plain = plaintext_twin_config(secure.train_distribute.extended.worker_devices,
+                                      model_dir="/tmp/plain")
+    """
+    with tf.Graph().as_default():  # in-graph multi-worker MirroredStrategy is graph-only
+        strategies = [
+            tf.compat.v1.distribute.MirroredStrategy(
+                devices=list(devices), cross_device_ops=tf.distribute.ReductionToOneDevice())
+            for _ in range(2)
+        ]
+    session_config = session_config or default_session_config()
+    session_config.device_count["CPU"] = max(session_config.device_count.get("CPU", 1), cpus_needed(devices))
+    return tf.estimator.RunConfig(train_distribute=strategies[0], eval_distribute=strategies[1],
+                                  session_config=session_config, **run_config_kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +130,6 @@ class TfeRunConfig(tf.estimator.RunConfig):
                 )
         settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
                                clip_norm=clip_norm)
-        _check_launch_protocol(settings.protocol)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
@@ -143,7 +167,6 @@ class TfeRunConfig(tf.estimator.RunConfig):
         settings = self._tfe_settings
         if ours:
             settings = dataclasses.replace(settings, **ours)
-            _check_launch_protocol(settings.protocol)
             kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config", self.session_config)))
         new = super().replace(**kwargs)
         new._tfe_settings = settings  # pylint: disable=protected-access
@@ -164,6 +187,7 @@ def _check_launch_protocol(protocol: str) -> None:
 
 def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
     """The strategies and session config `RunConfig` gets for `settings`."""
+    _check_launch_protocol(settings.protocol)
     spec = cluster_lib.TfeCluster.from_environment()
     if spec is not None and spec.task_type == cluster_lib.TFE_JOB:
         raise ValueError(
@@ -183,12 +207,8 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
                     server_devices=servers, clip_norm=settings.clip_norm)
         for _ in ("train", "eval")
     ]
-    if session_config is None:
-        session_config = default_session_config()
-    session_config = strategies[0].update_config_proto(session_config)
-    session_config.device_count["CPU"] = max(
-        session_config.device_count.get("CPU", 1), cpus_needed(replicas + servers)
-    )
+    # The strategy's update_config_proto asks for the CPU devices of its layout.
+    session_config = strategies[0].update_config_proto(session_config or default_session_config())
     return {
         "train_distribute": strategies[0],
         "eval_distribute": strategies[1],

@@ -31,7 +31,7 @@ def run_task(task: Dict) -> int:
     workload = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in task["workload"].items()})
     settings, workdir = task["settings"], task["workdir"]
     secure = secure_config(os.path.join(workdir, "secure"), None, settings["protocol"])
-    plain = plaintext_config(os.path.join(workdir, "plaintext"), cluster.replica_devices(), local=False)
+    plain = plaintext_config(os.path.join(workdir, "plaintext"), cluster.replica_devices())
     for config in (secure, plain):
         # With a TF_CONFIG cluster, Estimator.train() hands training to the
         # distribute coordinator, which only `train_and_evaluate` drives and

@@ -4,7 +4,7 @@ import importlib.metadata
 import json
 import os
 import platform
-from typing import Dict, List
+from typing import Dict
 
 __all__ = ["machine", "write_json", "write_plot", "markdown"]
 

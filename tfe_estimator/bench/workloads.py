@@ -7,7 +7,7 @@ repeated, so each step reuses the cached batch and the step time is the
 model and the reduction, not the input.
 """
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import tensorflow as tf
 
@@ -81,17 +81,8 @@ def secure_config(model_dir: str, replicas: int, protocol: str = "pond", precisi
     return TfeRunConfig(protocol=protocol, num_replicas=replicas, precision=precision, **estimator_settings(model_dir))
 
 
-def plaintext_config(model_dir: str, devices: Sequence[str], local: bool = True,
-                     session_config: Optional[tf.compat.v1.ConfigProto] = None):
+def plaintext_config(model_dir: str, devices: Sequence[str]):
     """The twin: MirroredStrategy with ReductionToOneDevice on the same replica devices."""
-    with tf.Graph().as_default():  # in-graph multi-worker MirroredStrategy is graph-only
-        strategies = [tf.compat.v1.distribute.MirroredStrategy(
-            devices=list(devices), cross_device_ops=tf.distribute.ReductionToOneDevice()) for _ in range(2)]
-    kwargs = estimator_settings(model_dir)
-    if local:
-        from tfe_estimator.run_config import default_session_config  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.run_config import plaintext_twin_config  # pylint: disable=import-outside-toplevel
 
-        session_config = session_config or default_session_config()
-        session_config.device_count["CPU"] = max(session_config.device_count.get("CPU", 1), len(devices))
-        kwargs["session_config"] = session_config
-    return tf.estimator.RunConfig(train_distribute=strategies[0], eval_distribute=strategies[1], **kwargs)
+    return plaintext_twin_config(devices, **estimator_settings(model_dir))
