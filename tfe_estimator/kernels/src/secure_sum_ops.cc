@@ -1,0 +1,423 @@
+// The fused kernels of Pond's secure sum, one pass over the data each.
+//
+//   replica r:      share_r, seed_r = TfeMaskShare(x_r)   with share_r = enc(x_r) - AES(seed_r)
+//   server0, 1:     partial_k = TfeServerSum(seeds it holds, masked shares it holds)
+//                   = sum of AES(seed) over its seeds + sum of its masked shares
+//   destination:    y = TfeRevealSum(partial_0, partial_1) = dec(partial_0 + partial_1)
+//
+// Each replica's share pair (AES(seed_r), share_r) is Pond's 2-out-of-2
+// additive sharing of enc(x_r) in the ring Z_{2^R}, R = 64 or 128 (the seed is
+// the compressed form of the share AES(seed_r)). Each server holds, per
+// replica, either a fresh random key or enc(x_r) minus a keystream under a
+// key it never sees, so every value it receives is uniform on the ring.
+//
+// Ring elements are int64 tensors: shape [n] for R = 64 and [n, 2] (low word,
+// high word) for R = 128, whose memory layout is that of a little-endian
+// unsigned __int128. Element i's mask is keystream bytes [i*R/8, (i+1)*R/8)
+// read as a little-endian integer. All ring arithmetic is unsigned, so it
+// wraps modulo 2^R by definition.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "aes_ctr.h"
+#include "common.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tensorflow/core/platform/logging.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace tfe_estimator {
+namespace {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+using u128 = unsigned __int128;
+using i128 = __int128;
+
+::tensorflow::Status RingShape(InferenceContext* c, DimensionHandle n, int output) {
+  int ring_bits;
+  TF_RETURN_IF_ERROR(c->GetAttr("ring_bits", &ring_bits));
+  c->set_output(output, ring_bits == 64 ? c->Vector(n) : c->Matrix(n, 2));
+  return OkStatus();
+}
+
+::tensorflow::Status ReadRingBits(OpKernelConstruction* ctx, int* ring_bits) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("ring_bits", ring_bits));
+  if (*ring_bits != 64 && *ring_bits != 128) {
+    return ::tensorflow::errors::InvalidArgument("ring_bits must be 64 or 128, got ", *ring_bits);
+  }
+  return OkStatus();
+}
+
+TensorShape RingTensorShape(int64_t n, int ring_bits) {
+  return ring_bits == 64 ? TensorShape({n}) : TensorShape({n, 2});
+}
+
+// Runs work(first_element, count) over chunks of kChunkWords keystream words
+// on TensorFlow's intra-op thread pool.
+template <typename Work>
+void ForEachChunk(OpKernelContext* ctx, int64_t n, int words_per_element, Work work) {
+  const int64_t per_chunk = kChunkWords / words_per_element;
+  const int64_t chunks = (n + per_chunk - 1) / per_chunk;
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  ::tensorflow::Shard(workers->NumThreads(), workers, chunks, kChunkWords * 4,
+                      [&](int64_t begin, int64_t end) {
+                        for (int64_t c = begin; c < end; ++c) {
+                          const int64_t first = c * per_chunk;
+                          work(c, first, std::min(per_chunk, n - first));
+                        }
+                      });
+}
+
+// ---------------------------------------------------------------- replica --
+
+REGISTER_OP("TfeMaskShare")
+    .Input("values: T")
+    .Input("bound: float64")
+    .Output("share: int64")
+    .Output("seed: int32")
+    .Attr("T: {float, double, int32, int64}")
+    .Attr("ring_bits: int")
+    .Attr("fraction_bits: int >= 0")
+    .Attr("owner: string")
+    .Attr("hint: string")
+    .SetIsStateful()  // a fresh seed on every run
+    .SetShapeFn([](InferenceContext* c) {
+      DimensionHandle n = c->MakeDim(1);
+      ShapeHandle in = c->input(0);
+      if (c->RankKnown(in)) {
+        for (int i = 0; i < c->Rank(in); ++i) TF_RETURN_IF_ERROR(c->Multiply(n, c->Dim(in, i), &n));
+      } else {
+        n = c->UnknownDim();
+      }
+      TF_RETURN_IF_ERROR(RingShape(c, n, 0));
+      c->set_output(1, c->Vector(kSeedWords));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Checks, fixed-point encodes and masks one replica's values in one pass.
+
+share = round_toward_zero(values * 2**fraction_bits) - AES-128-CTR(seed) mod 2**ring_bits,
+with seed a fresh key from RAND_bytes. Refuses NaN/Inf and |values| >= bound with
+an error naming `owner` and `hint` but no value (the magnitude is logged here).
+)doc");
+
+template <typename T>
+class MaskShareOp : public OpKernel {
+ public:
+  explicit MaskShareOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    RequireSelfTest(ctx);
+    OP_REQUIRES_OK(ctx, ReadRingBits(ctx, &ring_bits_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("fraction_bits", &fraction_bits_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("owner", &owner_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("hint", &hint_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& values = ctx->input(0);
+    const double bound = ctx->input(1).scalar<double>()();
+    // An encoded value must fit the signed ring and its int64/int128 carrier.
+    OP_REQUIRES(ctx, bound > 0 && std::ldexp(bound, fraction_bits_) <= std::ldexp(1.0, ring_bits_ == 64 ? 63 : 126),
+                ::tensorflow::errors::InvalidArgument("bound ", bound, " with ", fraction_bits_,
+                                                      " fraction bits does not fit the ", ring_bits_, "-bit ring"));
+    const int64_t n = values.NumElements();
+    Tensor* share = nullptr;
+    Tensor* seed = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RingTensorShape(n, ring_bits_), &share));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({kSeedWords}), &seed));
+    uint8_t* key = reinterpret_cast<uint8_t*>(seed->flat<int32_t>().data());
+    OP_REQUIRES(ctx, FreshKey(key), ::tensorflow::errors::Internal("RAND_bytes failed: no secure seed"));
+
+    const T* x = values.flat<T>().data();
+    uint8_t* out = reinterpret_cast<uint8_t*>(share->flat<int64_t>().data());
+    const int words = ring_bits_ / 64;
+    const double scale = std::ldexp(1.0, fraction_bits_);
+    const int64_t chunks = (n + kChunkWords / words - 1) / (kChunkWords / words);
+    std::vector<uint8_t> nonfinite(chunks, 0), out_of_range(chunks, 0), cipher_failed(chunks, 0);
+    std::vector<double> largest(chunks, 0.0);
+    ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
+      uint8_t* dst = out + first * words * 8;
+      if (!AesCtrKeystream(key, 0, first * words / kWordsPerBlock, dst, count * words * 8)) {
+        cipher_failed[c] = 1;
+        return;
+      }
+      double big = 0.0;
+      for (int64_t j = 0; j < count; ++j) {
+        const double v = static_cast<double>(x[first + j]);
+        const double magnitude = std::fabs(v);
+        if (std::is_floating_point<T>::value && !std::isfinite(v)) {
+          nonfinite[c] = 1;
+          continue;
+        }
+        if (magnitude > big) big = magnitude;
+        if (!(magnitude < bound)) {
+          out_of_range[c] = 1;
+          continue;
+        }
+        // Multiplying by 2**F is exact in double for float32 and float64
+        // values in range; the cast truncates toward zero, like tf.cast.
+        if (words == 1) {
+          const int64_t enc = std::is_floating_point<T>::value ? static_cast<int64_t>(v * scale)
+                                                               : static_cast<int64_t>(x[first + j]);
+          uint64_t mask;
+          std::memcpy(&mask, dst + j * 8, 8);
+          const uint64_t s = static_cast<uint64_t>(enc) - mask;
+          std::memcpy(dst + j * 8, &s, 8);
+        } else {
+          const i128 enc = std::is_floating_point<T>::value ? static_cast<i128>(v * scale)
+                                                            : static_cast<i128>(x[first + j]);
+          u128 mask;
+          std::memcpy(&mask, dst + j * 16, 16);
+          const u128 s = static_cast<u128>(enc) - mask;
+          std::memcpy(dst + j * 16, &s, 16);
+        }
+      }
+      largest[c] = big;
+    });
+    bool any_nonfinite = false, any_out_of_range = false, any_failed = false;
+    double big = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      any_nonfinite |= nonfinite[c];
+      any_out_of_range |= out_of_range[c];
+      any_failed |= cipher_failed[c];
+      big = std::max(big, largest[c]);
+    }
+    OP_REQUIRES(ctx, !any_failed, ::tensorflow::errors::Internal("AES-128-CTR failed"));
+    if (any_nonfinite || any_out_of_range) {
+      // The magnitude stays on this (the owner's) host: the error travels to
+      // the chief, which must not learn a value computed from this owner's data.
+      LOG(WARNING) << "tfe_estimator: refused the values of " << owner_ << ": "
+                   << (any_nonfinite ? "NaN or infinite elements; " : "") << "largest finite magnitude "
+                   << big << ", limit " << bound;
+    }
+    OP_REQUIRES(ctx, !any_nonfinite,
+                ::tensorflow::errors::InvalidArgument(
+                    "Secure aggregation refused the values of ", owner_,
+                    ": they contain NaN or infinite elements, which fixed-point encoding cannot "
+                    "represent (training has diverged or the input data has NaN/Inf). Check the "
+                    "input data and lower the learning rate."));
+    OP_REQUIRES(ctx, !any_out_of_range,
+                ::tensorflow::errors::InvalidArgument(
+                    "Secure aggregation refused the values of ", owner_,
+                    ": an element's magnitude is not below the fixed-point limit ", bound,
+                    ", so encoding it would wrap around the ring (the magnitude is logged on that "
+                    "owner's host only). ", hint_));
+  }
+
+ private:
+  int ring_bits_;
+  int fraction_bits_;
+  std::string owner_;
+  std::string hint_;
+};
+
+#define REGISTER_MASK(T) \
+  REGISTER_KERNEL_BUILDER(Name("TfeMaskShare").Device(DEVICE_CPU).TypeConstraint<T>("T"), MaskShareOp<T>);
+REGISTER_MASK(float)
+REGISTER_MASK(double)
+REGISTER_MASK(int32_t)
+REGISTER_MASK(int64_t)
+#undef REGISTER_MASK
+
+// ----------------------------------------------------------------- server --
+
+REGISTER_OP("TfeServerSum")
+    .Input("seeds: num_seeds * int32")
+    .Input("shares: num_shares * int64")
+    .Output("sum: int64")
+    .Attr("num_seeds: int >= 0")
+    .Attr("num_shares: int >= 0")
+    .Attr("ring_bits: int")
+    .Attr("num_elements: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t n;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_elements", &n));
+      return RingShape(c, c->MakeDim(n), 0);
+    })
+    .Doc(R"doc(
+One server's part of a Pond sum: the sum, modulo 2**ring_bits, of the masks
+AES-128-CTR(seed) of the seeds it holds and of the masked shares it holds.
+)doc");
+
+class ServerSumOp : public OpKernel {
+ public:
+  explicit ServerSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    RequireSelfTest(ctx);
+    OP_REQUIRES_OK(ctx, ReadRingBits(ctx, &ring_bits_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_elements", &n_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_seeds", &num_seeds_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shares", &num_shares_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int words = ring_bits_ / 64;
+    std::vector<const uint8_t*> keys, shares;
+    for (int i = 0; i < num_seeds_; ++i) {
+      const Tensor& seed = ctx->input(i);
+      OP_REQUIRES(ctx, seed.NumElements() == kSeedWords,
+                  ::tensorflow::errors::InvalidArgument("seed ", i, " must have 4 int32, got shape ",
+                                                        seed.shape().DebugString()));
+      keys.push_back(reinterpret_cast<const uint8_t*>(seed.flat<int32_t>().data()));
+    }
+    for (int i = 0; i < num_shares_; ++i) {
+      const Tensor& share = ctx->input(num_seeds_ + i);
+      OP_REQUIRES(ctx, share.NumElements() == n_ * words,
+                  ::tensorflow::errors::InvalidArgument("share ", i, " has ", share.NumElements(),
+                                                        " int64, expected ", n_ * words));
+      shares.push_back(reinterpret_cast<const uint8_t*>(share.flat<int64_t>().data()));
+    }
+    Tensor* sum = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RingTensorShape(n_, ring_bits_), &sum));
+    uint8_t* out = reinterpret_cast<uint8_t*>(sum->flat<int64_t>().data());
+    const int64_t chunks = (n_ + kChunkWords / words - 1) / (kChunkWords / words);
+    std::vector<uint8_t> failed(chunks, 0);
+    ForEachChunk(ctx, n_, words, [&](int64_t c, int64_t first, int64_t count) {
+      const int64_t offset = first * words * 8, bytes = count * words * 8;
+      std::vector<uint8_t> stream(RoundUpToBlock(bytes));
+      std::memset(out + offset, 0, bytes);
+      auto add = [&](const uint8_t* src) {
+        if (words == 1) {
+          for (int64_t j = 0; j < count; ++j) {
+            uint64_t a, b;
+            std::memcpy(&a, out + offset + j * 8, 8);
+            std::memcpy(&b, src + j * 8, 8);
+            a += b;
+            std::memcpy(out + offset + j * 8, &a, 8);
+          }
+        } else {
+          for (int64_t j = 0; j < count; ++j) {
+            u128 a, b;
+            std::memcpy(&a, out + offset + j * 16, 16);
+            std::memcpy(&b, src + j * 16, 16);
+            a += b;
+            std::memcpy(out + offset + j * 16, &a, 16);
+          }
+        }
+      };
+      for (const uint8_t* share : shares) add(share + offset);
+      for (const uint8_t* key : keys) {
+        if (!AesCtrKeystream(key, 0, first * words / kWordsPerBlock, stream.data(), stream.size())) {
+          failed[c] = 1;
+          return;
+        }
+        add(stream.data());
+      }
+    });
+    for (uint8_t f : failed) OP_REQUIRES(ctx, !f, ::tensorflow::errors::Internal("AES-128-CTR failed"));
+  }
+
+ private:
+  int ring_bits_;
+  int64_t n_;
+  int num_seeds_;
+  int num_shares_;
+};
+REGISTER_KERNEL_BUILDER(Name("TfeServerSum").Device(DEVICE_CPU), ServerSumOp);
+
+// ------------------------------------------------------------ destination --
+
+REGISTER_OP("TfeRevealSum")
+    .Input("share0: int64")
+    .Input("share1: int64")
+    .Input("scale: float64")
+    .Output("values: T")
+    .Attr("T: {float, double, int32, int64}")
+    .Attr("ring_bits: int")
+    .Attr("fraction_bits: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->Dim(c->input(0), 0)));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Adds the two servers' parts of a sum modulo 2**ring_bits and decodes it:
+floats as signed(sum) * 2**-fraction_bits * scale (one rounding), integers
+exactly (an error if the sum does not fit T).
+)doc");
+
+template <typename T>
+class RevealSumOp : public OpKernel {
+ public:
+  explicit RevealSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    RequireSelfTest(ctx);
+    OP_REQUIRES_OK(ctx, ReadRingBits(ctx, &ring_bits_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("fraction_bits", &fraction_bits_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& a = ctx->input(0);
+    const Tensor& b = ctx->input(1);
+    const double scale = ctx->input(2).scalar<double>()();
+    const int words = ring_bits_ / 64;
+    OP_REQUIRES(ctx, a.shape() == b.shape() && a.NumElements() % words == 0,
+                ::tensorflow::errors::InvalidArgument("the two shares differ in shape: ",
+                                                      a.shape().DebugString(), " vs ", b.shape().DebugString()));
+    const int64_t n = a.NumElements() / words;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out));
+    const uint8_t* pa = reinterpret_cast<const uint8_t*>(a.flat<int64_t>().data());
+    const uint8_t* pb = reinterpret_cast<const uint8_t*>(b.flat<int64_t>().data());
+    T* y = out->flat<T>().data();
+    const double factor = std::ldexp(scale, -fraction_bits_);
+    const int64_t chunks = (n + kChunkWords / words - 1) / (kChunkWords / words);
+    std::vector<uint8_t> overflow(chunks, 0);
+    ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
+      for (int64_t i = first; i < first + count; ++i) {
+        i128 s;
+        if (words == 1) {
+          uint64_t x, z;
+          std::memcpy(&x, pa + i * 8, 8);
+          std::memcpy(&z, pb + i * 8, 8);
+          s = static_cast<int64_t>(x + z);
+        } else {
+          u128 x, z;
+          std::memcpy(&x, pa + i * 16, 16);
+          std::memcpy(&z, pb + i * 16, 16);
+          s = static_cast<i128>(x + z);
+        }
+        if (std::is_floating_point<T>::value) {
+          y[i] = static_cast<T>(static_cast<double>(s) * factor);
+        } else if (s < static_cast<i128>(std::numeric_limits<T>::min()) ||
+                   s > static_cast<i128>(std::numeric_limits<T>::max())) {
+          overflow[c] = 1;
+        } else {
+          y[i] = static_cast<T>(s);
+        }
+      }
+    });
+    for (uint8_t o : overflow) {
+      OP_REQUIRES(ctx, !o,
+                  ::tensorflow::errors::InvalidArgument(
+                      "Secure aggregation: a sum of integer values does not fit ",
+                      ::tensorflow::DataTypeString(::tensorflow::DataTypeToEnum<T>::value),
+                      "; keep counters smaller or use a wider integer type."));
+    }
+  }
+
+ private:
+  int ring_bits_;
+  int fraction_bits_;
+};
+
+#define REGISTER_REVEAL(T) \
+  REGISTER_KERNEL_BUILDER(Name("TfeRevealSum").Device(DEVICE_CPU).TypeConstraint<T>("T"), RevealSumOp<T>);
+REGISTER_REVEAL(float)
+REGISTER_REVEAL(double)
+REGISTER_REVEAL(int32_t)
+REGISTER_REVEAL(int64_t)
+#undef REGISTER_REVEAL
+
+}  // namespace
+}  // namespace tfe_estimator
