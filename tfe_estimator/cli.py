@@ -7,6 +7,7 @@ Example::
     $ tfe-estimator launch --workers 1 --evaluator -- python train.py
     $ TF_CONFIG=... tfe-estimator server      # one TFE party of a real cluster
     $ tfe-estimator bench                     # secure vs plaintext step time
+    $ tfe-estimator build-kernels             # compile the AES-CTR kernels ahead of time
     $ tfe-estimator k8s --name demo --image my/train:1 --workers 2 -- python train.py
 """
 import argparse
@@ -50,6 +51,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     demo.add_argument("--num-replicas", type=int, default=2, help="without --cluster: local replicas")
     demo.add_argument("--protocol", default="pond")
 
+    build = sub.add_parser("build-kernels", help="compile the AES-CTR kernel library now (e.g. in an image)")
+    build.add_argument("--force", action="store_true", help="recompile even if a cached build exists")
+
     sub.add_parser("bench", help="secure vs plaintext step time, side by side (see bench --help)")
     sub.add_parser("k8s", help="print Kubernetes manifests for a cluster (see k8s --help)")
     return parser.parse_args(argv)
@@ -69,6 +73,13 @@ def _run(args: argparse.Namespace) -> int:
                         restart_delay=args.restart_delay).run()
     if args.command == "demo":
         return _demo(args)
+    if args.command == "build-kernels":
+        from tfe_estimator import kernels  # pylint: disable=import-outside-toplevel
+
+        kernels.build(force=args.force)
+        kernels.load()  # and prove it: load it and run the known-answer test
+        print(kernels.library_path())
+        return 0
     if args.command == "bench":
         from tfe_estimator import bench  # pylint: disable=import-outside-toplevel
 
