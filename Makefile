@@ -1,11 +1,33 @@
 # The two front-door commands: `make demo` and `make test`. Both create or
-# reuse .venv (scripts/venv.sh) before they run.
-VENV_PY := .venv/bin/python
+# reuse the stack's virtualenv (scripts/venv.sh) before they run.
+#
+# STACK selects the supported stack (README, "Versions"):
+#   tf215 (default)  .venv       Python 3.11, TensorFlow 2.15.1, estimator 2.15.0
+#   tf29             .venv-tf29  Python 3.10, TensorFlow 2.9.1,  estimator 2.9.0
+# e.g. `make test STACK=tf29`. On tf29, `make test` runs TESTS_tf29.
+STACK ?= tf215
+VENV_tf215 := .venv
+VENV_tf29 := .venv-tf29
+EXTRAS_tf215 := test,bench,dp
+EXTRAS_tf29 := test,bench
+# Secure aggregation, routing, Estimator training, model_fns, run config,
+# security and the loopback cluster tests: what must hold on the old stack.
+TESTS_tf215 := tests
+TESTS_tf29 := tests/test_aggregation.py tests/test_strategy_routing.py \
+	tests/test_estimator_training.py tests/test_model_fns.py tests/test_run_config.py \
+	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_launch.py
+
+VENV := $(VENV_$(STACK))
+VENV_PY := $(VENV)/bin/python
+TESTS := $(TESTS_$(STACK))
+ifeq ($(VENV),)
+$(error unknown STACK=$(STACK): use tf215 (default) or tf29)
+endif
 
 .PHONY: demo demo-cluster test test-fast bench venv clean
 
 venv:
-	bash scripts/venv.sh test
+	STACK=$(STACK) bash scripts/venv.sh $(EXTRAS_$(STACK))
 
 demo: venv
 	$(VENV_PY) -m tfe_estimator.cli demo
@@ -14,13 +36,13 @@ demo-cluster: venv
 	$(VENV_PY) -m tfe_estimator.cli demo --cluster
 
 test: venv
-	$(VENV_PY) -m pytest tests
+	$(VENV_PY) -m pytest $(TESTS)
 
 bench: venv
 	$(VENV_PY) -m tfe_estimator.bench
 
 test-fast: venv
-	$(VENV_PY) -m pytest tests -m "not slow and not multiprocess"
+	$(VENV_PY) -m pytest $(TESTS) -m "not slow and not multiprocess"
 
 clean:
-	rm -rf .venv .pytest_cache build *.egg-info
+	rm -rf .venv .venv-tf29 .pytest_cache build *.egg-info

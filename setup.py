@@ -1,9 +1,12 @@
 """Installs tfe_estimator, model_fns and input_fns, and the `tfe-estimator` command.
 
-This file is the one place where dependency versions are pinned. The set is
-the only one known to work together (see README, "Versions"): tf-encrypted
-0.9.1 ships its custom secure-randomness ops compiled for TensorFlow 2.9.1
-only, and TensorFlow 2.9 wheels exist for Python 3.7 to 3.10.
+The supported ranges are stated here (see README, "Versions"): Python 3.10 or
+3.11, TensorFlow and tensorflow-estimator 2.9 to 2.15 (Estimator's last
+release; TensorFlow 2.16 has no Estimator). The exact sets CI tests are the
+constraint files `requirements/tf215.txt` (default: Python 3.11, TensorFlow
+2.15.1) and `requirements/tf29.txt` (Python 3.10, TensorFlow 2.9.1), which
+`scripts/venv.sh` installs with. `tfe_estimator.compat` refuses any other
+TensorFlow at import.
 """
 import pathlib
 import re
@@ -17,15 +20,20 @@ VERSION = re.search(
 ).group(1)
 
 INSTALL_REQUIRES = [
-    "tensorflow==2.9.1",  # not tensorflow-cpu: tf-encrypted requires this name
-    "tensorflow-estimator==2.9.0",
+    "tensorflow>=2.9,<2.16",  # not tensorflow-cpu: tf-encrypted requires this name
+    "tensorflow-estimator>=2.9,<2.16",
     "tf-encrypted==0.9.1",
-    "numpy<1.24",
-    "protobuf<3.20",
-    "onnx==1.12.0",
-    "tf2onnx==1.13.0",
-    "setuptools<70",  # tf-encrypted imports pkg_resources
-    "scikit-learn>=1.2,<1.4",  # the demo's real data sets ship with it
+    # tf-encrypted's undeclared needs: `import tf_encrypted` imports onnx.mapping
+    # (gone in onnx 1.16) and pkg_resources (gone from setuptools 70).
+    "onnx>=1.12,<1.16",
+    "tf2onnx>=1.13",
+    "pyyaml>=6",
+    "setuptools<70",
+    "numpy>=1.22,<2",
+    "protobuf<5",
+    "scikit-learn>=1.2,<1.6",  # the demo's real data sets ship with it
+    "portpicker>=1.5,<2",  # free ports for loopback clusters
+    "filelock>=3.12",  # one build of the kernel library at a time
 ]
 
 EXTRAS_REQUIRE = {
@@ -33,10 +41,14 @@ EXTRAS_REQUIRE = {
         "pytest>=7.4,<10",
         "pytest-timeout>=2.2,<3",
         "hypothesis>=6.80,<7",
-        "scipy>=1.10,<1.16",
-        "matplotlib>=3.7,<3.10",  # the benchmark's smoke test draws its plot
+        "scipy>=1.10,<1.18",
+        "matplotlib>=3.7,<3.12",  # the benchmark's smoke test draws its plot
+        "cryptography>=41",  # the AES-CTR kernel is compared with its keystream
     ],
-    "bench": ["matplotlib>=3.7,<3.10"],
+    "bench": ["matplotlib>=3.7,<3.12"],
+    # Distributed DP; tensorflow-privacy 0.9.0 needs TensorFlow 2.14/2.15 and
+    # Python < 3.12, so only the default stack (requirements/tf215.txt) has it.
+    "dp": ["tensorflow-privacy==0.9.0", "dp-accounting>=0.4.3"],
 }
 
 setup(
@@ -46,8 +58,14 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10,<3.11",
+    classifiers=[
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Security :: Cryptography",
+    ],
+    python_requires=">=3.10,<3.12",
     packages=find_packages(include=["tfe_estimator", "tfe_estimator.*", "model_fns", "input_fns"]),
+    package_data={"tfe_estimator.kernels": ["src/*"]},  # built by `tfe-estimator build-kernels`
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={"console_scripts": ["tfe-estimator=tfe_estimator.cli:main"]},

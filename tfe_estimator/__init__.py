@@ -15,6 +15,10 @@ Importing this package imports TensorFlow but neither starts its runtime nor
 imports tf-encrypted; that happens when a reduction is first built.
 """
 from tfe_estimator._version import __version__
+from tfe_estimator.compat import check_tensorflow_version
+
+check_tensorflow_version()  # before any module below touches TensorFlow's private APIs
+
 from tfe_estimator.aggregation import SecureAggregation
 from tfe_estimator.audit import assert_no_plaintext_on_servers
 from tfe_estimator.cluster import TfeCluster

@@ -2,7 +2,8 @@
 
 Importing tf_encrypted starts TensorFlow's runtime and sets a global
 protocol, so nothing imports this module at `tfe_estimator` import time;
-`SecureAggregation` imports it when it first builds a reduction.
+`SecureAggregation` imports it (through `protocols.load_backend`, in a
+throwaway graph) when it first builds a reduction.
 
 tf-encrypted keeps its player registry in a global `Config`. We never replace
 it for good: `players_scope` installs a `DevicePlayers` config (players named
@@ -10,6 +11,16 @@ after the devices that hold them) only while a reduction is built, and restores
 the previous one. `DevicePlayers` runs in tf-encrypted's "debug" mode, which
 turns off its process-wide node memo cache (a cache keyed by Python object ids
 that is not safe across the many graphs an Estimator builds).
+
+Compatibility with TensorFlow 2.15 lives here, each piece with its reason:
+
+- `_define_dropped_while_v2_flag`: tf-encrypted 0.9.1 imports a module flag
+  of TensorFlow 2.9 that 2.10+ dropped; it runs before `import tf_encrypted`.
+- `install_secure_random`: tf-encrypted's compiled ops exist for TensorFlow
+  2.9.1 only; on any other TensorFlow its `secure_random_module` is None and it
+  silently falls back to predictable randomness. We install our AES-128-CTR
+  generator (`tfe_estimator.kernels`) in its place, on both stacks, so Pond,
+  ABY3 and every other tf-encrypted path draw masks and seeds from it.
 
 Example::
 
@@ -22,44 +33,131 @@ Example::
 """
 import contextlib
 import io
-from typing import Dict, List, Sequence
+import logging
+from typing import Dict, List, Optional, Sequence
 
-import tf_encrypted  # noqa: F401  (registers the secure random ops)
-from tf_encrypted.config import Config, get_config, set_config
-from tf_encrypted.operations import secure_random
-from tf_encrypted.player import Player
-from tf_encrypted.protocol.aby3 import ABY3
-from tf_encrypted.protocol.pond import Pond
+import tensorflow as tf
+from tensorflow.python.ops import while_v2
 
-from tfe_estimator.errors import InsecureRandomnessError
-from tfe_estimator.precision import Precision
+
+def _define_dropped_while_v2_flag() -> None:
+    """Defines `while_v2.glob_stateful_parallelism` where TensorFlow dropped it.
+
+    tf-encrypted 0.9.1's ABY3 does ``from tensorflow.python.ops.while_v2 import
+    glob_stateful_parallelism`` (a module flag TensorFlow 2.9 has, default
+    False, and 2.10+ removed), so on TensorFlow 2.15 `import tf_encrypted`
+    fails on that line alone. ABY3 reads the flag only in its own while-loop
+    helper, which secure aggregation never uses; False is TensorFlow 2.9's
+    default, so both stacks behave the same.
+    """
+    if not hasattr(while_v2, "glob_stateful_parallelism"):
+        while_v2.glob_stateful_parallelism = False
+
+
+_define_dropped_while_v2_flag()  # must run before the first tf_encrypted import below
+
+# pylint: disable=wrong-import-position
+import tf_encrypted  # noqa: E402,F401  (on TF 2.9.1 also registers its compiled ops)
+from tf_encrypted.config import Config, get_config, set_config  # noqa: E402
+from tf_encrypted.operations import secure_random  # noqa: E402
+from tf_encrypted.operations.secure_random import secure_random as _tfe_secure_random_impl  # noqa: E402
+from tf_encrypted.player import Player  # noqa: E402
+from tf_encrypted.protocol.aby3 import ABY3  # noqa: E402
+from tf_encrypted.protocol.pond import Pond  # noqa: E402
+
+from tfe_estimator.errors import InsecureRandomnessError  # noqa: E402
+from tfe_estimator.precision import Precision  # noqa: E402
+
+# pylint: enable=wrong-import-position
+
+_LOG = logging.getLogger("tfe_estimator")
 
 __all__ = [
     "DevicePlayers",
     "players_scope",
     "make_protocol",
+    "install_secure_random",
     "require_secure_randomness",
 ]
 
 
-def require_secure_randomness() -> None:
-    """Refuses to go on when tf-encrypted lacks its secure random op.
+#: The generator object we installed in tf-encrypted; why not, if we could not;
+#: and whether `tfe_estimator.kernels` exists in this checkout at all.
+_installed = None
+_not_installed_reason: Optional[str] = None
+_kernels_missing = False
 
-    Without its compiled op tf-encrypted silently falls back to TensorFlow's
-    ordinary (predictable) random number generators, and shares made with
-    them hide nothing.
+
+def install_secure_random():
+    """Makes tf-encrypted draw all its randomness from our AES-128-CTR generator.
+
+    tf-encrypted reads the module global
+    `tf_encrypted.operations.secure_random.secure_random.secure_random_module`
+    at every call (`secure_seed`, `seeded_random_uniform`, `random_uniform`,
+    and ABY3's `supports_seeded_randomness` check), so replacing that object
+    reroutes Pond, ABY3 and every other tf-encrypted path. tf-encrypted's own
+    module (its ChaCha op, TF 2.9.1 only) stays as the `fallback` for the
+    128-bit (`i128_*`) calls our generator does not implement; on TF 2.15 there
+    is none, and those calls raise NotImplementedError.
+
+    Idempotent. `protocols.load_backend` calls it.
+
+    Returns:
+      The installed module object, or tf-encrypted's own (possibly None) if
+      our generator is unavailable; `require_secure_randomness` tells why.
+    """
+    global _installed, _not_installed_reason, _kernels_missing  # pylint: disable=global-statement
+    current = _tfe_secure_random_impl.secure_random_module
+    if _installed is not None and current is _installed:
+        return current
+    try:
+        from tfe_estimator import kernels  # pylint: disable=import-outside-toplevel
+
+        make_module = kernels.tfe_random_module
+    except (ImportError, AttributeError) as exc:
+        # Until the kernel library is part of this checkout, TF 2.9.1 keeps
+        # tf-encrypted's own generator (still a CSPRNG); TF 2.15 has none.
+        _not_installed_reason = f"tfe_estimator.kernels.tfe_random_module is missing ({exc})"
+        _kernels_missing = True
+        return current
+    try:
+        ours = make_module(fallback=current)
+    except (OSError, RuntimeError, tf.errors.OpError) as exc:  # KernelBuildError, KernelSelfTestError, load
+        _not_installed_reason = (
+            f"tfe_estimator's AES-CTR kernel library did not load ({exc}). Build it with "
+            "`tfe-estimator build-kernels` (scripts/venv.sh does) in this environment"
+        )
+        return current
+    _tfe_secure_random_impl.secure_random_module = ours
+    _installed, _not_installed_reason = ours, None
+    _LOG.debug("tf-encrypted draws its randomness from %r", ours)
+    return ours
+
+
+def require_secure_randomness() -> None:
+    """Refuses to go on unless tf-encrypted draws from a secure generator.
+
+    Without a compiled generator tf-encrypted silently falls back to
+    TensorFlow's ordinary (predictable) random number generators, and shares
+    made with them hide nothing. The generator must be ours
+    (`install_secure_random`) whenever `tfe_estimator.kernels` is part of the
+    package.
 
     Raises:
-      InsecureRandomnessError: if the op library did not load.
+      InsecureRandomnessError: naming what is missing and the fix.
     """
-    if not secure_random.supports_secure_randomness():
+    module = install_secure_random()
+    ours_required = not _kernels_missing
+    if module is None or not secure_random.supports_secure_randomness() or (
+            ours_required and module is not _installed):
         raise InsecureRandomnessError(
-            "tf-encrypted cannot load its secure random op library "
-            "(secure_random_module_tf_<version>.so), so secret shares would be "
-            "drawn from a predictable generator. Secure aggregation refuses to run "
-            "without it. tf-encrypted 0.9.1 ships that library for TensorFlow 2.9.1 "
-            "only: install the pinned versions with `pip install -e .` in a Python "
-            "3.10 environment (see README, 'Versions')."
+            "No cryptographically secure random op for tf-encrypted on TensorFlow "
+            f"{tf.__version__}: {_not_installed_reason or 'its secure random op library did not load'}. "
+            "Secret shares would be drawn from a predictable generator, so secure "
+            "aggregation refuses to run. tf-encrypted 0.9.1 ships its own op "
+            "(secure_random_module_tf_<version>.so) for TensorFlow 2.9.1 only; on other "
+            "versions tfe_estimator's AES-CTR kernels replace it (`tfe-estimator "
+            "build-kernels`; see README, 'Versions')."
         )
 
 
