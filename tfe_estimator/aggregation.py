@@ -28,18 +28,24 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
-from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as value_lib
-from tensorflow.python.platform import tf_logging as logging
 
-from tfe_estimator.precision import get_precision
-from tfe_estimator.protocols import PROTOCOLS, load_backend, validate_protocol
+from tfe_estimator import fused_sum
 from tfe_estimator import secure_sum
+from tfe_estimator.devices import validate_party_devices
+from tfe_estimator.precision import READ_PRECISION, get_precision
+from tfe_estimator.protocols import check_supported, load_backend, validate_protocol
 
 __all__ = ["SecureAggregation"]
 
 _FLOAT, _INT = "float", "int"
+
+#: `implementation` values: "auto" runs Pond on tfe_estimator's fused AES-CTR
+#: kernels and ABY3 on tf-encrypted; "tf-encrypted" runs tf-encrypted's own
+#: protocol code for both (the reference implementation, with our AES-CTR
+#: generator as its randomness).
+IMPLEMENTATIONS = ("auto", "tf-encrypted")
 
 
 class SecureAggregation(tf.distribute.ReductionToOneDevice):
@@ -51,20 +57,25 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
       precision: "low" (64-bit ring) or "high" (128-bit ring); see
         `tfe_estimator.precision`.
       server_devices: the three devices of the protocol's parties (for Pond:
-        server0, server1 and the crypto producer, which a sum never uses).
-        None puts all three on the host CPU of the first replica's task: a
-        functional, in-process simulation without any security boundary,
-        which `TfeStrategy` never uses.
+        server0, server1 and the crypto producer, which a sum never uses),
+        all distinct, and none a replica or destination device (on a
+        cluster: none on a replica's or destination's task). Required:
+        `tfe_estimator.devices.local_layout` gives a one-machine layout, and
+        `TfeStrategy` chooses one for you.
       clip_norm: if set, each replica's float values of an update (a
         reduction to variables or an all-reduce, which is what optimizers do
         with gradients) are clipped to this global L2 norm on the replica's
         device before the range check, so large gradients are bounded
         instead of refused. Reductions to one device (the reported loss,
         metric reads) are never clipped.
+      implementation: "auto" (Pond on tfe_estimator's fused AES-CTR kernels,
+        ABY3 on tf-encrypted) or "tf-encrypted" (tf-encrypted's own Pond as
+        well: the reference implementation; slower, same ring sums).
 
     Raises:
-      ValueError: for an unknown protocol or precision, or a wrong number of
-        server devices.
+      ValueError: for an unknown protocol, precision or implementation, or
+        server devices that are missing, too few or too many, or not distinct.
+      NotImplementedError: for a combination this TensorFlow cannot run.
 
     Example::
 
@@ -81,18 +92,17 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         precision: str = "low",
         server_devices: Optional[Sequence[str]] = None,
         clip_norm: Optional[float] = None,
+        implementation: str = "auto",
     ) -> None:
         self._protocol = validate_protocol(protocol)
         self._clip_norm = validate_clip_norm(clip_norm)
         self._precision = get_precision(precision)
-        if server_devices is not None:
-            server_devices = tuple(device_util.canonicalize(d) for d in server_devices)
-            if len(server_devices) != PROTOCOLS[self._protocol]:
-                raise ValueError(
-                    f"protocol={self._protocol!r} needs {PROTOCOLS[self._protocol]} server "
-                    f"devices, got {len(server_devices)}: {list(server_devices)}."
-                )
-        self._server_devices = server_devices
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
+        self._fused = implementation == "auto" and self._protocol == "pond"
+        if not self._fused:  # tf-encrypted's protocol code: its 128-bit ring may be missing
+            check_supported("aby3" if self._precision.ring_bits == 128 else self._protocol, self._precision)
+        self._server_devices = validate_party_devices(self._protocol, server_devices)
         super().__init__()
 
     @property
@@ -112,8 +122,13 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
 
     @property
     def server_devices(self):
-        """The devices of the protocol's parties, or None for the in-process default."""
+        """The devices of the protocol's parties."""
         return self._server_devices
+
+    @property
+    def implementation(self) -> str:
+        """"fused" (tfe_estimator's kernels) or "tf-encrypted" (its protocol code)."""
+        return "fused" if self._fused else "tf-encrypted"
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         return self.batch_reduce_implementation(
@@ -132,14 +147,15 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             else:
                 targets = sources
             kind = _kind(value)
-            clip = (self._clip_norm is not None and kind == _FLOAT
-                    and isinstance(destinations, value_lib.DistributedValues))
-            groups.setdefault((sources, targets, kind, clip), []).append(index)
+            # An update (gradients to variables, an all-reduce) or a read (the
+            # reported loss, a metric value, to one device).
+            update = isinstance(destinations, value_lib.DistributedValues)
+            groups.setdefault((sources, targets, kind, update), []).append(index)
 
         results = [None] * len(value_destination_pairs)
-        for (sources, targets, kind, clip), indices in groups.items():
+        for (sources, targets, kind, update), indices in groups.items():
             values = [value_destination_pairs[i][0] for i in indices]
-            reduced = self._secure_reduce(reduce_op, values, sources, targets, kind, clip)
+            reduced = self._secure_reduce(reduce_op, values, sources, targets, kind, update)
             for i, r in zip(indices, reduced):
                 results[i] = r
         return results
@@ -151,36 +167,36 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             "TfeStrategy."
         )
 
-    def _secure_reduce(self, reduce_op, values, sources, targets, kind, clip=False):
+    def _secure_reduce(self, reduce_op, values, sources, targets, kind, update):
         """Securely reduces PerReplica `values` (all on `sources`) to `targets`."""
-        tfe_backend = load_backend()
+        tfe_backend = load_backend()  # our kernels, and tf-encrypted with our generator
         num = len(sources)
         self._precision.check_headroom(num)
-        players = tfe_backend.DevicePlayers(self._servers_for(sources))
+        validate_party_devices(self._protocol, self._server_devices, sources, targets)
         dtypes = [v.values[0].dtype for v in values]
-        with tf.name_scope("secure_aggregation"), tfe_backend.players_scope(players):
-            protocol = tfe_backend.make_protocol(self._protocol, self._precision, players.servers)
-            inputs = []
-            shapes = None
-            pack_dtype = _pack_dtype(kind, dtypes)
-            fraction_bits = self._precision.fraction_bits if kind == _FLOAT else 0
+        pack_dtype = _pack_dtype(kind, dtypes)
+        encoding = self._encoding(kind, update, num)
+        scale = 1.0 / num if kind == _FLOAT and reduce_op == tf.distribute.ReduceOp.MEAN else 1.0
+        owners = [f"replica {r} ({device})" for r, device in enumerate(sources)]
+        hint = self._hint(kind, update, encoding)
+        vectors, shapes = [], None
+        with tf.name_scope("secure_aggregation"):
             for r, device in enumerate(sources):
                 with tf.device(device):
                     dense = [_densify(v.values[r]) for v in values]
                     vector, shapes = secure_sum.pack(dense, pack_dtype)
-                    if clip:
+                    if self._clip_norm is not None and kind == _FLOAT and update:
                         vector = tf.clip_by_norm(vector, self._clip_norm)
-                    vector = secure_sum.check_encodable(
-                        vector, self._bound(kind, num), f"replica {r} ({device})", self._hint(kind)
-                    )
-                    ring = secure_sum.encode(vector, fraction_bits)
-                inputs.append((players.device_player(device), ring))
-            sums = secure_sum.share_and_sum(protocol, inputs, [players.device_player(d) for d in targets])
-        scale = 1.0 / num if kind == _FLOAT and reduce_op == tf.distribute.ReduceOp.MEAN else 1.0
+                vectors.append(vector)
+            if self._fused:
+                totals = fused_sum.pond_sum(vectors, sources, self._server_devices, targets, encoding,
+                                            pack_dtype, owners, hint, scale)
+            else:
+                totals = self._tfe_sum(tfe_backend, vectors, sources, targets, encoding, pack_dtype,
+                                       owners, hint, scale)
         per_target = []
-        for device, total in zip(targets, sums):
-            with tf.device(device), tf.name_scope("secure_aggregation_decode"):
-                total = secure_sum.decode(total, pack_dtype, fraction_bits, scale)
+        for device, total in zip(targets, totals):
+            with tf.device(device), tf.name_scope("secure_aggregation_unpack"):
                 parts = secure_sum.unpack(total, shapes)
                 parts = [_finish(p, dtype, kind, reduce_op, num) for p, dtype in zip(parts, dtypes)]
             per_target.append(parts)
@@ -193,32 +209,52 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                 results.append(distribute_utils.regroup(on_targets, wrap_class=value_lib.Mirrored))
         return results
 
-    def _servers_for(self, sources):
-        if self._server_devices is not None:
-            return self._server_devices
-        host = tf.DeviceSpec.from_string(sources[0]).replace(device_type="CPU", device_index=0)
-        logging.log_first_n(
-            logging.WARNING,
-            "SecureAggregation without server_devices: all TFE parties run on %s, "
-            "in this process. This simulates the protocol; it is not a security "
-            "boundary. TfeStrategy and TfeRunConfig place them on their own devices." % host.to_string(),
-            1,
-        )
-        return (host.to_string(),) * PROTOCOLS[self._protocol]
+    def _tfe_sum(self, tfe_backend, vectors, sources, targets, encoding, dtype, owners, hint, scale):
+        """The sum by tf-encrypted's own protocol code; decoded, one tensor per target."""
+        players = tfe_backend.DevicePlayers(self._server_devices)
+        with tfe_backend.players_scope(players):
+            protocol = tfe_backend.make_protocol(self._protocol, self._precision, players.servers)
+            inputs = []
+            for vector, device, owner in zip(vectors, sources, owners):
+                with tf.device(device):
+                    vector = secure_sum.check_encodable(vector, encoding.bound, owner, hint)
+                    inputs.append((players.device_player(device), secure_sum.encode(vector, encoding.fraction_bits)))
+            sums = secure_sum.share_and_sum(protocol, inputs, [players.device_player(d) for d in targets])
+        totals = []
+        for device, total in zip(targets, sums):
+            with tf.device(device):
+                totals.append(secure_sum.decode(total, dtype, encoding.fraction_bits, scale))
+        return totals
 
-    def _bound(self, kind, num):
-        if kind == _FLOAT:
-            return self._precision.max_magnitude
-        bits = min(self._precision.ring_bits, 64) - 1 - math.ceil(math.log2(max(num, 1)))
-        return float(2**bits)
+    def _encoding(self, kind, update, num) -> fused_sum.Encoding:
+        """Ring, fraction bits and per-replica bound for one group of values."""
+        if kind == _INT:
+            # Integers are shared exactly. On the 64-bit ring the sum of N
+            # values must stay below 2**63; on the 128-bit ring any int64 fits
+            # and the reveal refuses a sum that does not fit the dtype.
+            ring = self._precision.ring_bits
+            bits = 63 if ring == 128 else 63 - math.ceil(math.log2(max(num, 1)))
+            return fused_sum.Encoding(ring, 0, float(2**bits))
+        precision = self._precision
+        if not update and self._fused:
+            # The reported loss and metric values: any magnitude float32
+            # training produces in practice, on the 128-bit ring.
+            precision = READ_PRECISION
+            precision.check_headroom(num)
+        return fused_sum.Encoding(precision.ring_bits, precision.fraction_bits, precision.max_magnitude)
 
-    def _hint(self, kind):
+    def _hint(self, kind, update, encoding):
         if kind == _INT:
             return "Integer values are shared exactly; keep counters below this limit."
+        if not update:
+            return (
+                "These are values the model reports (the loss or a metric), not gradients. Fix: "
+                f"scale the labels (and features) so that they stay below {encoding.bound:.3g}."
+            )
         return (
-            "Fixes: lower the learning rate, clip gradients (e.g. tf.clip_by_global_norm in "
-            "the model_fn), scale features and labels"
-            + (", or use precision=high (limit 2**30)." if self._precision.name == "low" else ".")
+            "Fixes: lower the learning rate, clip gradients (clip_norm=... in TfeRunConfig, or "
+            "tf.clip_by_global_norm in the model_fn), scale features and labels"
+            + (", or use precision='high' (limit 2**30)." if self._precision.name == "low" else ".")
         )
 
 
@@ -237,6 +273,11 @@ def _kind(value):
     dtype = value.values[0].dtype if isinstance(value, value_lib.DistributedValues) else value.dtype
     if dtype.is_floating:
         return _FLOAT
+    if dtype.is_integer and dtype.is_unsigned:
+        raise NotImplementedError(
+            f"SecureAggregation does not sum unsigned integers (got {dtype.name}): their sums "
+            "would wrap silently. Cast them to int64 first."
+        )
     if dtype.is_integer:
         return _INT
     raise NotImplementedError(

@@ -36,7 +36,7 @@ import dataclasses
 import math
 from typing import Union
 
-__all__ = ["Precision", "PRECISIONS", "get_precision"]
+__all__ = ["Precision", "PRECISIONS", "READ_PRECISION", "get_precision"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +121,12 @@ PRECISIONS = {
     "low": Precision(name="low", ring_bits=64, integer_bits=24, fraction_bits=32),
     "high": Precision(name="high", ring_bits=128, integer_bits=30, fraction_bits=32),
 }
+
+#: The encoding of values a model reports (the loss, metric values: reductions
+#: to one device, never applied as updates) on the fused kernels, whatever the
+#: precision: the 128-bit ring with 80 integer bits, so an unscaled regression
+#: loss (1e11 and far beyond) sums exactly where float32 training can report it.
+READ_PRECISION = Precision(name="read", ring_bits=128, integer_bits=80, fraction_bits=32)
 
 
 def get_precision(precision: Union[str, Precision]) -> Precision:
