@@ -21,6 +21,7 @@ from sklearn.model_selection import train_test_split
 
 import input_fns
 import tfe_estimator
+from model_fns import keras_optimizers  # tf.keras.optimizers.legacy where Estimator needs it (TF >= 2.11)
 
 
 def parse_args(argv=None):
@@ -55,7 +56,7 @@ def main(argv=None):
     results = {}
     for name, config in configs.items():
         est = tf.estimator.LinearRegressor(feature_columns=columns, config=config,
-                                           optimizer=lambda: tf.keras.optimizers.SGD(0.05))
+                                           optimizer=lambda: keras_optimizers().SGD(0.05))
         est.train(train_input_fn, steps=args.steps)
         metrics = est.evaluate(test_input_fn)
         results[name] = {

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import input_fns
 import tfe_estimator
+from model_fns import keras_optimizers  # tf.keras.optimizers.legacy where Estimator needs it (TF >= 2.11)
 
 COLUMNS = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6", "target"]
 
@@ -38,7 +39,7 @@ def main(argv=None):
         save_checkpoints_steps=100)
     est = tf.estimator.LinearRegressor(
         feature_columns=[tf.feature_column.numeric_column(name) for name in COLUMNS[:-1]],
-        optimizer=lambda: tf.keras.optimizers.SGD(0.05), config=config)
+        optimizer=lambda: keras_optimizers().SGD(0.05), config=config)
     # Relative paths, read by dataset ops in each owner's own process.
     train = input_fns.csv_input_fn("data/train.csv", "target", 32, column_names=COLUMNS)
     test = input_fns.csv_input_fn("data/test.csv", "target", 90, column_names=COLUMNS, num_epochs=1, shuffle=False)

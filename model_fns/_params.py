@@ -17,17 +17,48 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import tensorflow as tf
 
-__all__ = ["OPTIMIZERS", "OptimizerSpec", "validate_params", "make_optimizer"]
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "keras_optimizers", "validate_params", "make_optimizer"]
+
+
+def keras_optimizers():
+    """The namespace of the Keras optimizers Estimator trains with on this TensorFlow.
+
+    TensorFlow >= 2.11: `tf.keras.optimizers.legacy`; Estimator's canned models
+    and heads refuse the new optimizers ("Please set your optimizer as an
+    instance of `tf.keras.optimizers.legacy.Optimizer`"). TensorFlow 2.9 and
+    2.10: `tf.keras.optimizers`, whose optimizers are those same (V2) ones.
+
+    Example::
+
+        est = tf.estimator.LinearRegressor(
+            feature_columns=cols, optimizer=lambda: model_fns.keras_optimizers().SGD(0.05))
+    """
+    major, minor = (int(p) for p in tf.__version__.split(".")[:2])
+    return tf.keras.optimizers.legacy if (major, minor) >= (2, 11) else tf.keras.optimizers
+
+
+_KERAS = keras_optimizers()
 
 OPTIMIZERS = {
-    "adagrad": tf.keras.optimizers.Adagrad,
-    "adam": tf.keras.optimizers.Adam,
-    "ftrl": tf.keras.optimizers.Ftrl,
-    "rmsprop": tf.keras.optimizers.RMSprop,
-    "sgd": tf.keras.optimizers.SGD,
+    "adagrad": _KERAS.Adagrad,
+    "adam": _KERAS.Adam,
+    "ftrl": _KERAS.Ftrl,
+    "rmsprop": _KERAS.RMSprop,
+    "sgd": _KERAS.SGD,
 }
 
-OptimizerSpec = Union[str, tf.keras.optimizers.Optimizer, Callable[[], tf.keras.optimizers.Optimizer]]
+OptimizerSpec = Union[str, _KERAS.Optimizer, Callable[[], _KERAS.Optimizer]]
+
+
+def _is_new_keras_optimizer(value) -> bool:
+    """A TF >= 2.11 Keras optimizer that Estimator refuses (not a legacy one)."""
+    return _KERAS is not tf.keras.optimizers and isinstance(value, tf.keras.optimizers.Optimizer)
+
+
+def _legacy_hint(value) -> str:
+    return (f"Estimator on TensorFlow {tf.__version__} needs a tf.keras.optimizers.legacy optimizer; "
+            f"use tf.keras.optimizers.legacy.{type(value).__name__} (or model_fns.keras_optimizers()."
+            f"{type(value).__name__}) instead of tf.keras.optimizers.{type(value).__name__}.")
 
 
 def validate_params(
@@ -77,7 +108,7 @@ def validate_params(
     return merged
 
 
-def make_optimizer(params: Mapping[str, Any]) -> tf.keras.optimizers.Optimizer:
+def make_optimizer(params: Mapping[str, Any]) -> "_KERAS.Optimizer":
     """Returns a new Keras optimizer for `params["optimizer"]`.
 
     A name builds that optimizer with `params["learning_rate"]`; an instance is
@@ -89,15 +120,18 @@ def make_optimizer(params: Mapping[str, Any]) -> tf.keras.optimizers.Optimizer:
     spec = params["optimizer"]
     if isinstance(spec, str):
         optimizer = OPTIMIZERS[spec.lower()](learning_rate=params["learning_rate"])
-    elif isinstance(spec, tf.keras.optimizers.Optimizer):
+    elif isinstance(spec, _KERAS.Optimizer):
         optimizer = spec.__class__.from_config(spec.get_config())
     else:
         optimizer = spec()
-        if not isinstance(optimizer, tf.keras.optimizers.Optimizer):
+        if _is_new_keras_optimizer(optimizer):
+            raise TypeError(f"params['optimizer'] is a callable that returned {type(optimizer).__name__}: "
+                            + _legacy_hint(optimizer))
+        if not isinstance(optimizer, _KERAS.Optimizer):
             raise TypeError(
                 "params['optimizer'] is a callable that returned "
-                f"{type(optimizer).__name__}; it must return a tf.keras.optimizers.Optimizer "
-                "(e.g. lambda: tf.keras.optimizers.Adam(0.01))."
+                f"{type(optimizer).__name__}; it must return a Keras optimizer "
+                "(e.g. lambda: model_fns.keras_optimizers().Adam(0.01))."
             )
     optimizer.iterations = tf.compat.v1.train.get_or_create_global_step()
     return optimizer
@@ -121,13 +155,16 @@ def _check_optimizer(where, key, value):
         if value.lower() not in OPTIMIZERS:
             raise ValueError(
                 f"{where}: params[{key!r}]={value!r} is not a known optimizer name. "
-                f"Known names: {sorted(OPTIMIZERS)}; or pass a tf.keras.optimizers.Optimizer "
-                "instance or a callable returning one."
+                f"Known names: {sorted(OPTIMIZERS)}; or pass a Keras optimizer instance "
+                "(model_fns.keras_optimizers().Adam(0.01)) or a callable returning one."
             )
-    elif not isinstance(value, tf.keras.optimizers.Optimizer) and not callable(value):
+    elif _is_new_keras_optimizer(value):
+        raise TypeError(f"{where}: params[{key!r}] is a {type(value).__name__}: " + _legacy_hint(value))
+    elif not isinstance(value, _KERAS.Optimizer) and not callable(value):
         raise TypeError(
             f"{where}: params[{key!r}] must be an optimizer name ({sorted(OPTIMIZERS)}), a "
-            f"tf.keras.optimizers.Optimizer or a callable returning one; got {type(value).__name__}. "
+            f"Keras optimizer (model_fns.keras_optimizers(), i.e. tf.keras.optimizers.legacy on "
+            f"TensorFlow >= 2.11) or a callable returning one; got {type(value).__name__}. "
             "(TF1 tf.compat.v1.train optimizers are not supported.)"
         )
 

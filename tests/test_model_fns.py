@@ -16,7 +16,9 @@ from sklearn.preprocessing import StandardScaler
 
 import tfe_estimator
 from input_fns import numpy_input_fn
-from model_fns import dnn_classifier, linear_regression, logistic_regression
+from model_fns import dnn_classifier, keras_optimizers, linear_regression, logistic_regression
+
+KERAS = keras_optimizers()  # tf.keras.optimizers.legacy on TF >= 2.11, where Estimator needs it
 
 SEED = 42
 WEIGHT_ATOL = 1e-4  # secure vs plaintext weights after training, convex models
@@ -123,7 +125,7 @@ def test_dnn_classifier_digits_secure_matches_plaintext(tmp_path):
 def test_linear_regression_recovers_weights_securely(linear_data, tmp_path):
     x, y, w = linear_data
     # An optimizer instance: copied per graph, so training twice (two graphs) works.
-    params = {"feature_columns": columns(3), "optimizer": tf.keras.optimizers.SGD(0.1)}
+    params = {"feature_columns": columns(3), "optimizer": KERAS.SGD(0.1)}
 
     twins = train_twins(linear_regression.model_fn, params, tmp_path, x, y, x, y, steps=120)
     (secure, secure_metrics), (plain, plain_metrics) = twins["secure"], twins["plaintext"]
@@ -203,7 +205,7 @@ def call_model_fn(model_fn, params, mode=tf.estimator.ModeKeys.TRAIN):
     (logistic_regression.model_fn, {"feature_columns": columns(4), "n_classes": 1}, ValueError,
      r"params\['n_classes'\] must be an int >= 2; got 1"),
     (logistic_regression.model_fn, {"feature_columns": columns(4), "learning_rate": 0.1,
-                                    "optimizer": tf.keras.optimizers.Adam(0.1)}, ValueError,
+                                    "optimizer": KERAS.Adam(0.1)}, ValueError,
      r"'learning_rate' applies only when 'optimizer' is a name"),
     (dnn_classifier.model_fn, {"feature_columns": columns(4), "hidden_units": [8, 0]}, ValueError,
      r"params\['hidden_units'\] must be a non-empty list of positive ints"),
@@ -214,17 +216,27 @@ def call_model_fn(model_fn, params, mode=tf.estimator.ModeKeys.TRAIN):
     (linear_regression.model_fn, {"feature_columns": columns(4), "learning_rate": -1}, ValueError,
      r"params\['learning_rate'\] must be a number > 0; got -1"),
     (linear_regression.model_fn, {"feature_columns": columns(4), "optimizer": lambda: "sgd"},
-     TypeError, r"callable that returned str; it must return a tf\.keras\.optimizers\.Optimizer"),
+     TypeError, r"callable that returned str; it must return a Keras optimizer"),
 ])
 def test_bad_params_raise_clear_errors(model_fn, params, error, match):
     with pytest.raises(error, match=match):
         call_model_fn(model_fn, params)
 
 
-@pytest.mark.parametrize("optimizer", ["SGD", "ftrl", lambda: tf.keras.optimizers.RMSprop(0.01),
-                                       tf.keras.optimizers.Adagrad(0.1)])
+@pytest.mark.parametrize("optimizer", ["SGD", "ftrl", lambda: KERAS.RMSprop(0.01), KERAS.Adagrad(0.1)])
 def test_optimizer_specs_build_a_train_op(optimizer):
     spec = call_model_fn(linear_regression.model_fn,
                          {"feature_columns": columns(4), "optimizer": optimizer})
 
     assert spec.train_op is not None and spec.loss is not None
+
+
+@pytest.mark.skipif(keras_optimizers() is tf.keras.optimizers, reason="TF < 2.11: the Keras optimizers are Estimator's")
+@pytest.mark.parametrize("as_callable", [False, True], ids=["instance", "callable"])
+def test_new_keras_optimizer_is_refused_with_the_legacy_fix(as_callable):
+    # Built in a graph of its own: a new Keras optimizer creates a variable when constructed.
+    with tf.Graph().as_default():
+        optimizer = (lambda: tf.keras.optimizers.SGD(0.1)) if as_callable else tf.keras.optimizers.SGD(0.1)
+    with pytest.raises(TypeError, match=r"needs a tf\.keras\.optimizers\.legacy optimizer; use "
+                                        r"tf\.keras\.optimizers\.legacy\.SGD"):
+        call_model_fn(linear_regression.model_fn, {"feature_columns": columns(4), "optimizer": optimizer})

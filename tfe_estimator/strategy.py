@@ -10,33 +10,113 @@ Example::
 from typing import Optional, Sequence
 
 import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import values as value_lib
+from tensorflow.python.util import nest
 
 from tfe_estimator.aggregation import SecureAggregation
-from tfe_estimator.devices import cpus_needed, local_layout, DEFAULT_NUM_REPLICAS
-from tfe_estimator.protocols import validate_protocol
+from tfe_estimator.devices import cpus_needed, local_layout, validate_party_devices, DEFAULT_NUM_REPLICAS
+from tfe_estimator.protocols import check_supported, validate_protocol
 
 __all__ = ["TfeStrategy"]
 
 
 class _TfeExtended(mirrored_strategy.MirroredExtended):
-    """`MirroredExtended` that asks sessions for the CPU devices it places on."""
+    """`MirroredExtended` whose every cross-replica path is `SecureAggregation`.
+
+    `MirroredExtended` does not always use the `cross_device_ops` it is given
+    (read in each stack's ``tensorflow/python/distribute/mirrored_strategy.py``):
+
+    - TF 2.10+ `_reduce_to` hands every reduction whose destinations include a
+      CPU device (or do not match the value's devices) to a fresh plaintext
+      `ReductionToOneDevice`; TF 2.9 does so only when collective ops are in use.
+    - `_get_cross_device_ops` returns a fresh `ReductionToOneDevice` for every
+      int32 value (TF 2.10+ always, TF 2.9 with collective ops), and the
+      collective all-reduce whenever `_use_merge_call()` is False (XLA on GPUs).
+    - `_initialize_strategy` builds collective ops (plaintext NCCL/RING sums)
+      with `_make_collective_ops` (TF 2.9) or `_make_collective_ops_with_fallbacks`
+      (TF 2.10+).
+
+    Every one of those paths would sum replicas' values in the clear, so each
+    is overridden here to go through the strategy's `SecureAggregation`;
+    `tests/test_strategy_routing.py` spies on it on both stacks.
+    """
 
     def __init__(self, container_strategy, devices, cross_device_ops, num_cpus):
+        if not isinstance(cross_device_ops, SecureAggregation):
+            raise TypeError(
+                "TfeStrategy's cross-device ops must be a SecureAggregation, got "
+                f"{type(cross_device_ops).__name__}."
+            )
         self._tfe_num_cpus = num_cpus
         super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
 
-    def _make_collective_ops(self, devices):
-        # MirroredStrategy keeps a CollectiveAllReduce (and its thread pool)
-        # for XLA-on-GPU steps without merge_call. Those reductions would be
-        # plaintext NCCL sums, so there are none here; see _use_merge_call.
+    # Where MirroredExtended would build plaintext collective ops: ours instead,
+    # so even a path that reaches `self._collective_ops` sums securely.
+    def _make_collective_ops(self, devices):  # TF 2.9
         del devices
-        return None
+        return self._cross_device_ops
+
+    def _make_collective_ops_with_fallbacks(self):  # TF 2.10+
+        return self._cross_device_ops
 
     def _use_merge_call(self):
-        # Always reduce through merge_call, i.e. through SecureAggregation.
+        # Always reduce through merge_call, i.e. through SecureAggregation
+        # (without it, MirroredExtended uses collective ops under XLA).
         return True
+
+    def _get_cross_device_ops(self, value):
+        # The one routing point: every override below asks it. No dtype
+        # (int32) or device shortcut: every value is summed securely.
+        del value
+        return self._cross_device_ops
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if distribute_utils.is_mirrored(value) and reduce_op == tf.distribute.ReduceOp.MEAN:
+            return value  # already equal on every replica: nothing to combine
+
+        def reduce_one(v):
+            if not isinstance(v, value_lib.DistributedValues):
+                # One value shared by all replicas (e.g. a constant), not a
+                # per-replica secret: MirroredExtended's own rule applies.
+                return cross_device_ops_lib.reduce_non_distributed_value(
+                    reduce_op, v, destinations, self._num_replicas_in_sync)
+            # No CPU-destination shortcut to a plaintext ReductionToOneDevice.
+            return self._get_cross_device_ops(v).reduce(
+                reduce_op, v, destinations=destinations,
+                options=self._communication_options.merge(options))
+
+        return nest.map_structure(reduce_one, value)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        ops = {id(self._get_cross_device_ops(v)): self._get_cross_device_ops(v)
+               for v, _ in value_destination_pairs} or {0: self._cross_device_ops}
+        if len(ops) != 1:
+            raise ValueError("TfeStrategy routes every value of one batch_reduce_to to one cross-device ops.")
+        return next(iter(ops.values())).batch_reduce(
+            reduce_op, value_destination_pairs, options=self._communication_options.merge(options))
+
+    def _broadcast_to(self, tensor, destinations):
+        if isinstance(tensor, (float, int)):
+            return tensor  # MirroredExtended's fast path for Python numbers
+        return self._get_cross_device_ops(tensor).broadcast(tensor, destinations or self._devices)
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        if not isinstance(value, value_lib.DistributedValues):
+            return value
+        # SecureAggregation refuses: a gather reveals each replica's values.
+        return self._get_cross_device_ops(value)._gather(  # pylint: disable=protected-access
+            value, destinations=destinations, axis=axis,
+            options=self._communication_options.merge(options))
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        # StrategyExtendedV2's path: merge_call -> batch_reduce_to -> SecureAggregation
+        # (MirroredExtended's would call collective ops directly without merge_call).
+        return super(mirrored_strategy.MirroredExtended, self)._replica_ctx_all_reduce(  # pylint: disable=bad-super-call
+            reduce_op, value, options)
 
     def _update_config_proto(self, config_proto):
         updated = super()._update_config_proto(config_proto)
@@ -57,6 +137,14 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         `devices=None`: three local CPU devices of their own.
       clip_norm: optional per-replica L2 clipping of updates before they are
         shared (see `SecureAggregation`).
+      implementation: "auto" or "tf-encrypted" (the reference implementation;
+        see `SecureAggregation`).
+
+    Raises:
+      ValueError: for an unknown protocol or precision, or a bad `clip_norm`.
+      NotImplementedError: for a protocol and precision this TensorFlow cannot
+        run (`tfe_estimator.protocols.check_supported`, e.g. ABY3 at "high" on
+        TensorFlow 2.15).
 
     Graph-mode sessions create CPU devices from `ConfigProto.device_count`;
     Estimator passes its session config through this strategy's
@@ -80,14 +168,17 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         precision: str = "low",
         server_devices: Optional[Sequence[str]] = None,
         clip_norm: Optional[float] = None,
+        implementation: str = "auto",
     ) -> None:
         protocol = validate_protocol(protocol)
+        check_supported(protocol, precision)
         if devices is None:
             devices, default_servers = local_layout(DEFAULT_NUM_REPLICAS, protocol)
             server_devices = server_devices or default_servers
         ops = SecureAggregation(protocol=protocol, precision=precision, server_devices=server_devices,
-                                clip_norm=clip_norm)
+                                clip_norm=clip_norm, implementation=implementation)
         ops.precision.check_headroom(len(devices))
+        validate_party_devices(protocol, ops.server_devices, devices)
         # MirroredStrategy refuses remote (in-graph multi-worker) devices when
         # built eagerly; Estimator only ever uses it in graph mode.
         with tf.Graph().as_default():
