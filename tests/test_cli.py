@@ -48,3 +48,16 @@ def test_launch_without_a_command_is_a_clear_error():
 def test_launch_with_bad_values_is_a_clear_error(bad):
     out = _run("launch", bad, "--", "true")
     assert out.returncode == 2 and ("--workers must be" in out.stderr or "Unknown protocol 'spdz'" in out.stderr)
+
+
+def test_k8s_help_names_the_program_users_type(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["k8s", "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: tfe-estimator k8s ")
+
+
+def test_launch_fault_options_are_parsed():
+    args = cli.parse_args(["launch", "--evaluator-restarts", "0", "--down-timeout", "30", "--final-eval-timeout", "60",
+                           "--log-dir", "logs", "--", "python", "t.py"])
+    assert (args.evaluator_restarts, args.down_timeout, args.final_eval_timeout, args.log_dir) == (0, 30.0, 60.0, "logs")

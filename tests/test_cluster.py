@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfe_estimator.cluster import TfeCluster
+from tfe_estimator.cluster import TfeCluster, cluster_jobs, cluster_tasks, tf_config_json
 
 GOOD = {
     "chief": ["h0:2222"],
@@ -34,8 +34,25 @@ def test_good_cluster_gives_devices_in_owner_order():
 
 def test_no_cluster_means_local():
     assert TfeCluster.from_environment({}) is None
-    assert TfeCluster.from_environment({"TF_CONFIG": ""}) is None
     assert TfeCluster.from_json('{"task": {"type": "chief", "index": 0}}') is None
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_blank_tf_config_is_a_clear_error_not_a_json_decode_error(blank):
+    # Estimator's RunConfig would json.loads("") and fail with a bare JSONDecodeError.
+    with pytest.raises(ValueError, match=r"TF_CONFIG is set but empty.*unset TF_CONFIG"):
+        TfeCluster.from_environment({"TF_CONFIG": blank})
+
+
+def test_the_one_layout_gives_every_task_in_tf_config_order():
+    tasks = cluster_tasks(2, evaluator=True)
+    assert tasks == [("chief", 0), ("worker", 0), ("worker", 1), ("evaluator", 0), ("tfe", 0), ("tfe", 1), ("tfe", 2)]
+    jobs = cluster_jobs(tasks, lambda job, i: f"{job}{i}:1")
+    assert jobs == {"chief": ("chief0:1",), "worker": ("worker0:1", "worker1:1"), "evaluator": ("evaluator0:1",),
+                    "tfe": ("tfe0:1", "tfe1:1", "tfe2:1")}
+    assert TfeCluster.from_json(tf_config_json(jobs, "worker", 1)).replica_devices()[2].startswith("/job:worker/")
+    with pytest.raises(ValueError, match="workers=-1 must be an integer >= 0"):
+        cluster_tasks(-1, evaluator=False)
 
 
 def _without(job):

@@ -4,6 +4,7 @@ import pathlib
 import shlex
 
 import pytest
+import yaml
 
 from tfe_estimator import kubernetes
 from tfe_estimator.cluster import TfeCluster
@@ -148,14 +149,15 @@ def test_tfe_pods_run_the_server_and_others_the_training_command():
         else:
             assert container["command"] == command
             data = {"claimName": f"demo-data-{job}-{index}", "readOnly": True}
-            model = {"claimName": "demo-model", "readOnly": job == "evaluator"}
+            # The evaluator writes model_dir/eval: the model volume is read-write for it too.
+            model = {"claimName": "demo-model", "readOnly": False}
             volumes = {v["name"]: v["persistentVolumeClaim"] for v in spec["volumes"]}
             mounts = {m["name"]: (m["mountPath"], m["readOnly"]) for m in container["volumeMounts"]}
             if job == "worker":  # only the chief writes checkpoints; only the evaluator reads them
                 assert volumes == {"data": data} and mounts == {"data": ("/data", True)}
             else:
                 assert volumes == {"data": data, "model": model}
-                assert mounts == {"data": ("/data", True), "model": ("/model", job == "evaluator")}
+                assert mounts == {"data": ("/data", True), "model": ("/model", False)}
 
 
 def test_no_volumes_without_claims():
@@ -186,25 +188,94 @@ def test_network_policy_admits_only_the_clusters_pods(workers, evaluator):
 
 @pytest.mark.parametrize("workers,evaluator", SHAPES)
 def test_yaml_stream_parses(workers, evaluator):
-    yaml = pytest.importorskip("yaml")
-    manifests = _render(workers, evaluator)
-    assert list(yaml.safe_load_all(kubernetes.to_yaml(manifests))) == manifests
+    manifests = _render(workers, evaluator, data_claim="{name}-data-{job}-{index}", model_claim="{name}-model")
+    text = kubernetes.to_yaml(manifests)
+    assert list(yaml.safe_load_all(text)) == manifests
+    assert "\n{" not in text  # real YAML, not JSON documents
+    assert text.count("\n---\n") + text.startswith("---\n") == len(manifests)
+
+
+def _schema_validator():
+    try:
+        from kubernetes_validate import utils
+    except ImportError:
+        pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate; it is in the "
+                    "test extra): the manifests are not checked against the Kubernetes schemas")
+    return utils
+
+
+@pytest.mark.parametrize("workers,evaluator", SHAPES)
+def test_every_manifest_is_valid_against_the_kubernetes_schemas(workers, evaluator):
+    utils = _schema_validator()
+    manifests = _render(workers, evaluator, data_claim="{name}-data-{job}-{index}", model_claim="{name}-model")
+    for manifest in yaml.safe_load_all(kubernetes.to_yaml(manifests)):
+        utils.validate(manifest, utils.latest_version(), strict=True)  # strict: unknown fields fail too
+
+
+def test_the_schema_check_catches_a_broken_manifest():
+    utils = _schema_validator()
+    (job,) = [m for m in _render(1, True, model_claim="m") if m["kind"] == "Job" and _task_of(m) == ("evaluator", 0)]
+    _container(job)["volumeMounts"][0]["readOnly"] = "no"
+    with pytest.raises(utils.ValidationError, match="not of type 'boolean'"):
+        utils.validate(job, utils.latest_version(), strict=True)
+    _container(job)["volumeMounts"][0]["readOnly"] = False
+    _container(job)["mountpath"] = "/x"  # a typo Kubernetes would silently drop
+    with pytest.raises(utils.ValidationError):
+        utils.validate(job, utils.latest_version(), strict=True)
+
+
+def test_evaluator_can_write_model_dir_eval():
+    # Estimator's evaluator writes summaries to model_dir/eval on the model volume.
+    manifests = _render(1, True, model_claim="{name}-model")
+    (evaluator,) = [m for m in manifests if m["kind"] == "Job" and _task_of(m)[0] == "evaluator"]
+    (mount,) = [m for m in _container(evaluator)["volumeMounts"] if m["name"] == "model"]
+    (volume,) = [v for v in _pod_template(evaluator)["spec"]["volumes"] if v["name"] == "model"]
+    assert mount["readOnly"] is False and volume["persistentVolumeClaim"]["readOnly"] is False
+
+
+def test_readme_describes_the_worker_placeholder_as_the_code_substitutes_it():
+    # input_fns replace {worker} with the input pipeline id (0 = chief, 1 = worker-0), not a task name.
+    import tensorflow as tf
+    from input_fns.sharding import resolve_pattern
+
+    readme = " ".join((ROOT / "deploy" / "kubernetes" / "README.md").read_text().split())
+    for pipeline, task in ((0, "chief"), (1, "`worker-0`")):
+        ctx = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=pipeline)
+        read = resolve_pattern("/data/{worker}/part-*.csv", ctx)
+        assert f"`{read}` on {'the ' if task == 'chief' else ''}{task}" in readme, (read, task)
+    assert "`worker` set to `chief-0`" not in readme
+
+
+def test_help_names_the_program_users_type(capsys):
+    with pytest.raises(SystemExit) as e:
+        kubernetes.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tfe-estimator k8s ")
+    assert "python -m tfe_estimator.kubernetes" not in out
+
+
+def test_tfe_pods_run_the_one_server_command():
+    from tfe_estimator.server import server_command
+
+    (deployment, *_) = [m for m in _render(0, False) if m["kind"] == "Deployment"]
+    assert tuple(_container(deployment)["command"]) == server_command() == kubernetes.SERVER_COMMAND
 
 
 def test_committed_example_equals_a_fresh_render(capsys):
     text = EXAMPLE.read_text()
-    (line,) = [l for l in text.splitlines() if l.startswith("# $ python -m tfe_estimator.kubernetes ")]
-    args = shlex.split(line[len("# $ python -m tfe_estimator.kubernetes ") :])
+    (line,) = [l for l in text.splitlines() if l.startswith(f"# $ {kubernetes.PROG} ")]
+    args = shlex.split(line[len(f"# $ {kubernetes.PROG} ") :])
     assert "-o" not in args and "--output" not in args
     assert kubernetes.main(args) == 0
     fresh = capsys.readouterr().out
     header = text[: text.index("---\n")]
     assert text == header + fresh, (
         f"{EXAMPLE} is stale: regenerate it with the command in its header "
-        "(python -m tfe_estimator.kubernetes ... >> the file, after the comment lines)."
+        "(tfe-estimator k8s ... >> the file, after the comment lines)."
     )
     assert header.strip() and all(l.startswith("#") for l in header.splitlines())
-    kinds = [m["kind"] for m in json.loads("[" + ",".join(fresh.split("---\n")[1:]) + "]")]
+    kinds = [m["kind"] for m in yaml.safe_load_all(fresh)]
     assert kinds.count("Job") == 3 and kinds.count("Deployment") == 3  # chief, 1 worker, evaluator
 
 

@@ -42,6 +42,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="restart a dying worker or tfe task this often at the same address")
     launch.add_argument("--restart-delay", type=float, default=0.0, help="seconds to wait before a restart")
+    launch.add_argument("--evaluator-restarts", type=int, default=2,
+                        help="restart a dying evaluator this often; it never stops training (default 2)")
+    launch.add_argument("--down-timeout", type=float, default=300.0,
+                        help="stop the cluster when a worker or tfe task is down this many seconds (default 300)")
+    launch.add_argument("--final-eval-timeout", type=float, default=600.0,
+                        help="seconds the evaluator may take after the chief finished (default 600)")
+    launch.add_argument("--log-dir", default=None,
+                        help="write each task's output to LOG_DIR/<job>-<index>.log instead of the terminal")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
 
     demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")
@@ -70,7 +78,9 @@ def _run(args: argparse.Namespace) -> int:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return Launcher(cmd, workers=args.workers, evaluator=args.evaluator, protocol=args.protocol,
                         task_cwd=args.task_cwd, max_restarts=args.max_restarts,
-                        restart_delay=args.restart_delay).run()
+                        restart_delay=args.restart_delay, evaluator_restarts=args.evaluator_restarts,
+                        down_timeout=args.down_timeout, final_eval_timeout=args.final_eval_timeout,
+                        log_dir=args.log_dir).run()
     if args.command == "demo":
         return _demo(args)
     if args.command == "build-kernels":

@@ -27,11 +27,18 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfe_estimator.protocols import PROTOCOLS
 
-__all__ = ["TfeCluster", "TFE_JOB", "DATA_OWNER_JOBS", "KNOWN_JOBS", "tf_config_json"]
+__all__ = [
+    "TfeCluster", "TFE_JOB", "NUM_TFE_TASKS", "DATA_OWNER_JOBS", "KNOWN_JOBS", "LAUNCH_PROTOCOL_ENV",
+    "cluster_tasks", "cluster_jobs", "tf_config_json",
+]
 
 TFE_JOB = "tfe"
+#: The TFE parties: server0, server1 and a third (Pond's crypto producer, ABY3's server2).
+NUM_TFE_TASKS = 3
 DATA_OWNER_JOBS = ("chief", "worker")
 KNOWN_JOBS = ("chief", "worker", "evaluator", TFE_JOB)
+#: Set by `tfe-estimator launch` in every task's environment: the protocol the cluster was started for.
+LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
 _SOURCE = "Note that these values come from the TF_CONFIG environment variable."
 
 
@@ -55,11 +62,22 @@ class TfeCluster:
 
     @classmethod
     def from_environment(cls, environ: Optional[Mapping[str, str]] = None) -> Optional["TfeCluster"]:
-        """Parses ``TF_CONFIG`` from the environment; None when it names no cluster."""
+        """Parses ``TF_CONFIG`` from the environment; None when it is unset or names no cluster.
+
+        Raises:
+          ValueError: for a TF_CONFIG that is set but blank (Estimator's own
+            `RunConfig` would fail on it with a bare JSONDecodeError) or invalid.
+        """
         environ = os.environ if environ is None else environ
-        text = environ.get("TF_CONFIG", "")
-        if not text.strip():
+        if "TF_CONFIG" not in environ:
             return None
+        text = environ["TF_CONFIG"]
+        if not text.strip():
+            raise ValueError(
+                f"TF_CONFIG is set but empty ({text!r}). For training on this machine unset it "
+                "(`unset TF_CONFIG`, or `del os.environ['TF_CONFIG']`); on a cluster set it to a JSON "
+                'object like {"cluster": {...}, "task": {"type": "chief", "index": 0}}.'
+            )
         return cls.from_json(text)
 
     @classmethod
@@ -190,6 +208,33 @@ class TfeCluster:
     def to_tf_config(self, task_type: str, task_index: int) -> str:
         """The TF_CONFIG JSON of task `task_type:task_index` of this cluster."""
         return tf_config_json(self.jobs, task_type, task_index)
+
+
+def cluster_tasks(workers: int, evaluator: bool, num_tfe: int = NUM_TFE_TASKS) -> List[Tuple[str, int]]:
+    """`(job, index)` of every task of a cluster, in TF_CONFIG order: the one layout.
+
+    One chief, `workers` workers, an optional evaluator and the ``tfe`` parties.
+    The launcher, the Kubernetes renderer and `TfeCluster` all derive from it.
+
+    Example::
+
+        >>> cluster_tasks(1, evaluator=True)
+        [('chief', 0), ('worker', 0), ('evaluator', 0), ('tfe', 0), ('tfe', 1), ('tfe', 2)]
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"workers={workers!r} must be an integer >= 0 (the data owners besides the chief).")
+    tasks = [("chief", 0)] + [("worker", i) for i in range(workers)]
+    if evaluator:
+        tasks.append(("evaluator", 0))
+    return tasks + [(TFE_JOB, i) for i in range(num_tfe)]
+
+
+def cluster_jobs(tasks: Sequence[Tuple[str, int]], address) -> Dict[str, Tuple[str, ...]]:
+    """job -> addresses for `tasks` (from `cluster_tasks`), with `address(job, index)` -> "host:port"."""
+    jobs: Dict[str, List[str]] = {}
+    for job, index in tasks:
+        jobs.setdefault(job, []).append(address(job, index))
+    return {job: tuple(addresses) for job, addresses in jobs.items()}
 
 
 def tf_config_json(jobs: Mapping[str, Sequence[str]], task_type: str, task_index: int) -> str:

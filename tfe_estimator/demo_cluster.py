@@ -102,6 +102,9 @@ def _parse_args(argv):
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=0.05)
+    parser.add_argument("--save-checkpoints-steps", type=int, default=100)
+    parser.add_argument("--keep-checkpoint-max", type=int, default=5)
+    parser.add_argument("--start-delay-secs", type=int, default=0, help="EvalSpec.start_delay_secs")
     parser.add_argument("--audit", action="store_true",
                         help="check that no float tensor is placed on a tfe server in the training graph")
     return parser.parse_args(argv)
@@ -117,14 +120,15 @@ class AuditHook(tf.estimator.SessionRunHook):
         print(f"audit: {count} ops on the tfe servers, none takes or produces a float tensor", flush=True)
 
 
-def _config(mode, model_dir):
-    if mode == "secure":
+def _config(args):
+    kwargs = dict(model_dir=args.model_dir, tf_random_seed=0, save_checkpoints_steps=args.save_checkpoints_steps,
+                  keep_checkpoint_max=args.keep_checkpoint_max)
+    if args.mode == "secure":
         protocol = os.environ.get("TFE_ESTIMATOR_PROTOCOL", "pond")
-        return TfeRunConfig(model_dir=model_dir, protocol=protocol, tf_random_seed=0,  # tfe_estimator
-                            save_checkpoints_steps=100)
+        return TfeRunConfig(protocol=protocol, **kwargs)  # tfe_estimator
     cluster = TfeCluster.from_environment()
     devices = cluster.replica_devices() if not cluster.is_evaluator else ["/cpu:0"]
-    return plaintext_twin_config(devices, model_dir=model_dir, tf_random_seed=0, save_checkpoints_steps=100)
+    return plaintext_twin_config(devices, **kwargs)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -134,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     features = COLUMNS[:-1]
     columns = [tf.feature_column.numeric_column(name) for name in features]
     est = tf.estimator.LinearRegressor(
-        feature_columns=columns, config=_config(args.mode, args.model_dir),
+        feature_columns=columns, config=_config(args),
         optimizer=lambda: tf.keras.optimizers.SGD(args.learning_rate))
     # Relative paths: each owner's pipeline runs in its own process and directory.
     train = csv_input_fn(TRAIN_FILE, "target", args.batch_size, column_names=COLUMNS, seed=0)
@@ -145,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tf.estimator.train_and_evaluate(
         est,
         tf.estimator.TrainSpec(train, max_steps=args.steps, hooks=hooks),
-        tf.estimator.EvalSpec(test, steps=None, start_delay_secs=0, throttle_secs=1),
+        tf.estimator.EvalSpec(test, steps=None, start_delay_secs=args.start_delay_secs, throttle_secs=1),
     )
     gc.collect()  # a plaintext MirroredStrategy's thread pool, before interpreter exit
     return 0

@@ -12,9 +12,11 @@ and its own ``TF_CONFIG`` whose addresses are those Services' DNS names,
 admits ingress to the cluster's pods only from the cluster's own pods,
 because TensorFlow's gRPC runtime has neither TLS nor authentication.
 
-The renderer has no dependencies: `to_yaml` writes a multi-document YAML
-stream whose documents are JSON (JSON is valid YAML), so the output can go
-straight to ``kubectl apply -f -``.
+The layout (which tasks exist) is `tfe_estimator.cluster.cluster_tasks`, the
+same one the loopback launcher uses, and the ``tfe`` pods run
+`tfe_estimator.server.server_command()`. `to_yaml` writes a multi-document
+YAML stream through PyYAML, so the output can go straight to
+``kubectl apply -f -``.
 
 Example::
 
@@ -27,16 +29,16 @@ Example::
 
 or from a shell::
 
-    python -m tfe_estimator.kubernetes --name demo --image registry.example.com/train:1.0 \\
+    tfe-estimator k8s --name demo --image registry.example.com/train:1.0 \\
         --workers 2 -- python train.py | kubectl apply -f -
 """
 import argparse
-import json
 import re
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from tfe_estimator.cluster import TFE_JOB, tf_config_json
+from tfe_estimator.cluster import NUM_TFE_TASKS, TFE_JOB, cluster_jobs, cluster_tasks, tf_config_json
+from tfe_estimator.server import server_command
 
 __all__ = [
     "CLUSTER_LABEL",
@@ -60,10 +62,10 @@ INDEX_LABEL = "tfe-estimator/task-index"
 
 DEFAULT_PORT = 2222
 DEFAULT_COMMAND: Tuple[str, ...] = ("python", "train.py")
-#: What a ``tfe`` pod runs: a TensorFlow server configured by TF_CONFIG.
-SERVER_COMMAND: Tuple[str, ...] = ("tfe-estimator", "server")
-#: The TFE parties: server0, server1 and a third (Pond's crypto producer, ABY3's server2).
-NUM_TFE_TASKS = 3
+#: What a ``tfe`` pod runs: a TensorFlow server configured by TF_CONFIG (the one server command).
+SERVER_COMMAND: Tuple[str, ...] = server_command()
+#: The program name `main` reports in its usage and errors.
+PROG = "tfe-estimator k8s"
 
 _DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -138,11 +140,8 @@ def _check_arguments(
 
 
 def _tasks(workers: int, evaluator: bool) -> List[Tuple[str, int]]:
-    """`(job, index)` of every task, in TF_CONFIG order."""
-    tasks = [("chief", 0)] + [("worker", i) for i in range(workers)]
-    if evaluator:
-        tasks.append(("evaluator", 0))
-    return tasks + [(TFE_JOB, i) for i in range(NUM_TFE_TASKS)]
+    """`(job, index)` of every task, in TF_CONFIG order (the one layout, `cluster_tasks`)."""
+    return cluster_tasks(workers, evaluator, NUM_TFE_TASKS)
 
 
 def _labels(name: str, job: Optional[str] = None, index: Optional[int] = None) -> Dict[str, str]:
@@ -239,9 +238,10 @@ def render_manifests(
         ``tfe`` pods); the placeholders ``{name}``, ``{job}`` and ``{index}``
         give each data owner its own claim, e.g. ``"{name}-data-{job}-{index}"``.
       data_mount_path: where ``data_claim`` is mounted.
-      model_claim: optional PersistentVolumeClaim for the model directory
-        (checkpoints), mounted read-write in the chief pod, which writes
-        checkpoints, and read-only in the evaluator pod, which evaluates them.
+      model_claim: optional PersistentVolumeClaim for the model directory,
+        mounted read-write in the chief pod, which writes checkpoints, and in
+        the evaluator pod, which reads them and writes its summaries to
+        ``model_dir/eval`` (Estimator's evaluator writes there).
         The same placeholders work, but chief and evaluator must see the same
         files, so it is usually one ReadWriteMany claim such as ``"{name}-model"``.
         Without it, point the training script's ``model_dir`` at storage both
@@ -278,9 +278,7 @@ def render_manifests(
     def address(job: str, index: int) -> str:
         return f"{name}-{job}-{index}.{namespace}.svc:{port}"
 
-    cluster: Dict[str, List[str]] = {}
-    for job, index in tasks:
-        cluster.setdefault(job, []).append(address(job, index))
+    cluster = cluster_jobs(tasks, address)
 
     manifests: List[Dict[str, Any]] = []
     for job, index in tasks:
@@ -324,7 +322,8 @@ def render_manifests(
                 mounts.append(("data", data_claim.format(name=name, job=job, index=index), data_mount_path, True))
             if model_claim is not None and job in ("chief", "evaluator"):
                 claim = model_claim.format(name=name, job=job, index=index)
-                mounts.append(("model", claim, model_mount_path, job != "chief"))
+                # Read-write for both: the chief writes checkpoints, the evaluator model_dir/eval.
+                mounts.append(("model", claim, model_mount_path, False))
             pod_spec = _pod_spec(job, image, command, tf_config, port, "OnFailure", mounts)
             manifests.append(
                 {
@@ -362,29 +361,32 @@ def render_manifests(
 
 
 def to_yaml(manifests: Sequence[Dict[str, Any]]) -> str:
-    """Writes manifests as a multi-document YAML stream (each document is JSON).
+    """Writes manifests as a multi-document YAML stream, through PyYAML.
 
     Args:
       manifests: JSON-compatible dicts, such as `render_manifests` returns.
 
     Returns:
-      The stream, for ``kubectl apply -f``; the same input gives the same text.
+      The stream, for ``kubectl apply -f``; keys keep their order, and the same
+      input gives the same text.
 
     Example::
 
-        >>> print(to_yaml([{"kind": "Namespace"}]))
+        >>> print(to_yaml([{"kind": "Namespace", "metadata": {"name": "ml"}}]), end="")
         ---
-        {
-          "kind": "Namespace"
-        }
-        <BLANKLINE>
+        kind: Namespace
+        metadata:
+          name: ml
     """
-    return "".join(f"---\n{json.dumps(m, indent=2, ensure_ascii=False)}\n" for m in manifests)
+    import yaml  # pylint: disable=import-outside-toplevel
+
+    return yaml.safe_dump_all(list(manifests), explicit_start=True, sort_keys=False, default_flow_style=False,
+                              allow_unicode=True, width=1000)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m tfe_estimator.kubernetes",
+        prog=PROG,
         description=(
             "Print Kubernetes manifests (a YAML stream) for a secure-aggregation cluster: a chief, "
             "N workers, an optional evaluator and 3 tfe servers, one headless Service each, "
@@ -408,8 +410,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-claim",
         default=None,
-        help="PersistentVolumeClaim for model_dir: read-write in the chief pod, read-only in the evaluator pod; "
-        "usually one ReadWriteMany claim such as '{name}-model'",
+        help="PersistentVolumeClaim for model_dir, read-write in the chief pod (checkpoints) and the "
+        "evaluator pod (model_dir/eval); usually one ReadWriteMany claim such as '{name}-model'",
     )
     parser.add_argument("--model-mount-path", default="/model", help="where --model-claim is mounted (default /model)")
     parser.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")

@@ -33,8 +33,8 @@ from tfe_estimator.strategy import TfeStrategy
 
 __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_twin_config"]
 
-#: Set by `tfe-estimator launch` in every task's environment.
-LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
+#: Set by `tfe-estimator launch` in every task's environment (defined in `cluster`).
+LAUNCH_PROTOCOL_ENV = cluster_lib.LAUNCH_PROTOCOL_ENV
 
 _OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol")
 
@@ -197,6 +197,11 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
     # Fail early without secure randomness, and register tf-encrypted's ops
     # before Estimator starts this task's TensorFlow server.
     load_backend()
+    if spec is not None and spec.is_evaluator:
+        # Survive checkpoint rotation: skip (and log) a checkpoint deleted before it is restored.
+        from tfe_estimator.evaluator import install_checkpoint_retry  # pylint: disable=import-outside-toplevel
+
+        install_checkpoint_retry()
     if spec is None or spec.is_evaluator:  # the evaluator evaluates on its own replicas
         replicas, servers = local_layout(validate_num_replicas(settings.num_replicas), settings.protocol)
     else:

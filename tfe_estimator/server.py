@@ -13,14 +13,37 @@ Example::
 import logging
 import signal
 import threading
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple
 
 from tfe_estimator.cluster import TFE_JOB, TfeCluster
 from tfe_estimator.protocols import load_backend
 
-__all__ = ["run_server", "start_server"]
+__all__ = ["run_server", "start_server", "server_command"]
 
-log = logging.getLogger("tfe_estimator.server")
+log = logging.getLogger("tfe_estimator")
+
+#: The `tfe-estimator` subcommand that runs a ``tfe`` task.
+SERVER_SUBCOMMAND = "server"
+
+
+def server_command(python: Optional[str] = None) -> Tuple[str, ...]:
+    """The command line that runs a ``tfe`` task: the one definition.
+
+    Args:
+      python: None for the installed console script (a container image, a
+        cluster node); an interpreter path to run this installation's module
+        with it (the loopback launcher uses ``sys.executable``).
+
+    Example::
+
+        >>> server_command()
+        ('tfe-estimator', 'server')
+        >>> server_command("/usr/bin/python3")
+        ('/usr/bin/python3', '-m', 'tfe_estimator.cli', 'server')
+    """
+    if python is None:
+        return ("tfe-estimator", SERVER_SUBCOMMAND)
+    return (python, "-m", "tfe_estimator.cli", SERVER_SUBCOMMAND)
 
 
 def start_server(cluster: TfeCluster):

@@ -1,0 +1,76 @@
+"""The evaluator task skips checkpoints that rotation deleted, and only those."""
+import logging
+import types
+
+import pytest
+import tensorflow as tf
+
+from tfe_estimator import evaluator
+
+
+class _FakeEstimator:
+    """Plays the chief's rotation: the first `vanish` checkpoints it names are gone when restored."""
+
+    def __init__(self, tmp_path, names, vanish, error=None):
+        self.model_dir = str(tmp_path)
+        self.config = types.SimpleNamespace(keep_checkpoint_max=5)
+        self._names = list(names)
+        self._vanish = set(names[:vanish])
+        self._error = error
+        self.evaluated = []
+        for name in names:
+            if name not in self._vanish:
+                (tmp_path / f"{name}.index").write_text("")
+
+    def latest_checkpoint(self):
+        return f"{self.model_dir}/{self._names.pop(0) if len(self._names) > 1 else self._names[0]}"
+
+    def evaluate(self, input_fn, steps, name, checkpoint_path, hooks):
+        del input_fn, steps, name, hooks
+        if self._error is not None:
+            raise self._error
+        if not evaluator.checkpoint_exists(checkpoint_path):
+            raise ValueError(f"The passed save_path is not a valid checkpoint: {checkpoint_path}")
+        self.evaluated.append(checkpoint_path)
+        return {"global_step": int(checkpoint_path.rsplit("-", 1)[1]), "loss": 1.0}
+
+
+def _spec():
+    return tf.estimator.EvalSpec(lambda: None, steps=None, start_delay_secs=0, throttle_secs=0)
+
+
+def test_a_rotated_away_checkpoint_is_skipped_logged_and_the_newest_evaluated(tmp_path, caplog):
+    est = _FakeEstimator(tmp_path, ["model.ckpt-0", "model.ckpt-50", "model.ckpt-250"], vanish=2)
+    ev = evaluator._evaluator_class()(est, _spec(), 300)
+
+    with caplog.at_level(logging.WARNING, logger="tfe_estimator"):
+        result, _ = ev.evaluate_and_export()
+
+    assert result.metrics["global_step"] == 250
+    assert est.evaluated == [f"{tmp_path}/model.ckpt-250"]
+    assert ev.skipped == (f"{tmp_path}/model.ckpt-0", f"{tmp_path}/model.ckpt-50")
+    text = caplog.text
+    assert "skipped checkpoint" in text and "model.ckpt-0" in text and "keep_checkpoint_max=5" in text
+    assert "Evaluating the newest" in text
+
+
+def test_an_error_on_a_checkpoint_that_still_exists_propagates(tmp_path):
+    # A real failure (e.g. a bad input_fn) must not be mistaken for rotation.
+    est = _FakeEstimator(tmp_path, ["model.ckpt-100"], vanish=0, error=ValueError("bad input_fn"))
+    ev = evaluator._evaluator_class()(est, _spec(), 300)
+    with pytest.raises(ValueError, match="bad input_fn"):
+        ev.evaluate_and_export()
+
+
+def test_install_replaces_only_the_continuous_evaluation_and_is_idempotent():
+    from tensorflow_estimator.python.estimator import training
+
+    original = training._TrainingExecutor._start_continuous_evaluation
+    try:
+        evaluator.install_checkpoint_retry()
+        patched = training._TrainingExecutor._start_continuous_evaluation
+        evaluator.install_checkpoint_retry()
+        assert training._TrainingExecutor._start_continuous_evaluation is patched is not original
+        assert training._TrainingExecutor.run_local is not patched
+    finally:
+        training._TrainingExecutor._start_continuous_evaluation = original
