@@ -106,10 +106,11 @@ def check_encodable(vector: tf.Tensor, bound: float, owner: str, hint: str) -> t
             largest = tf.reduce_max(magnitude)
             checks.append(tf.raw_ops.Assert(
                 condition=largest < tf.constant(bound, magnitude.dtype),
-                data=[f"Secure aggregation refused the values of {owner}: largest magnitude",
-                      largest,
-                      f"is not below the fixed-point limit {bound:.10g}. Encoding it would "
-                      f"wrap around the ring. {hint}"],
+                # No value computed from the data in the message: on a cluster it
+                # travels from the owner's host to the chief.
+                data=[f"Secure aggregation refused the values of {owner}: an element's magnitude is "
+                      f"not below the fixed-point limit {bound:.10g}, so encoding it would wrap "
+                      f"around the ring. {hint}"],
                 name="assert_in_range",
             ))
         with tf.control_dependencies(checks):
