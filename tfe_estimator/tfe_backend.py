@@ -54,16 +54,33 @@ def _define_dropped_while_v2_flag() -> None:
         while_v2.glob_stateful_parallelism = False
 
 
-_define_dropped_while_v2_flag()  # must run before the first tf_encrypted import below
+class _QuietMissingOpLibraries(logging.Filter):
+    """Drops tf-encrypted's import-time warnings about its missing op libraries.
 
-# pylint: disable=wrong-import-position
-import tf_encrypted  # noqa: E402,F401  (on TF 2.9.1 also registers its compiled ops)
-from tf_encrypted.config import Config, get_config, set_config  # noqa: E402
-from tf_encrypted.operations import secure_random  # noqa: E402
-from tf_encrypted.operations.secure_random import secure_random as _tfe_secure_random_impl  # noqa: E402
-from tf_encrypted.player import Player  # noqa: E402
-from tf_encrypted.protocol.aby3 import ABY3  # noqa: E402
-from tf_encrypted.protocol.pond import Pond  # noqa: E402
+    On any TensorFlow but 2.9.1 it logs "Falling back to insecure randomness
+    ... compiling custom ops" for each library. That is not what happens here:
+    `install_secure_random` replaces its generator, and `require_secure_randomness`
+    refuses to run without one, with an error that says why.
+    """
+
+    def filter(self, record):
+        return "compiling custom ops" not in record.getMessage()
+
+
+_define_dropped_while_v2_flag()  # must run before the first tf_encrypted import below
+_QUIET = _QuietMissingOpLibraries()
+logging.getLogger("tf_encrypted").addFilter(_QUIET)
+try:
+    # pylint: disable=wrong-import-position
+    import tf_encrypted  # noqa: E402,F401  (on TF 2.9.1 also registers its compiled ops)
+    from tf_encrypted.config import Config, get_config, set_config  # noqa: E402
+    from tf_encrypted.operations import secure_random  # noqa: E402
+    from tf_encrypted.operations.secure_random import secure_random as _tfe_secure_random_impl  # noqa: E402
+    from tf_encrypted.player import Player  # noqa: E402
+    from tf_encrypted.protocol.aby3 import ABY3  # noqa: E402
+    from tf_encrypted.protocol.pond import Pond  # noqa: E402
+finally:
+    logging.getLogger("tf_encrypted").removeFilter(_QUIET)
 
 from tfe_estimator.errors import InsecureRandomnessError  # noqa: E402
 from tfe_estimator.precision import Precision  # noqa: E402
