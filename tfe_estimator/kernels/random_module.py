@@ -44,13 +44,31 @@ class AesRandomModule:
         """Uniform integers in [minval, maxval) under a fresh key."""
         return self._lib.tfe_aes_random_uniform(shape, minval, maxval, name=name)
 
-    def __getattr__(self, name):
-        if name.startswith("i128_"):
-            if self._fallback is not None:
-                return getattr(self._fallback, name)
+    def i128_secure_seeded_random_uniform(self, shape, seed, minval, maxval, name=None):
+        """tf-encrypted's 128-bit ring op, keyed from our 128-bit seed.
+
+        Its op takes a 256-bit ChaCha key (8 int32); ours are 128-bit AES keys,
+        so the key is derived deterministically as the first 8 words of the
+        seed's AES-CTR keystream (AES as a PRF), and every party holding the
+        seed derives the same key, as replicated sharing requires.
+        """
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+        fallback = self._require_fallback("i128_secure_seeded_random_uniform")
+        key = self.secure_seeded_random_uniform(
+            [8], seed, tf.constant(-2**31, tf.int32), tf.constant(2**31 - 1, tf.int32))
+        return fallback.i128_secure_seeded_random_uniform(shape, key, minval, maxval, name=name)
+
+    def _require_fallback(self, name):
+        if self._fallback is None:
             raise NotImplementedError(
                 f"tf-encrypted's 128-bit ring op {name!r} is not available with this TensorFlow "
                 "(tf-encrypted 0.9.1 ships it for TensorFlow 2.9.1 only). Use precision='low', or "
                 "protocol='pond', whose 128-bit sum runs on tfe_estimator's own kernels."
             )
+        return self._fallback
+
+    def __getattr__(self, name):
+        if name.startswith("i128_"):
+            return getattr(self._require_fallback(name), name)
         raise AttributeError(name)

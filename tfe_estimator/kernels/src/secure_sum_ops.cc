@@ -82,6 +82,12 @@ void ForEachChunk(OpKernelContext* ctx, int64_t n, int words_per_element, Work w
                       });
 }
 
+// The bound as a user wrote it: 16777216, not 1.67772e+07 (TF 2.9's StrCat).
+std::string FormatBound(double bound) {
+  if (bound == std::floor(bound) && bound < 9.2e18) return std::to_string(static_cast<int64_t>(bound));
+  return std::to_string(bound);
+}
+
 // ---------------------------------------------------------------- replica --
 
 REGISTER_OP("TfeMaskShare")
@@ -212,7 +218,7 @@ class MaskShareOp : public OpKernel {
     OP_REQUIRES(ctx, !any_out_of_range,
                 ::tensorflow::errors::InvalidArgument(
                     "Secure aggregation refused the values of ", owner_,
-                    ": an element's magnitude is not below the fixed-point limit ", bound,
+                    ": an element's magnitude is not below the fixed-point limit ", FormatBound(bound),
                     ", so encoding it would wrap around the ring (the magnitude is logged on that "
                     "owner's host only). ", hint_));
   }
