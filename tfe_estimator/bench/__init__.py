@@ -124,8 +124,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                       protocol=args.protocol):
                 results["secure_sum"].append(row)
                 print(f"[bench] {'secure-sum':>20}: {row['params']:,} params x {row['replicas']} replicas: "
-                      f"secure {row['secure_ms']:.2f} ms ({row['secure_params_per_s']:.3g} params/s), plaintext "
-                      f"{row['plaintext_ms']:.2f} ms ({row['plaintext_params_per_s']:.3g} params/s), upload "
+                      f"secure {row['secure_ms']:.2f} ms, reference (tf-encrypted) {row['reference_ms']:.2f} ms, "
+                      f"plaintext {row['plaintext_ms']:.2f} ms: extra {row['extra_ns_per_param_per_replica']:.2f} "
+                      f"ns/param/replica (target <= {report.TARGET_EXTRA_NS:g}; reference "
+                      f"{row['reference_extra_ns_per_param_per_replica']:.2f}), upload "
                       f"{row['upload_bytes_per_param_per_replica']:.3f} B/param/replica", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,13 +1,17 @@
 """Microbenchmark: the secure sum alone against a plaintext sum, in a plain graph session.
 
 Per size P: a vector of P float32 parameters on each of 2 replica devices is
-reduced (SUM, to both replicas) by `SecureAggregation` and by
-`ReductionToOneDevice` (`tf.add_n` on one device, copied back), and each
-replica adds the result into an accumulator variable, as an optimizer
-update would use it (a result nobody consumes could be pruned by Grappler).
-Rounds alternate between the two graphs; parameters per second are P over
-the median seconds per reduction.
+reduced (SUM, to both replicas) by `TfeStrategy` on the fused AES-CTR kernels
+("secure"), by the same strategy on tf-encrypted's own Pond ("reference"),
+and by `ReductionToOneDevice` (`tf.add_n` on one device, copied back:
+"plaintext"), and each replica adds the result into an accumulator variable,
+as an optimizer update would use it (a result nobody consumes could be
+pruned by Grappler). Rounds alternate between the graphs; the secure sum's
+extra cost is ``(secure - plaintext) / (P * replicas)`` nanoseconds per
+parameter per replica. One traced step of the secure graph splits its op
+time by kind (mask, server sum, reveal, other).
 """
+import collections
 import statistics
 import time
 from typing import Dict, List
@@ -21,10 +25,14 @@ __all__ = ["run_secure_sum"]
 _LOCAL = "/job:localhost/replica:0/task:0/device:CPU:{}"
 
 
-def _build(cross_device_ops, params, replicas):
+#: Op types of the fused path, by the party step they implement.
+_KINDS = {"TfeMaskShare": "mask (replicas)", "TfeServerSum": "server sum", "TfeRevealSum": "reveal (destinations)"}
+
+
+def _build(make_strategy, params):
     graph = tf.Graph()
     with graph.as_default():
-        strategy = tf.compat.v1.distribute.MirroredStrategy(devices=replicas, cross_device_ops=cross_device_ops)
+        strategy = make_strategy()
         with strategy.scope():
             source = tf.Variable(tf.random.stateless_normal([params], [0, 0]) * 0.01)
 
@@ -44,19 +52,39 @@ def _build(cross_device_ops, params, replicas):
     return graph, step, init
 
 
+def _op_time_by_kind(session, step) -> Dict[str, float]:
+    """Milliseconds of op time per kind in one traced run of `step`."""
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    session.run(step, options=options, run_metadata=metadata)
+    kinds = collections.Counter()
+    for device in metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            op_type = node.timeline_label.split("(")[0].split(" = ")[-1] if node.timeline_label else ""
+            kind = _KINDS.get(op_type, "other ops")
+            kinds[kind] += (node.op_end_rel_micros - node.op_start_rel_micros) / 1e3
+    return dict(kinds)
+
+
 def run_secure_sum(sizes: List[int], rounds: int, steps: int, replicas: int = 2, protocol: str = "pond") -> List[Dict]:
-    """Times secure vs plaintext reductions of vectors of each size; returns one dict per size."""
-    from tfe_estimator.aggregation import SecureAggregation  # pylint: disable=import-outside-toplevel
+    """Times secure, reference and plaintext reductions of each size; returns one dict per size."""
+    from tfe_estimator.strategy import TfeStrategy  # pylint: disable=import-outside-toplevel
 
     devices = [_LOCAL.format(i) for i in range(replicas + 3)]
     replica_devices, servers = devices[:replicas], devices[replicas:]
     config = tf.compat.v1.ConfigProto(device_count={"CPU": len(devices)})
+    makers = {
+        "secure": lambda: TfeStrategy(devices=replica_devices, protocol=protocol, server_devices=servers),
+        "reference": lambda: TfeStrategy(devices=replica_devices, protocol=protocol, server_devices=servers,
+                                         implementation="tf-encrypted"),
+        "plaintext": lambda: tf.compat.v1.distribute.MirroredStrategy(
+            devices=replica_devices, cross_device_ops=tf.distribute.ReductionToOneDevice()),
+    }
     results = []
     for params in sizes:
         twins = {}
-        for name, ops in (("secure", SecureAggregation(protocol=protocol, server_devices=servers)),
-                          ("plaintext", tf.distribute.ReductionToOneDevice())):
-            graph, step, init = _build(ops, params, replica_devices)
+        for name, make in makers.items():
+            graph, step, init = _build(make, params)
             session = tf.compat.v1.Session(graph=graph, config=config)
             session.run(init)
             for _ in range(3):
@@ -71,15 +99,18 @@ def run_secure_sum(sizes: List[int], rounds: int, steps: int, replicas: int = 2,
                     session.run(step)
                     times[name].append(time.perf_counter() - start)
         upload, _ = cross_device_bytes(twins["secure"][0], replica_devices, servers)
+        op_time = _op_time_by_kind(twins["secure"][1], twins["secure"][2])
         for _, session, _ in twins.values():
             session.close()
-        s, p = statistics.median(times["secure"]), statistics.median(times["plaintext"])
+        s, r, p = (statistics.median(times[n]) for n in ("secure", "reference", "plaintext"))
         results.append({
             "params": params, "replicas": replicas,
-            "secure_ms": 1e3 * s, "plaintext_ms": 1e3 * p, "ratio": s / p,
+            "secure_ms": 1e3 * s, "reference_ms": 1e3 * r, "plaintext_ms": 1e3 * p, "ratio": s / p,
+            "extra_ns_per_param_per_replica": 1e9 * (s - p) / (params * replicas),
+            "reference_extra_ns_per_param_per_replica": 1e9 * (r - p) / (params * replicas),
             "secure_params_per_s": params / s, "plaintext_params_per_s": params / p,
             "upload_bytes_per_param_per_replica": upload / replicas / params,
-            "graph_ops": {"secure": len(twins["secure"][0].get_operations()),
-                          "plaintext": len(twins["plaintext"][0].get_operations())},
+            "secure_op_ms_by_kind": op_time,
+            "graph_ops": {n: len(twins[n][0].get_operations()) for n in twins},
         })
     return results

@@ -11,6 +11,8 @@ from typing import Sequence, Tuple
 
 import tensorflow as tf
 
+from model_fns import keras_optimizers  # tf.keras.optimizers.legacy where Estimator needs it (TF >= 2.11)
+
 __all__ = ["Workload", "input_fn", "make_estimator", "secure_config", "plaintext_config", "estimator_settings"]
 
 FEATURES = "x"
@@ -62,7 +64,7 @@ def input_fn(features: int, batch_size: int, seed: int = 0):
 
 def make_estimator(workload: Workload, config, learning_rate: float = 0.01):
     columns = [tf.feature_column.numeric_column(FEATURES, shape=[workload.features])]
-    optimizer = lambda: tf.keras.optimizers.SGD(learning_rate)  # noqa: E731
+    optimizer = lambda: keras_optimizers().SGD(learning_rate)  # noqa: E731
     if workload.model == "linear":
         return tf.estimator.LinearRegressor(feature_columns=columns, optimizer=optimizer, config=config)
     return tf.estimator.DNNRegressor(hidden_units=list(workload.hidden_units), feature_columns=columns,
