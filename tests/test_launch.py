@@ -119,11 +119,35 @@ def test_a_dead_task_is_restarted_and_training_resumes(job, delay, tmp_path, mon
         runner.join(timeout=600)
     log = launcher._out.getvalue()
     assert status == [0], log[-5000:]
-    assert f"{victim.name} died with status -9; restarting it" in log
+    assert f"{victim.name} died with status -9 (killed by SIGKILL); restarting it" in log
     if delay:  # while it is down, the chief says what it waits for
         assert f"still waiting for response from worker: /job:{job}/replica:0/task:0" in log, log[-8000:]
     assert "Saving dict for global step 400" in log
     np.testing.assert_allclose(_weights(model_dir), _true_weights(), atol=0.5)
+    _assert_all_gone(launcher)
+
+
+def test_evaluator_survives_checkpoint_rotation_and_a_chief_that_finishes_first(tmp_path):
+    # The setting: checkpoints every 50 steps, keep_checkpoint_max=5 (the default),
+    # 300 steps, EvalSpec(start_delay_secs=1, throttle_secs=1). A secure evaluation graph
+    # takes seconds to build; the chief trains all 300 steps meanwhile and deletes model.ckpt-0.
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    model_dir = os.path.join(workdir, "model")
+    command = [sys.executable, "-m", "tfe_estimator.demo_cluster", "--mode", "secure", "--model-dir", model_dir,
+               "--steps", "300", "--save-checkpoints-steps", "50", "--keep-checkpoint-max", "5",
+               "--start-delay-secs", "1", "--learning-rate", "0.1"]
+    out = io.StringIO()
+    launcher = Launcher(command, workers=1, evaluator=True, task_cwd=os.path.join(workdir, "{job}-{index}"), out=out)
+    status = launcher.run()
+    log = out.getvalue()
+    assert status == 0, log[-6000:]
+    assert "evaluator:0 died" not in log  # no hiccup was papered over by a restart
+    # It evaluated the first checkpoint it chose, or said that rotation took it away.
+    assert "Saving dict for global step 0" in log or "evaluator: skipped checkpoint" in log, log[-6000:]
+    assert "Saving dict for global step 300" in log
+    eval_dir = os.path.join(model_dir, "eval")
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(eval_dir)), "no eval summaries"
     _assert_all_gone(launcher)
 
 

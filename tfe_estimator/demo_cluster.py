@@ -19,6 +19,7 @@ import gc
 import os
 import sys
 import tempfile
+import time
 from typing import Dict, Optional, Sequence, TextIO
 
 import numpy as np
@@ -105,9 +106,21 @@ def _parse_args(argv):
     parser.add_argument("--save-checkpoints-steps", type=int, default=100)
     parser.add_argument("--keep-checkpoint-max", type=int, default=5)
     parser.add_argument("--start-delay-secs", type=int, default=0, help="EvalSpec.start_delay_secs")
+    parser.add_argument("--step-seconds", type=float, default=0.0,
+                        help="sleep this long after each training step (fault tests: time to kill a task mid-training)")
     parser.add_argument("--audit", action="store_true",
                         help="check that no float tensor is placed on a tfe server in the training graph")
     return parser.parse_args(argv)
+
+
+class _SlowStepsHook(tf.estimator.SessionRunHook):
+    """Sleeps after each step, so that a test can act between checkpoints."""
+
+    def __init__(self, seconds):
+        self._seconds = seconds
+
+    def after_run(self, run_context, run_values):
+        time.sleep(self._seconds)
 
 
 class AuditHook(tf.estimator.SessionRunHook):
@@ -146,6 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hooks = []
     if args.audit:
         hooks.append(AuditHook())
+    if args.step_seconds > 0:
+        hooks.append(_SlowStepsHook(args.step_seconds))
     tf.estimator.train_and_evaluate(
         est,
         tf.estimator.TrainSpec(train, max_steps=args.steps, hooks=hooks),
