@@ -100,11 +100,14 @@ def run_local_demo(
     )
     replicas = secure_config.train_distribute.extended.worker_devices
     plain_config = plaintext_twin_config(replicas, model_dir=f"{model_dir}/plaintext", tf_random_seed=seed)
-    return {
+    results = {
         "secure": _train_and_test(secure_config, data, steps, batch_size, learning_rate),
         "plaintext": _train_and_test(plain_config, data, steps, batch_size, learning_rate),
         "feature_names": data[4],
+        "workdir": model_dir,
     }
+    results["secure"]["model_dir"], results["plaintext"]["model_dir"] = f"{model_dir}/secure", f"{model_dir}/plaintext"
+    return results
 
 
 def format_comparison(results: Dict, title: str) -> str:
@@ -120,4 +123,7 @@ def format_comparison(results: Dict, title: str) -> str:
     worst = max(np.max(np.abs(s["weights"] - p["weights"])), abs(s["bias"] - p["bias"]))
     lines.append(f"largest weight difference: {worst:.2e} "
                  + ("(agree)" if worst < 1e-2 else "(DISAGREE: more than 1e-2)"))
+    if results.get("workdir"):
+        lines.append(f"model directories (checkpoints, eval summaries) are kept under {results['workdir']}; "
+                     "delete it when done")
     return "\n".join(lines)

@@ -67,16 +67,27 @@ def run_cluster_demo(
     x_train, y_train, x_test, y_test, names = load_diabetes_split()
     owners = ["chief-0"] + [f"worker-{i}" for i in range(workers)]
     write_owner_data(workdir, owners, x_train, y_train, x_test, y_test)
-    results = {"feature_names": names}
+    results = {"feature_names": names, "workdir": workdir}
     for mode in ("secure", "plaintext"):
         model_dir = os.path.join(workdir, f"model-{mode}")
+        log_dir = os.path.join(workdir, f"logs-{mode}")
+        os.makedirs(log_dir, exist_ok=True)
         command = [sys.executable, "-m", "tfe_estimator.demo_cluster", "--mode", mode,
                    "--model-dir", model_dir, "--steps", str(steps)]
-        status = Launcher(command, workers=workers, evaluator=True, protocol=protocol,
-                          task_cwd=os.path.join(workdir, "{job}-{index}"), out=out).run()
+        out.write(f"{mode}: training on the cluster; task logs in {log_dir}/\n")
+        out.flush()
+        # Task output goes to one file per task and the launcher's own lines to launch.log,
+        # so the comparison table is not buried; a failing task's last lines are shown.
+        with open(os.path.join(log_dir, "launch.log"), "w", encoding="utf-8") as launch_log:
+            status = Launcher(command, workers=workers, evaluator=True, protocol=protocol,
+                              task_cwd=os.path.join(workdir, "{job}-{index}"), out=launch_log,
+                              log_dir=log_dir).run()
         if status != 0:
-            raise RuntimeError(f"the {mode} cluster run failed with status {status}; see the log above")
+            with open(os.path.join(log_dir, "launch.log"), encoding="utf-8") as launch_log:
+                out.write("".join(launch_log.readlines()[-40:]))
+            raise RuntimeError(f"the {mode} cluster run failed with status {status}; task logs are in {log_dir}")
         results[mode] = _read_result(model_dir, x_test, y_test)
+        results[mode]["model_dir"] = model_dir
     return results
 
 

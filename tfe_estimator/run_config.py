@@ -18,6 +18,7 @@ property keeps its gRPC meaning (Estimator reads it); the tf-encrypted one is
 `tfe_protocol`.
 """
 import dataclasses
+import logging
 import os
 from typing import Optional, Sequence
 
@@ -173,6 +174,21 @@ class TfeRunConfig(tf.estimator.RunConfig):
         return new
 
 
+#: Above this many local replicas TfeRunConfig warns: they all share this machine's cores.
+MANY_LOCAL_REPLICAS = 16
+
+
+def _warn_many_local_replicas(num_replicas: int) -> None:
+    """Warns that local replicas are devices of this one process, however large the ring."""
+    if num_replicas > MANY_LOCAL_REPLICAS:
+        logging.getLogger("tfe_estimator").warning(
+            "num_replicas=%d local replicas: every replica is a CPU device of this one process, so the "
+            "graph holds %d copies of the model and each step secret-shares %d updates on this machine's "
+            "cores; graph building and steps grow about linearly (precision only bounds how many values the "
+            "ring can sum, not the cost). Use a few local replicas to test, and a cluster "
+            "(TF_CONFIG, one task per data owner) for many owners.", num_replicas, num_replicas, num_replicas)
+
+
 def _check_launch_protocol(protocol: str) -> None:
     """Refuses a protocol other than the one `tfe-estimator launch` started the cluster for."""
     launched = os.environ.get(LAUNCH_PROTOCOL_ENV)
@@ -203,6 +219,7 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
 
         install_checkpoint_retry()
     if spec is None or spec.is_evaluator:  # the evaluator evaluates on its own replicas
+        _warn_many_local_replicas(validate_num_replicas(settings.num_replicas))
         replicas, servers = local_layout(validate_num_replicas(settings.num_replicas), settings.protocol)
     else:
         spec.check_protocol(settings.protocol)
