@@ -26,6 +26,7 @@ Each property has a mutation test beside it: a planted unmasked share, a
 zero mask in tf-encrypted's generator, or a planted float edge makes the
 harness's check raise.
 """
+import collections
 import contextlib
 import sys
 import types
@@ -41,7 +42,8 @@ from tfe_estimator.kernels import ops as kernel_ops
 from tfe_estimator.precision import READ_PRECISION, get_precision
 from tfe_estimator.protocols import load_backend, supported_combinations
 from tfe_estimator.run_config import default_session_config
-from tfe_estimator.server_view import capture_party_views, group_by_party
+from tfe_estimator.audit import PartyAuditError, assert_no_plaintext_on_servers, audit_party_inputs
+from tfe_estimator.server_view import capture_party_views
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(6)]
 REPLICAS, SERVERS, ELSEWHERE = DEVICES[:2], DEVICES[2:5], DEVICES[5]
@@ -162,8 +164,9 @@ def collect_views(protocol, precision, implementation, placement, secret, steps=
     """Runs `steps` steps of a real secure sum; returns each step's party views and the results.
 
     Returns:
-      ``(views, results, expected)``: ``views[step]`` is a list of
-      ``(PartyEdge, value)``; ``results`` the last step's fetched sums. With
+      A `Collected` ``(views, results, expected, partition_graphs)``:
+      ``views[step]`` is a list of ``(PartyEdge, value)``; ``results`` the
+      last step's fetched sums, ``partition_graphs`` its partitioned graphs. With
       ``reveal=False`` the run stops at the parties' outputs (a mutated
       graph's sums may be refused by the destinations), and results is None.
     """
@@ -178,11 +181,14 @@ def collect_views(protocol, precision, implementation, placement, secret, steps=
     views = []
     with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
         for _ in range(steps):
-            results, step_views, _ = capture_party_views(session, fetches, servers, feed_dict=feed)
+            results, step_views, partition_graphs = capture_party_views(session, fetches, servers, feed_dict=feed)
             views.append(step_views)
     results = results if reveal else None
     expected = [sum(s[k].astype(np.float64 if k != 1 else np.int64) for s in secrets) for k in range(3)]
-    return views, results, expected
+    return Collected(views, results, expected, partition_graphs)
+
+
+Collected = collections.namedtuple("Collected", "views results expected partition_graphs")
 
 
 # ---------------------------------------------------------------- the checks
@@ -296,7 +302,7 @@ def assert_no_float_received(views, what=""):
 @pytest.mark.parametrize("secret", ["zeros", "limit"])
 def test_every_party_sees_only_uniform_fresh_ring_elements(protocol, precision, implementation, placement, secret):
     # Execute
-    views, results, expected = collect_views(protocol, precision, implementation, placement, secret)
+    views, results, expected, _ = collect_views(protocol, precision, implementation, placement, secret)
     # Assert: the graph is a working sum ...
     for got, want in zip(results, expected):
         for value in got:
@@ -330,15 +336,16 @@ def _assert_roles(protocol, implementation, placement, step_views):
 
 @pytest.mark.parametrize("protocol, precision, implementation, placement", CONFIGS, ids=CONFIG_IDS)
 def test_no_party_receives_a_float(protocol, precision, implementation, placement):
-    views, _, _ = collect_views(protocol, precision, implementation, placement, "limit", steps=1)
+    views = collect_views(protocol, precision, implementation, placement, "limit", steps=1).views
     assert views[0]
     assert_no_float_received(views)
 
 
 # ---------------------------------------------------------------- mutations: the checks must fail
 
-def _unmasked_mask_share(real):
-    """`kernels.ops.mask_share` that sends the encoding itself as the share (the seed is unused)."""
+def plant_unmasked_fused_share(monkeypatch):
+    """`kernels.ops.mask_share` sends the encoding itself as the share (the seed still goes out)."""
+    real = kernel_ops.mask_share
 
     def mask_share(values, bound, ring_bits, fraction_bits, owner, hint):
         _, seed = real(values, bound, ring_bits, fraction_bits, owner, hint)
@@ -347,26 +354,15 @@ def _unmasked_mask_share(real):
             encoded = tf.stack([encoded, tf.bitwise.right_shift(encoded, 63)], axis=1)
         return encoded, seed
 
-    return mask_share
+    monkeypatch.setattr(kernel_ops, "mask_share", mask_share)
 
 
-@pytest.mark.parametrize("precision", sorted({q for p, q in COMBINATIONS if p == "pond"}))
-@pytest.mark.parametrize("secret", ["zeros", "limit"])
-def test_a_planted_unmasked_fused_share_is_caught(precision, secret, monkeypatch):
-    monkeypatch.setattr(kernel_ops, "mask_share", _unmasked_mask_share(kernel_ops.mask_share))
-    views, _, _ = collect_views("pond", precision, "auto", None, secret, reveal=False)
-    with pytest.raises(AssertionError, match="not uniform|same value"):
-        assert_views_hide_the_secret(views)
-
-
-def _zero_masks(monkeypatch):
+def plant_zero_masks(monkeypatch):
     """tf-encrypted's generator (ours, installed by tfe_backend) returns zero masks."""
     from tfe_estimator.kernels.random_module import AesRandomModule  # pylint: disable=import-outside-toplevel
 
     for name in ("secure_seeded_random_uniform", "i128_secure_seeded_random_uniform"):
-        real = getattr(AesRandomModule, name, None)
-        if real is None:
-            continue
+        real = getattr(AesRandomModule, name)
 
         def zero(self, *args, _real=real, **kwargs):
             return _real(self, *args, **kwargs) * 0
@@ -374,21 +370,12 @@ def _zero_masks(monkeypatch):
         monkeypatch.setattr(AesRandomModule, name, zero)
 
 
-TFE_CONFIGS = [(c, i) for c, i in zip(CONFIGS, CONFIG_IDS) if not _fused(c[0], c[2])]
+def plant_float_edge(monkeypatch):
+    """Each server op also reads replica 0's float vector.
 
-
-@pytest.mark.parametrize("protocol, precision, implementation, placement",
-                         [c for c, _ in TFE_CONFIGS], ids=[i for _, i in TFE_CONFIGS])
-def test_tf_encrypted_shares_with_zero_masks_are_caught(protocol, precision, implementation, placement, monkeypatch):
-    _zero_masks(monkeypatch)
-    views, _, _ = collect_views(protocol, precision, implementation, placement, "limit", reveal=False)
-    with pytest.raises(AssertionError, match="not uniform|same value"):
-        assert_views_hide_the_secret(views)
-
-
-def test_a_planted_float_edge_is_caught(monkeypatch):
-    # A server op that also reads replica 0's float vector (all zeros here: the sum stays
-    # right; `x * 0` would not do, Grappler folds it and nothing crosses).
+    All zeros in these tests, so the sum stays right (`x * 0` would not do:
+    Grappler folds it and nothing crosses).
+    """
     floats = []
     real_mask_share, real_server_sum = kernel_ops.mask_share, kernel_ops.server_sum
 
@@ -397,12 +384,56 @@ def test_a_planted_float_edge_is_caught(monkeypatch):
         return real_mask_share(values, *args)
 
     def server_sum(*args):
-        leak = tf.cast(tf.reduce_sum(floats[0]), tf.int64)
-        return real_server_sum(*args) + leak
+        return real_server_sum(*args) + tf.cast(tf.reduce_sum(floats[0]), tf.int64)
 
     monkeypatch.setattr(kernel_ops, "mask_share", mask_share)
     monkeypatch.setattr(kernel_ops, "server_sum", server_sum)
-    views, _, _ = collect_views("pond", "low", "auto", None, "zeros", steps=1)
+
+
+def plant_seed_beside_its_share(monkeypatch):
+    """Server0 also receives the seed of the share replica 1 sends it (it can unmask it)."""
+    pairs = []
+    real_mask_share, real_server_sum = kernel_ops.mask_share, kernel_ops.server_sum
+
+    def mask_share(*args):
+        pairs.append(real_mask_share(*args))
+        return pairs[-1]
+
+    def server_sum(seeds, shares, ring_bits, num_elements):
+        total = real_server_sum(seeds, shares, ring_bits, num_elements)
+        if any(s is pairs[-1][0] for s in shares):  # server0 holds replica 1's share
+            total += real_server_sum([pairs[-1][1]], [], ring_bits, num_elements)
+        return total
+
+    monkeypatch.setattr(kernel_ops, "mask_share", mask_share)
+    monkeypatch.setattr(kernel_ops, "server_sum", server_sum)
+
+
+POND_PRECISIONS = sorted({q for p, q in COMBINATIONS if p == "pond"})
+TFE_CONFIGS = [(c, i) for c, i in zip(CONFIGS, CONFIG_IDS) if not _fused(c[0], c[2])]
+
+
+@pytest.mark.parametrize("precision", POND_PRECISIONS)
+@pytest.mark.parametrize("secret", ["zeros", "limit"])
+def test_a_planted_unmasked_fused_share_is_caught(precision, secret, monkeypatch):
+    plant_unmasked_fused_share(monkeypatch)
+    views = collect_views("pond", precision, "auto", None, secret, reveal=False).views
+    with pytest.raises(AssertionError, match="not uniform|same value"):
+        assert_views_hide_the_secret(views)
+
+
+@pytest.mark.parametrize("protocol, precision, implementation, placement",
+                         [c for c, _ in TFE_CONFIGS], ids=[i for _, i in TFE_CONFIGS])
+def test_tf_encrypted_shares_with_zero_masks_are_caught(protocol, precision, implementation, placement, monkeypatch):
+    plant_zero_masks(monkeypatch)
+    views = collect_views(protocol, precision, implementation, placement, "limit", reveal=False).views
+    with pytest.raises(AssertionError, match="not uniform|same value"):
+        assert_views_hide_the_secret(views)
+
+
+def test_a_planted_float_edge_is_caught(monkeypatch):
+    plant_float_edge(monkeypatch)
+    views = collect_views("pond", "low", "auto", None, "zeros", steps=1).views
     with pytest.raises(AssertionError, match="float32"):
         assert_no_float_received(views)
 
@@ -420,3 +451,87 @@ def test_the_statistics_reject_encodings_and_predictable_seeds():
     assert_uniform_seeds(good, "random")  # and random ones pass
     with pytest.raises(AssertionError, match="repeats"):
         assert_uniform_seeds(good + [good[3]], "planted")
+
+
+# ---------------------------------------------------------------- the audit on the same graphs
+
+@pytest.mark.parametrize("protocol, precision, implementation, placement", CONFIGS, ids=CONFIG_IDS)
+def test_the_audit_passes_every_real_secure_sum(protocol, precision, implementation, placement):
+    run = collect_views(protocol, precision, implementation, placement, "zeros", steps=1)
+    report = audit_party_inputs(run.partition_graphs, SERVERS)
+    assert len(report.parties) == (3 if protocol == "aby3" else 2)
+    assert report.party_ops > 0
+    assert {(e.party, e.tensor) for e in report.edges} == {(e.party, e.tensor) for e, _ in run.views[0]}
+    assert assert_no_plaintext_on_servers(run.partition_graphs, SERVERS) == report.party_ops  # the alias
+
+
+@pytest.mark.parametrize("plant, protocol, implementation, message", [
+    (plant_unmasked_fused_share, "pond", "auto", "is not an allowed producer"),
+    (plant_float_edge, "pond", "auto", "a float32 value"),
+    (plant_seed_beside_its_share, "pond", "auto", "can unmask"),
+    # x - 0: Grappler may keep the Sub or rewrite it away (Identity, BroadcastTo).
+    (plant_zero_masks, "pond", "tf-encrypted", "not a masked share|not an allowed producer"),
+    (plant_zero_masks, "aby3", "auto", "not a masked share|not an allowed producer"),
+], ids=["unmasked-fused-share", "float-edge", "seed-beside-its-share", "zero-masks-pond", "zero-masks-aby3"])
+def test_the_audit_names_a_planted_leak(plant, protocol, implementation, message, monkeypatch):
+    plant(monkeypatch)
+    placement = 0 if implementation == "tf-encrypted" else None
+    run = collect_views(protocol, "low", implementation, placement, "zeros", steps=1, reveal=False)
+    with pytest.raises(PartyAuditError, match=message):
+        audit_party_inputs(run.partition_graphs, SERVERS)
+
+
+def test_the_audit_refuses_a_run_without_party_ops():
+    graph = tf.Graph()
+    with graph.as_default():
+        with tf.device(REPLICAS[0]):
+            a = tf.compat.v1.placeholder(tf.float32, [3])
+        with tf.device(REPLICAS[1]):
+            total = a + 1.0
+    run_metadata = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
+        session.run(total, {a: np.zeros(3)}, options=tf.compat.v1.RunOptions(output_partition_graphs=True),
+                    run_metadata=run_metadata)
+    with pytest.raises(PartyAuditError, match="No op of this run is placed on the parties"):
+        audit_party_inputs(run_metadata, SERVERS)
+    with pytest.raises(TypeError, match="partition"):
+        audit_party_inputs(graph, SERVERS)  # requested placement is not evidence
+
+
+def _node(name, op, device, inputs=(), **attrs):
+    node = tf.compat.v1.NodeDef(name=name, op=op, device=device, input=list(inputs))
+    for key, value in attrs.items():
+        if isinstance(value, tf.DType):
+            node.attr[key].type = value.as_datatype_enum
+        elif isinstance(value, bytes):
+            node.attr[key].s = value
+    return node
+
+
+def _crossing(producer_op, dtype, source, target):
+    """Two partitions: `producer_op` on `source` sends its output to an op on `target`."""
+    edge = b"edge_1_x"
+    sender, receiver = tf.compat.v1.GraphDef(), tf.compat.v1.GraphDef()
+    sender.node.extend([_node("x", producer_op, source),
+                        _node("x/_0", "_Send", source, ["x"], T=dtype, tensor_name=edge,
+                              send_device=source.encode(), recv_device=target.encode())])
+    receiver.node.extend([_node("x/_1", "_Recv", target, tensor_type=dtype, tensor_name=edge,
+                                send_device=source.encode(), recv_device=target.encode()),
+                          _node("y", "Identity", target, ["x/_1"], T=dtype)])
+    return [sender, receiver]
+
+
+def test_the_audit_treats_a_cluster_party_as_its_whole_task():
+    # Soft placement put a server's op on another device of its `tfe` task: still that party.
+    parties = [f"/job:tfe/replica:0/task:{i}/device:CPU:0" for i in range(3)]
+    into_other_device = _crossing("Cast", tf.int64, "/job:worker/replica:0/task:0/device:CPU:0",
+                                  "/job:tfe/replica:0/task:1/device:CPU:1")
+    with pytest.raises(PartyAuditError, match=r"/job:tfe/replica:0/task:1 receives x:0 \(Cast, int64\)"):
+        audit_party_inputs(into_other_device, parties)
+    with pytest.raises(PartyAuditError, match=r"/job:tfe/replica:0/task:0 receives x:0 \(Cast"):
+        audit_party_inputs(into_other_device and _crossing("Cast", tf.int64, "/job:chief/replica:0/task:0/device:CPU:0",
+                                                           "/job:tfe/replica:0/task:0/device:CPU:0"), None)
+    # Between two devices of one party's task: not a crossing (the task already holds it).
+    within = _crossing("Cast", tf.int64, "/job:tfe/replica:0/task:2/device:CPU:1",
+                       "/job:tfe/replica:0/task:2/device:CPU:0")
+    assert audit_party_inputs(within, parties).edges == ()

@@ -20,7 +20,7 @@ from tfe_estimator.compat import check_tensorflow_version
 check_tensorflow_version()  # before any module below touches TensorFlow's private APIs
 
 from tfe_estimator.aggregation import SecureAggregation
-from tfe_estimator.audit import assert_no_plaintext_on_servers
+from tfe_estimator.audit import PartyAuditError, PartyAuditHook, assert_no_plaintext_on_servers, audit_party_inputs
 from tfe_estimator.cluster import TfeCluster
 from tfe_estimator.errors import InsecureRandomnessError, PlaintextOnServerError
 from tfe_estimator.precision import PRECISIONS, Precision
@@ -41,6 +41,9 @@ __all__ = [
     "PRECISIONS",
     "PROTOCOLS",
     "assert_no_plaintext_on_servers",
+    "audit_party_inputs",
+    "PartyAuditHook",
+    "PartyAuditError",
     "default_session_config",
     "plaintext_twin_config",
 ]

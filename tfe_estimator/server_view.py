@@ -170,8 +170,8 @@ def party_edges(partition_graphs, party_devices: Sequence[str]) -> List[PartyEdg
     edges = []
     for graph_def in partition_graphs:
         for node in graph_def.node:
-            if node.op not in _RECV_OPS:
-                continue
+            if node.op not in _RECV_OPS or node.attr["client_terminated"].b:
+                continue  # a client feed has no send: `audit` refuses those on parties
             device = _canonical(_node_device(node, graph_def))
             party = party_of(device, party_devices)
             source_device = _canonical(node.attr["send_device"].s.decode())
