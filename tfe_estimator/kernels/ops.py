@@ -16,7 +16,7 @@ Example::
     y = reveal_sum(server_sum([seed], [], 64, n), server_sum([], [share], 64, n),
                    tf.float32, ring_bits=64, fraction_bits=32)
 """
-from typing import Sequence
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
@@ -25,15 +25,17 @@ from tfe_estimator import kernels
 __all__ = ["mask_share", "server_sum", "reveal_sum", "keystream"]
 
 
-def mask_share(values: tf.Tensor, bound: float, ring_bits: int, fraction_bits: int, owner: str, hint: str):
+def mask_share(values: tf.Tensor, bound: float, ring_bits: int, fraction_bits: int, owner: str, hint: str,
+               noise: Optional[tf.Tensor] = None):
     """Checks, encodes and masks `values` in one pass; returns ``(share, seed)``.
 
     Fails at run time, naming `owner` and `hint` but no value, if an element
-    is NaN/infinite or not below `bound` in magnitude.
+    is NaN/infinite or not below `bound` in magnitude. `noise` (int64, one
+    element per value, in ring units) is added to the encoding before masking.
     """
     return kernels.load().tfe_mask_share(
-        values, tf.constant(bound, tf.float64), ring_bits=ring_bits, fraction_bits=fraction_bits,
-        owner=owner, hint=hint)
+        values, tf.constant(bound, tf.float64), [] if noise is None else [noise], ring_bits=ring_bits,
+        fraction_bits=fraction_bits, owner=owner, hint=hint)
 
 
 def server_sum(seeds: Sequence[tf.Tensor], shares: Sequence[tf.Tensor], ring_bits: int, num_elements: int):
