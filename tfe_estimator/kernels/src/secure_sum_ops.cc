@@ -93,6 +93,7 @@ std::string FormatBound(double bound) {
 REGISTER_OP("TfeMaskShare")
     .Input("values: T")
     .Input("bound: float64")
+    .Input("noise: num_noise * int64")  // differential privacy: 0 or 1 tensor
     .Output("share: int64")
     .Output("seed: int32")
     .Attr("T: {float, double, int32, int64}")
@@ -100,6 +101,7 @@ REGISTER_OP("TfeMaskShare")
     .Attr("fraction_bits: int >= 0")
     .Attr("owner: string")
     .Attr("hint: string")
+    .Attr("num_noise: int >= 0 = 0")
     .SetIsStateful()  // a fresh seed on every run
     .SetShapeFn([](InferenceContext* c) {
       DimensionHandle n = c->MakeDim(1);
@@ -119,6 +121,9 @@ Checks, fixed-point encodes and masks one replica's values in one pass.
 share = round_toward_zero(values * 2**fraction_bits) - AES-128-CTR(seed) mod 2**ring_bits,
 with seed a fresh key from RAND_bytes. Refuses NaN/Inf and |values| >= bound with
 an error naming `owner` and `hint` but no value (the magnitude is logged here).
+With num_noise = 1, `noise` (int64, one element per value, e.g. discrete Gaussian
+noise for differential privacy) is added to the encoded values modulo
+2**ring_bits before masking, so it never leaves this op unmasked.
 )doc");
 
 template <typename T>
@@ -130,11 +135,22 @@ class MaskShareOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fraction_bits", &fraction_bits_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("owner", &owner_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("hint", &hint_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_noise", &num_noise_));
+    OP_REQUIRES(ctx, num_noise_ <= 1,
+                ::tensorflow::errors::InvalidArgument("num_noise must be 0 or 1, got ", num_noise_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& values = ctx->input(0);
     const double bound = ctx->input(1).scalar<double>()();
+    const int64_t* noise = nullptr;  // differential privacy noise in ring units, or none
+    if (num_noise_ == 1) {
+      const Tensor& noise_tensor = ctx->input(2);
+      OP_REQUIRES(ctx, noise_tensor.NumElements() == values.NumElements(),
+                  ::tensorflow::errors::InvalidArgument("noise has ", noise_tensor.NumElements(),
+                                                        " elements, values ", values.NumElements()));
+      noise = noise_tensor.flat<int64_t>().data();
+    }
     // An encoded value must fit the signed ring and its int64/int128 carrier.
     OP_REQUIRES(ctx, bound > 0 && std::ldexp(bound, fraction_bits_) <= std::ldexp(1.0, ring_bits_ == 64 ? 63 : 126),
                 ::tensorflow::errors::InvalidArgument("bound ", bound, " with ", fraction_bits_,
@@ -180,14 +196,18 @@ class MaskShareOp : public OpKernel {
                                                                : static_cast<int64_t>(x[first + j]);
           uint64_t mask;
           std::memcpy(&mask, dst + j * 8, 8);
-          const uint64_t s = static_cast<uint64_t>(enc) - mask;
+          const uint64_t noised =
+              static_cast<uint64_t>(enc) + (noise ? static_cast<uint64_t>(noise[first + j]) : 0);
+          const uint64_t s = noised - mask;
           std::memcpy(dst + j * 8, &s, 8);
         } else {
           const i128 enc = std::is_floating_point<T>::value ? static_cast<i128>(v * scale)
                                                             : static_cast<i128>(x[first + j]);
           u128 mask;
           std::memcpy(&mask, dst + j * 16, 16);
-          const u128 s = static_cast<u128>(enc) - mask;
+          // The int64 noise is sign-extended to the 128-bit ring.
+          const u128 noised = static_cast<u128>(enc) + (noise ? static_cast<u128>(static_cast<i128>(noise[first + j])) : 0);
+          const u128 s = noised - mask;
           std::memcpy(dst + j * 16, &s, 16);
         }
       }
@@ -228,6 +248,7 @@ class MaskShareOp : public OpKernel {
   int fraction_bits_;
   std::string owner_;
   std::string hint_;
+  int num_noise_;
 };
 
 #define REGISTER_MASK(T) \
