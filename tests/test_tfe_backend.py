@@ -40,17 +40,26 @@ def test_tf_encrypted_draws_every_random_value_from_our_aes_ops(backend):
     assert backend._tfe_secure_random_impl.secure_random_module is backend._installed  # pylint: disable=protected-access
 
 
-def test_without_our_generator_secure_aggregation_refuses(backend, monkeypatch):
-    # Plant the fault: the kernel library cannot be built, and tf-encrypted's
-    # module is whatever it loaded itself (its ChaCha op on TF 2.9.1, None on 2.15).
+def test_without_the_kernel_library_nothing_falls_back(backend, monkeypatch):
+    # Plant the fault: the kernel library cannot be built; tf-encrypted's module
+    # is whatever it loaded itself (its ChaCha op on TF 2.9.1, None on 2.15).
     impl = backend._tfe_secure_random_impl  # pylint: disable=protected-access
 
     def broken(fallback=None):
         raise kernels.KernelBuildError("no compiler")
 
     monkeypatch.setattr(kernels, "tfe_random_module", broken)
-    monkeypatch.setattr(impl, "secure_random_module", getattr(backend._installed, "_fallback", None))  # pylint: disable=protected-access
+    monkeypatch.setattr(impl, "secure_random_module", backend._installed._fallback)  # pylint: disable=protected-access
     monkeypatch.setattr(backend, "_installed", None)
-    monkeypatch.setattr(backend, "_not_installed_reason", None)
-    with pytest.raises(InsecureRandomnessError, match="no compiler.*build-kernels"):
+    with pytest.raises(kernels.KernelBuildError, match="no compiler"):
+        backend.require_secure_randomness()
+    with pytest.raises(kernels.KernelBuildError, match="no compiler"):
+        protocols.load_backend(require_secure_randomness=False)  # servers too
+
+
+def test_tf_encrypted_without_secure_randomness_is_refused(backend, monkeypatch):
+    from tf_encrypted.operations import secure_random  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(secure_random, "supports_secure_randomness", lambda: False)
+    with pytest.raises(InsecureRandomnessError, match="AES-CTR generator .* refuses to run"):
         backend.require_secure_randomness()

@@ -34,7 +34,7 @@ Example::
 import contextlib
 import io
 import logging
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import while_v2
@@ -98,11 +98,8 @@ __all__ = [
 ]
 
 
-#: The generator object we installed in tf-encrypted; why not, if we could not;
-#: and whether `tfe_estimator.kernels` exists in this checkout at all.
+#: The generator object we installed in tf-encrypted.
 _installed = None
-_not_installed_reason: Optional[str] = None
-_kernels_missing = False
 
 
 def install_secure_random():
@@ -117,64 +114,53 @@ def install_secure_random():
     128-bit (`i128_*`) calls our generator does not implement; on TF 2.15 there
     is none, and those calls raise NotImplementedError.
 
-    Idempotent. `protocols.load_backend` calls it.
+    Idempotent. `protocols.load_backend` calls it, so it also loads (and on
+    first use builds) the kernel library, as every process running our ops
+    must before its TensorFlow server starts.
 
     Returns:
-      The installed module object, or tf-encrypted's own (possibly None) if
-      our generator is unavailable; `require_secure_randomness` tells why.
+      The installed module object.
+
+    Raises:
+      tfe_estimator.kernels.KernelBuildError, KernelSelfTestError: the kernel
+        library cannot be built or fails its known-answer test (the message
+        names the fix, e.g. `tfe-estimator build-kernels`). There is no
+        fallback to tf-encrypted's generator.
     """
-    global _installed, _not_installed_reason, _kernels_missing  # pylint: disable=global-statement
+    global _installed  # pylint: disable=global-statement
     current = _tfe_secure_random_impl.secure_random_module
     if _installed is not None and current is _installed:
         return current
-    try:
-        from tfe_estimator import kernels  # pylint: disable=import-outside-toplevel
+    from tfe_estimator import kernels  # pylint: disable=import-outside-toplevel
 
-        make_module = kernels.tfe_random_module
-    except (ImportError, AttributeError) as exc:
-        # Until the kernel library is part of this checkout, TF 2.9.1 keeps
-        # tf-encrypted's own generator (still a CSPRNG); TF 2.15 has none.
-        _not_installed_reason = f"tfe_estimator.kernels.tfe_random_module is missing ({exc})"
-        _kernels_missing = True
-        return current
-    try:
-        ours = make_module(fallback=current)
-    except (OSError, RuntimeError, tf.errors.OpError) as exc:  # KernelBuildError, KernelSelfTestError, load
-        _not_installed_reason = (
-            f"tfe_estimator's AES-CTR kernel library did not load ({exc}). Build it with "
-            "`tfe-estimator build-kernels` (scripts/venv.sh does) in this environment"
-        )
-        return current
+    ours = kernels.tfe_random_module(fallback=current)
     _tfe_secure_random_impl.secure_random_module = ours
-    _installed, _not_installed_reason = ours, None
+    _installed = ours
     _LOG.debug("tf-encrypted draws its randomness from %r", ours)
     return ours
 
 
 def require_secure_randomness() -> None:
-    """Refuses to go on unless tf-encrypted draws from a secure generator.
+    """Refuses to go on unless tf-encrypted draws from our AES-CTR generator.
 
     Without a compiled generator tf-encrypted silently falls back to
     TensorFlow's ordinary (predictable) random number generators, and shares
-    made with them hide nothing. The generator must be ours
-    (`install_secure_random`) whenever `tfe_estimator.kernels` is part of the
-    package.
+    made with them hide nothing.
 
     Raises:
-      InsecureRandomnessError: naming what is missing and the fix.
+      InsecureRandomnessError: if tf-encrypted does not use our generator.
+      tfe_estimator.kernels.KernelBuildError, KernelSelfTestError: from
+        `install_secure_random`.
     """
     module = install_secure_random()
-    ours_required = not _kernels_missing
-    if module is None or not secure_random.supports_secure_randomness() or (
-            ours_required and module is not _installed):
+    if module is not _tfe_secure_random_impl.secure_random_module or not secure_random.supports_secure_randomness():
         raise InsecureRandomnessError(
-            "No cryptographically secure random op for tf-encrypted on TensorFlow "
-            f"{tf.__version__}: {_not_installed_reason or 'its secure random op library did not load'}. "
-            "Secret shares would be drawn from a predictable generator, so secure "
-            "aggregation refuses to run. tf-encrypted 0.9.1 ships its own op "
-            "(secure_random_module_tf_<version>.so) for TensorFlow 2.9.1 only; on other "
-            "versions tfe_estimator's AES-CTR kernels replace it (`tfe-estimator "
-            "build-kernels`; see README, 'Versions')."
+            f"tf-encrypted on TensorFlow {tf.__version__} does not draw its shares from "
+            "tfe_estimator's AES-CTR generator (its secure random op library is missing or was "
+            "replaced), so shares would come from a predictable generator and secure aggregation "
+            "refuses to run. tf-encrypted 0.9.1 ships its own op (secure_random_module_tf_<version>.so) "
+            "for TensorFlow 2.9.1 only; tfe_estimator's kernels replace it on every version "
+            "(`tfe-estimator build-kernels`; see README, 'Versions')."
         )
 
 
