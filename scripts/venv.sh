@@ -69,8 +69,7 @@ else
   echo "$want_hash" > "$venv/.installed"
 fi
 
-# The kernel library (AES-CTR masks, fused encode/decode) is compiled against
-# this venv's TensorFlow. Guarded while `build-kernels` is being added.
-if "$venv/bin/tfe-estimator" build-kernels --help >/dev/null 2>&1; then
-  "$venv/bin/tfe-estimator" build-kernels
-fi
+# The kernel library (AES-CTR masks, the fused Pond sum) is compiled against
+# this venv's TensorFlow, into a per-user cache keyed by TensorFlow, Python and
+# the sources: a no-op when it is up to date.
+"$venv/bin/tfe-estimator" build-kernels
