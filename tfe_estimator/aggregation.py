@@ -31,6 +31,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as value_lib
 
+from tfe_estimator import dp as dp_lib
 from tfe_estimator import fused_sum
 from tfe_estimator import secure_sum
 from tfe_estimator.devices import validate_party_devices
@@ -71,6 +72,12 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
       implementation: "auto" (Pond on tfe_estimator's fused AES-CTR kernels,
         ABY3 on tf-encrypted) or "tf-encrypted" (tf-encrypted's own Pond as
         well: the reference implementation; slower, same ring sums).
+      dp: optional `tfe_estimator.DistributedDP`: every float update (the
+        gradients) must be a sum of per-example clipped gradients (marked by
+        `tfe_estimator.dp.make_dp_optimizer`; others are refused), and each
+        replica adds its part of the discrete Gaussian noise to its encoded
+        values inside the fused mask op (see `tfe_estimator.dp`). Pond on
+        the fused kernels only.
 
     Raises:
       ValueError: for an unknown protocol, precision or implementation, or
@@ -93,6 +100,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         server_devices: Optional[Sequence[str]] = None,
         clip_norm: Optional[float] = None,
         implementation: str = "auto",
+        dp: Optional["dp_lib.DistributedDP"] = None,
     ) -> None:
         self._protocol = validate_protocol(protocol)
         self._clip_norm = validate_clip_norm(clip_norm)
@@ -103,6 +111,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         if not self._fused:  # tf-encrypted's protocol code: its 128-bit ring may be missing
             check_supported("aby3" if self._precision.ring_bits == 128 else self._protocol, self._precision)
         self._server_devices = validate_party_devices(self._protocol, server_devices)
+        self._dp = _validate_dp(dp, self._protocol, self._fused)
         super().__init__()
 
     @property
@@ -124,6 +133,11 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
     def server_devices(self):
         """The devices of the protocol's parties."""
         return self._server_devices
+
+    @property
+    def dp(self) -> Optional["dp_lib.DistributedDP"]:
+        """The `DistributedDP` whose noise is added inside the secure sum, or None."""
+        return self._dp
 
     @property
     def implementation(self) -> str:
@@ -184,13 +198,15 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             for r, device in enumerate(sources):
                 with tf.device(device):
                     dense = [_densify(v.values[r]) for v in values]
-                    vector, shapes = secure_sum.pack(dense, pack_dtype)
+                    # The fused kernels read any shape as a flat vector: one tensor needs no op.
+                    vector, shapes = secure_sum.pack(dense, pack_dtype, flatten=not self._fused)
                     if self._clip_norm is not None and kind == _FLOAT and update:
                         vector = tf.clip_by_norm(vector, self._clip_norm)
                 vectors.append(vector)
+            noise_variance = self._dp_noise_variance(values, kind, update, num, encoding, vectors)
             if self._fused:
                 totals = fused_sum.pond_sum(vectors, sources, self._server_devices, targets, encoding,
-                                            pack_dtype, owners, hint, scale)
+                                            pack_dtype, owners, hint, scale, noise_variance=noise_variance)
             else:
                 totals = self._tfe_sum(tfe_backend, vectors, sources, targets, encoding, pack_dtype,
                                        owners, hint, scale)
@@ -208,6 +224,34 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             else:
                 results.append(distribute_utils.regroup(on_targets, wrap_class=value_lib.Mirrored))
         return results
+
+    def _dp_noise_variance(self, values, kind, update, num, encoding, vectors):
+        """Each replica's noise variance (ring units^2) for a DP update, else None.
+
+        Refuses an update whose values are not marked as sums of gradients
+        clipped per example to at most the `DistributedDP`'s l2_norm_clip.
+        """
+        if self._dp is None or kind != _FLOAT or not update:
+            return None
+        for value in values:
+            for tensor in value.values:
+                clip = dp_lib.clipped_sum_norm(tensor)
+                if clip is None:
+                    raise ValueError(
+                        f"SecureAggregation(dp={self._dp}) refuses to share gradients that are not "
+                        f"clipped per example ({tensor.name}): without per-example clipping the noise "
+                        "bounds nothing. Use our model_fns (they clip when the RunConfig carries dp), or "
+                        "a tensorflow-privacy DP head/estimator (e.g. tensorflow_privacy.DNNClassifier) "
+                        "with optimizer=tfe_estimator.dp.make_dp_optimizer(tf.keras.optimizers.legacy.SGD(...), "
+                        "l2_norm_clip) instead of an ordinary optimizer or a canned tf.estimator model.")
+                if clip > self._dp.l2_norm_clip:
+                    raise ValueError(
+                        f"SecureAggregation: gradients clipped per example to {clip}, above "
+                        f"DistributedDP.l2_norm_clip={self._dp.l2_norm_clip}: the noise would be too small. "
+                        "Use the same l2_norm_clip in make_dp_optimizer and DistributedDP.")
+        variance = dp_lib.check_noise_headroom(self._dp, num, encoding.ring_bits, encoding.fraction_bits,
+                                               encoding.bound, vectors[0].shape.num_elements())
+        return variance or None
 
     def _tfe_sum(self, tfe_backend, vectors, sources, targets, encoding, dtype, owners, hint, scale):
         """The sum by tf-encrypted's own protocol code; decoded, one tensor per target."""
@@ -267,6 +311,20 @@ def validate_clip_norm(clip_norm) -> Optional[float]:
     if not math.isfinite(clip_norm) or clip_norm <= 0:
         raise ValueError(f"clip_norm must be a finite number > 0 or None, got {clip_norm!r}.")
     return float(clip_norm)
+
+
+def _validate_dp(dp, protocol, fused):
+    """Returns `dp` if it is None or a `DistributedDP` this configuration can run."""
+    if dp is None:
+        return None
+    if not isinstance(dp, dp_lib.DistributedDP):
+        raise TypeError(f"dp must be a tfe_estimator.DistributedDP or None, got {type(dp).__name__}: {dp!r}.")
+    if not fused:
+        raise NotImplementedError(
+            f"DistributedDP adds its noise inside tfe_estimator's fused Pond kernels; protocol={protocol!r} "
+            "with this implementation shares through tf-encrypted, which has no noise input. Use "
+            "protocol='pond' with implementation='auto' for differential privacy.")
+    return dp
 
 
 def _kind(value):

@@ -28,7 +28,7 @@ Example::
                       tf.float32, owners=["replica 0", "replica 1"], hint="clip gradients")
 """
 import dataclasses
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import tensorflow as tf
 
@@ -62,6 +62,8 @@ def pond_sum(
     owners: Sequence[str],
     hint: str,
     scale: float = 1.0,
+    noise_variance: Optional[float] = None,
+    shape: Optional[tf.TensorShape] = None,
 ) -> List[tf.Tensor]:
     """Securely sums `vectors` (one per source device) and reveals it on each target.
 
@@ -75,16 +77,21 @@ def pond_sum(
       owners: names of the replicas for error messages ("replica 0 (/device...)").
       hint: how to fix a value out of range, for error messages.
       scale: multiplies decoded floats (``1/N`` for a MEAN).
+      noise_variance: differential privacy (`tfe_estimator.dp`): each replica
+        adds exact discrete Gaussian noise of this variance (ring units^2, an
+        integer) to its encoded values inside `mask_share`, before masking.
+      shape: the shape of each decoded result (default: a vector).
 
     Returns:
-      One decoded 1-D tensor per target, on that target.
+      One decoded tensor per target, on that target.
     """
     num_elements = vectors[0].shape.num_elements()
     seeds, shares = [], []
     for vector, device, owner in zip(vectors, sources, owners):
         with tf.device(device), tf.name_scope("mask_share"):
+            noise = ops.discrete_gaussian(num_elements, noise_variance) if noise_variance else None
             share, seed = ops.mask_share(vector, encoding.bound, encoding.ring_bits,
-                                         encoding.fraction_bits, owner, hint)
+                                         encoding.fraction_bits, owner, hint, noise=noise)
         shares.append(share)
         seeds.append(seed)
     parts = []
@@ -98,5 +105,5 @@ def pond_sum(
     for device in targets:
         with tf.device(device), tf.name_scope("reveal"):
             totals.append(ops.reveal_sum(parts[0], parts[1], dtype, encoding.ring_bits,
-                                         encoding.fraction_bits, scale))
+                                         encoding.fraction_bits, scale, shape))
     return totals

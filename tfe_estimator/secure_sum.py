@@ -32,12 +32,14 @@ import tensorflow as tf
 __all__ = ["pack", "unpack", "check_encodable", "encode", "decode", "share_and_sum"]
 
 
-def pack(tensors: Sequence[tf.Tensor], dtype: tf.DType) -> Tuple[tf.Tensor, List[tf.TensorShape]]:
+def pack(tensors: Sequence[tf.Tensor], dtype: tf.DType, flatten: bool = True) -> Tuple[tf.Tensor, List[tf.TensorShape]]:
     """Flattens and concatenates `tensors` into one vector of `dtype`.
 
     Args:
       tensors: tensors with fully defined shapes.
       dtype: the dtype of the packed vector.
+      flatten: if False, a single tensor of `dtype` is returned as it is
+        (for consumers that read any shape as a flat vector): no op is made.
 
     Returns:
       The vector and the shapes needed by `unpack`.
@@ -54,6 +56,8 @@ def pack(tensors: Sequence[tf.Tensor], dtype: tf.DType) -> Tuple[tf.Tensor, List
                 f"shape {t.shape}. Give the model's variables fully defined shapes."
             )
         shapes.append(t.shape)
+    if not flatten and len(tensors) == 1 and tensors[0].dtype == dtype:
+        return tensors[0], shapes
     flat = [tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors]
     vector = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
     return vector, shapes
@@ -61,6 +65,8 @@ def pack(tensors: Sequence[tf.Tensor], dtype: tf.DType) -> Tuple[tf.Tensor, List
 
 def unpack(vector: tf.Tensor, shapes: Sequence[tf.TensorShape]) -> List[tf.Tensor]:
     """Splits a vector made by `pack` back into tensors of `shapes`."""
+    if len(shapes) == 1 and vector.shape == shapes[0]:
+        return [vector]
     sizes = [s.num_elements() for s in shapes]
     parts = [vector] if len(sizes) == 1 else tf.split(vector, sizes, axis=0)
     return [tf.reshape(p, s) for p, s in zip(parts, shapes)]

@@ -16,13 +16,14 @@ Example::
     y = reveal_sum(server_sum([seed], [], 64, n), server_sum([], [share], 64, n),
                    tf.float32, ring_bits=64, fraction_bits=32)
 """
-from typing import Optional, Sequence
+import weakref
+from typing import Dict, Optional, Sequence
 
 import tensorflow as tf
 
 from tfe_estimator import kernels
 
-__all__ = ["mask_share", "server_sum", "reveal_sum", "keystream"]
+__all__ = ["mask_share", "server_sum", "reveal_sum", "keystream", "discrete_gaussian"]
 
 
 def mask_share(values: tf.Tensor, bound: float, ring_bits: int, fraction_bits: int, owner: str, hint: str,
@@ -34,8 +35,18 @@ def mask_share(values: tf.Tensor, bound: float, ring_bits: int, fraction_bits: i
     element per value, in ring units) is added to the encoding before masking.
     """
     return kernels.load().tfe_mask_share(
-        values, tf.constant(bound, tf.float64), [] if noise is None else [noise], ring_bits=ring_bits,
+        values, _constant(bound), [] if noise is None else [noise], ring_bits=ring_bits,
         fraction_bits=fraction_bits, owner=owner, hint=hint)
+
+
+def discrete_gaussian(num_elements: int, variance: float):
+    """`num_elements` int64 samples of the exact discrete Gaussian N_Z(0, variance).
+
+    `variance` must be an integer in [1, 2**100] (Canonne, Kamath, Steinke 2020;
+    AES-128-CTR randomness under a fresh RAND_bytes key on every run).
+    """
+    return kernels.load().tfe_discrete_gaussian(tf.constant([num_elements], tf.int64),
+                                                tf.constant(variance, tf.float64))
 
 
 def server_sum(seeds: Sequence[tf.Tensor], shares: Sequence[tf.Tensor], ring_bits: int, num_elements: int):
@@ -44,10 +55,36 @@ def server_sum(seeds: Sequence[tf.Tensor], shares: Sequence[tf.Tensor], ring_bit
                                          num_elements=num_elements)
 
 
-def reveal_sum(share0, share1, dtype: tf.DType, ring_bits: int, fraction_bits: int, scale: float = 1.0):
-    """Adds two ring shares and decodes them to `dtype` (floats times `scale`)."""
-    return kernels.load().tfe_reveal_sum(share0, share1, tf.constant(scale, tf.float64), T=dtype,
-                                         ring_bits=ring_bits, fraction_bits=fraction_bits)
+def reveal_sum(share0, share1, dtype: tf.DType, ring_bits: int, fraction_bits: int, scale: float = 1.0,
+               shape: Optional[tf.TensorShape] = None):
+    """Adds two ring shares and decodes them to `dtype` (floats times `scale`).
+
+    The result is a vector, or has `shape` (with as many elements) if given.
+    """
+    shape = tf.TensorShape(None) if shape is None else tf.TensorShape(shape)
+    return kernels.load().tfe_reveal_sum(share0, share1, _constant(scale), T=dtype, ring_bits=ring_bits,
+                                         fraction_bits=fraction_bits, shape=shape)
+
+
+_CONSTANTS: "weakref.WeakKeyDictionary[tf.Graph, Dict[float, tf.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _constant(value: float) -> tf.Tensor:
+    """A float64 scalar constant, made once per graph and value.
+
+    An evaluation makes about a hundred reductions, each needing its bound
+    and scale: sharing the constants keeps graph building short. They carry
+    no data (fixed-point limits and 1/N), so any device may hold them.
+    """
+    graph = tf.compat.v1.get_default_graph()
+    cache = _CONSTANTS.setdefault(graph, {})
+    key = float(value)
+    if key not in cache:
+        # control_dependencies(None) also leaves any control-flow context, so
+        # the constant can feed ops anywhere in the graph.
+        with graph.control_dependencies(None), tf.device(None):
+            cache[key] = tf.constant(key, tf.float64, name="tfe_constant")
+    return cache[key]
 
 
 def keystream(key, counter, num_bytes: int):

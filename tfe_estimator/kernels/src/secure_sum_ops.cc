@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -314,16 +315,11 @@ class ServerSumOp : public OpKernel {
     ForEachChunk(ctx, n_, words, [&](int64_t c, int64_t first, int64_t count) {
       const int64_t offset = first * words * 8, bytes = count * words * 8;
       std::vector<uint8_t> stream(RoundUpToBlock(bytes));
-      std::memset(out + offset, 0, bytes);
       auto add = [&](const uint8_t* src) {
         if (words == 1) {
-          for (int64_t j = 0; j < count; ++j) {
-            uint64_t a, b;
-            std::memcpy(&a, out + offset + j * 8, 8);
-            std::memcpy(&b, src + j * 8, 8);
-            a += b;
-            std::memcpy(out + offset + j * 8, &a, 8);
-          }
+          uint64_t* a = reinterpret_cast<uint64_t*>(out + offset);
+          const uint64_t* b = reinterpret_cast<const uint64_t*>(src);
+          for (int64_t j = 0; j < count; ++j) a[j] += b[j];
         } else {
           for (int64_t j = 0; j < count; ++j) {
             u128 a, b;
@@ -334,9 +330,21 @@ class ServerSumOp : public OpKernel {
           }
         }
       };
+      // The first addend is written, not added: one pass fewer.
+      size_t next_key = 0;
+      if (!keys.empty()) {
+        if (!AesCtrKeystream(keys[0], 0, first * words / kWordsPerBlock, stream.data(), stream.size())) {
+          failed[c] = 1;
+          return;
+        }
+        std::memcpy(out + offset, stream.data(), bytes);
+        next_key = 1;
+      } else {
+        std::memset(out + offset, 0, bytes);
+      }
       for (const uint8_t* share : shares) add(share + offset);
-      for (const uint8_t* key : keys) {
-        if (!AesCtrKeystream(key, 0, first * words / kWordsPerBlock, stream.data(), stream.size())) {
+      for (size_t k = next_key; k < keys.size(); ++k) {
+        if (!AesCtrKeystream(keys[k], 0, first * words / kWordsPerBlock, stream.data(), stream.size())) {
           failed[c] = 1;
           return;
         }
@@ -364,8 +372,17 @@ REGISTER_OP("TfeRevealSum")
     .Attr("T: {float, double, int32, int64}")
     .Attr("ring_bits: int")
     .Attr("fraction_bits: int >= 0")
+    .Attr("shape: shape = { unknown_rank: true }")  // of the output; default [n]
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(c->Dim(c->input(0), 0)));
+      ::tensorflow::PartialTensorShape shape;
+      TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
+      if (shape.IsFullyDefined()) {
+        ShapeHandle out;
+        TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
+        c->set_output(0, out);
+      } else {
+        c->set_output(0, c->Vector(c->Dim(c->input(0), 0)));
+      }
       return OkStatus();
     })
     .Doc(R"doc(
@@ -381,6 +398,7 @@ class RevealSumOp : public OpKernel {
     RequireSelfTest(ctx);
     OP_REQUIRES_OK(ctx, ReadRingBits(ctx, &ring_bits_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fraction_bits", &fraction_bits_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shape", &shape_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -392,8 +410,14 @@ class RevealSumOp : public OpKernel {
                 ::tensorflow::errors::InvalidArgument("the two shares differ in shape: ",
                                                       a.shape().DebugString(), " vs ", b.shape().DebugString()));
     const int64_t n = a.NumElements() / words;
+    TensorShape out_shape({n});
+    if (shape_.IsFullyDefined()) {
+      OP_REQUIRES(ctx, shape_.AsTensorShape(&out_shape) && out_shape.num_elements() == n,
+                  ::tensorflow::errors::InvalidArgument("shape ", shape_.DebugString(), " does not hold ", n,
+                                                        " elements"));
+    }
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
     const uint8_t* pa = reinterpret_cast<const uint8_t*>(a.flat<int64_t>().data());
     const uint8_t* pb = reinterpret_cast<const uint8_t*>(b.flat<int64_t>().data());
     T* y = out->flat<T>().data();
@@ -401,19 +425,27 @@ class RevealSumOp : public OpKernel {
     const int64_t chunks = (n + kChunkWords / words - 1) / (kChunkWords / words);
     std::vector<uint8_t> overflow(chunks, 0);
     ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
-      for (int64_t i = first; i < first + count; ++i) {
-        i128 s;
-        if (words == 1) {
-          uint64_t x, z;
-          std::memcpy(&x, pa + i * 8, 8);
-          std::memcpy(&z, pb + i * 8, 8);
-          s = static_cast<int64_t>(x + z);
-        } else {
-          u128 x, z;
-          std::memcpy(&x, pa + i * 16, 16);
-          std::memcpy(&z, pb + i * 16, 16);
-          s = static_cast<i128>(x + z);
+      if (words == 1) {  // 64-bit ring: int64 arithmetic only (no __int128 conversions)
+        const uint64_t* x = reinterpret_cast<const uint64_t*>(pa) + first;
+        const uint64_t* z = reinterpret_cast<const uint64_t*>(pb) + first;
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t s = static_cast<int64_t>(x[i] + z[i]);
+          if (std::is_floating_point<T>::value) {
+            y[first + i] = static_cast<T>(static_cast<double>(s) * factor);
+          } else if (s < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
+                     s > static_cast<int64_t>(std::numeric_limits<T>::max())) {
+            overflow[c] = 1;
+          } else {
+            y[first + i] = static_cast<T>(s);
+          }
         }
+        return;
+      }
+      for (int64_t i = first; i < first + count; ++i) {
+        u128 x, z;
+        std::memcpy(&x, pa + i * 16, 16);
+        std::memcpy(&z, pb + i * 16, 16);
+        const i128 s = static_cast<i128>(x + z);
         if (std::is_floating_point<T>::value) {
           y[i] = static_cast<T>(static_cast<double>(s) * factor);
         } else if (s < static_cast<i128>(std::numeric_limits<T>::min()) ||
@@ -436,6 +468,7 @@ class RevealSumOp : public OpKernel {
  private:
   int ring_bits_;
   int fraction_bits_;
+  ::tensorflow::PartialTensorShape shape_;
 };
 
 #define REGISTER_REVEAL(T) \
