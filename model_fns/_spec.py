@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 
+from model_fns._dp import dp_estimator_spec, dp_settings
 from model_fns._params import make_optimizer
 
 __all__ = ["classification_head", "estimator_spec", "dense_inputs"]
@@ -45,8 +46,15 @@ def estimator_spec(
     logits: tf.Tensor,
     params: Mapping[str, Any],
     layers: Sequence[tf.keras.layers.Layer],
+    config=None,
 ) -> tf.estimator.EstimatorSpec:
-    """The head's `EstimatorSpec`, training the variables of `layers`."""
+    """The head's `EstimatorSpec`, training the variables of `layers`.
+
+    With a `DistributedDP` in `config` (``TfeRunConfig(dp=...)``): DP-SGD, see `model_fns._dp`.
+    """
+    dp = dp_settings(config)
+    if dp is not None:
+        return dp_estimator_spec(dp, head, features, labels, mode, logits, params, layers)
     optimizer = make_optimizer(params) if mode == tf.estimator.ModeKeys.TRAIN else None
     trainable = [v for layer in layers for v in layer.trainable_variables]
     return head.create_estimator_spec(

@@ -57,7 +57,8 @@ def model_fn(features, labels, mode, params, config=None) -> tf.estimator.Estima
         head.logits_dimension, kernel_initializer=_glorot(seed, len(params["hidden_units"])),
         name="logits")
     layers.append(logits)
-    return _spec.estimator_spec(head, features, labels, mode, logits(net), params, layers)
+    return _spec.estimator_spec(head, features, labels, mode, logits(net), params, layers,
+                                config)  # config: DP-SGD when it carries dp
 
 
 def _glorot(seed, layer):

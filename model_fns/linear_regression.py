@@ -37,11 +37,11 @@ DEFAULTS = {"learning_rate": 0.05, "optimizer": "sgd", "label_dimension": 1}
 
 def model_fn(features, labels, mode, params, config=None) -> tf.estimator.EstimatorSpec:
     """Builds a linear regression; see the module docstring for `params`."""
-    del config  # Unused: the RunConfig (and its strategy) act through Estimator.
     params = _params.validate_params("linear_regression", params, DEFAULTS)
     layers = []
     inputs = _spec.dense_inputs(features, params["feature_columns"], layers)
     dense = tf.keras.layers.Dense(params["label_dimension"], kernel_initializer="zeros", name="linear")
     layers.append(dense)
     head = tf.estimator.RegressionHead(label_dimension=params["label_dimension"])
-    return _spec.estimator_spec(head, features, labels, mode, dense(inputs), params, layers)
+    return _spec.estimator_spec(head, features, labels, mode, dense(inputs), params, layers,
+                                config)  # config: DP-SGD when it carries dp

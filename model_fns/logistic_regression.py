@@ -38,11 +38,11 @@ DEFAULTS = {"learning_rate": 0.05, "optimizer": "adam", "n_classes": 2}
 
 def model_fn(features, labels, mode, params, config=None) -> tf.estimator.EstimatorSpec:
     """Builds a logistic regression; see the module docstring for `params`."""
-    del config  # Unused: the RunConfig (and its strategy) act through Estimator.
     params = _params.validate_params("logistic_regression", params, DEFAULTS)
     head = _spec.classification_head(params["n_classes"])
     layers = []
     inputs = _spec.dense_inputs(features, params["feature_columns"], layers)
     dense = tf.keras.layers.Dense(head.logits_dimension, kernel_initializer="zeros", name="logits")
     layers.append(dense)
-    return _spec.estimator_spec(head, features, labels, mode, dense(inputs), params, layers)
+    return _spec.estimator_spec(head, features, labels, mode, dense(inputs), params, layers,
+                                config)  # config: DP-SGD when it carries dp

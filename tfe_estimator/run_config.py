@@ -37,7 +37,7 @@ __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_t
 #: Set by `tfe-estimator launch` in every task's environment (defined in `cluster`).
 LAUNCH_PROTOCOL_ENV = cluster_lib.LAUNCH_PROTOCOL_ENV
 
-_OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol")
+_OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol", "dp")
 
 
 def default_session_config() -> tf.compat.v1.ConfigProto:
@@ -78,6 +78,7 @@ class TfeSettings:
     precision: str = "low"
     num_replicas: Optional[int] = None
     clip_norm: Optional[float] = None
+    dp: Optional[object] = None  # a tfe_estimator.DistributedDP (checked by SecureAggregation)
 
     def __post_init__(self):
         validate_protocol(self.protocol)
@@ -104,6 +105,9 @@ class TfeRunConfig(tf.estimator.RunConfig):
         they are shared, so out-of-range gradients are bounded instead of
         refused (see `SecureAggregation`).
       grpc_protocol: `tf.estimator.RunConfig`'s `protocol` (gRPC flavour).
+      dp: optional `tfe_estimator.DistributedDP`: DP-SGD whose noise each
+        replica adds inside the secure sum (see `tfe_estimator.dp`); our
+        model_fns clip per example when it is set.
       **kwargs: any other `tf.estimator.RunConfig` argument except
         `train_distribute` and `eval_distribute`.
 
@@ -120,6 +124,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         precision: str = "low",
         clip_norm: Optional[float] = None,
         grpc_protocol: Optional[str] = None,
+        dp=None,
         **kwargs,
     ) -> None:
         for name in ("train_distribute", "eval_distribute"):
@@ -130,7 +135,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
                     "tf.estimator.RunConfig with tfe_estimator.TfeStrategy."
                 )
         settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
-                               clip_norm=clip_norm)
+                               clip_norm=clip_norm, dp=dp)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
@@ -159,8 +164,8 @@ class TfeRunConfig(tf.estimator.RunConfig):
         """Returns a copy with `kwargs` replaced; keeps the TFE settings.
 
         Accepts the `tf.estimator.RunConfig.replace` properties plus
-        `protocol` (tf-encrypted's), `precision`, `num_replicas`, `clip_norm`
-        and `grpc_protocol`.
+        `protocol` (tf-encrypted's), `precision`, `num_replicas`, `clip_norm`,
+        `dp` and `grpc_protocol`.
         """
         ours = {k: kwargs.pop(k) for k in _OURS if k in kwargs}
         if "grpc_protocol" in ours:
@@ -226,7 +231,8 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
         replicas, servers = spec.replica_devices(), spec.server_devices()
     strategies = [
         TfeStrategy(devices=replicas, protocol=settings.protocol, precision=settings.precision,
-                    server_devices=servers, clip_norm=settings.clip_norm)
+                    server_devices=servers, clip_norm=settings.clip_norm,
+                    dp=settings.dp)  # differential privacy pass-through
         for _ in ("train", "eval")
     ]
     # The strategy's update_config_proto asks for the CPU devices of its layout.

@@ -139,6 +139,8 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         shared (see `SecureAggregation`).
       implementation: "auto" or "tf-encrypted" (the reference implementation;
         see `SecureAggregation`).
+      dp: optional `tfe_estimator.DistributedDP` (noise added inside the
+        secure sum; see `SecureAggregation` and `tfe_estimator.dp`).
 
     Raises:
       ValueError: for an unknown protocol or precision, or a bad `clip_norm`.
@@ -169,6 +171,7 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         server_devices: Optional[Sequence[str]] = None,
         clip_norm: Optional[float] = None,
         implementation: str = "auto",
+        dp=None,
     ) -> None:
         protocol = validate_protocol(protocol)
         check_supported(protocol, precision)
@@ -176,7 +179,8 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
             devices, default_servers = local_layout(DEFAULT_NUM_REPLICAS, protocol)
             server_devices = server_devices or default_servers
         ops = SecureAggregation(protocol=protocol, precision=precision, server_devices=server_devices,
-                                clip_norm=clip_norm, implementation=implementation)
+                                clip_norm=clip_norm, implementation=implementation,
+                                dp=dp)  # differential privacy: see tfe_estimator.dp
         ops.precision.check_headroom(len(devices))
         validate_party_devices(protocol, ops.server_devices, devices)
         # MirroredStrategy refuses remote (in-graph multi-worker) devices when

@@ -1,0 +1,112 @@
+"""The DP-SGD path of the model_fns, taken when the RunConfig carries a `DistributedDP`.
+
+With ``TfeRunConfig(dp=DistributedDP(l2_norm_clip, noise_multiplier))`` each
+replica computes the unreduced per-example loss of Estimator's head, clips
+each example's gradient to `l2_norm_clip` and sums them
+(`tfe_estimator.dp.make_dp_optimizer`, on tensorflow-privacy's vectorized
+clipping); `SecureAggregation` adds the noise inside the secure sum; the
+optimizer applies the noisy sum divided by the global batch size. The
+head's losses, metrics, predictions and exports are unchanged; evaluation
+adds a `dp_epsilon` metric and training logs epsilon at its end when the
+`DistributedDP` has `num_examples`.
+
+Example::
+
+    dp = tfe_estimator.DistributedDP(1.0, 1.1, num_examples=60000)
+    est = tf.estimator.Estimator(logistic_regression.model_fn, params=params,
+                                 config=tfe_estimator.TfeRunConfig(dp=dp))
+"""
+from typing import Any, Mapping, Sequence
+
+import tensorflow as tf
+
+from model_fns._params import make_optimizer
+
+__all__ = ["dp_settings", "dp_estimator_spec", "EPSILON_METRIC"]
+
+#: The eval metric that reports the epsilon spent by the evaluated checkpoint.
+EPSILON_METRIC = "dp_epsilon"
+_BATCH_VARIABLE = "dp_global_batch_size"
+
+
+def dp_settings(config):
+    """The `DistributedDP` of a `TfeRunConfig`, or None."""
+    settings = getattr(config, "tfe_settings", None)
+    return getattr(settings, "dp", None)
+
+
+def _per_example_loss(head, features, labels, logits):
+    # The head's own loss before its reduction (what tensorflow-privacy's DP
+    # heads compute), one row per example.
+    processed = head._processed_labels(logits, labels)  # pylint: disable=protected-access
+    unweighted, weights = head._unweighted_loss_and_weights(logits, processed, features)  # pylint: disable=protected-access
+    loss = tf.keras.__internal__.losses.compute_weighted_loss(
+        unweighted, sample_weight=weights, reduction=tf.keras.losses.Reduction.NONE)
+    return tf.reshape(loss, [tf.shape(logits)[0], -1])
+
+
+def _batch_variable():
+    # The global batch size of the last training step, kept in the checkpoint
+    # so that evaluation can report the epsilon of the checkpoint it evaluates.
+    return tf.compat.v1.get_variable(
+        _BATCH_VARIABLE, shape=[], dtype=tf.int64, initializer=tf.compat.v1.zeros_initializer(),
+        trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+def _epsilon_metric(dp, batch_variable):
+    from tfe_estimator.dp import dp_epsilon  # pylint: disable=import-outside-toplevel
+
+    def epsilon(steps, batch):
+        if int(batch) <= 0:
+            return float("nan")  # no training step recorded yet
+        return dp_epsilon(dp.noise_multiplier, int(batch), dp.num_examples, int(steps), dp.delta)
+
+    def value(_=None):
+        step = tf.compat.v1.train.get_global_step()
+        return tf.py_function(epsilon, [tf.identity(step), tf.identity(batch_variable)], tf.float64)
+
+    # Like tf.compat.v1.metrics: the value is built once, in cross-replica context.
+    context = tf.distribute.get_replica_context()
+    return (value() if context is None else context.merge_call(value)), tf.no_op()
+
+
+def dp_estimator_spec(
+    dp,
+    head,
+    features,
+    labels,
+    mode: str,
+    logits: tf.Tensor,
+    params: Mapping[str, Any],
+    layers: Sequence[tf.keras.layers.Layer],
+) -> tf.estimator.EstimatorSpec:
+    """The head's `EstimatorSpec` with DP-SGD training (see the module docstring)."""
+    from tfe_estimator.dp import EpsilonLoggingHook, make_dp_optimizer  # pylint: disable=import-outside-toplevel
+
+    trainable = [v for layer in layers for v in layer.trainable_variables]
+    batch_variable = _batch_variable() if mode != tf.estimator.ModeKeys.PREDICT else None
+    if mode != tf.estimator.ModeKeys.TRAIN:
+        spec = head.create_estimator_spec(features=features, mode=mode, logits=logits, labels=labels)
+        if mode == tf.estimator.ModeKeys.EVAL and dp.num_examples is not None:
+            metrics = dict(spec.eval_metric_ops or {})
+            metrics[EPSILON_METRIC] = _epsilon_metric(dp, batch_variable)
+            spec = spec._replace(eval_metric_ops=metrics)
+        return spec
+    optimizer = make_dp_optimizer(make_optimizer(params), dp.l2_norm_clip)
+    optimizer.iterations = tf.compat.v1.train.get_or_create_global_step()
+    per_example = _per_example_loss(head, features, labels, logits)
+    global_batch = tf.cast(tf.shape(logits)[0] * tf.distribute.get_strategy().num_replicas_in_sync, tf.int64)
+
+    def train_op_fn(scalar_loss):
+        del scalar_loss  # the head's reduced loss: reported, not differentiated
+        update = optimizer.get_updates(per_example, trainable)[0]
+        with tf.control_dependencies([update]):
+            return batch_variable.assign(global_batch).op
+
+    spec = head.create_estimator_spec(features=features, mode=mode, logits=logits, labels=labels,
+                                      train_op_fn=train_op_fn, trainable_variables=trainable)
+    hooks = list(spec.training_hooks or ())
+    if dp.num_examples is not None:
+        hooks.append(EpsilonLoggingHook(dp, global_batch))
+    return spec._replace(training_hooks=hooks)
+

@@ -1,0 +1,374 @@
+"""Differential privacy with distributed noise: DP-SGD whose noise is added inside the secure sum.
+
+Secure aggregation hides each replica's gradient, but every owner learns the
+sum. DP-SGD (Abadi et al., CCS 2016) bounds what the sum says about any one
+record: each example's gradient is clipped to L2 norm ``l2_norm_clip`` and
+Gaussian noise of standard deviation ``noise_multiplier * l2_norm_clip`` is
+added to the sum. Here the noise is *distributed* ("The Distributed Discrete
+Gaussian Mechanism for Federated Learning with Secure Aggregation", Kairouz,
+Liu, Steinke, ICML 2021): each of the N replicas adds its part, in the ring,
+after fixed-point encoding and before masking (inside `TfeMaskShare`), so no
+party and no owner ever sees a sum without the full noise.
+
+Each part is an exact discrete Gaussian ``N_Z(0, s2)`` (`TfeDiscreteGaussian`:
+Canonne, Kamath, Steinke, NeurIPS 2020, on AES-128-CTR randomness), with::
+
+    Delta = l2_norm_clip * 2**F + sqrt(d)      # L2 sensitivity of the encoded sum
+    s2    = ceil((noise_multiplier * Delta)**2 / N)   # ring units^2, per replica
+
+(``d`` values per replica; ``sqrt(d)`` bounds what rounding toward zero can add
+to one example's encoded contribution). The sum of the N parts therefore has
+variance at least ``(noise_multiplier * Delta)**2``: decoded, a standard deviation
+of ``noise_multiplier * l2_norm_clip`` (times ``1 + sqrt(d) / (l2_norm_clip * 2**F)``,
+below ``1 + 1e-6`` for a million parameters at F = 32).
+
+How the sum of the parts is accounted for: a sum of independent discrete
+Gaussians is not exactly a discrete Gaussian. Kairouz, Liu and Steinke (2021,
+Theorem 4.?, "sums of discrete Gaussians") bound the gap: it is a discrete
+Gaussian of variance ``N * s2`` up to ``tau = 10 * sum_{k=1}^{N-1}
+exp(-2 pi^2 s2 k / (k + 1))``. At ``s2 >= 2**40`` ring units^2 (checked),
+``tau < exp(-10**13)``: zero in any arithmetic. And a discrete Gaussian of
+variance ``sigma^2`` on an integer query of sensitivity ``Delta`` is
+``Delta^2 / (2 sigma^2)``-zCDP, exactly like the continuous one (Canonne et al.
+2020, Thm 4). We therefore account as the (continuous) sampled Gaussian
+mechanism with ``noise_multiplier``, with dp-accounting's RDP accountant
+(`dp_epsilon`). Not covered (as in every DP-SGD library): the floating-point
+computation of the clipped per-example gradients and their sum on a replica.
+
+Example::
+
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.1)
+    config = tfe_estimator.TfeRunConfig(model_dir="/tmp/m", num_replicas=2, dp=dp)
+    eps = tfe_estimator.dp_epsilon(noise_multiplier=1.1, global_batch_size=64,
+                                   num_examples=60000, steps=1000, delta=1e-5)
+"""
+import dataclasses
+import importlib.util
+import logging
+import math
+import numbers
+import threading
+from fractions import Fraction
+from typing import Optional
+
+import tensorflow as tf
+
+__all__ = [
+    "DistributedDP",
+    "dp_epsilon",
+    "check_dp_stack",
+    "replica_noise_variance",
+    "check_noise_headroom",
+    "make_dp_optimizer",
+    "mark_clipped_sums",
+    "clipped_sum_norm",
+    "EpsilonLoggingHook",
+    "NOISE_TAIL_SIGMAS",
+]
+
+_LOG = logging.getLogger("tfe_estimator")
+
+#: The ring headroom covers this many standard deviations of the summed noise:
+#: a discrete Gaussian exceeds k sigma with probability below 2 exp(-k^2 / 2)
+#: (Canonne et al. 2020, Prop. 25), here below 1e-347.
+NOISE_TAIL_SIGMAS = 40
+#: Below this per-replica variance (ring units^2) the sum-of-discrete-Gaussians
+#: gap of Kairouz et al. 2021 is not negligible; refused.
+_MIN_REPLICA_VARIANCE = 2.0**40
+#: The sampler's limit (`TfeDiscreteGaussian`).
+_MAX_REPLICA_VARIANCE = 2.0**100
+#: Minimum versions of the DP stack.
+_MIN_TF = (2, 14)
+_CLIPPED_COLLECTION = "tfe_estimator_dp_clipped_sums"
+
+
+def check_dp_stack() -> None:
+    """Refuses a stack without tensorflow-privacy 0.9.0 / dp-accounting (TF >= 2.14).
+
+    Raises:
+      NotImplementedError: naming the installed versions and the fix.
+    """
+    version = tuple(int(p) for p in tf.__version__.split(".")[:2])
+    missing = [name for name in ("tensorflow_privacy", "dp_accounting") if importlib.util.find_spec(name) is None]
+    if version < _MIN_TF or missing:
+        raise NotImplementedError(
+            f"Differential privacy (DistributedDP) needs tensorflow-privacy 0.9.0 and dp-accounting, "
+            f"which need TensorFlow >= 2.14 and Python < 3.12; this is TensorFlow {tf.__version__}"
+            + (f" without {', '.join(missing)}" if missing else "")
+            + ". Fix: use the default stack (Python 3.11, TensorFlow 2.15.1: requirements/tf215.txt) "
+            "and pip install 'tfe-estimator[dp]'."
+        )
+
+
+def _number(name, value, *, integer=False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or (
+            integer and not isinstance(value, numbers.Integral)):
+        kind = "an integer" if integer else "a number"
+        raise TypeError(f"DistributedDP: {name} must be {kind}, got {value!r} ({type(value).__name__}).")
+    if not math.isfinite(value):
+        raise ValueError(f"DistributedDP: {name} must be finite, got {value!r}.")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedDP:
+    """DP-SGD settings whose noise each replica adds inside the secure sum.
+
+    Args:
+      l2_norm_clip: each example's gradient is clipped to this L2 norm (> 0).
+      noise_multiplier: the summed noise has standard deviation
+        ``noise_multiplier * l2_norm_clip`` (>= 0; 0 gives no privacy and warns).
+      num_examples: optional size of the training set; with it the chief logs
+        the epsilon spent at the end of ``train()`` and ``evaluate()`` reports it.
+      delta: the delta of that epsilon (default 1e-5).
+
+    Raises:
+      TypeError, ValueError: for non-numbers, ``l2_norm_clip <= 0``,
+        ``noise_multiplier < 0``, ``num_examples < 1`` or delta outside (0, 1).
+      NotImplementedError: on a stack without tensorflow-privacy (TF < 2.14).
+
+    Example::
+
+        dp = DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.1, num_examples=60000)
+        config = tfe_estimator.TfeRunConfig(model_dir="/tmp/m", dp=dp)
+    """
+
+    l2_norm_clip: float
+    noise_multiplier: float
+    num_examples: Optional[int] = None
+    delta: float = 1e-5
+
+    def __post_init__(self):
+        check_dp_stack()
+        clip = _number("l2_norm_clip", self.l2_norm_clip)
+        multiplier = _number("noise_multiplier", self.noise_multiplier)
+        if clip <= 0:
+            raise ValueError(f"DistributedDP: l2_norm_clip must be > 0, got {clip!r}.")
+        if multiplier < 0:
+            raise ValueError(f"DistributedDP: noise_multiplier must be >= 0, got {multiplier!r}.")
+        if self.num_examples is not None and _number("num_examples", self.num_examples, integer=True) < 1:
+            raise ValueError(f"DistributedDP: num_examples must be >= 1, got {self.num_examples!r}.")
+        if not 0 < _number("delta", self.delta) < 1:
+            raise ValueError(f"DistributedDP: delta must be in (0, 1), got {self.delta!r}.")
+        object.__setattr__(self, "l2_norm_clip", float(clip))
+        object.__setattr__(self, "noise_multiplier", float(multiplier))
+        if multiplier == 0:
+            _LOG.warning("DistributedDP(noise_multiplier=0): gradients are clipped per example but no "
+                         "noise is added, so training is NOT differentially private.")
+
+    @property
+    def noise_stddev(self) -> float:
+        """Standard deviation of the summed noise, in gradient units."""
+        return self.noise_multiplier * self.l2_norm_clip
+
+    def epsilon(self, global_batch_size: int, steps: int) -> Optional[float]:
+        """`dp_epsilon` for these settings, or None without `num_examples`."""
+        if self.num_examples is None:
+            return None
+        return dp_epsilon(self.noise_multiplier, global_batch_size, self.num_examples, steps, self.delta)
+
+
+def dp_epsilon(noise_multiplier: float, global_batch_size: int, num_examples: int, steps: int,
+               delta: float) -> float:
+    """The epsilon DP-SGD spends, by dp-accounting's RDP accountant.
+
+    The event is the Poisson-sampled Gaussian mechanism with sampling
+    probability ``q = global_batch_size / num_examples`` and noise multiplier
+    `noise_multiplier`, composed over `steps` (see README, "Differential
+    privacy", for when Poisson sampling is the right model).
+
+    Returns:
+      epsilon (``inf`` for noise_multiplier 0, 0 for 0 steps).
+    """
+    import dp_accounting  # pylint: disable=import-outside-toplevel
+
+    if not 0 < global_batch_size <= num_examples:
+        raise ValueError(f"dp_epsilon: need 0 < global_batch_size <= num_examples, got "
+                         f"global_batch_size={global_batch_size!r}, num_examples={num_examples!r}.")
+    if steps < 0 or not 0 < delta < 1 or noise_multiplier < 0:
+        raise ValueError(f"dp_epsilon: need steps >= 0, 0 < delta < 1, noise_multiplier >= 0; got "
+                         f"steps={steps!r}, delta={delta!r}, noise_multiplier={noise_multiplier!r}.")
+    if noise_multiplier == 0 and steps > 0:
+        return math.inf
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(global_batch_size / num_examples,
+                                            dp_accounting.GaussianDpEvent(noise_multiplier)),
+        int(steps))
+    return float(dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta))
+
+
+# ------------------------------------------------------- noise in the ring --
+
+
+def replica_noise_variance(dp: DistributedDP, num_replicas: int, fraction_bits: int, num_elements: int) -> float:
+    """Each replica's discrete Gaussian variance, in ring units^2 (an integer as float64).
+
+    ``ceil((noise_multiplier * (l2_norm_clip * 2**F + sqrt(d)))**2 / N)``,
+    computed exactly, returned as the smallest float64 not below it (so the
+    summed noise is never below the target).
+    """
+    sensitivity = Fraction(dp.l2_norm_clip) * 2**fraction_bits + Fraction(math.sqrt(num_elements))
+    exact = (Fraction(dp.noise_multiplier) * sensitivity) ** 2 / num_replicas
+    ceiling = -(-exact.numerator // exact.denominator)
+    value = float(ceiling)
+    if int(value) < ceiling:
+        value = math.nextafter(value, math.inf)
+    return value
+
+
+def check_noise_headroom(dp: DistributedDP, num_replicas: int, ring_bits: int, fraction_bits: int,
+                         bound: float, num_elements: int) -> float:
+    """Refuses settings whose noisy sum could wrap; returns the per-replica variance.
+
+    Each replica's encoded values stay below ``bound * 2**F`` (the range check);
+    the summed noise stays below ``NOISE_TAIL_SIGMAS`` standard deviations except
+    with probability below 1e-347, so the revealed sum cannot wrap when
+    ``N * bound * 2**F + 40 * sqrt(N * s2) < 2**(R - 1)``.
+    """
+    variance = replica_noise_variance(dp, num_replicas, fraction_bits, num_elements)
+    if dp.noise_multiplier == 0:
+        return 0.0
+    if variance < _MIN_REPLICA_VARIANCE or variance > _MAX_REPLICA_VARIANCE:
+        raise ValueError(
+            f"DistributedDP(l2_norm_clip={dp.l2_norm_clip}, noise_multiplier={dp.noise_multiplier}) with "
+            f"{num_replicas} replicas needs a per-replica noise variance of {variance:.3g} ring units^2, "
+            f"outside [2**40, 2**100] (the sampler's exact range where the sum of discrete Gaussians "
+            "is accounted as one). Fix: choose l2_norm_clip and noise_multiplier nearer 1.")
+    worst = num_replicas * bound * 2.0**fraction_bits + NOISE_TAIL_SIGMAS * math.sqrt(num_replicas * variance)
+    if worst >= 2.0 ** (ring_bits - 1):
+        raise ValueError(
+            f"DistributedDP noise of standard deviation {dp.noise_stddev:.3g} plus {num_replicas} replicas' "
+            f"values below {bound:.3g} could wrap the {ring_bits}-bit ring. Fix: lower noise_multiplier "
+            "or l2_norm_clip, use fewer replicas, or precision='high'.")
+    return variance
+
+
+# ------------------------------------------- per-example clipping and marker --
+
+
+def mark_clipped_sums(tensors, l2_norm_clip: float) -> None:
+    """Records that `tensors` are sums of per-example gradients clipped to `l2_norm_clip`.
+
+    `SecureAggregation` with a `DistributedDP` refuses every gradient (update)
+    reduction whose values are not marked, so a model that does not clip per
+    example cannot be trained "with DP" by mistake.
+    """
+    for tensor in tensors:
+        if tensor is not None:
+            tensor.graph.add_to_collection(_CLIPPED_COLLECTION, (tensor, float(l2_norm_clip)))
+
+
+def clipped_sum_norm(tensor) -> Optional[float]:
+    """The per-example clip norm `tensor` was marked with, or None if unmarked."""
+    graph = getattr(tensor, "graph", None)
+    if graph is None:
+        return None
+    for marked, clip in graph.get_collection(_CLIPPED_COLLECTION):
+        if marked is tensor:
+            return clip
+    return None
+
+
+def make_dp_optimizer(optimizer, l2_norm_clip: float):
+    """A copy of a legacy Keras optimizer that clips per example for `DistributedDP`.
+
+    Its `get_gradients(loss, params)` takes an *unreduced* per-example loss
+    (as tensorflow-privacy's DP heads give it), clips each example's gradient
+    to `l2_norm_clip` (tensorflow-privacy's vectorized ``clip_gradients_vmap``)
+    and returns their sum, un-noised: the noise is added inside the secure
+    sum. After the secure sum it divides by the global batch size (local
+    batch size times replicas; every replica must get batches of one size).
+
+    Args:
+      optimizer: a `tf.keras.optimizers.legacy` optimizer instance (copied).
+      l2_norm_clip: the clip norm; must equal the `DistributedDP`'s.
+
+    Example::
+
+        dp = DistributedDP(1.0, 1.1)
+        est = tensorflow_privacy.DNNClassifier(
+            hidden_units=[16], feature_columns=cols,
+            optimizer=lambda: make_dp_optimizer(tf.keras.optimizers.legacy.SGD(0.1), dp.l2_norm_clip),
+            config=TfeRunConfig(dp=dp))
+    """
+    check_dp_stack()
+    from tensorflow_privacy.privacy.optimizers.dp_optimizer_keras_vectorized import (  # pylint: disable=import-outside-toplevel
+        clip_gradients_vmap)
+
+    base = type(optimizer)
+    if not isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
+        raise TypeError(f"make_dp_optimizer needs a tf.keras.optimizers.legacy optimizer, got {base.__name__}.")
+    clip = float(l2_norm_clip)
+
+    class DPClippingOptimizer(base):  # pylint: disable=too-few-public-methods
+        """Per-example clipping; the noise is added inside the secure sum."""
+
+        _tfe_dp_l2_norm_clip = clip
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._tfe_local = threading.local()  # one replica per thread under MirroredStrategy
+
+        def get_gradients(self, loss, params):
+            if loss.shape.rank == 0:
+                raise ValueError(
+                    "DistributedDP needs the unreduced per-example loss (a vector), got a scalar. Use a "
+                    "tensorflow-privacy DP head (e.g. tensorflow_privacy.DPBinaryClassHead) or our model_fns.")
+            per_example = tf.reshape(loss, [tf.shape(loss)[0], -1])
+
+            def clipped(example_loss):
+                grads = base.get_gradients(self, tf.reduce_mean(example_loss), params)
+                grads = [g if g is not None else tf.zeros_like(v) for g, v in zip(grads, params)]
+                return clip_gradients_vmap(grads, clip)
+
+            sums = [tf.reduce_sum(g, axis=0) for g in tf.vectorized_map(clipped, per_example)]
+            self._tfe_local.batch_size = tf.shape(loss)[0]
+            return sums
+
+        def _aggregate_gradients(self, grads_and_vars):
+            # These exact tensors go to the secure sum: mark them for SecureAggregation.
+            mark_clipped_sums([g for g, _ in grads_and_vars], clip)
+            return super()._aggregate_gradients(grads_and_vars)
+
+        def _transform_gradients(self, grads_and_vars):
+            batch = getattr(self._tfe_local, "batch_size", None)
+            if batch is None:
+                raise ValueError("DistributedDP: apply_gradients was called without get_gradients, so the "
+                                 "gradients were not clipped per example.")
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            scale = 1.0 / tf.cast(batch * replicas, tf.float32)
+            grads_and_vars = [(None if g is None else g * tf.cast(scale, g.dtype), v) for g, v in grads_and_vars]
+            return super()._transform_gradients(grads_and_vars)
+
+    DPClippingOptimizer.__name__ = f"DPClipping{base.__name__}"
+    return DPClippingOptimizer.from_config(optimizer.get_config())
+
+
+class EpsilonLoggingHook(tf.estimator.SessionRunHook):
+    """Logs the epsilon spent so far at the end of training (chief).
+
+    Args:
+      dp: the `DistributedDP` (with `num_examples`).
+      global_batch_size: a scalar tensor, the global batch size of a step.
+    """
+
+    def __init__(self, dp: DistributedDP, global_batch_size):
+        self._dp = dp
+        self._batch = global_batch_size
+        self._step = tf.compat.v1.train.get_global_step()
+        self._last = None
+
+    def before_run(self, run_context):
+        return tf.estimator.SessionRunArgs(self._batch)
+
+    def after_run(self, run_context, run_values):
+        self._last = int(run_values.results)
+
+    def end(self, session):
+        if self._last is None or self._dp.num_examples is None:
+            return
+        steps = int(session.run(self._step))
+        eps = self._dp.epsilon(self._last, steps)
+        _LOG.info("DistributedDP: %d steps of global batch %d over %d examples: epsilon = %.4g at delta = %g "
+                  "(noise_multiplier %g, Poisson-sampling RDP accounting).", steps, self._last,
+                  self._dp.num_examples, eps, self._dp.delta, self._dp.noise_multiplier)
