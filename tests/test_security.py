@@ -347,8 +347,8 @@ def plant_unmasked_fused_share(monkeypatch):
     """`kernels.ops.mask_share` sends the encoding itself as the share (the seed still goes out)."""
     real = kernel_ops.mask_share
 
-    def mask_share(values, bound, ring_bits, fraction_bits, owner, hint):
-        _, seed = real(values, bound, ring_bits, fraction_bits, owner, hint)
+    def mask_share(values, bound, ring_bits, fraction_bits, owner, hint, **kwargs):
+        _, seed = real(values, bound, ring_bits, fraction_bits, owner, hint, **kwargs)
         encoded = secure_sum.encode(values, fraction_bits)
         if ring_bits == 128:  # (low word, high word): the high word is the sign extension
             encoded = tf.stack([encoded, tf.bitwise.right_shift(encoded, 63)], axis=1)
@@ -379,9 +379,9 @@ def plant_float_edge(monkeypatch):
     floats = []
     real_mask_share, real_server_sum = kernel_ops.mask_share, kernel_ops.server_sum
 
-    def mask_share(values, *args):
+    def mask_share(values, *args, **kwargs):
         floats.append(values)
-        return real_mask_share(values, *args)
+        return real_mask_share(values, *args, **kwargs)
 
     def server_sum(*args):
         return real_server_sum(*args) + tf.cast(tf.reduce_sum(floats[0]), tf.int64)
@@ -395,8 +395,8 @@ def plant_seed_beside_its_share(monkeypatch):
     pairs = []
     real_mask_share, real_server_sum = kernel_ops.mask_share, kernel_ops.server_sum
 
-    def mask_share(*args):
-        pairs.append(real_mask_share(*args))
+    def mask_share(*args, **kwargs):
+        pairs.append(real_mask_share(*args, **kwargs))
         return pairs[-1]
 
     def server_sum(seeds, shares, ring_bits, num_elements):
