@@ -22,6 +22,7 @@ check_tensorflow_version()  # before any module below touches TensorFlow's priva
 from tfe_estimator.aggregation import SecureAggregation
 from tfe_estimator.audit import PartyAuditError, PartyAuditHook, assert_no_plaintext_on_servers, audit_party_inputs
 from tfe_estimator.cluster import TfeCluster
+from tfe_estimator.dp import DistributedDP, dp_epsilon
 from tfe_estimator.errors import InsecureRandomnessError, PlaintextOnServerError
 from tfe_estimator.precision import PRECISIONS, Precision
 from tfe_estimator.protocols import PROTOCOLS
@@ -35,6 +36,8 @@ __all__ = [
     "TfeStrategy",
     "SecureAggregation",
     "TfeCluster",
+    "DistributedDP",
+    "dp_epsilon",
     "InsecureRandomnessError",
     "PlaintextOnServerError",
     "Precision",

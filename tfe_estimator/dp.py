@@ -23,17 +23,23 @@ of ``noise_multiplier * l2_norm_clip`` (times ``1 + sqrt(d) / (l2_norm_clip * 2*
 below ``1 + 1e-6`` for a million parameters at F = 32).
 
 How the sum of the parts is accounted for: a sum of independent discrete
-Gaussians is not exactly a discrete Gaussian. Kairouz, Liu and Steinke (2021,
-Theorem 4.?, "sums of discrete Gaussians") bound the gap: it is a discrete
-Gaussian of variance ``N * s2`` up to ``tau = 10 * sum_{k=1}^{N-1}
-exp(-2 pi^2 s2 k / (k + 1))``. At ``s2 >= 2**40`` ring units^2 (checked),
-``tau < exp(-10**13)``: zero in any arithmetic. And a discrete Gaussian of
-variance ``sigma^2`` on an integer query of sensitivity ``Delta`` is
-``Delta^2 / (2 sigma^2)``-zCDP, exactly like the continuous one (Canonne et al.
-2020, Thm 4). We therefore account as the (continuous) sampled Gaussian
-mechanism with ``noise_multiplier``, with dp-accounting's RDP accountant
-(`dp_epsilon`). Not covered (as in every DP-SGD library): the floating-point
-computation of the clipped per-example gradients and their sum on a replica.
+Gaussians is not exactly a discrete Gaussian. Kairouz, Liu and Steinke (ICML
+2021) bound the gap for the sum of N parts of variance ``s2``: it is
+``eps^2 / 2``-concentrated DP with ``eps = min(sqrt(D2^2 / (N s2) + tau D1 / 2),
+D2 / sqrt(N s2) + tau sqrt(D1))`` (D2, D1: L2 and L1 sensitivities), where
+``tau = 10 * sum_{k=1}^{N-1} exp(-2 pi^2 s2 k / (k + 1))``. We require
+``s2 >= 2**40`` ring units^2 (`check_noise_headroom`; in practice s2 ~ 2**64),
+so ``tau < exp(-10**13)``: zero in any arithmetic, and the bound is that of
+one Gaussian of variance ``N * s2``, as for the continuous Gaussian mechanism
+(Canonne et al. 2020: the discrete Gaussian is exactly as private as the
+continuous one for integer queries). We therefore account with
+dp-accounting's RDP accountant for the Poisson-sampled Gaussian mechanism
+with ``noise_multiplier`` (`dp_epsilon`); the discreteness at ~2**32 ring
+units per standard deviation changes no digit of epsilon. Not covered (as in
+every DP-SGD library): the floating-point computation of the clipped
+per-example gradients and of their sum on a replica. The noise itself is
+sampled with integers only, so the floating-point attack on noise samplers
+(Mironov, CCS 2012) does not apply.
 
 Example::
 
@@ -69,8 +75,8 @@ __all__ = [
 _LOG = logging.getLogger("tfe_estimator")
 
 #: The ring headroom covers this many standard deviations of the summed noise:
-#: a discrete Gaussian exceeds k sigma with probability below 2 exp(-k^2 / 2)
-#: (Canonne et al. 2020, Prop. 25), here below 1e-347.
+#: discrete Gaussian tails are sub-Gaussian (Canonne et al. 2020), so the sum
+#: exceeds k sigma with probability below 2 exp(-k^2 / 2), here below 1e-347.
 NOISE_TAIL_SIGMAS = 40
 #: Below this per-replica variance (ring units^2) the sum-of-discrete-Gaussians
 #: gap of Kairouz et al. 2021 is not negligible; refused.
