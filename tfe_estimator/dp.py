@@ -194,7 +194,9 @@ def dp_epsilon(noise_multiplier: float, global_batch_size: int, num_examples: in
     if steps < 0 or not 0 < delta < 1 or noise_multiplier < 0:
         raise ValueError(f"dp_epsilon: need steps >= 0, 0 < delta < 1, noise_multiplier >= 0; got "
                          f"steps={steps!r}, delta={delta!r}, noise_multiplier={noise_multiplier!r}.")
-    if noise_multiplier == 0 and steps > 0:
+    if steps == 0:
+        return 0.0
+    if noise_multiplier == 0:
         return math.inf
     event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(global_batch_size / num_examples,

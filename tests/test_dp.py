@@ -1,0 +1,310 @@
+"""Differential privacy with distributed noise (tfe_estimator.dp, TfeDiscreteGaussian, model_fns' DP path).
+
+Statistical tests state their tolerance; each has a fixed false-alarm
+probability (below 1e-4 unless stated) because the noise comes from
+RAND_bytes-keyed AES-CTR and cannot be seeded.
+"""
+import importlib.util
+import logging
+import math
+import pathlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy import stats
+
+import tfe_estimator
+from tfe_estimator import dp as dp_lib
+
+DP_STACK = tuple(int(p) for p in tf.__version__.split(".")[:2]) >= (2, 14) and all(
+    importlib.util.find_spec(m) for m in ("tensorflow_privacy", "dp_accounting"))
+needs_dp = pytest.mark.skipif(
+    not DP_STACK, reason=f"DP needs tensorflow-privacy 0.9.0 (TensorFlow >= 2.14); this is TensorFlow {tf.__version__}")
+
+
+def _session(threads=2):
+    return tf.compat.v1.Session(config=tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=threads, inter_op_parallelism_threads=1))
+
+
+# --------------------------------------------------------------- settings --
+
+
+@pytest.mark.skipif(DP_STACK, reason="this stack has tensorflow-privacy; the refusal is for TF < 2.14")
+def test_distributed_dp_refuses_clearly_without_the_dp_stack():
+    with pytest.raises(NotImplementedError, match=r"TensorFlow >= 2\.14.*TensorFlow 2\.\d+.*Fix: use the default stack"):
+        tfe_estimator.DistributedDP(1.0, 1.1)
+
+
+@needs_dp
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"l2_norm_clip": 0.0, "noise_multiplier": 1.0}, ValueError, r"l2_norm_clip must be > 0, got 0\.0"),
+    ({"l2_norm_clip": -1, "noise_multiplier": 1.0}, ValueError, r"l2_norm_clip must be > 0"),
+    ({"l2_norm_clip": 1.0, "noise_multiplier": -0.5}, ValueError, r"noise_multiplier must be >= 0, got -0\.5"),
+    ({"l2_norm_clip": "1", "noise_multiplier": 1.0}, TypeError, r"l2_norm_clip must be a number, got '1'"),
+    ({"l2_norm_clip": 1.0, "noise_multiplier": None}, TypeError, r"noise_multiplier must be a number"),
+    ({"l2_norm_clip": True, "noise_multiplier": 1.0}, TypeError, r"l2_norm_clip must be a number"),
+    ({"l2_norm_clip": 1.0, "noise_multiplier": float("nan")}, ValueError, r"noise_multiplier must be finite"),
+    ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "num_examples": 0}, ValueError, r"num_examples must be >= 1"),
+    ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "num_examples": 10.5}, TypeError, r"num_examples must be an integer"),
+    ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "delta": 1.0}, ValueError, r"delta must be in \(0, 1\)"),
+])
+def test_bad_settings_are_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tfe_estimator.DistributedDP(**kwargs)
+
+
+@needs_dp
+def test_zero_noise_is_allowed_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="tfe_estimator"):
+        dp = tfe_estimator.DistributedDP(l2_norm_clip=2, noise_multiplier=0)
+    assert "NOT differentially private" in caplog.text
+    assert dp.noise_multiplier == 0.0 and dp.l2_norm_clip == 2.0
+    with pytest.raises(dataclasses_frozen_error()):
+        dp.noise_multiplier = 1.0  # frozen
+
+
+def dataclasses_frozen_error():
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    return dataclasses.FrozenInstanceError
+
+
+# ------------------------------------------------------------- accounting --
+
+
+@needs_dp
+@pytest.mark.parametrize("multiplier, batch, examples, steps, delta", [
+    (1.1, 64, 60000, 1000, 1e-5), (0.7, 256, 60000, 15000, 1e-5), (2.0, 10, 426, 300, 1e-5)])
+def test_dp_epsilon_equals_dp_accounting(multiplier, batch, examples, steps, delta):
+    import dp_accounting  # pylint: disable=import-outside-toplevel
+
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(batch / examples, dp_accounting.GaussianDpEvent(multiplier)), steps)
+    expected = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(delta)
+    assert tfe_estimator.dp_epsilon(multiplier, batch, examples, steps, delta) == expected
+    # More steps or less noise spend more.
+    assert tfe_estimator.dp_epsilon(multiplier, batch, examples, 2 * steps, delta) > expected
+    assert tfe_estimator.dp_epsilon(multiplier / 2, batch, examples, steps, delta) > expected
+
+
+@needs_dp
+def test_dp_epsilon_edge_cases():
+    assert tfe_estimator.dp_epsilon(0.0, 10, 100, 5, 1e-5) == math.inf
+    assert tfe_estimator.dp_epsilon(1.0, 10, 100, 0, 1e-5) == 0.0
+    with pytest.raises(ValueError, match="global_batch_size <= num_examples"):
+        tfe_estimator.dp_epsilon(1.0, 200, 100, 5, 1e-5)
+
+
+# ------------------------------------------------------ the noise sampler --
+
+
+def _discrete_gaussian(n, variance):
+    from tfe_estimator.kernels import ops  # pylint: disable=import-outside-toplevel
+
+    with tf.Graph().as_default():
+        noise = ops.discrete_gaussian(n, variance)
+        with _session() as sess:
+            return sess.run(noise), sess.run(noise)
+
+
+@pytest.mark.parametrize("variance", [1.0, 2.0, 5.0, 30.0])
+def test_sampler_matches_the_exact_discrete_gaussian_pmf(variance):
+    # Chi-square goodness of fit against Pr[x] ~ exp(-x^2 / (2 variance)).
+    samples, _ = _discrete_gaussian(200000, variance)
+    support = np.arange(-12 * int(math.sqrt(variance) + 1), 12 * int(math.sqrt(variance) + 1) + 1)
+    pmf = np.exp(-support.astype(float) ** 2 / (2 * variance))
+    pmf /= pmf.sum()
+    keep = pmf * len(samples) >= 20  # pool the tails into one cell
+    observed = np.array([np.sum(samples == x) for x in support[keep]] + [np.sum(~np.isin(samples, support[keep]))])
+    expected = np.append(pmf[keep], pmf[~keep].sum()) * len(samples)
+    assert stats.chisquare(observed, expected).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("variance", [2.0**40, 2.0**64, 1.21 * 2.0**64 + 2.0**20])
+def test_sampler_at_ring_scale_is_gaussian_with_the_stated_variance(variance):
+    samples, again = _discrete_gaussian(200000, variance)
+    z = samples.astype(np.float64) / math.sqrt(variance)
+    # Standard error of the std estimate: 1/sqrt(2n) = 0.16 %; tolerance 5 se.
+    assert abs(z.std() - 1.0) < 5 / math.sqrt(2 * len(z))
+    assert abs(z.mean()) < 5 / math.sqrt(len(z))
+    assert stats.kstest(z, "norm").pvalue > 1e-4
+    assert not np.array_equal(samples, again)  # a fresh key on every run
+
+
+def test_sampler_refuses_a_non_integer_variance():
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"variance must be an integer in \[1, 2\*\*100\]"):
+        _discrete_gaussian(4, 2.5)
+
+
+@pytest.mark.parametrize("ring_bits", [64, 128])
+def test_noise_is_added_in_the_ring_before_masking(ring_bits):
+    from tfe_estimator.kernels import ops  # pylint: disable=import-outside-toplevel
+
+    x = np.array([0.5, -1.25, 3.0, 0.0], np.float32)
+    noise = np.array([7, -(2**40), 2**62, -1], np.int64)
+    with tf.Graph().as_default():
+        with_noise = ops.mask_share(tf.constant(x), 2.0**24, ring_bits, 32, "replica 0", "", noise=tf.constant(noise))
+        plain = ops.mask_share(tf.constant(x), 2.0**24, ring_bits, 32, "replica 0", "")
+        reveal = [ops.reveal_sum(ops.server_sum([seed], [], ring_bits, 4), ops.server_sum([], [share], ring_bits, 4),
+                                 tf.int64, ring_bits, 0) for share, seed in (with_noise, plain)]
+        with _session() as sess:
+            noisy, clean = sess.run(reveal)
+    # Fraction bits 0 at reveal: the ring integers themselves.
+    np.testing.assert_array_equal(noisy - clean, noise)
+    np.testing.assert_array_equal(clean, (x.astype(np.float64) * 2.0**32).astype(np.int64))
+
+
+# ----------------------------------------------- ring scale and headroom --
+
+
+@needs_dp
+def test_replica_variance_covers_the_encoded_sensitivity():
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.1)
+    variance = dp_lib.replica_noise_variance(dp, num_replicas=3, fraction_bits=32, num_elements=10000)
+    target = (1.1 * (2.0**32 + 100.0)) ** 2 / 3
+    assert variance == math.floor(variance) and target <= variance <= target * (1 + 1e-15)
+
+
+@needs_dp
+def test_headroom_refuses_noise_that_could_wrap():
+    # 128 replicas fill the 64-bit ring's headroom at "low" precision: no room for noise.
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="could wrap the 64-bit ring.*precision='high'"):
+        dp_lib.check_noise_headroom(dp, 128, 64, 32, 2.0**24, 100)
+    assert dp_lib.check_noise_headroom(dp, 64, 64, 32, 2.0**24, 100) > 0
+    assert dp_lib.check_noise_headroom(dp, 128, 128, 32, 2.0**30, 100) > 0
+    huge = tfe_estimator.DistributedDP(l2_norm_clip=1000.0, noise_multiplier=1e5)
+    with pytest.raises(ValueError, match=r"outside \[2\*\*40, 2\*\*100\]"):
+        dp_lib.check_noise_headroom(huge, 2, 128, 32, 2.0**30, 100)
+    tiny = tfe_estimator.DistributedDP(l2_norm_clip=1e-9, noise_multiplier=1e-3)
+    with pytest.raises(ValueError, match=r"outside \[2\*\*40, 2\*\*100\]"):
+        dp_lib.check_noise_headroom(tiny, 2, 64, 32, 2.0**24, 100)
+
+
+@needs_dp
+@pytest.mark.parametrize("kwargs", [{"protocol": "aby3"}, {"implementation": "tf-encrypted"}])
+def test_dp_without_the_fused_kernels_is_not_implemented(kwargs):
+    with pytest.raises(NotImplementedError, match="protocol='pond' with implementation='auto'"):
+        tfe_estimator.TfeStrategy(dp=tfe_estimator.DistributedDP(1.0, 1.0), **kwargs)
+
+
+def test_dp_must_be_a_distributed_dp():
+    with pytest.raises(TypeError, match="dp must be a tfe_estimator.DistributedDP or None"):
+        tfe_estimator.TfeStrategy(dp={"l2_norm_clip": 1.0})
+
+
+# ------------------------------------------------------------- training --
+
+
+def _zero_feature_step(tmp_path, num_replicas, dims, batch, dp, **config_kwargs):
+    """One SGD step (learning rate 1) from zero weights on all-zero features."""
+    from model_fns import logistic_regression  # pylint: disable=import-outside-toplevel
+
+    config = tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), num_replicas=num_replicas, dp=dp,
+                                        save_summary_steps=None, log_step_count_steps=None, **config_kwargs)
+    est = tf.estimator.Estimator(
+        logistic_regression.model_fn, config=config,
+        params={"feature_columns": [tf.feature_column.numeric_column("x", shape=(dims,))],
+                "optimizer": "sgd", "learning_rate": 1.0})
+
+    def input_fn():
+        x = np.zeros((batch * num_replicas * 4, dims), np.float32)
+        y = np.ones((batch * num_replicas * 4, 1), np.int64)
+        return tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(batch, drop_remainder=True).repeat()
+
+    est.train(input_fn, steps=1)
+    return est, input_fn
+
+
+def _assert_std(weights, expected):
+    # Standard error of the sample std of n Gaussians: expected / sqrt(2n)
+    # (1.3 % at n = 3000); tolerance 4.5 standard errors (false alarm < 1e-5).
+    tolerance = 4.5 * expected / math.sqrt(2 * weights.size)
+    assert abs(weights.std() - expected) < tolerance, (weights.std(), expected, tolerance)
+    assert abs(weights.mean()) < 4.5 * expected / math.sqrt(weights.size)
+    assert stats.kstest(weights / expected, "norm").pvalue > 1e-5
+
+
+@needs_dp
+@pytest.mark.slow
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_one_step_update_carries_noise_of_the_stated_scale(num_replicas, tmp_path, caplog):
+    dims, batch = 3000, 4
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=0.5, noise_multiplier=1.5, num_examples=1000)
+    with caplog.at_level(logging.INFO, logger="tfe_estimator"):
+        est, input_fn = _zero_feature_step(tmp_path, num_replicas, dims, batch, dp)
+    weights = est.get_variable_value("logits/kernel").ravel()
+    global_batch = batch * num_replicas
+    # Zero features: the kernel's clipped gradients are 0, so its update is the noise / global batch.
+    _assert_std(weights, dp.noise_multiplier * dp.l2_norm_clip / global_batch)
+    # The bias sees the clipped signal: each example's gradient is -0.5 (label 1, p = 0.5) -> +0.5 per step.
+    epsilon = tfe_estimator.dp_epsilon(1.5, global_batch, 1000, 1, 1e-5)
+    assert f"epsilon = {epsilon:.4g}" in caplog.text
+    metrics = est.evaluate(input_fn, steps=1)
+    assert metrics["dp_epsilon"] == pytest.approx(epsilon, rel=1e-12)
+
+
+@needs_dp
+@pytest.mark.slow
+def test_mutation_noise_divided_among_replicas_wrongly_fails_the_scale_test(tmp_path, monkeypatch):
+    # Plant the classic bug: each replica adds sigma^2 / N^2 (the mean's noise) instead of sigma^2 / N.
+    real = dp_lib.check_noise_headroom
+    monkeypatch.setattr(dp_lib, "check_noise_headroom",
+                        lambda dp, num, *a: float(math.ceil(real(dp, num, *a) / num)))
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=0.5, noise_multiplier=1.5)
+    est, _ = _zero_feature_step(tmp_path, 2, 3000, 4, dp)
+    with pytest.raises(AssertionError):
+        _assert_std(est.get_variable_value("logits/kernel").ravel(), 1.5 * 0.5 / 8)
+
+
+@needs_dp
+def test_a_model_without_per_example_clipping_is_refused(tmp_path):
+    config = tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), num_replicas=2,
+                                        dp=tfe_estimator.DistributedDP(1.0, 1.0))
+    est = tf.estimator.LinearClassifier(
+        feature_columns=[tf.feature_column.numeric_column("x", shape=(3,))], config=config,
+        optimizer=lambda: tf.keras.optimizers.legacy.SGD(0.1))
+
+    def input_fn():
+        return tf.data.Dataset.from_tensors(({"x": np.ones((4, 3), np.float32)}, np.ones((4, 1), np.int64))).repeat()
+
+    with pytest.raises(ValueError, match=r"not clipped per example.*make_dp_optimizer"):
+        est.train(input_fn, steps=1)
+
+
+@needs_dp
+@pytest.mark.slow
+def test_tensorflow_privacy_dnn_classifier_trains_with_distributed_dp(tmp_path):
+    import tensorflow_privacy  # pylint: disable=import-outside-toplevel
+
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=0.5)
+    est = tensorflow_privacy.DNNClassifier(
+        hidden_units=[8], feature_columns=[tf.feature_column.numeric_column("x", shape=(4,))],
+        optimizer=lambda: dp_lib.make_dp_optimizer(tf.keras.optimizers.legacy.SGD(0.5), dp.l2_norm_clip),
+        config=tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), num_replicas=2, dp=dp, tf_random_seed=0))
+    rng = np.random.RandomState(0)
+    x = rng.randn(400, 4).astype(np.float32)
+    y = (x[:, :1] > 0).astype(np.int64)
+
+    def input_fn():
+        return tf.data.Dataset.from_tensor_slices(({"x": x}, y)).shuffle(400, seed=0).batch(20, drop_remainder=True).repeat()
+
+    est.train(input_fn, steps=60)
+    metrics = est.evaluate(lambda: tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(100), steps=2)
+    assert metrics["global_step"] == 60 and metrics["accuracy"] > 0.8
+
+
+@needs_dp
+@pytest.mark.slow
+def test_dp_example_smoke(tmp_path, capsys):
+    path = pathlib.Path(__file__).parent.parent / "examples" / "dp_breast_cancer.py"
+    spec = importlib.util.spec_from_file_location("example_dp_breast_cancer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(["--steps", "40", "--model-dir", str(tmp_path)])
+    assert set(results) == {"secure DP", "secure"}
+    assert 0 < results["secure DP"]["dp_epsilon"] < math.inf
+    assert results["secure"]["accuracy"] > 0.8
+    assert "epsilon" in capsys.readouterr().out
