@@ -139,6 +139,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
+        _check_model_dir_replicas(self)
 
     @property
     def tfe_settings(self) -> TfeSettings:
@@ -176,7 +177,19 @@ class TfeRunConfig(tf.estimator.RunConfig):
             kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config", self.session_config)))
         new = super().replace(**kwargs)
         new._tfe_settings = settings  # pylint: disable=protected-access
+        if "model_dir" in kwargs or "num_replicas" in ours:
+            _check_model_dir_replicas(new)
         return new
+
+
+def _check_model_dir_replicas(config: "TfeRunConfig") -> None:
+    """Refuses more replicas than wrote model_dir's checkpoint (a clear error, not a missing key)."""
+    if config.task_type == "evaluator":  # evaluation restores no per-replica optimizer slots
+        return
+    from tfe_estimator.checkpoint_replicas import check_checkpoint_replicas  # pylint: disable=import-outside-toplevel
+
+    source = "the chief and workers of TF_CONFIG" if config.cluster_spec else "num_replicas"
+    check_checkpoint_replicas(config.model_dir, config.num_replicas, source)
 
 
 #: Above this many local replicas TfeRunConfig warns: they all share this machine's cores.
