@@ -320,6 +320,7 @@ def test_main_reports_bad_arguments(capsys):
         ({"data_mount_path": "data"}, "data_mount_path='data' must be an absolute path"),
         ({"model_claim": "{name}_model"}, "model_claim='{name}_model' gives 'demo_model'"),
         ({"model_mount_path": "/data/"}, "data_mount_path and model_mount_path are both"),
+        ({"active_deadline_seconds": 0}, "active_deadline_seconds=0 must be an integer >= 1"),
     ],
 )
 def test_bad_arguments_raise_clear_value_errors(kwargs, message):
@@ -333,3 +334,13 @@ def test_longest_valid_name_renders():
     name = "a" * (63 - len("-evaluator-0"))
     names = [m["metadata"]["name"] for m in kubernetes.render_manifests(name, IMAGE, 3) if m["kind"] == "Service"]
     assert max(len(n) for n in names) == 63
+
+
+def test_active_deadline_bounds_every_job_and_validates():
+    utils = _schema_validator()
+    manifests = _render(1, True, active_deadline_seconds=3600)
+    jobs = [m for m in manifests if m["kind"] == "Job"]
+    assert len(jobs) == 3 and all(j["spec"]["activeDeadlineSeconds"] == 3600 for j in jobs)
+    for job in jobs:
+        utils.validate(job, utils.latest_version(), strict=True)
+    assert all("activeDeadlineSeconds" not in m["spec"] for m in _render(1, True) if m["kind"] == "Job")

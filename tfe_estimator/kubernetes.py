@@ -209,6 +209,7 @@ def render_manifests(
     data_mount_path: str = "/data",
     model_claim: Optional[str] = None,
     model_mount_path: str = "/model",
+    active_deadline_seconds: Optional[int] = None,
 ) -> List[Dict[str, Any]]:
     """Renders the Kubernetes objects of one secure-aggregation cluster.
 
@@ -247,6 +248,10 @@ def render_manifests(
         Without it, point the training script's ``model_dir`` at storage both
         can reach (e.g. ``gs://...``).
       model_mount_path: where ``model_claim`` is mounted.
+      active_deadline_seconds: optional bound on every Job's run time
+        (``activeDeadlineSeconds``): a chief waiting for a task that never
+        comes back (TensorFlow has no timeout for a missing in-graph worker)
+        then fails after that long instead of waiting indefinitely.
 
     Returns:
       The manifests as JSON-compatible dicts: Services and workloads task by
@@ -272,6 +277,11 @@ def render_manifests(
         port,
         {"data": (data_claim, data_mount_path), "model": (model_claim, model_mount_path)},
     )
+    if active_deadline_seconds is not None and (
+        isinstance(active_deadline_seconds, bool) or not isinstance(active_deadline_seconds, int)
+        or active_deadline_seconds < 1
+    ):
+        raise ValueError(f"active_deadline_seconds={active_deadline_seconds!r} must be an integer >= 1 (seconds).")
     command = tuple(command)
     tasks = _tasks(workers, evaluator)
 
@@ -336,6 +346,8 @@ def render_manifests(
                     },
                 }
             )
+            if active_deadline_seconds is not None:
+                manifests[-1]["spec"]["activeDeadlineSeconds"] = active_deadline_seconds
 
     cluster_pods = {"matchLabels": {CLUSTER_LABEL: name}}
     manifests.append(
@@ -414,6 +426,9 @@ def _parser() -> argparse.ArgumentParser:
         "evaluator pod (model_dir/eval); usually one ReadWriteMany claim such as '{name}-model'",
     )
     parser.add_argument("--model-mount-path", default="/model", help="where --model-claim is mounted (default /model)")
+    parser.add_argument("--active-deadline-seconds", type=int, default=None,
+                        help="bound every Job's run time (a chief waiting for a task that never comes back fails "
+                        "after this long)")
     parser.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help=f"training command after '--' (default: {' '.join(DEFAULT_COMMAND)})"
@@ -450,6 +465,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 data_mount_path=args.data_mount_path,
                 model_claim=args.model_claim,
                 model_mount_path=args.model_mount_path,
+                active_deadline_seconds=args.active_deadline_seconds,
             )
         )
     except ValueError as e:
