@@ -308,3 +308,31 @@ def test_dp_example_smoke(tmp_path, capsys):
     assert 0 < results["secure DP"]["dp_epsilon"] < math.inf
     assert results["secure"]["accuracy"] > 0.8
     assert "epsilon" in capsys.readouterr().out
+
+
+@needs_dp
+@pytest.mark.slow
+@pytest.mark.parametrize("name, params, label_dtype", [
+    ("linear_regression", {"label_dimension": 2}, np.float32),
+    ("dnn_classifier", {"hidden_units": [6], "n_classes": 3, "dropout": 0.1}, np.int64),
+])
+def test_every_model_fn_trains_with_dp(name, params, label_dtype, tmp_path):
+    import model_fns  # pylint: disable=import-outside-toplevel
+
+    model_fn = getattr(model_fns, name).model_fn
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=0.3, num_examples=200)
+    est = tf.estimator.Estimator(
+        model_fn, config=tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), num_replicas=2, dp=dp),
+        params={"feature_columns": [tf.feature_column.numeric_column("x", shape=(3,))], "optimizer": "sgd",
+                "learning_rate": 0.1, **params})
+    rng = np.random.RandomState(0)
+    x = rng.randn(200, 3).astype(np.float32)
+    y = (rng.randn(200, 2) if label_dtype == np.float32 else rng.randint(0, 3, (200, 1))).astype(label_dtype)
+
+    def input_fn():
+        return tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(10, drop_remainder=True).repeat()
+
+    est.train(input_fn, steps=3)
+    metrics = est.evaluate(input_fn, steps=1)
+    assert metrics["global_step"] == 3 and np.isfinite(metrics["loss"])
+    assert metrics["dp_epsilon"] == pytest.approx(tfe_estimator.dp_epsilon(0.3, 20, 200, 3, 1e-5))
