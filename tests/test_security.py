@@ -122,7 +122,9 @@ def _build(protocol, precision, implementation):
             updated = strategy.extended.batch_reduce_to(SUM, [(floats, floats), (ints, ints)])
             read = strategy.extended.reduce_to(SUM, reads, ELSEWHERE)
             fetches = [strategy.experimental_local_results(v) for v in updated] + [[read]]
-    return graph, placeholders, fetches, strategy.extended._cross_device_ops.server_devices  # pylint: disable=protected-access
+    servers = strategy.extended._cross_device_ops.server_devices  # pylint: disable=protected-access
+    assert list(servers) == SERVERS
+    return graph, placeholders, fetches, servers
 
 
 def _session_config():
