@@ -296,3 +296,12 @@ def test_clip_norm_leaves_reductions_to_one_device_alone():
 def test_bad_clip_norm_is_refused(clip_norm, error):
     with pytest.raises(error, match="clip_norm must be"):
         SecureAggregation(server_devices=SERVERS, clip_norm=clip_norm)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "tf-encrypted"])
+def test_integers_just_below_the_limit_are_accepted(implementation):
+    # 2**62 - 1 is valid on "low" with 2 replicas; in float64 it rounds up to the limit.
+    a = np.array([2**62 - 1, -(2**62 - 1)], np.int64)
+    b = np.array([0, 0], np.int64)
+    secure, _ = _reduce(_secure(implementation=implementation), [[a, b]], SUM)
+    assert secure[0][0].tolist() == [2**62 - 1, -(2**62 - 1)]

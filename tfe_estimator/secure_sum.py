@@ -106,12 +106,17 @@ def check_encodable(vector: tf.Tensor, bound: float, owner: str, hint: str) -> t
                       "lower the learning rate."],
                 name="assert_finite",
             ))
-        else:  # integers (counters): compare in float64, where abs cannot overflow
-            magnitude = tf.abs(tf.cast(vector, tf.float64))
         with tf.control_dependencies(checks):  # report NaN before range
-            largest = tf.reduce_max(magnitude)
+            if vector.dtype.is_floating:
+                in_range = tf.reduce_max(magnitude) < tf.constant(bound, vector.dtype)
+            else:
+                # Integers (counters): compared in their own dtype, exactly (float64
+                # would round values near 2**62 and refuse valid ones); no abs, which
+                # overflows at the dtype's minimum.
+                largest = tf.constant(min(int(bound) - 1, vector.dtype.max), vector.dtype)
+                in_range = tf.reduce_all((vector >= -largest) & (vector <= largest))
             checks.append(tf.raw_ops.Assert(
-                condition=largest < tf.constant(bound, magnitude.dtype),
+                condition=in_range,
                 # No value computed from the data in the message: on a cluster it
                 # travels from the owner's host to the chief.
                 data=[f"Secure aggregation refused the values of {owner}: an element's magnitude is "

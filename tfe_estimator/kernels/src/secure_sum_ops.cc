@@ -89,6 +89,13 @@ std::string FormatBound(double bound) {
   return std::to_string(bound);
 }
 
+// |v| < bound for an integer v and a bound that is a whole number (<= 2**63).
+inline bool InIntegerRange(int64_t v, double bound) {
+  if (bound >= 9223372036854775808.0) return v != std::numeric_limits<int64_t>::min();  // 2**63
+  const int64_t limit = static_cast<int64_t>(bound);  // exact: bound is a whole number < 2**63
+  return v > -limit && v < limit;
+}
+
 // ---------------------------------------------------------------- replica --
 
 REGISTER_OP("TfeMaskShare")
@@ -186,7 +193,12 @@ class MaskShareOp : public OpKernel {
           continue;
         }
         if (magnitude > big) big = magnitude;
-        if (!(magnitude < bound)) {
+        // Integers are compared exactly (a double would round values near
+        // 2**62 up to the bound and refuse valid ones).
+        const bool in_range = std::is_floating_point<T>::value
+                                  ? magnitude < bound
+                                  : InIntegerRange(static_cast<int64_t>(x[first + j]), bound);
+        if (!in_range) {
           out_of_range[c] = 1;
           continue;
         }
