@@ -25,6 +25,7 @@ Example::
         print(edge.party, "<-", edge.source_device, edge.tensor, edge.dtype.name)
 """
 import dataclasses
+import re
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -230,7 +231,7 @@ def capture_party_views(
             return results, [(e, np.asarray(values[e.tensor])) for e in edges], list(run_metadata.partition_graphs)
         for edge in missing:
             try:
-                extra[edge.tensor] = graph.get_tensor_by_name(edge.tensor)
+                extra[edge.tensor] = graph.get_tensor_by_name(_graph_tensor_name(edge))
             except (KeyError, ValueError) as exc:
                 raise CaptureError(
                     f"{edge.party} receives {edge.tensor} ({edge.producer_type}) from {edge.source_device}, "
@@ -238,6 +239,17 @@ def capture_party_views(
                     "cannot be fetched."
                 ) from exc
     raise CaptureError(f"The edges into the parties did not settle after {max_attempts} runs.")
+
+
+def _graph_tensor_name(edge: PartyEdge) -> str:
+    """The session graph's name of an edge's tensor.
+
+    A fed placeholder runs as an ``_Arg`` node named
+    ``_arg_<placeholder>_<output>_<argument index>``: fetching the placeholder
+    gives the fed value, which is what the party received.
+    """
+    match = re.fullmatch(r"_arg_(.+)_(\d+)_\d+:0", edge.tensor) if edge.producer_type == "_Arg" else None
+    return f"{match.group(1)}:{match.group(2)}" if match else edge.tensor
 
 
 def group_by_party(views: Iterable[Tuple[PartyEdge, np.ndarray]]) -> Dict[str, List[Tuple[PartyEdge, np.ndarray]]]:
