@@ -23,6 +23,8 @@ import os
 from typing import Optional, Sequence
 
 import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import mirrored_strategy
 from tensorflow_estimator.python.estimator import run_config as run_config_lib
 
 from tfe_estimator import cluster as cluster_lib
@@ -59,15 +61,38 @@ def plaintext_twin_config(devices: Sequence[str], session_config=None, **run_con
                                       model_dir="/tmp/plain")
     """
     with tf.Graph().as_default():  # in-graph multi-worker MirroredStrategy is graph-only
-        strategies = [
-            tf.compat.v1.distribute.MirroredStrategy(
-                devices=list(devices), cross_device_ops=tf.distribute.ReductionToOneDevice())
-            for _ in range(2)
-        ]
+        strategies = [_PlaintextTwinStrategy(list(devices)) for _ in range(2)]
     session_config = session_config or default_session_config()
     session_config.device_count["CPU"] = max(session_config.device_count.get("CPU", 1), cpus_needed(devices))
     return tf.estimator.RunConfig(train_distribute=strategies[0], eval_distribute=strategies[1],
                                   session_config=session_config, **run_config_kwargs)
+
+
+class _PlaintextTwinExtended(mirrored_strategy.MirroredExtended):
+    """`MirroredExtended` without the unused collective all-reduce.
+
+    MirroredStrategy also builds a `CollectiveAllReduce` (for XLA on GPUs),
+    which Estimator deep-copies with the config; on TF 2.9 the copy creates a
+    variable on the replicas' devices eagerly and fails once the process's
+    eager runtime has fewer CPU devices than the twin. The twin's reductions
+    are all `ReductionToOneDevice`, as `TfeStrategy`'s are `SecureAggregation`.
+    """
+
+    def _make_collective_ops(self, devices):  # TF 2.9
+        del devices
+        return self._cross_device_ops
+
+    def _make_collective_ops_with_fallbacks(self):  # TF 2.10+
+        return self._cross_device_ops
+
+
+class _PlaintextTwinStrategy(tf.compat.v1.distribute.MirroredStrategy):
+    """`MirroredStrategy` with `ReductionToOneDevice` on `devices`: the plaintext twin."""
+
+    def __init__(self, devices):  # pylint: disable=super-init-not-called
+        extended = _PlaintextTwinExtended(self, devices=devices,
+                                          cross_device_ops=tf.distribute.ReductionToOneDevice())
+        distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
 
 
 @dataclasses.dataclass(frozen=True)
