@@ -52,11 +52,14 @@ inline void CounterBlock(uint64_t high, uint64_t low, uint8_t iv[kBlockBytes]) {
 }
 
 // Writes `n` keystream bytes of `key` starting at block `first_block` (of the
-// counter space whose high 64 bits are `stream`) into `out`.
+// counter space whose high 64 bits are `stream`) into `out`: the encryption of
+// zeros, read from a constant zero page instead of clearing `out` first.
 inline bool AesCtrKeystream(const uint8_t key[kKeyBytes], uint64_t stream, uint64_t first_block,
                             uint8_t* out, size_t n) {
+  static const uint8_t kZeros[1 << 15] = {};
   uint8_t iv[kBlockBytes];
   CounterBlock(stream, first_block, iv);
+  if (n <= sizeof(kZeros)) return AesCtrXor(key, iv, kZeros, out, n);
   std::memset(out, 0, n);
   return AesCtrXor(key, iv, out, out, n);
 }

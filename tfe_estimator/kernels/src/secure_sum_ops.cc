@@ -96,6 +96,22 @@ inline bool InIntegerRange(int64_t v, double bound) {
   return v > -limit && v < limit;
 }
 
+// |x| < bound, false for NaN; integers compared exactly.
+template <typename T>
+inline bool InRange(T x, double bound) {
+  if (std::is_floating_point<T>::value) return std::fabs(static_cast<double>(x)) < bound;
+  return InIntegerRange(static_cast<int64_t>(x), bound);
+}
+
+// round_toward_zero(x * 2**F) for a value in range: multiplying by a power of
+// two is exact in double for float32 and float64, and the cast truncates
+// toward zero, like tf.cast. Integers are taken as they are.
+template <typename T>
+inline int64_t Encode64(T x, double scale) {
+  return std::is_floating_point<T>::value ? static_cast<int64_t>(static_cast<double>(x) * scale)
+                                          : static_cast<int64_t>(x);
+}
+
 // ---------------------------------------------------------------- replica --
 
 REGISTER_OP("TfeMaskShare")
@@ -184,44 +200,46 @@ class MaskShareOp : public OpKernel {
         cipher_failed[c] = 1;
         return;
       }
-      double big = 0.0;
-      for (int64_t j = 0; j < count; ++j) {
-        const double v = static_cast<double>(x[first + j]);
-        const double magnitude = std::fabs(v);
-        if (std::is_floating_point<T>::value && !std::isfinite(v)) {
-          nonfinite[c] = 1;
-          continue;
+      // The hot loop has no branch: an element out of range (or NaN, which
+      // fails every comparison) is encoded as 0 and flagged; the flags are
+      // inspected once per chunk, and only a failing chunk is walked again
+      // to tell NaN from range and find the magnitude for the owner's log.
+      const T* xs = x + first;
+      const int64_t* ns = noise ? noise + first : nullptr;
+      bool bad = false;
+      if (words == 1) {
+        uint64_t* d = reinterpret_cast<uint64_t*>(dst);
+        for (int64_t j = 0; j < count; ++j) {
+          const bool ok = InRange(xs[j], bound);
+          bad |= !ok;
+          const uint64_t enc = ok ? static_cast<uint64_t>(Encode64(xs[j], scale)) : 0;
+          const uint64_t noised = enc + (ns ? static_cast<uint64_t>(ns[j]) : 0);
+          d[j] = noised - d[j];  // d[j] held the mask
         }
-        if (magnitude > big) big = magnitude;
-        // Integers are compared exactly (a double would round values near
-        // 2**62 up to the bound and refuse valid ones).
-        const bool in_range = std::is_floating_point<T>::value
-                                  ? magnitude < bound
-                                  : InIntegerRange(static_cast<int64_t>(x[first + j]), bound);
-        if (!in_range) {
-          out_of_range[c] = 1;
-          continue;
-        }
-        // Multiplying by 2**F is exact in double for float32 and float64
-        // values in range; the cast truncates toward zero, like tf.cast.
-        if (words == 1) {
-          const int64_t enc = std::is_floating_point<T>::value ? static_cast<int64_t>(v * scale)
-                                                               : static_cast<int64_t>(x[first + j]);
-          uint64_t mask;
-          std::memcpy(&mask, dst + j * 8, 8);
-          const uint64_t noised =
-              static_cast<uint64_t>(enc) + (noise ? static_cast<uint64_t>(noise[first + j]) : 0);
-          const uint64_t s = noised - mask;
-          std::memcpy(dst + j * 8, &s, 8);
-        } else {
-          const i128 enc = std::is_floating_point<T>::value ? static_cast<i128>(v * scale)
-                                                            : static_cast<i128>(x[first + j]);
+      } else {
+        for (int64_t j = 0; j < count; ++j) {
+          const bool ok = InRange(xs[j], bound);
+          bad |= !ok;
+          const i128 enc = ok ? (std::is_floating_point<T>::value ? static_cast<i128>(static_cast<double>(xs[j]) * scale)
+                                                                  : static_cast<i128>(xs[j]))
+                              : 0;
           u128 mask;
           std::memcpy(&mask, dst + j * 16, 16);
           // The int64 noise is sign-extended to the 128-bit ring.
-          const u128 noised = static_cast<u128>(enc) + (noise ? static_cast<u128>(static_cast<i128>(noise[first + j])) : 0);
-          const u128 s = noised - mask;
-          std::memcpy(dst + j * 16, &s, 16);
+          const u128 noised = static_cast<u128>(enc) + (ns ? static_cast<u128>(static_cast<i128>(ns[j])) : 0);
+          const u128 share = noised - mask;
+          std::memcpy(dst + j * 16, &share, 16);
+        }
+      }
+      if (!bad) return;
+      double big = 0.0;
+      for (int64_t j = 0; j < count; ++j) {
+        const double v = static_cast<double>(xs[j]);
+        if (std::is_floating_point<T>::value && !std::isfinite(v)) {
+          nonfinite[c] = 1;
+        } else {
+          big = std::max(big, std::fabs(v));
+          if (!InRange(xs[j], bound)) out_of_range[c] = 1;
         }
       }
       largest[c] = big;
