@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from model_fns import keras_optimizers  # tf.keras.optimizers.legacy where Estimator needs it (TF >= 2.11)
+
 from tfe_estimator import TfeRunConfig
 
 ROWS = 512
@@ -34,7 +36,7 @@ def test_evaluate_with_fewer_or_uneven_batches_than_replicas_covers_every_row(ba
     x, y = data
     cols = [tf.feature_column.numeric_column("x", shape=[3])]
     est = tf.estimator.LinearRegressor(cols, config=TfeRunConfig(model_dir=str(tmp_path), num_replicas=2),
-                                       optimizer=lambda: tf.keras.optimizers.SGD(0.05))
+                                       optimizer=lambda: keras_optimizers().SGD(0.05))
     est.train(lambda: tf.data.Dataset.from_tensor_slices(({"x": x}, y)).repeat().batch(32), steps=10)
     w = est.get_variable_value("linear/linear_model/x/weights").ravel()
     b = est.get_variable_value("linear/linear_model/bias_weights")

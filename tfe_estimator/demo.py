@@ -18,6 +18,8 @@ from typing import Dict, Optional
 import numpy as np
 import tensorflow as tf
 
+from model_fns import keras_optimizers  # tf.keras.optimizers.legacy where Estimator needs it (TF >= 2.11)
+
 __all__ = ["load_diabetes_split", "run_local_demo", "format_comparison"]
 
 FEATURES = "x"
@@ -53,7 +55,7 @@ def _input_fn(x, y, batch_size, repeat):
 def _estimator(config, num_features, learning_rate):
     return tf.estimator.LinearRegressor(
         feature_columns=[tf.feature_column.numeric_column(FEATURES, shape=[num_features])],
-        optimizer=lambda: tf.keras.optimizers.SGD(learning_rate),
+        optimizer=lambda: keras_optimizers().SGD(learning_rate),
         config=config,
     )
 

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from input_fns import csv_input_fn
+from model_fns import keras_optimizers  # tf.keras.optimizers.legacy where Estimator needs it (TF >= 2.11)
 from tfe_estimator.audit import assert_no_plaintext_on_servers
 from tfe_estimator.cluster import TfeCluster
 from tfe_estimator.demo import load_diabetes_split
@@ -163,7 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     columns = [tf.feature_column.numeric_column(name) for name in features]
     est = tf.estimator.LinearRegressor(
         feature_columns=columns, config=_config(args),
-        optimizer=lambda: tf.keras.optimizers.SGD(args.learning_rate))
+        optimizer=lambda: keras_optimizers().SGD(args.learning_rate))
     # Relative paths: each owner's pipeline runs in its own process and directory.
     train = csv_input_fn(TRAIN_FILE, "target", args.batch_size, column_names=COLUMNS, seed=0)
     test = csv_input_fn(TEST_FILE, "target", 90, column_names=COLUMNS, num_epochs=1, shuffle=False)
