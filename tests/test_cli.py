@@ -61,3 +61,11 @@ def test_launch_fault_options_are_parsed():
     args = cli.parse_args(["launch", "--evaluator-restarts", "0", "--down-timeout", "30", "--final-eval-timeout", "60",
                            "--log-dir", "logs", "--", "python", "t.py"])
     assert (args.evaluator_restarts, args.down_timeout, args.final_eval_timeout, args.log_dir) == (0, 30.0, 60.0, "logs")
+
+
+def test_the_one_server_command_is_what_the_cli_runs():
+    from tfe_estimator.launcher import SERVER_COMMAND
+    from tfe_estimator.server import server_command
+
+    assert SERVER_COMMAND == server_command(sys.executable)
+    assert cli.parse_args([server_command()[-1]]).command == SERVER_COMMAND[-1] == "server"

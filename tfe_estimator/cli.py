@@ -16,6 +16,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from tfe_estimator.server import SERVER_SUBCOMMAND
+
 __all__ = ["parse_args", "main"]
 
 
@@ -31,7 +33,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tfe-estimator", description="Secure aggregation for TensorFlow Estimator.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("server", help="run this task's TFE party server from TF_CONFIG and block")
+    sub.add_parser(SERVER_SUBCOMMAND, help="run this task's TFE party server from TF_CONFIG and block")
 
     launch = sub.add_parser("launch", help="run a whole cluster on loopback ports as local processes")
     launch.add_argument("--workers", type=int, default=1, help="workers besides the chief (default 1)")
@@ -68,7 +70,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.command == "server":
+    if args.command == SERVER_SUBCOMMAND:
         from tfe_estimator.server import run_server  # pylint: disable=import-outside-toplevel
 
         return run_server()

@@ -28,7 +28,7 @@ import tensorflow as tf
 from input_fns import csv_input_fn
 from model_fns import keras_optimizers  # tf.keras.optimizers.legacy where Estimator needs it (TF >= 2.11)
 from tfe_estimator.audit import assert_no_plaintext_on_servers
-from tfe_estimator.cluster import TfeCluster
+from tfe_estimator.cluster import LAUNCH_PROTOCOL_ENV, TfeCluster
 from tfe_estimator.demo import load_diabetes_split
 from tfe_estimator.launcher import Launcher
 from tfe_estimator.run_config import TfeRunConfig, plaintext_twin_config
@@ -149,7 +149,7 @@ def _config(args):
     kwargs = dict(model_dir=args.model_dir, tf_random_seed=0, save_checkpoints_steps=args.save_checkpoints_steps,
                   keep_checkpoint_max=args.keep_checkpoint_max)
     if args.mode == "secure":
-        protocol = os.environ.get("TFE_ESTIMATOR_PROTOCOL", "pond")
+        protocol = os.environ.get(LAUNCH_PROTOCOL_ENV, "pond")
         return TfeRunConfig(protocol=protocol, **kwargs)  # tfe_estimator
     cluster = TfeCluster.from_environment()
     devices = cluster.replica_devices() if not cluster.is_evaluator else ["/cpu:0"]

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Tuple
 from tfe_estimator.cluster import TFE_JOB, TfeCluster
 from tfe_estimator.protocols import load_backend
 
-__all__ = ["run_server", "start_server", "server_command"]
+__all__ = ["run_server", "start_server", "server_command", "SERVER_SUBCOMMAND"]
 
 log = logging.getLogger("tfe_estimator")
 
