@@ -126,7 +126,7 @@ def test_a_factor_of_two_in_the_secure_sum_fails_the_twin_comparison(monkeypatch
     from tfe_estimator import fused_sum  # pylint: disable=import-outside-toplevel
 
     real = fused_sum.pond_sum
-    monkeypatch.setattr(fused_sum, "pond_sum", lambda *a, **k: [2 * t for t in real(*a, **k)])
+    monkeypatch.setattr(fused_sum, "pond_sum", lambda *a, **k: [[2 * t for t in parts] for parts in real(*a, **k)])
     secure = _linear(_secure_config(str(tmp_path)))
     secure.train(_canned_data("LinearRegressor", linear_data), steps=STEPS)
     with pytest.raises(AssertionError):

@@ -351,7 +351,8 @@ def plant_unmasked_fused_share(monkeypatch):
 
     def mask_share(values, bound, ring_bits, fraction_bits, owner, hint, **kwargs):
         _, seed = real(values, bound, ring_bits, fraction_bits, owner, hint, **kwargs)
-        encoded = secure_sum.encode(values, fraction_bits)
+        values = values if isinstance(values, (list, tuple)) else [values]
+        encoded = secure_sum.encode(tf.concat([tf.reshape(v, [-1]) for v in values], 0), fraction_bits)
         if ring_bits == 128:  # (low word, high word): the high word is the sign extension
             encoded = tf.stack([encoded, tf.bitwise.right_shift(encoded, 63)], axis=1)
         return encoded, seed
@@ -386,7 +387,8 @@ def plant_float_edge(monkeypatch):
         return real_mask_share(values, *args, **kwargs)
 
     def server_sum(*args):
-        return real_server_sum(*args) + tf.cast(tf.reduce_sum(floats[0]), tf.int64)
+        values = floats[0] if isinstance(floats[0], (list, tuple)) else [floats[0]]
+        return real_server_sum(*args) + tf.cast(tf.add_n([tf.reduce_sum(v) for v in values]), tf.int64)
 
     monkeypatch.setattr(kernel_ops, "mask_share", mask_share)
     monkeypatch.setattr(kernel_ops, "server_sum", server_sum)

@@ -193,17 +193,25 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         scale = 1.0 / num if kind == _FLOAT and reduce_op == tf.distribute.ReduceOp.MEAN else 1.0
         owners = [f"replica {r} ({device})" for r, device in enumerate(sources)]
         hint = self._hint(kind, update, encoding)
+        clip = self._clip_norm is not None and kind == _FLOAT and update
         vectors, shapes = [], None
         with tf.name_scope("secure_aggregation"):
             for r, device in enumerate(sources):
                 with tf.device(device):
                     dense = [_densify(v.values[r]) for v in values]
-                    # The fused kernels read any shape as a flat vector: one tensor needs no op.
-                    vector, shapes = secure_sum.pack(dense, pack_dtype, flatten=not self._fused)
-                    if self._clip_norm is not None and kind == _FLOAT and update:
-                        vector = tf.clip_by_norm(vector, self._clip_norm)
+                    if self._fused:
+                        # The fused kernels read a list of tensors as one vector:
+                        # no concat here, no split after the reveal.
+                        vector, shapes = secure_sum.parts(dense, pack_dtype)
+                        if clip:
+                            vector = tf.clip_by_global_norm(vector, self._clip_norm)[0]
+                    else:
+                        vector, shapes = secure_sum.pack(dense, pack_dtype)
+                        if clip:
+                            vector = tf.clip_by_norm(vector, self._clip_norm)
                 vectors.append(vector)
-            noise_variance = self._dp_noise_variance(values, kind, update, num, encoding, vectors)
+            num_elements = sum(s.num_elements() for s in shapes)
+            noise_variance = self._dp_noise_variance(values, kind, update, num, encoding, num_elements)
             if self._fused:
                 totals = fused_sum.pond_sum(vectors, sources, self._server_devices, targets, encoding,
                                             pack_dtype, owners, hint, scale, noise_variance=noise_variance)
@@ -213,7 +221,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         per_target = []
         for device, total in zip(targets, totals):
             with tf.device(device), tf.name_scope("secure_aggregation_unpack"):
-                parts = secure_sum.unpack(total, shapes)
+                parts = total if self._fused else secure_sum.unpack(total, shapes)
                 parts = [_finish(p, dtype, kind, reduce_op, num) for p, dtype in zip(parts, dtypes)]
             per_target.append(parts)
         results = []
@@ -225,7 +233,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                 results.append(distribute_utils.regroup(on_targets, wrap_class=value_lib.Mirrored))
         return results
 
-    def _dp_noise_variance(self, values, kind, update, num, encoding, vectors):
+    def _dp_noise_variance(self, values, kind, update, num, encoding, num_elements):
         """Each replica's noise variance (ring units^2) for a DP update, else None.
 
         Refuses an update whose values are not marked as sums of gradients
@@ -250,7 +258,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                         f"DistributedDP.l2_norm_clip={self._dp.l2_norm_clip}: the noise would be too small. "
                         "Use the same l2_norm_clip in make_dp_optimizer and DistributedDP.")
         variance = dp_lib.check_noise_headroom(self._dp, num, encoding.ring_bits, encoding.fraction_bits,
-                                               encoding.bound, vectors[0].shape.num_elements())
+                                               encoding.bound, num_elements)
         return variance or None
 
     def _tfe_sum(self, tfe_backend, vectors, sources, targets, encoding, dtype, owners, hint, scale):

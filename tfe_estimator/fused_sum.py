@@ -23,7 +23,7 @@ stays selectable as the reference implementation.
 
 Example::
 
-    totals = pond_sum([x0, x1], ["/cpu:0", "/cpu:1"], ["/cpu:2", "/cpu:3"],
+    totals = pond_sum([[x0], [x1]], ["/cpu:0", "/cpu:1"], ["/cpu:2", "/cpu:3"],
                       ["/cpu:0", "/cpu:1"], Encoding(64, 32, 2.0**24),
                       tf.float32, owners=["replica 0", "replica 1"], hint="clip gradients")
 """
@@ -53,7 +53,7 @@ class Encoding:
 
 
 def pond_sum(
-    vectors: Sequence[tf.Tensor],
+    vectors: Sequence[Sequence[tf.Tensor]],
     sources: Sequence[str],
     servers: Sequence[str],
     targets: Sequence[str],
@@ -63,12 +63,12 @@ def pond_sum(
     hint: str,
     scale: float = 1.0,
     noise_variance: Optional[float] = None,
-    shape: Optional[tf.TensorShape] = None,
-) -> List[tf.Tensor]:
+) -> List[List[tf.Tensor]]:
     """Securely sums `vectors` (one per source device) and reveals it on each target.
 
     Args:
-      vectors: 1-D tensors of one length, vector r on ``sources[r]``.
+      vectors: per source, the tensors to sum (read as one flat vector), on
+        ``sources[r]``; every source has tensors of the same shapes.
       sources: the replica devices.
       servers: Pond's server0 and server1 devices (a third entry is ignored).
       targets: the devices that receive the sum.
@@ -80,12 +80,12 @@ def pond_sum(
       noise_variance: differential privacy (`tfe_estimator.dp`): each replica
         adds exact discrete Gaussian noise of this variance (ring units^2, an
         integer) to its encoded values inside `mask_share`, before masking.
-      shape: the shape of each decoded result (default: a vector).
 
     Returns:
-      One decoded tensor per target, on that target.
+      Per target, the decoded sums of the tensors (their shapes), on that target.
     """
-    num_elements = vectors[0].shape.num_elements()
+    shapes = [t.shape for t in vectors[0]]
+    num_elements = sum(s.num_elements() for s in shapes)
     seeds, shares = [], []
     for vector, device, owner in zip(vectors, sources, owners):
         with tf.device(device), tf.name_scope("mask_share"):
@@ -105,5 +105,5 @@ def pond_sum(
     for device in targets:
         with tf.device(device), tf.name_scope("reveal"):
             totals.append(ops.reveal_sum(parts[0], parts[1], dtype, encoding.ring_bits,
-                                         encoding.fraction_bits, scale, shape))
+                                         encoding.fraction_bits, scale, shapes))
     return totals

@@ -29,17 +29,15 @@ from typing import List, Sequence, Tuple
 
 import tensorflow as tf
 
-__all__ = ["pack", "unpack", "check_encodable", "encode", "decode", "share_and_sum"]
+__all__ = ["pack", "parts", "unpack", "check_encodable", "encode", "decode", "share_and_sum"]
 
 
-def pack(tensors: Sequence[tf.Tensor], dtype: tf.DType, flatten: bool = True) -> Tuple[tf.Tensor, List[tf.TensorShape]]:
+def pack(tensors: Sequence[tf.Tensor], dtype: tf.DType) -> Tuple[tf.Tensor, List[tf.TensorShape]]:
     """Flattens and concatenates `tensors` into one vector of `dtype`.
 
     Args:
       tensors: tensors with fully defined shapes.
       dtype: the dtype of the packed vector.
-      flatten: if False, a single tensor of `dtype` is returned as it is
-        (for consumers that read any shape as a flat vector): no op is made.
 
     Returns:
       The vector and the shapes needed by `unpack`.
@@ -48,19 +46,30 @@ def pack(tensors: Sequence[tf.Tensor], dtype: tf.DType, flatten: bool = True) ->
       NotImplementedError: if a shape is not fully defined (the protocol needs
         static shapes to draw its random masks).
     """
-    shapes = []
+    shapes = _static_shapes(tensors)
+    flat = [tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors]
+    vector = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
+    return vector, shapes
+
+
+def parts(tensors: Sequence[tf.Tensor], dtype: tf.DType) -> Tuple[List[tf.Tensor], List[tf.TensorShape]]:
+    """`tensors` as they are, cast to `dtype` where they differ: for the fused kernels.
+
+    Raises:
+      NotImplementedError: if a shape is not fully defined (see `pack`).
+    """
+    _static_shapes(tensors)
+    return [tf.cast(t, dtype) for t in tensors], [t.shape for t in tensors]
+
+
+def _static_shapes(tensors: Sequence[tf.Tensor]) -> List[tf.TensorShape]:
     for t in tensors:
         if not t.shape.is_fully_defined():
             raise NotImplementedError(
                 f"Secure aggregation needs values of static shape, got {t.name} with "
                 f"shape {t.shape}. Give the model's variables fully defined shapes."
             )
-        shapes.append(t.shape)
-    if not flatten and len(tensors) == 1 and tensors[0].dtype == dtype:
-        return tensors[0], shapes
-    flat = [tf.reshape(tf.cast(t, dtype), [-1]) for t in tensors]
-    vector = flat[0] if len(flat) == 1 else tf.concat(flat, axis=0)
-    return vector, shapes
+    return [t.shape for t in tensors]
 
 
 def unpack(vector: tf.Tensor, shapes: Sequence[tf.TensorShape]) -> List[tf.Tensor]:

@@ -17,7 +17,7 @@ Example::
                    tf.float32, ring_bits=64, fraction_bits=32)
 """
 import weakref
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -26,14 +26,18 @@ from tfe_estimator import kernels
 __all__ = ["mask_share", "server_sum", "reveal_sum", "keystream", "discrete_gaussian"]
 
 
-def mask_share(values: tf.Tensor, bound: float, ring_bits: int, fraction_bits: int, owner: str, hint: str,
-               noise: Optional[tf.Tensor] = None):
+def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring_bits: int, fraction_bits: int,
+               owner: str, hint: str, noise: Optional[tf.Tensor] = None):
     """Checks, encodes and masks `values` in one pass; returns ``(share, seed)``.
+
+    `values` is a tensor or a list of tensors of one dtype, read as one flat
+    vector (their elements in order), so no concat is needed before.
 
     Fails at run time, naming `owner` and `hint` but no value, if an element
     is NaN/infinite or not below `bound` in magnitude. `noise` (int64, one
     element per value, in ring units) is added to the encoding before masking.
     """
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
     return kernels.load().tfe_mask_share(
         values, _constant(bound), [] if noise is None else [noise], ring_bits=ring_bits,
         fraction_bits=fraction_bits, owner=owner, hint=hint)
@@ -56,14 +60,19 @@ def server_sum(seeds: Sequence[tf.Tensor], shares: Sequence[tf.Tensor], ring_bit
 
 
 def reveal_sum(share0, share1, dtype: tf.DType, ring_bits: int, fraction_bits: int, scale: float = 1.0,
-               shape: Optional[tf.TensorShape] = None):
+               shapes: Optional[Sequence[tf.TensorShape]] = None):
     """Adds two ring shares and decodes them to `dtype` (floats times `scale`).
 
-    The result is a vector, or has `shape` (with as many elements) if given.
+    Returns one vector, or, with `shapes`, a list of tensors of those shapes
+    (the sum's elements in order), so no split is needed after.
     """
-    shape = tf.TensorShape(None) if shape is None else tf.TensorShape(shape)
-    return kernels.load().tfe_reveal_sum(share0, share1, _constant(scale), T=dtype, ring_bits=ring_bits,
-                                         fraction_bits=fraction_bits, shape=shape)
+    lib = kernels.load()
+    if shapes is None:
+        return lib.tfe_reveal_sum(share0, share1, _constant(scale), T=dtype, N=1, ring_bits=ring_bits,
+                                  fraction_bits=fraction_bits)[0]
+    shapes = [tf.TensorShape(s) for s in shapes]
+    return lib.tfe_reveal_sum(share0, share1, _constant(scale), T=dtype, N=len(shapes), ring_bits=ring_bits,
+                              fraction_bits=fraction_bits, shapes=shapes)
 
 
 _CONSTANTS: "weakref.WeakKeyDictionary[tf.Graph, Dict[float, tf.Tensor]]" = weakref.WeakKeyDictionary()

@@ -16,6 +16,7 @@
 // unsigned __int128. Element i's mask is keystream bytes [i*R/8, (i+1)*R/8)
 // read as a little-endian integer. All ring arithmetic is unsigned, so it
 // wraps modulo 2^R by definition.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -97,6 +98,28 @@ inline bool InIntegerRange(int64_t v, double bound) {
   return v > -limit && v < limit;
 }
 
+// Several tensors read as one vector: element i of the vector is element
+// i - offsets[k] of tensor k. ForSegments(first, count, f) calls
+// f(k, index in tensor k, index in [0, count), length) for each piece of the
+// range [first, first + count) that lies in one tensor.
+struct Segments {
+  std::vector<int64_t> offsets{0};  // offsets[k] = elements before tensor k; back() = total
+
+  void Add(int64_t size) { offsets.push_back(offsets.back() + size); }
+  int64_t total() const { return offsets.back(); }
+
+  template <typename F>
+  void ForSegments(int64_t first, int64_t count, F f) const {
+    int64_t k = std::upper_bound(offsets.begin(), offsets.end(), first) - offsets.begin() - 1;
+    for (int64_t done = 0; done < count; ++k) {
+      const int64_t begin = first + done - offsets[k];
+      const int64_t len = std::min(count - done, offsets[k + 1] - offsets[k] - begin);
+      if (len > 0) f(k, begin, done, len);
+      done += std::max<int64_t>(len, 0);
+    }
+  }
+};
+
 // |x| < bound, false for NaN; integers compared exactly.
 template <typename T>
 inline bool InRange(T x, double bound) {
@@ -116,12 +139,13 @@ inline int64_t Encode64(T x, double scale) {
 // ---------------------------------------------------------------- replica --
 
 REGISTER_OP("TfeMaskShare")
-    .Input("values: T")
+    .Input("values: N * T")  // read as one vector, in order: no concat before the op
     .Input("bound: float64")
     .Input("noise: num_noise * int64")  // differential privacy: 0 or 1 tensor
     .Output("share: int64")
     .Output("seed: int32")
     .Attr("T: {float, double, int32, int64}")
+    .Attr("N: int >= 1")
     .Attr("ring_bits: int")
     .Attr("fraction_bits: int >= 0")
     .Attr("owner: string")
@@ -129,12 +153,18 @@ REGISTER_OP("TfeMaskShare")
     .Attr("num_noise: int >= 0 = 0")
     .SetIsStateful()  // a fresh seed on every run
     .SetShapeFn([](InferenceContext* c) {
-      DimensionHandle n = c->MakeDim(1);
-      ShapeHandle in = c->input(0);
-      if (c->RankKnown(in)) {
-        for (int i = 0; i < c->Rank(in); ++i) TF_RETURN_IF_ERROR(c->Multiply(n, c->Dim(in, i), &n));
-      } else {
-        n = c->UnknownDim();
+      int num_values;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &num_values));
+      DimensionHandle n = c->MakeDim(0);
+      for (int k = 0; k < num_values && c->ValueKnown(n); ++k) {
+        ShapeHandle in = c->input(k);
+        DimensionHandle size = c->MakeDim(1);
+        if (!c->RankKnown(in)) {
+          n = c->UnknownDim();
+          break;
+        }
+        for (int i = 0; i < c->Rank(in); ++i) TF_RETURN_IF_ERROR(c->Multiply(size, c->Dim(in, i), &size));
+        TF_RETURN_IF_ERROR(c->Add(n, size, &n));
       }
       TF_RETURN_IF_ERROR(RingShape(c, n, 0));
       c->set_output(1, c->Vector(kSeedWords));
@@ -142,6 +172,7 @@ REGISTER_OP("TfeMaskShare")
     })
     .Doc(R"doc(
 Checks, fixed-point encodes and masks one replica's values in one pass.
+The N tensors of `values` are read as one vector (their elements in order).
 
 share = round_toward_zero(values * 2**fraction_bits) - AES-128-CTR(seed) mod 2**ring_bits,
 with seed a fresh key from RAND_bytes. Refuses NaN/Inf and |values| >= bound with
@@ -166,21 +197,28 @@ class MaskShareOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& values = ctx->input(0);
-    const double bound = ctx->input(1).scalar<double>()();
+    ::tensorflow::OpInputList values;
+    OP_REQUIRES_OK(ctx, ctx->input_list("values", &values));
+    Segments segments;
+    std::vector<const T*> inputs;
+    for (int k = 0; k < values.size(); ++k) {
+      segments.Add(values[k].NumElements());
+      inputs.push_back(values[k].flat<T>().data());
+    }
+    const double bound = ctx->input(values.size()).scalar<double>()();
     const int64_t* noise = nullptr;  // differential privacy noise in ring units, or none
     if (num_noise_ == 1) {
-      const Tensor& noise_tensor = ctx->input(2);
-      OP_REQUIRES(ctx, noise_tensor.NumElements() == values.NumElements(),
+      const Tensor& noise_tensor = ctx->input(values.size() + 1);
+      OP_REQUIRES(ctx, noise_tensor.NumElements() == segments.total(),
                   ::tensorflow::errors::InvalidArgument("noise has ", noise_tensor.NumElements(),
-                                                        " elements, values ", values.NumElements()));
+                                                        " elements, values ", segments.total()));
       noise = noise_tensor.flat<int64_t>().data();
     }
     // An encoded value must fit the signed ring and its int64/int128 carrier.
     OP_REQUIRES(ctx, bound > 0 && std::ldexp(bound, fraction_bits_) <= std::ldexp(1.0, ring_bits_ == 64 ? 63 : 126),
                 ::tensorflow::errors::InvalidArgument("bound ", bound, " with ", fraction_bits_,
                                                       " fraction bits does not fit the ", ring_bits_, "-bit ring"));
-    const int64_t n = values.NumElements();
+    const int64_t n = segments.total();
     Tensor* share = nullptr;
     Tensor* seed = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RingTensorShape(n, ring_bits_), &share));
@@ -188,7 +226,6 @@ class MaskShareOp : public OpKernel {
     uint8_t* key = reinterpret_cast<uint8_t*>(seed->flat<int32_t>().data());
     OP_REQUIRES(ctx, FreshKey(key), ::tensorflow::errors::Internal("RAND_bytes failed: no secure seed"));
 
-    const T* x = values.flat<T>().data();
     uint8_t* out = reinterpret_cast<uint8_t*>(share->flat<int64_t>().data());
     const int words = ring_bits_ / 64;
     const double scale = std::ldexp(1.0, fraction_bits_);
@@ -205,44 +242,53 @@ class MaskShareOp : public OpKernel {
       // fails every comparison) is encoded as 0 and flagged; the flags are
       // inspected once per chunk, and only a failing chunk is walked again
       // to tell NaN from range and find the magnitude for the owner's log.
-      const T* xs = x + first;
       const int64_t* ns = noise ? noise + first : nullptr;
       bool bad = false;
-      if (words == 1) {
-        uint64_t* d = reinterpret_cast<uint64_t*>(dst);
-        for (int64_t j = 0; j < count; ++j) {
-          const bool ok = InRange(xs[j], bound);
-          bad |= !ok;
-          const uint64_t enc = ok ? static_cast<uint64_t>(Encode64(xs[j], scale)) : 0;
-          const uint64_t noised = enc + (ns ? static_cast<uint64_t>(ns[j]) : 0);
-          d[j] = noised - d[j];  // d[j] held the mask
+      segments.ForSegments(first, count, [&](int64_t k, int64_t begin, int64_t at, int64_t len) {
+        const T* xs = inputs[k] + begin;
+        if (words == 1) {
+          uint64_t* d = reinterpret_cast<uint64_t*>(dst) + at;
+          const int64_t* nz = ns ? ns + at : nullptr;
+          for (int64_t j = 0; j < len; ++j) {
+            const bool ok = InRange(xs[j], bound);
+            bad |= !ok;
+            const uint64_t enc = ok ? static_cast<uint64_t>(Encode64(xs[j], scale)) : 0;
+            const uint64_t noised = enc + (nz ? static_cast<uint64_t>(nz[j]) : 0);
+            d[j] = noised - d[j];  // d[j] held the mask
+          }
+        } else {
+          uint8_t* d = dst + at * 16;
+          const int64_t* nz = ns ? ns + at : nullptr;
+          for (int64_t j = 0; j < len; ++j) {
+            const bool ok = InRange(xs[j], bound);
+            bad |= !ok;
+            const i128 enc = ok ? (std::is_floating_point<T>::value
+                                       ? static_cast<i128>(static_cast<double>(xs[j]) * scale)
+                                       : static_cast<i128>(xs[j]))
+                                : 0;
+            u128 mask;
+            std::memcpy(&mask, d + j * 16, 16);
+            // The int64 noise is sign-extended to the 128-bit ring.
+            const u128 noised = static_cast<u128>(enc) + (nz ? static_cast<u128>(static_cast<i128>(nz[j])) : 0);
+            const u128 share = noised - mask;
+            std::memcpy(d + j * 16, &share, 16);
+          }
         }
-      } else {
-        for (int64_t j = 0; j < count; ++j) {
-          const bool ok = InRange(xs[j], bound);
-          bad |= !ok;
-          const i128 enc = ok ? (std::is_floating_point<T>::value ? static_cast<i128>(static_cast<double>(xs[j]) * scale)
-                                                                  : static_cast<i128>(xs[j]))
-                              : 0;
-          u128 mask;
-          std::memcpy(&mask, dst + j * 16, 16);
-          // The int64 noise is sign-extended to the 128-bit ring.
-          const u128 noised = static_cast<u128>(enc) + (ns ? static_cast<u128>(static_cast<i128>(ns[j])) : 0);
-          const u128 share = noised - mask;
-          std::memcpy(dst + j * 16, &share, 16);
-        }
-      }
+      });
       if (!bad) return;
       double big = 0.0;
-      for (int64_t j = 0; j < count; ++j) {
-        const double v = static_cast<double>(xs[j]);
-        if (std::is_floating_point<T>::value && !std::isfinite(v)) {
-          nonfinite[c] = 1;
-        } else {
-          big = std::max(big, std::fabs(v));
-          if (!InRange(xs[j], bound)) out_of_range[c] = 1;
+      segments.ForSegments(first, count, [&](int64_t k, int64_t begin, int64_t, int64_t len) {
+        for (int64_t j = 0; j < len; ++j) {
+          const T xv = inputs[k][begin + j];
+          const double v = static_cast<double>(xv);
+          if (std::is_floating_point<T>::value && !std::isfinite(v)) {
+            nonfinite[c] = 1;
+          } else {
+            big = std::max(big, std::fabs(v));
+            if (!InRange(xv, bound)) out_of_range[c] = 1;
+          }
         }
-      }
+      });
       largest[c] = big;
     });
     bool any_nonfinite = false, any_out_of_range = false, any_failed = false;
@@ -399,20 +445,23 @@ REGISTER_OP("TfeRevealSum")
     .Input("share0: int64")
     .Input("share1: int64")
     .Input("scale: float64")
-    .Output("values: T")
+    .Output("values: N * T")
     .Attr("T: {float, double, int32, int64}")
+    .Attr("N: int >= 1 = 1")
     .Attr("ring_bits: int")
     .Attr("fraction_bits: int >= 0")
-    .Attr("shape: shape = { unknown_rank: true }")  // of the output; default [n]
+    .Attr("shapes: list(shape) = []")  // of the N outputs (no split after the op); default one [n]
     .SetShapeFn([](InferenceContext* c) {
-      ::tensorflow::PartialTensorShape shape;
-      TF_RETURN_IF_ERROR(c->GetAttr("shape", &shape));
-      if (shape.IsFullyDefined()) {
-        ShapeHandle out;
-        TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shape, &out));
-        c->set_output(0, out);
-      } else {
+      std::vector<::tensorflow::PartialTensorShape> shapes;
+      TF_RETURN_IF_ERROR(c->GetAttr("shapes", &shapes));
+      if (shapes.empty()) {
         c->set_output(0, c->Vector(c->Dim(c->input(0), 0)));
+        return OkStatus();
+      }
+      for (size_t k = 0; k < shapes.size(); ++k) {
+        ShapeHandle out;
+        TF_RETURN_IF_ERROR(c->MakeShapeFromPartialTensorShape(shapes[k], &out));
+        c->set_output(k, out);
       }
       return OkStatus();
     })
@@ -429,7 +478,15 @@ class RevealSumOp : public OpKernel {
     RequireSelfTest(ctx);
     OP_REQUIRES_OK(ctx, ReadRingBits(ctx, &ring_bits_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fraction_bits", &fraction_bits_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("shape", &shape_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shapes", &shapes_));
+    int num_outputs;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_outputs));
+    OP_REQUIRES(ctx, shapes_.empty() ? num_outputs == 1 : static_cast<int>(shapes_.size()) == num_outputs,
+                ::tensorflow::errors::InvalidArgument("shapes must have N = ", num_outputs, " entries"));
+    for (const auto& shape : shapes_) {
+      OP_REQUIRES(ctx, shape.IsFullyDefined(),
+                  ::tensorflow::errors::InvalidArgument("shapes must be fully defined, got ", shape.DebugString()));
+    }
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -441,51 +498,60 @@ class RevealSumOp : public OpKernel {
                 ::tensorflow::errors::InvalidArgument("the two shares differ in shape: ",
                                                       a.shape().DebugString(), " vs ", b.shape().DebugString()));
     const int64_t n = a.NumElements() / words;
-    TensorShape out_shape({n});
-    if (shape_.IsFullyDefined()) {
-      OP_REQUIRES(ctx, shape_.AsTensorShape(&out_shape) && out_shape.num_elements() == n,
-                  ::tensorflow::errors::InvalidArgument("shape ", shape_.DebugString(), " does not hold ", n,
-                                                        " elements"));
+    Segments segments;
+    std::vector<T*> outputs;
+    ::tensorflow::OpOutputList out_list;
+    OP_REQUIRES_OK(ctx, ctx->output_list("values", &out_list));
+    for (size_t k = 0; k < std::max<size_t>(shapes_.size(), 1); ++k) {
+      TensorShape shape({n});
+      if (!shapes_.empty()) shapes_[k].AsTensorShape(&shape);
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, out_list.allocate(k, shape, &out));
+      segments.Add(shape.num_elements());
+      outputs.push_back(out->flat<T>().data());
     }
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
+    OP_REQUIRES(ctx, segments.total() == n,
+                ::tensorflow::errors::InvalidArgument("shapes hold ", segments.total(), " elements, the sum ", n));
     const uint8_t* pa = reinterpret_cast<const uint8_t*>(a.flat<int64_t>().data());
     const uint8_t* pb = reinterpret_cast<const uint8_t*>(b.flat<int64_t>().data());
-    T* y = out->flat<T>().data();
     const double factor = std::ldexp(scale, -fraction_bits_);
     const int64_t chunks = (n + kChunkWords / words - 1) / (kChunkWords / words);
     std::vector<uint8_t> overflow(chunks, 0);
     ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
-      if (words == 1) {  // 64-bit ring: int64 arithmetic only (no __int128 conversions)
-        const uint64_t* x = reinterpret_cast<const uint64_t*>(pa) + first;
-        const uint64_t* z = reinterpret_cast<const uint64_t*>(pb) + first;
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t s = static_cast<int64_t>(x[i] + z[i]);
+      segments.ForSegments(first, count, [&](int64_t k, int64_t begin, int64_t at, int64_t len) {
+        T* y = outputs[k] + begin;
+        const int64_t from = first + at;  // index of y[0] in the shares
+        if (words == 1) {  // 64-bit ring: int64 arithmetic only (no __int128 conversions)
+          const uint64_t* x = reinterpret_cast<const uint64_t*>(pa) + from;
+          const uint64_t* z = reinterpret_cast<const uint64_t*>(pb) + from;
+          for (int64_t i = 0; i < len; ++i) {
+            const int64_t s = static_cast<int64_t>(x[i] + z[i]);
+            if (std::is_floating_point<T>::value) {
+              y[i] = static_cast<T>(static_cast<double>(s) * factor);
+            } else if (s < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
+                       s > static_cast<int64_t>(std::numeric_limits<T>::max())) {
+              overflow[c] = 1;
+            } else {
+              y[i] = static_cast<T>(s);
+            }
+          }
+          return;
+        }
+        for (int64_t i = 0; i < len; ++i) {
+          u128 x, z;
+          std::memcpy(&x, pa + (from + i) * 16, 16);
+          std::memcpy(&z, pb + (from + i) * 16, 16);
+          const i128 s = static_cast<i128>(x + z);
           if (std::is_floating_point<T>::value) {
-            y[first + i] = static_cast<T>(static_cast<double>(s) * factor);
-          } else if (s < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
-                     s > static_cast<int64_t>(std::numeric_limits<T>::max())) {
+            y[i] = static_cast<T>(static_cast<double>(s) * factor);
+          } else if (s < static_cast<i128>(std::numeric_limits<T>::min()) ||
+                     s > static_cast<i128>(std::numeric_limits<T>::max())) {
             overflow[c] = 1;
           } else {
-            y[first + i] = static_cast<T>(s);
+            y[i] = static_cast<T>(s);
           }
         }
-        return;
-      }
-      for (int64_t i = first; i < first + count; ++i) {
-        u128 x, z;
-        std::memcpy(&x, pa + i * 16, 16);
-        std::memcpy(&z, pb + i * 16, 16);
-        const i128 s = static_cast<i128>(x + z);
-        if (std::is_floating_point<T>::value) {
-          y[i] = static_cast<T>(static_cast<double>(s) * factor);
-        } else if (s < static_cast<i128>(std::numeric_limits<T>::min()) ||
-                   s > static_cast<i128>(std::numeric_limits<T>::max())) {
-          overflow[c] = 1;
-        } else {
-          y[i] = static_cast<T>(s);
-        }
-      }
+      });
     });
     for (uint8_t o : overflow) {
       OP_REQUIRES(ctx, !o,
@@ -499,7 +565,7 @@ class RevealSumOp : public OpKernel {
  private:
   int ring_bits_;
   int fraction_bits_;
-  ::tensorflow::PartialTensorShape shape_;
+  std::vector<::tensorflow::PartialTensorShape> shapes_;
 };
 
 #define REGISTER_REVEAL(T) \
