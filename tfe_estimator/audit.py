@@ -57,7 +57,7 @@ from tensorflow.python.distribute import device_util
 
 from tfe_estimator.cluster import TFE_JOB
 from tfe_estimator.errors import PlaintextOnServerError
-from tfe_estimator.server_view import PartyEdge, partition_graphs_of, party_edges, party_of
+from tfe_estimator.server_view import RECV_OPS, SEND_OPS, PartyEdge, partition_graphs_of, party_edges, party_of
 
 __all__ = ["audit_party_inputs", "assert_no_plaintext_on_servers", "AuditReport", "PartyAuditError",
            "PartyAuditHook", "server_ops"]
@@ -69,8 +69,6 @@ _SEEDS = frozenset({"TfeAesSeed"})
 _STREAMS = frozenset({"TfeAesSeededRandomUniform", "I128SecureSeededRandomUniform"})
 _SUBS = frozenset({"Sub", "I128Sub"})
 _TRANSPARENT = frozenset({"Identity", "Snapshot"})
-_RECV_OPS = ("_Recv", "_HostRecv")
-_SEND_OPS = ("_Send", "_HostSend")
 
 
 class PartyAuditError(PlaintextOnServerError):
@@ -111,7 +109,7 @@ class _Graphs:
             for node in graph_def.node:
                 device = device_util.canonicalize(node.device or default) if (node.device or default) else ""
                 self.nodes[(device, node.name)] = (device, node)
-                if node.op in _SEND_OPS:
+                if node.op in SEND_OPS:
                     key = (node.attr["tensor_name"].s, device_util.canonicalize(node.attr["send_device"].s.decode()))
                     self.sends[key] = node
 
@@ -121,7 +119,7 @@ class _Graphs:
         for _ in range(64):
             op_name, _, index = name.lstrip("^").partition(":")
             device, node = self.nodes[(device, op_name)]
-            if node.op in _RECV_OPS:
+            if node.op in RECV_OPS:
                 source = device_util.canonicalize(node.attr["send_device"].s.decode())
                 send = self.sends[(node.attr["tensor_name"].s, source)]
                 device, name = source, send.input[0]
@@ -214,12 +212,12 @@ def audit_party_inputs(run_metadata_or_partition_graphs, party_devices: Optional
             party = party_of(device, party_devices) if party_devices else None
             if party is None:
                 continue
-            if node.op in _RECV_OPS and node.attr["client_terminated"].b or node.op in ("_Arg", "Placeholder"):
+            if node.op in RECV_OPS and node.attr["client_terminated"].b or node.op in ("_Arg", "Placeholder"):
                 _fail(f"{party} takes a value fed by the client: {node.op} {node.name!r}.")
             if node.op.startswith(("Collective", "Nccl")):
                 _fail(f"{party} runs the collective op {node.name!r} ({node.op}), which exchanges data "
                       "without a send/receive the audit can check.")
-            if node.op not in _RECV_OPS + _SEND_OPS:
+            if node.op not in RECV_OPS + SEND_OPS:
                 parties.add(party)
                 count += 1
     if count == 0:

@@ -34,8 +34,9 @@ import tensorflow as tf
 __all__ = ["PartyEdge", "CaptureError", "party_of", "party_edges", "party_nodes", "capture_party_views",
            "group_by_party", "partition_graphs_of"]
 
-_RECV_OPS = ("_Recv", "_HostRecv")
-_SEND_OPS = ("_Send", "_HostSend")
+#: The ops that carry a tensor between the partitions of one run.
+RECV_OPS = ("_Recv", "_HostRecv")
+SEND_OPS = ("_Send", "_HostSend")
 
 
 class CaptureError(RuntimeError):
@@ -136,7 +137,7 @@ def _index(partition_graphs) -> Tuple[Dict[Tuple[str, str], object], Dict[Tuple[
         for node in graph_def.node:
             device = _canonical(_node_device(node, graph_def))
             nodes[(device, node.name)] = node
-            if node.op in _SEND_OPS:
+            if node.op in SEND_OPS:
                 sends[(node.attr["tensor_name"].s, _canonical(node.attr["send_device"].s.decode()))] = node
     return nodes, sends
 
@@ -147,7 +148,7 @@ def party_nodes(partition_graphs, party_devices: Sequence[str]) -> List[Tuple[st
     for graph_def in partition_graphs_of(partition_graphs):
         for node in graph_def.node:
             party = party_of(_node_device(node, graph_def), party_devices)
-            if party is not None and node.op not in _SEND_OPS + _RECV_OPS:
+            if party is not None and node.op not in SEND_OPS + RECV_OPS:
                 out.append((party, node))
     return out
 
@@ -171,7 +172,7 @@ def party_edges(partition_graphs, party_devices: Sequence[str]) -> List[PartyEdg
     edges = []
     for graph_def in partition_graphs:
         for node in graph_def.node:
-            if node.op not in _RECV_OPS or node.attr["client_terminated"].b:
+            if node.op not in RECV_OPS or node.attr["client_terminated"].b:
                 continue  # a client feed has no send: `audit` refuses those on parties
             device = _canonical(_node_device(node, graph_def))
             party = party_of(device, party_devices)
