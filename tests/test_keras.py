@@ -65,9 +65,6 @@ def test_devices_needed_count_replicas_and_parties():
     assert logical_cpus_needed(["/job:localhost/replica:0/task:0/device:CPU:6"]) == 7
 
 
-@pytest.mark.xfail(reason="needs TfeStrategy.scope() to call logical_devices.check_logical_cpus when executing "
-                          "eagerly (strategy.py, owned by the stack engineer); today tf-encrypted raises a bare "
-                          "AssertionError", strict=False)
 def test_keras_fit_without_devices_raises_the_clear_error():
     code = ("import numpy as np, tensorflow as tf, tfe_estimator\n"
             "s = tfe_estimator.TfeStrategy()\n"

@@ -7,6 +7,7 @@ Example::
                                     eval_distribute=strategy)
     est = tf.estimator.LinearRegressor(feature_columns=cols, config=config)
 """
+import logging
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -118,6 +119,16 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
         return super(mirrored_strategy.MirroredExtended, self)._replica_ctx_all_reduce(  # pylint: disable=bad-super-call
             reduce_op, value, options)
 
+    def _make_input_fn_iterator(self, input_fn,
+                                replication_mode=tf.distribute.InputReplicationMode.PER_WORKER):
+        # Graph-mode MirroredStrategy has partial batches off: a step where one
+        # replica gets end-of-input fails after some metric updates ran, and
+        # evaluate() returned right values or 0.0 by a race (issue 12). With
+        # get_next_as_optional, a replica without data contributes nothing.
+        iterator = super()._make_input_fn_iterator(input_fn, replication_mode)
+        iterator._enable_get_next_as_optional = True  # pylint: disable=protected-access
+        return iterator
+
     def _update_config_proto(self, config_proto):
         updated = super()._update_config_proto(config_proto)
         if updated.device_count.get("CPU", 1) < self._tfe_num_cpus:
@@ -191,6 +202,18 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
             )
         # MirroredStrategyV1.__init__ would build a plain MirroredExtended.
         distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
+        logging.getLogger("tfe_estimator").info(
+            "secure aggregation: protocol=%s precision=%s implementation=%s, %d replicas %s, parties %s",
+            protocol, ops.precision.name, ops.implementation, len(devices), list(devices),
+            list(ops.server_devices))
+
+    def scope(self):
+        """The strategy's scope; for Keras, first checks the process has the CPU devices it needs."""
+        if tf.compat.v1.executing_eagerly_outside_functions():  # Keras; Estimator builds in a graph
+            from tfe_estimator.logical_devices import check_logical_cpus  # pylint: disable=import-outside-toplevel
+
+            check_logical_cpus(self)
+        return super().scope()
 
     @property
     def secure_aggregation(self) -> SecureAggregation:
