@@ -270,8 +270,11 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
     strategies = [
         TfeStrategy(devices=replicas, protocol=settings.protocol, precision=settings.precision,
                     server_devices=servers, clip_norm=settings.clip_norm,
-                    dp=settings.dp)  # differential privacy pass-through
-        for _ in ("train", "eval")
+                    dp=settings.dp,  # differential privacy pass-through
+                    # exact evaluation with fewer batches than replicas; training keeps
+                    # its steps free of the per-step cross-worker synchronisation
+                    partial_batches=(mode == "eval"))
+        for mode in ("train", "eval")
     ]
     # The strategy's update_config_proto asks for the CPU devices of its layout.
     session_config = strategies[0].update_config_proto(session_config or default_session_config())

@@ -16,8 +16,8 @@ Example::
     y = reveal_sum(server_sum([seed], [], 64, n), server_sum([], [share], 64, n),
                    tf.float32, ring_bits=64, fraction_bits=32)
 """
-import weakref
-from typing import Dict, Optional, Sequence, Union
+import math
+from typing import Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -39,8 +39,8 @@ def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring
     """
     values = list(values) if isinstance(values, (list, tuple)) else [values]
     return kernels.load().tfe_mask_share(
-        values, _constant(bound), [] if noise is None else [noise], ring_bits=ring_bits,
-        fraction_bits=fraction_bits, owner=owner, hint=hint)
+        values, [] if noise is None else [noise], ring_bits=ring_bits, fraction_bits=fraction_bits,
+        bound_log2=_log2(bound), owner=owner, hint=hint)
 
 
 def discrete_gaussian(num_elements: int, variance: float):
@@ -67,33 +67,34 @@ def reveal_sum(share0, share1, dtype: tf.DType, ring_bits: int, fraction_bits: i
     (the sum's elements in order), so no split is needed after.
     """
     lib = kernels.load()
+    divisor = _divisor(scale)
     if shapes is None:
-        return lib.tfe_reveal_sum(share0, share1, _constant(scale), T=dtype, N=1, ring_bits=ring_bits,
-                                  fraction_bits=fraction_bits)[0]
+        return lib.tfe_reveal_sum(share0, share1, T=dtype, N=1, ring_bits=ring_bits,
+                                  fraction_bits=fraction_bits, divisor=divisor)[0]
     shapes = [tf.TensorShape(s) for s in shapes]
-    return lib.tfe_reveal_sum(share0, share1, _constant(scale), T=dtype, N=len(shapes), ring_bits=ring_bits,
-                              fraction_bits=fraction_bits, shapes=shapes)
+    return lib.tfe_reveal_sum(share0, share1, T=dtype, N=len(shapes), ring_bits=ring_bits,
+                              fraction_bits=fraction_bits, divisor=divisor, shapes=shapes)
 
 
-_CONSTANTS: "weakref.WeakKeyDictionary[tf.Graph, Dict[float, tf.Tensor]]" = weakref.WeakKeyDictionary()
+def _log2(bound: float) -> int:
+    """The exponent of a power-of-two bound (every fixed-point limit is one)."""
+    exponent = math.frexp(bound)[1] - 1
+    if bound <= 0 or 2.0**exponent != bound:
+        raise ValueError(f"bound must be a power of two, got {bound!r}")
+    return exponent
 
 
-def _constant(value: float) -> tf.Tensor:
-    """A float64 scalar constant, made once per graph and value.
+def _divisor(scale: float) -> int:
+    """`scale` as ``1 / divisor`` (a MEAN over replicas, or 1).
 
-    An evaluation makes about a hundred reductions, each needing its bound
-    and scale: sharing the constants keeps graph building short. They carry
-    no data (fixed-point limits and 1/N), so any device may hold them.
+    Bounds and scales are op attributes, not constant tensors: a constant
+    made on one task and read by an op on another would cost a round trip
+    per step on a cluster.
     """
-    graph = tf.compat.v1.get_default_graph()
-    cache = _CONSTANTS.setdefault(graph, {})
-    key = float(value)
-    if key not in cache:
-        # control_dependencies(None) also leaves any control-flow context, so
-        # the constant can feed ops anywhere in the graph.
-        with graph.control_dependencies(None), tf.device(None):
-            cache[key] = tf.constant(key, tf.float64, name="tfe_constant")
-    return cache[key]
+    divisor = round(1.0 / scale)
+    if divisor < 1 or 1.0 / divisor != scale:
+        raise ValueError(f"scale must be 1/N for an integer N >= 1, got {scale!r}")
+    return divisor
 
 
 def keystream(key, counter, num_bytes: int):

@@ -140,7 +140,6 @@ inline int64_t Encode64(T x, double scale) {
 
 REGISTER_OP("TfeMaskShare")
     .Input("values: N * T")  // read as one vector, in order: no concat before the op
-    .Input("bound: float64")
     .Input("noise: num_noise * int64")  // differential privacy: 0 or 1 tensor
     .Output("share: int64")
     .Output("seed: int32")
@@ -148,6 +147,7 @@ REGISTER_OP("TfeMaskShare")
     .Attr("N: int >= 1")
     .Attr("ring_bits: int")
     .Attr("fraction_bits: int >= 0")
+    .Attr("bound_log2: int >= 0")  // |values| < 2**bound_log2; an attr, so no constant crosses tasks
     .Attr("owner: string")
     .Attr("hint: string")
     .Attr("num_noise: int >= 0 = 0")
@@ -175,7 +175,7 @@ Checks, fixed-point encodes and masks one replica's values in one pass.
 The N tensors of `values` are read as one vector (their elements in order).
 
 share = round_toward_zero(values * 2**fraction_bits) - AES-128-CTR(seed) mod 2**ring_bits,
-with seed a fresh key from RAND_bytes. Refuses NaN/Inf and |values| >= bound with
+with seed a fresh key from RAND_bytes. Refuses NaN/Inf and |values| >= 2**bound_log2 with
 an error naming `owner` and `hint` but no value (the magnitude is logged here).
 With num_noise = 1, `noise` (int64, one element per value, e.g. discrete Gaussian
 noise for differential privacy) is added to the encoded values modulo
@@ -190,6 +190,7 @@ class MaskShareOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ReadRingBits(ctx, &ring_bits_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fraction_bits", &fraction_bits_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("owner", &owner_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("bound_log2", &bound_log2_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("hint", &hint_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_noise", &num_noise_));
     OP_REQUIRES(ctx, num_noise_ <= 1,
@@ -205,10 +206,10 @@ class MaskShareOp : public OpKernel {
       segments.Add(values[k].NumElements());
       inputs.push_back(values[k].flat<T>().data());
     }
-    const double bound = ctx->input(values.size()).scalar<double>()();
+    const double bound = std::ldexp(1.0, bound_log2_);
     const int64_t* noise = nullptr;  // differential privacy noise in ring units, or none
     if (num_noise_ == 1) {
-      const Tensor& noise_tensor = ctx->input(values.size() + 1);
+      const Tensor& noise_tensor = ctx->input(values.size());
       OP_REQUIRES(ctx, noise_tensor.NumElements() == segments.total(),
                   ::tensorflow::errors::InvalidArgument("noise has ", noise_tensor.NumElements(),
                                                         " elements, values ", segments.total()));
@@ -326,6 +327,7 @@ class MaskShareOp : public OpKernel {
   int fraction_bits_;
   std::string owner_;
   std::string hint_;
+  int bound_log2_;
   int num_noise_;
 };
 
@@ -444,12 +446,12 @@ REGISTER_KERNEL_BUILDER(Name("TfeServerSum").Device(DEVICE_CPU), ServerSumOp);
 REGISTER_OP("TfeRevealSum")
     .Input("share0: int64")
     .Input("share1: int64")
-    .Input("scale: float64")
     .Output("values: N * T")
     .Attr("T: {float, double, int32, int64}")
     .Attr("N: int >= 1 = 1")
     .Attr("ring_bits: int")
     .Attr("fraction_bits: int >= 0")
+    .Attr("divisor: int >= 1 = 1")  // floats are divided by it (a MEAN over replicas)
     .Attr("shapes: list(shape) = []")  // of the N outputs (no split after the op); default one [n]
     .SetShapeFn([](InferenceContext* c) {
       std::vector<::tensorflow::PartialTensorShape> shapes;
@@ -467,7 +469,7 @@ REGISTER_OP("TfeRevealSum")
     })
     .Doc(R"doc(
 Adds the two servers' parts of a sum modulo 2**ring_bits and decodes it:
-floats as signed(sum) * 2**-fraction_bits * scale (one rounding), integers
+floats as signed(sum) * 2**-fraction_bits / divisor (one rounding), integers
 exactly (an error if the sum does not fit T).
 )doc");
 
@@ -479,6 +481,7 @@ class RevealSumOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ReadRingBits(ctx, &ring_bits_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fraction_bits", &fraction_bits_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("shapes", &shapes_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("divisor", &divisor_));
     int num_outputs;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_outputs));
     OP_REQUIRES(ctx, shapes_.empty() ? num_outputs == 1 : static_cast<int>(shapes_.size()) == num_outputs,
@@ -492,7 +495,6 @@ class RevealSumOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& a = ctx->input(0);
     const Tensor& b = ctx->input(1);
-    const double scale = ctx->input(2).scalar<double>()();
     const int words = ring_bits_ / 64;
     OP_REQUIRES(ctx, a.shape() == b.shape() && a.NumElements() % words == 0,
                 ::tensorflow::errors::InvalidArgument("the two shares differ in shape: ",
@@ -514,7 +516,7 @@ class RevealSumOp : public OpKernel {
                 ::tensorflow::errors::InvalidArgument("shapes hold ", segments.total(), " elements, the sum ", n));
     const uint8_t* pa = reinterpret_cast<const uint8_t*>(a.flat<int64_t>().data());
     const uint8_t* pb = reinterpret_cast<const uint8_t*>(b.flat<int64_t>().data());
-    const double factor = std::ldexp(scale, -fraction_bits_);
+    const double factor = std::ldexp(1.0 / divisor_, -fraction_bits_);
     const int64_t chunks = (n + kChunkWords / words - 1) / (kChunkWords / words);
     std::vector<uint8_t> overflow(chunks, 0);
     ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
@@ -566,6 +568,7 @@ class RevealSumOp : public OpKernel {
   int ring_bits_;
   int fraction_bits_;
   std::vector<::tensorflow::PartialTensorShape> shapes_;
+  int divisor_;
 };
 
 #define REGISTER_REVEAL(T) \
