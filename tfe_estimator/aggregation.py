@@ -5,22 +5,28 @@ Distribution Strategies" (2019): every reduction a `MirroredStrategy` does
 (gradients in `apply_gradients`, the reported loss, metric and other
 `SyncOnRead` variables) goes through a secure sum instead of a plaintext copy
 to one device. Per reduction and per replica, all dense values of one kind
-(floats, or integers) are packed into one vector, checked, fixed-point encoded
-and secret-shared once on the replica's own device; the TFE servers add the
-shares they hold; each destination device receives both shares of the sum,
-adds them and decodes the result once (the MEAN's division folded into the
-decoding scale). The servers only ever hold ring elements.
+(floats, or integers) are checked, fixed-point encoded and secret-shared once
+on the replica's own device, as one vector (Pond: one fused kernel,
+`fused_sum`; ABY3 or the "tf-encrypted" reference: tf-encrypted's protocol
+code, `secure_sum`); the TFE servers add the shares they hold; each
+destination device receives both parts of the sum, adds them and decodes the
+result once (the MEAN's division folded into the decoding). The servers only
+ever hold ring elements.
 
 It subclasses `ReductionToOneDevice` only because `MirroredStrategy` refuses
 in-graph multi-worker training with any other cross-device ops; none of the
 parent's reduction code runs.
 
+Use it through `tfe_estimator.TfeStrategy`: on TensorFlow 2.15 a plain
+`MirroredStrategy` sums CPU and int32 values in the clear whatever
+cross-device ops it is given.
+
 Example::
 
-    strategy = tf.distribute.MirroredStrategy(
-        devices=["/cpu:0", "/cpu:1"],
-        cross_device_ops=tfe_estimator.SecureAggregation(
-            protocol="pond", server_devices=["/cpu:2", "/cpu:3", "/cpu:4"]))
+    ops = tfe_estimator.SecureAggregation(
+        protocol="pond", server_devices=["/cpu:2", "/cpu:3", "/cpu:4"])
+    strategy = tfe_estimator.TfeStrategy(devices=["/cpu:0", "/cpu:1"],
+                                         server_devices=ops.server_devices)
 """
 import collections
 import math
