@@ -29,8 +29,10 @@ endif
 venv:
 	STACK=$(STACK) bash scripts/venv.sh $(EXTRAS_$(STACK))
 
+# TF_CPP_MIN_LOG_LEVEL=1: TensorFlow's INFO lines (e.g. "Local rendezvous recv item
+# cancelled" at the end of an evaluation on 2.15) would bury the demo's table.
 demo: venv
-	$(VENV_PY) -m tfe_estimator.cli demo
+	TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-1} $(VENV_PY) -m tfe_estimator.cli demo
 
 demo-cluster: venv
 	$(VENV_PY) -m tfe_estimator.cli demo --cluster
