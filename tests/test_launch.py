@@ -75,6 +75,7 @@ def test_train_and_evaluate_on_loopback_cluster_matches_plaintext_and_keeps_data
         results[mode] = _weights(os.path.join(workdir, f"model-{mode}"))
         if mode == "secure":
             assert "none takes or produces a float tensor" in log  # the chief audited its graph
+            assert "audit of the partitioned graphs of run 1" in log  # and what the parties received
     # Assert: the same model, learned from both owners' files.
     np.testing.assert_allclose(results["secure"], results["plaintext"], atol=1e-2)
     np.testing.assert_allclose(results["secure"], _true_weights(), atol=0.5)
@@ -92,6 +93,7 @@ def test_aby3_cluster_trains_and_keeps_plaintext_off_the_servers(tmp_path):
     assert status == 0, log[-5000:]
     assert "cluster (aby3)" in log
     assert "none takes or produces a float tensor" in log  # the chief's audit of its training graph
+    assert "audit of the partitioned graphs of run 1" in log  # and what the parties received
     np.testing.assert_allclose(_weights(os.path.join(workdir, "model-secure")), _true_weights(), atol=0.5)
     _assert_all_gone(launcher)
 

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from input_fns import csv_input_fn
 from model_fns import keras_optimizers  # tf.keras.optimizers.legacy where Estimator needs it (TF >= 2.11)
-from tfe_estimator.audit import assert_no_plaintext_on_servers
+from tfe_estimator.audit import PartyAuditHook, assert_no_plaintext_on_servers
 from tfe_estimator.cluster import LAUNCH_PROTOCOL_ENV, TfeCluster
 from tfe_estimator.demo import load_diabetes_split
 from tfe_estimator.launcher import Launcher
@@ -121,7 +121,8 @@ def _parse_args(argv):
     parser.add_argument("--step-seconds", type=float, default=0.0,
                         help="sleep this long after each training step (fault tests: time to kill a task mid-training)")
     parser.add_argument("--audit", action="store_true",
-                        help="check that no float tensor is placed on a tfe server in the training graph")
+                        help="audit the training graph (requested placement) and the partitioned graphs of "
+                             "the first step on every task (what each tfe party really receives)")
     return parser.parse_args(argv)
 
 
@@ -170,7 +171,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     test = csv_input_fn(TEST_FILE, "target", 90, column_names=COLUMNS, num_epochs=1, shuffle=False)
     hooks = []
     if args.audit:
-        hooks.append(AuditHook())
+        # The requested placement of the whole graph, and the partitioned
+        # graphs the first training step really ran on every task.
+        hooks += [AuditHook(), PartyAuditHook(print_report=True)]
     if args.step_seconds > 0:
         hooks.append(_SlowStepsHook(args.step_seconds))
     tf.estimator.train_and_evaluate(
