@@ -122,8 +122,10 @@ def test_a_dead_task_is_restarted_and_training_resumes(job, delay, tmp_path, mon
     log = launcher._out.getvalue()
     assert status == [0], log[-5000:]
     assert f"{victim.name} died with status -9 (killed by SIGKILL); restarting it" in log
-    if delay:  # while it is down, the chief says what it waits for
-        assert f"still waiting for response from worker: /job:{job}/replica:0/task:0" in log, log[-8000:]
+    # While a worker is down the chief usually logs TensorFlow's "CreateSession still waiting for
+    # response from worker" (an INFO line every 10 s). It is not asserted: the chief prints it only
+    # if it notices the failure while the worker is still down, which is a race (one CI run in
+    # four missed it with a 25 s outage); the resumed training below is what must hold.
     assert "Saving dict for global step 400" in log
     np.testing.assert_allclose(_weights(model_dir), _true_weights(), atol=0.5)
     _assert_all_gone(launcher)
