@@ -2,11 +2,13 @@
 #ifndef TFE_ESTIMATOR_KERNELS_COMMON_H_
 #define TFE_ESTIMATOR_KERNELS_COMMON_H_
 
+#include <algorithm>
 #include <cstdint>
 
 #include "aes_ctr.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/public/version.h"
+#include "tensorflow/core/util/work_sharder.h"
 
 namespace tfe_estimator {
 
@@ -17,8 +19,26 @@ constexpr int kSeedWords = 4;
 constexpr int64_t kChunkWords = 4096;
 constexpr int64_t kWordsPerBlock = kBlockBytes / 8;
 
-inline int64_t RoundUpToBlock(int64_t bytes) {
-  return (bytes + kBlockBytes - 1) / kBlockBytes * kBlockBytes;
+// How many chunks `n` elements of `words_per_element` keystream words make.
+inline int64_t NumChunks(int64_t n, int words_per_element) {
+  const int64_t per_chunk = kChunkWords / words_per_element;
+  return (n + per_chunk - 1) / per_chunk;
+}
+
+// Runs work(chunk index, first element, element count) over the chunks of
+// `n` elements on TensorFlow's intra-op thread pool. A chunk starts on an AES
+// block boundary, so its keystream can be drawn without the chunks before it.
+template <typename Work>
+void ForEachChunk(::tensorflow::OpKernelContext* ctx, int64_t n, int words_per_element, Work work) {
+  const int64_t per_chunk = kChunkWords / words_per_element;
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  ::tensorflow::Shard(workers->NumThreads(), workers, NumChunks(n, words_per_element), kChunkWords * 4,
+                      [&](int64_t begin, int64_t end) {
+                        for (int64_t c = begin; c < end; ++c) {
+                          const int64_t first = c * per_chunk;
+                          work(c, first, std::min(per_chunk, n - first));
+                        }
+                      });
 }
 
 // TF 2.9 spells the OK status Status::OK(), TF >= 2.10 OkStatus().

@@ -176,34 +176,24 @@ void UniformFromKey(OpKernelContext* ctx, const uint8_t key[kKeyBytes], T minval
                          static_cast<uint64_t>(static_cast<int64_t>(minval));
   // Accept w < limit, where limit = 2**64 - (2**64 mod range); 0 means all.
   const uint64_t limit = -((-range) % range);
-  bool ok = true;
-  std::mutex failed;
-  auto work = [&](int64_t begin_chunk, int64_t end_chunk) {
-    std::vector<uint64_t> words(kChunkWords);
-    for (int64_t c = begin_chunk; c < end_chunk; ++c) {
-      const int64_t first = c * kChunkWords;
-      const int64_t count = std::min<int64_t>(kChunkWords, n - first);
-      if (!AesCtrKeystream(key, 0, first / kWordsPerBlock, reinterpret_cast<uint8_t*>(words.data()),
-                           RoundUpToBlock(count * 8))) {
-        std::lock_guard<std::mutex> lock(failed);
-        ok = false;
-        return;
-      }
-      for (int64_t j = 0; j < count; ++j) {
-        uint64_t w = words[j];
-        for (uint64_t attempt = 1; limit != 0 && w >= limit; ++attempt) {
-          uint8_t block[kBlockBytes];
-          AesCtrKeystream(key, attempt, static_cast<uint64_t>(first + j), block, kBlockBytes);
-          std::memcpy(&w, block, 8);
-        }
-        data[first + j] = static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(minval)) + w % range);
-      }
+  std::vector<uint8_t> failed(NumChunks(n, 1), 0);
+  ForEachChunk(ctx, n, 1, [&](int64_t c, int64_t first, int64_t count) {
+    std::vector<uint64_t> words(count);
+    if (!AesCtrKeystream(key, 0, first / kWordsPerBlock, reinterpret_cast<uint8_t*>(words.data()), count * 8)) {
+      failed[c] = 1;
+      return;
     }
-  };
-  const int64_t chunks = (n + kChunkWords - 1) / kChunkWords;
-  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  ::tensorflow::Shard(workers->NumThreads(), workers, chunks, kChunkWords * 4, work);
-  OP_REQUIRES(ctx, ok, ::tensorflow::errors::Internal("AES-128-CTR failed"));
+    for (int64_t j = 0; j < count; ++j) {
+      uint64_t w = words[j];
+      for (uint64_t attempt = 1; limit != 0 && w >= limit; ++attempt) {
+        uint8_t block[kBlockBytes];
+        AesCtrKeystream(key, attempt, static_cast<uint64_t>(first + j), block, kBlockBytes);
+        std::memcpy(&w, block, 8);
+      }
+      data[first + j] = static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(minval)) + w % range);
+    }
+  });
+  for (uint8_t f : failed) OP_REQUIRES(ctx, !f, ::tensorflow::errors::Internal("AES-128-CTR failed"));
 }
 
 ::tensorflow::Status UniformShape(InferenceContext* c) {

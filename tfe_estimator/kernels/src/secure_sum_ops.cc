@@ -69,21 +69,6 @@ TensorShape RingTensorShape(int64_t n, int ring_bits) {
   return ring_bits == 64 ? TensorShape({n}) : TensorShape({n, 2});
 }
 
-// Runs work(first_element, count) over chunks of kChunkWords keystream words
-// on TensorFlow's intra-op thread pool.
-template <typename Work>
-void ForEachChunk(OpKernelContext* ctx, int64_t n, int words_per_element, Work work) {
-  const int64_t per_chunk = kChunkWords / words_per_element;
-  const int64_t chunks = (n + per_chunk - 1) / per_chunk;
-  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  ::tensorflow::Shard(workers->NumThreads(), workers, chunks, kChunkWords * 4,
-                      [&](int64_t begin, int64_t end) {
-                        for (int64_t c = begin; c < end; ++c) {
-                          const int64_t first = c * per_chunk;
-                          work(c, first, std::min(per_chunk, n - first));
-                        }
-                      });
-}
 
 // The bound as a user wrote it: 16777216, not 1.67772e+07 (TF 2.9's StrCat).
 std::string FormatBound(double bound) {
@@ -230,7 +215,7 @@ class MaskShareOp : public OpKernel {
     uint8_t* out = reinterpret_cast<uint8_t*>(share->flat<int64_t>().data());
     const int words = ring_bits_ / 64;
     const double scale = std::ldexp(1.0, fraction_bits_);
-    const int64_t chunks = (n + kChunkWords / words - 1) / (kChunkWords / words);
+    const int64_t chunks = NumChunks(n, words);
     std::vector<uint8_t> nonfinite(chunks, 0), out_of_range(chunks, 0), cipher_failed(chunks, 0);
     std::vector<double> largest(chunks, 0.0);
     ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
@@ -389,7 +374,7 @@ class ServerSumOp : public OpKernel {
     Tensor* sum = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RingTensorShape(n_, ring_bits_), &sum));
     uint8_t* out = reinterpret_cast<uint8_t*>(sum->flat<int64_t>().data());
-    const int64_t chunks = (n_ + kChunkWords / words - 1) / (kChunkWords / words);
+    const int64_t chunks = NumChunks(n_, words);
     std::vector<uint8_t> failed(chunks, 0);
     ForEachChunk(ctx, n_, words, [&](int64_t c, int64_t first, int64_t count) {
       const int64_t offset = first * words * 8, bytes = count * words * 8;
@@ -517,7 +502,7 @@ class RevealSumOp : public OpKernel {
     const uint8_t* pa = reinterpret_cast<const uint8_t*>(a.flat<int64_t>().data());
     const uint8_t* pb = reinterpret_cast<const uint8_t*>(b.flat<int64_t>().data());
     const double factor = std::ldexp(1.0 / divisor_, -fraction_bits_);
-    const int64_t chunks = (n + kChunkWords / words - 1) / (kChunkWords / words);
+    const int64_t chunks = NumChunks(n, words);
     std::vector<uint8_t> overflow(chunks, 0);
     ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
       segments.ForSegments(first, count, [&](int64_t k, int64_t begin, int64_t at, int64_t len) {
