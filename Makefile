@@ -32,16 +32,16 @@ venv:
 # TF_CPP_MIN_LOG_LEVEL=1: TensorFlow's INFO lines (e.g. "Local rendezvous recv item
 # cancelled" at the end of an evaluation on 2.15) would bury the demo's table.
 demo: venv
-	TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-1} $(VENV_PY) -m tfe_estimator.cli demo
+	TF_CPP_MIN_LOG_LEVEL=$${TF_CPP_MIN_LOG_LEVEL:-1} $(VENV_PY) -m tfe_estimator.tools.cli demo
 
 demo-cluster: venv
-	$(VENV_PY) -m tfe_estimator.cli demo --cluster
+	$(VENV_PY) -m tfe_estimator.tools.cli demo --cluster
 
 test: venv
 	$(VENV_PY) -m pytest $(TESTS)
 
 bench: venv
-	$(VENV_PY) -m tfe_estimator.bench
+	$(VENV_PY) -m tfe_estimator.tools.bench
 
 test-fast: venv
 	$(VENV_PY) -m pytest $(TESTS) -m "not slow and not multiprocess"

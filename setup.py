@@ -66,8 +66,8 @@ setup(
     ],
     python_requires=">=3.10,<3.12",
     packages=find_packages(include=["tfe_estimator", "tfe_estimator.*", "model_fns", "input_fns"]),
-    package_data={"tfe_estimator.kernels": ["src/*"]},  # built by `tfe-estimator build-kernels`
+    package_data={"tfe_estimator.secure.kernels": ["src/*"]},  # built by `tfe-estimator build-kernels`
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
-    entry_points={"console_scripts": ["tfe-estimator=tfe_estimator.cli:main"]},
+    entry_points={"console_scripts": ["tfe-estimator=tfe_estimator.tools.cli:main"]},
 )

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfe_estimator
-from tfe_estimator.logical_devices import check_logical_cpus, configure_logical_cpus
+from tfe_estimator.distribute.logical_devices import check_logical_cpus, configure_logical_cpus
 
 REPLICAS = ["/cpu:0", "/cpu:1"]
 

@@ -6,7 +6,7 @@ where the owner's rows are in ``data/train.csv`` (and the evaluator's in
 ``data/test.csv``), with the columns of `COLUMNS` and no header. On one
 machine, try it with the loopback launcher::
 
-    python -c "from tfe_estimator.demo_cluster import *; from tfe_estimator.demo import *; \
+    python -c "from tfe_estimator.tools.demo_cluster import *; from tfe_estimator.tools.demo import *; \
         write_owner_data('owners', ['chief-0', 'worker-0'], *load_diabetes_split()[:4])"
     tfe-estimator launch --workers 1 --evaluator --task-cwd 'owners/{job}-{index}' -- \
         python $PWD/examples/linear_regressor_cluster.py --model-dir $PWD/model

@@ -3,7 +3,7 @@
 With ``TfeRunConfig(dp=DistributedDP(l2_norm_clip, noise_multiplier))`` each
 replica computes the unreduced per-example loss of Estimator's head, clips
 each example's gradient to `l2_norm_clip` and sums them
-(`tfe_estimator.dp.make_dp_optimizer`, on tensorflow-privacy's vectorized
+(`tfe_estimator.privacy.dp.make_dp_optimizer`, on tensorflow-privacy's vectorized
 clipping); `SecureAggregation` adds the noise inside the secure sum; the
 optimizer applies the noisy sum divided by the global batch size. The
 head's losses, metrics, predictions and exports are unchanged; evaluation
@@ -54,7 +54,7 @@ def _batch_variable():
 
 
 def _epsilon_metric(dp, batch_variable):
-    from tfe_estimator.dp import dp_epsilon  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.privacy.dp import dp_epsilon  # pylint: disable=import-outside-toplevel
 
     def epsilon(steps, batch):
         if int(batch) <= 0:
@@ -81,7 +81,7 @@ def dp_estimator_spec(
     layers: Sequence[tf.keras.layers.Layer],
 ) -> tf.estimator.EstimatorSpec:
     """The head's `EstimatorSpec` with DP-SGD training (see the module docstring)."""
-    from tfe_estimator.dp import EpsilonLoggingHook, make_dp_optimizer  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.privacy.dp import EpsilonLoggingHook, make_dp_optimizer  # pylint: disable=import-outside-toplevel
 
     trainable = [v for layer in layers for v in layer.trainable_variables]
     batch_variable = _batch_variable() if mode != tf.estimator.ModeKeys.PREDICT else None

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import tfe_estimator
 from tfe_estimator import SecureAggregation, TfeStrategy
-from tfe_estimator.protocols import supported_combinations
+from tfe_estimator.secure.protocols import supported_combinations
 
 MAX_REPLICAS = 4
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(MAX_REPLICAS + 4)]
@@ -219,7 +219,7 @@ def test_refusal_names_the_limit_and_the_fixes_but_no_value_of_the_owner(impleme
 
 def test_without_the_kernels_nothing_runs(monkeypatch):
     # No silent fallback to anything insecure: a missing kernel library is an error.
-    from tfe_estimator import kernels
+    from tfe_estimator.secure import kernels
 
     def broken():
         raise kernels.KernelBuildError("no compiler")

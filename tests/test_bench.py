@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tfe_estimator import bench
+from tfe_estimator.tools import bench
 
 pytestmark = pytest.mark.slow
 

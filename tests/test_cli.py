@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tfe_estimator import cli
+from tfe_estimator.tools import cli
 
 
 def test_launch_arguments_are_parsed():
@@ -21,7 +21,7 @@ def test_pass_through_commands_keep_their_arguments():
 
 
 def _run(*argv, env=None):
-    return subprocess.run([sys.executable, "-m", "tfe_estimator.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tfe_estimator.tools.cli", *argv], capture_output=True, text=True,
                           timeout=120, env=env)
 
 
@@ -64,8 +64,8 @@ def test_launch_fault_options_are_parsed():
 
 
 def test_the_one_server_command_is_what_the_cli_runs():
-    from tfe_estimator.launcher import SERVER_COMMAND
-    from tfe_estimator.server import server_command
+    from tfe_estimator.cluster.launcher import SERVER_COMMAND
+    from tfe_estimator.cluster.server import server_command
 
     assert SERVER_COMMAND == server_command(sys.executable)
     assert cli.parse_args([server_command()[-1]]).command == SERVER_COMMAND[-1] == "server"

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfe_estimator.cluster import TfeCluster, cluster_jobs, cluster_tasks, tf_config_json
+from tfe_estimator.cluster.spec import TfeCluster, cluster_jobs, cluster_tasks, tf_config_json
 
 GOOD = {
     "chief": ["h0:2222"],

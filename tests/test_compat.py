@@ -6,7 +6,8 @@ import pytest
 import tensorflow as tf
 
 import tfe_estimator
-from tfe_estimator import compat, protocols
+from tfe_estimator import compat
+from tfe_estimator.secure import protocols
 
 ON_TF29 = tuple(int(p) for p in tf.__version__.split(".")[:2]) < (2, 10)
 

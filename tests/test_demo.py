@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from tfe_estimator.demo import format_comparison
+from tfe_estimator.tools.demo import format_comparison
 
 
 def _result(weights):
@@ -21,7 +21,7 @@ def test_the_table_says_where_the_model_directories_are():
 
 @pytest.mark.multiprocess
 def test_cluster_demo_prints_its_table_not_the_task_logs(tmp_path):
-    from tfe_estimator.demo_cluster import run_cluster_demo
+    from tfe_estimator.tools.demo_cluster import run_cluster_demo
 
     out = io.StringIO()
     results = run_cluster_demo(steps=30, workdir=str(tmp_path), out=out)

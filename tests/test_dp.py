@@ -1,4 +1,4 @@
-"""Differential privacy with distributed noise (tfe_estimator.dp, TfeDiscreteGaussian, model_fns' DP path).
+"""Differential privacy with distributed noise (tfe_estimator.privacy.dp, TfeDiscreteGaussian, model_fns' DP path).
 
 Statistical tests state their tolerance; each has a fixed false-alarm
 probability (below 1e-4 unless stated) because the noise comes from
@@ -15,7 +15,7 @@ import tensorflow as tf
 from scipy import stats
 
 import tfe_estimator
-from tfe_estimator import dp as dp_lib
+from tfe_estimator.privacy import dp as dp_lib
 
 DP_STACK = tuple(int(p) for p in tf.__version__.split(".")[:2]) >= (2, 14) and all(
     importlib.util.find_spec(m) for m in ("tensorflow_privacy", "dp_accounting"))
@@ -101,7 +101,7 @@ def test_dp_epsilon_edge_cases():
 
 
 def _discrete_gaussian(n, variance):
-    from tfe_estimator.kernels import ops  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.secure.kernels import ops  # pylint: disable=import-outside-toplevel
 
     with tf.Graph().as_default():
         noise = ops.discrete_gaussian(n, variance)
@@ -140,7 +140,7 @@ def test_sampler_refuses_a_non_integer_variance():
 
 @pytest.mark.parametrize("ring_bits", [64, 128])
 def test_noise_is_added_in_the_ring_before_masking(ring_bits):
-    from tfe_estimator.kernels import ops  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.secure.kernels import ops  # pylint: disable=import-outside-toplevel
 
     x = np.array([0.5, -1.25, 3.0, 0.0], np.float32)
     noise = np.array([7, -(2**40), 2**62, -1], np.int64)

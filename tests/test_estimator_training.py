@@ -15,8 +15,8 @@ import tensorflow as tf
 
 import tfe_estimator
 from model_fns import keras_optimizers
-from tfe_estimator import aggregation
-from tfe_estimator.protocols import supported_combinations
+from tfe_estimator.distribute import aggregation
+from tfe_estimator.secure.protocols import supported_combinations
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,7 @@ def test_canned_estimator_matches_its_plaintext_twin_step_for_step(name, protoco
 def test_a_factor_of_two_in_the_secure_sum_fails_the_twin_comparison(monkeypatch, tmp_path, tmp_path_factory,
                                                                      linear_data):
     # Mutation: the tolerance is tight enough to catch a doubled sum.
-    from tfe_estimator import fused_sum  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.secure import fused_sum  # pylint: disable=import-outside-toplevel
 
     real = fused_sum.pond_sum
     monkeypatch.setattr(fused_sum, "pond_sum", lambda *a, **k: [[2 * t for t in parts] for parts in real(*a, **k)])

@@ -5,7 +5,7 @@ import types
 import pytest
 import tensorflow as tf
 
-from tfe_estimator import evaluator
+from tfe_estimator.cluster import evaluator
 
 
 class _FakeEstimator:

@@ -56,9 +56,9 @@ def test_linear_regressor_cluster_example_runs_under_launch(tmp_path):
     import io
     import sys
 
-    from tfe_estimator.demo import load_diabetes_split
-    from tfe_estimator.demo_cluster import write_owner_data
-    from tfe_estimator.launcher import Launcher
+    from tfe_estimator.tools.demo import load_diabetes_split
+    from tfe_estimator.tools.demo_cluster import write_owner_data
+    from tfe_estimator.cluster.launcher import Launcher
 
     write_owner_data(str(tmp_path), ["chief-0", "worker-0"], *load_diabetes_split()[:4])
     out = io.StringIO()

@@ -21,8 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from tfe_estimator.demo_cluster import COLUMNS
-from tfe_estimator.launcher import Launcher
+from tfe_estimator.tools.demo_cluster import COLUMNS
+from tfe_estimator.cluster.launcher import Launcher
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_launch import _assert_all_gone, _owner_data, _true_weights, _weights  # noqa: E402
@@ -33,7 +33,7 @@ FEATURES = COLUMNS[:-1]
 
 
 def _cluster(workdir, steps, step_seconds, **kwargs):
-    command = [sys.executable, "-m", "tfe_estimator.demo_cluster", "--mode", "secure",
+    command = [sys.executable, "-m", "tfe_estimator.tools.demo_cluster", "--mode", "secure",
                "--model-dir", os.path.join(workdir, "model"), "--steps", str(steps), "--learning-rate", "0.1",
                "--save-checkpoints-steps", "50", "--step-seconds", str(step_seconds)]
     return Launcher(command, workers=1, evaluator=True, task_cwd=os.path.join(workdir, "{job}-{index}"),

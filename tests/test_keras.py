@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tfe_estimator.logical_devices import logical_cpus_needed
+from tfe_estimator.distribute.logical_devices import logical_cpus_needed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "keras_fit.py"
@@ -42,7 +42,7 @@ def test_keras_fit_under_tfe_strategy_matches_plain_mirrored_strategy(tmp_path):
 
 _TOO_FEW = """
 import tensorflow as tf, tfe_estimator
-from tfe_estimator.logical_devices import check_logical_cpus
+from tfe_estimator.distribute.logical_devices import check_logical_cpus
 strategy = tfe_estimator.TfeStrategy()   # 2 replicas + 3 parties, and only 1 logical CPU
 try:
     check_logical_cpus(strategy)

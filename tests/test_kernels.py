@@ -8,8 +8,8 @@ import tensorflow as tf
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from scipy import stats
 
-from tfe_estimator import kernels
-from tfe_estimator.kernels import _build, ops
+from tfe_estimator.secure import kernels
+from tfe_estimator.secure.kernels import _build, ops
 
 
 def _run(fetches, feed=None, threads=2):

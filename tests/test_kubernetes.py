@@ -6,8 +6,8 @@ import shlex
 import pytest
 import yaml
 
-from tfe_estimator import kubernetes
-from tfe_estimator.cluster import TfeCluster
+from tfe_estimator.cluster import kubernetes
+from tfe_estimator.cluster.spec import TfeCluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "deploy" / "kubernetes" / "example-1-worker.yaml"
@@ -252,11 +252,11 @@ def test_help_names_the_program_users_type(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: tfe-estimator k8s ")
-    assert "python -m tfe_estimator.kubernetes" not in out
+    assert "python -m tfe_estimator.cluster.kubernetes" not in out
 
 
 def test_tfe_pods_run_the_one_server_command():
-    from tfe_estimator.server import server_command
+    from tfe_estimator.cluster.server import server_command
 
     (deployment, *_) = [m for m in _render(0, False) if m["kind"] == "Deployment"]
     assert tuple(_container(deployment)["command"]) == server_command() == kubernetes.SERVER_COMMAND

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfe_estimator.demo_cluster import COLUMNS, TEST_FILE, TRAIN_FILE
-from tfe_estimator.launcher import Launcher
+from tfe_estimator.tools.demo_cluster import COLUMNS, TEST_FILE, TRAIN_FILE
+from tfe_estimator.cluster.launcher import Launcher
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,7 +47,7 @@ def _weights(model_dir):
 
 
 def _launcher(workdir, mode, steps, **kwargs):
-    command = [sys.executable, "-m", "tfe_estimator.demo_cluster", "--mode", mode,
+    command = [sys.executable, "-m", "tfe_estimator.tools.demo_cluster", "--mode", mode,
                "--model-dir", os.path.join(workdir, f"model-{mode}"), "--steps", str(steps),
                "--learning-rate", "0.1"] + (["--audit"] if mode == "secure" else [])
     return Launcher(command, workers=1, evaluator=True, task_cwd=os.path.join(workdir, "{job}-{index}"),
@@ -138,7 +138,7 @@ def test_evaluator_survives_checkpoint_rotation_and_a_chief_that_finishes_first(
     workdir = str(tmp_path)
     _owner_data(workdir)
     model_dir = os.path.join(workdir, "model")
-    command = [sys.executable, "-m", "tfe_estimator.demo_cluster", "--mode", "secure", "--model-dir", model_dir,
+    command = [sys.executable, "-m", "tfe_estimator.tools.demo_cluster", "--mode", "secure", "--model-dir", model_dir,
                "--steps", "300", "--save-checkpoints-steps", "50", "--keep-checkpoint-max", "5",
                "--start-delay-secs", "1", "--learning-rate", "0.1"]
     out = io.StringIO()
@@ -191,7 +191,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path):
               f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);"
               f"open(os.path.join({str(pid_dir)!r}, t['type'] + str(t['index'])), 'w').write(f'{{os.getpid()}} {{c.pid}}');"
               f"time.sleep(120)")
-    proc = subprocess.Popen([sys.executable, "-m", "tfe_estimator.cli", "launch", "--workers", "1", "--evaluator",
+    proc = subprocess.Popen([sys.executable, "-m", "tfe_estimator.tools.cli", "launch", "--workers", "1", "--evaluator",
                              "--", sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while len(os.listdir(pid_dir)) < 3:

@@ -1,7 +1,7 @@
 """Fixed-point precisions and the headroom rule."""
 import pytest
 
-from tfe_estimator.precision import PRECISIONS, get_precision
+from tfe_estimator.secure.precision import PRECISIONS, get_precision
 
 
 @pytest.mark.parametrize("name", ["low", "high"])

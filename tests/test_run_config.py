@@ -109,7 +109,7 @@ def test_protocol_other_than_the_launched_one_is_refused(monkeypatch):
 @pytest.mark.parametrize("protocol", ["pond", "aby3"])
 @pytest.mark.parametrize("precision", ["low", "high"])
 def test_every_protocol_and_precision_builds_or_is_refused_by_name(protocol, precision):
-    from tfe_estimator.protocols import supported_combinations
+    from tfe_estimator.secure.protocols import supported_combinations
 
     if (protocol, precision) not in supported_combinations():  # ABY3 "high" on TensorFlow >= 2.10
         with pytest.raises(NotImplementedError, match=f"protocol={protocol!r} with precision={precision!r}"):

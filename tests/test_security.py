@@ -1,6 +1,6 @@
 """Every party's view of a real secure sum is independent of the secret.
 
-The harness (`tfe_estimator.server_view.capture_party_views`) builds a real
+The harness (`tfe_estimator.audit.server_view.capture_party_views`) builds a real
 `SecureAggregation` graph through `TfeStrategy` and `batch_reduce_to`/`reduce_to`
 (an update of float32 and int64 values to the replicas, and a read of a float32
 value to a destination of its own), runs it in a session with Estimator's own
@@ -37,13 +37,13 @@ import tensorflow as tf
 from scipy import stats
 
 from tfe_estimator import TfeStrategy
-from tfe_estimator import secure_sum
-from tfe_estimator.kernels import ops as kernel_ops
-from tfe_estimator.precision import READ_PRECISION, get_precision
-from tfe_estimator.protocols import load_backend, supported_combinations
-from tfe_estimator.run_config import default_session_config
-from tfe_estimator.audit import PartyAuditError, assert_no_plaintext_on_servers, audit_party_inputs
-from tfe_estimator.server_view import capture_party_views
+from tfe_estimator.secure import secure_sum
+from tfe_estimator.secure.kernels import ops as kernel_ops
+from tfe_estimator.secure.precision import READ_PRECISION, get_precision
+from tfe_estimator.secure.protocols import load_backend, supported_combinations
+from tfe_estimator.distribute.run_config import default_session_config
+from tfe_estimator.audit.party_audit import PartyAuditError, assert_no_plaintext_on_servers, audit_party_inputs
+from tfe_estimator.audit.server_view import capture_party_views
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(6)]
 REPLICAS, SERVERS, ELSEWHERE = DEVICES[:2], DEVICES[2:5], DEVICES[5]
@@ -362,7 +362,7 @@ def plant_unmasked_fused_share(monkeypatch):
 
 def plant_zero_masks(monkeypatch):
     """tf-encrypted's generator (ours, installed by tfe_backend) returns zero masks."""
-    from tfe_estimator.kernels.random_module import AesRandomModule  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.secure.kernels.random_module import AesRandomModule  # pylint: disable=import-outside-toplevel
 
     for name in ("secure_seeded_random_uniform", "i128_secure_seeded_random_uniform"):
         real = getattr(AesRandomModule, name)

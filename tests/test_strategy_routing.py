@@ -3,7 +3,7 @@
 `MirroredExtended` hands some reductions to a fresh plaintext
 `ReductionToOneDevice` whatever `cross_device_ops` it was given (TF 2.10+: every
 reduction to a CPU destination and every int32 value; see
-`tfe_estimator.strategy._TfeExtended`). These tests install
+`tfe_estimator.distribute.strategy._TfeExtended`). These tests install
 
 - a spy: `SecureAggregation` subclassed to record each reduction it does
   (and still do it, securely), used by every `TfeStrategy` built in the test;
@@ -29,8 +29,8 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import mirrored_strategy
 
 import tfe_estimator
-from tfe_estimator import strategy as strategy_lib
-from tfe_estimator.aggregation import SecureAggregation
+from tfe_estimator.distribute import strategy as strategy_lib
+from tfe_estimator.distribute.aggregation import SecureAggregation
 
 HOST = "/job:localhost/replica:0/task:0/device:CPU:0"
 SUM = tf.distribute.ReduceOp.SUM

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfe_estimator import InsecureRandomnessError, kernels, protocols
+from tfe_estimator import InsecureRandomnessError
+from tfe_estimator.secure import kernels, protocols
 
 
 @pytest.fixture

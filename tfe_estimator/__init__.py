@@ -19,15 +19,15 @@ from tfe_estimator.compat import check_tensorflow_version
 
 check_tensorflow_version()  # before any module below touches TensorFlow's private APIs
 
-from tfe_estimator.aggregation import SecureAggregation
-from tfe_estimator.audit import PartyAuditError, PartyAuditHook, assert_no_plaintext_on_servers, audit_party_inputs
-from tfe_estimator.cluster import TfeCluster
-from tfe_estimator.dp import DistributedDP, dp_epsilon
+from tfe_estimator.distribute.aggregation import SecureAggregation
+from tfe_estimator.audit.party_audit import PartyAuditError, PartyAuditHook, assert_no_plaintext_on_servers, audit_party_inputs
+from tfe_estimator.cluster.spec import TfeCluster
+from tfe_estimator.privacy.dp import DistributedDP, dp_epsilon
 from tfe_estimator.errors import InsecureRandomnessError, PlaintextOnServerError
-from tfe_estimator.precision import PRECISIONS, Precision
-from tfe_estimator.protocols import PROTOCOLS
-from tfe_estimator.run_config import TfeRunConfig, TfeSettings, default_session_config, plaintext_twin_config
-from tfe_estimator.strategy import TfeStrategy
+from tfe_estimator.secure.precision import PRECISIONS, Precision
+from tfe_estimator.secure.protocols import PROTOCOLS
+from tfe_estimator.distribute.run_config import TfeRunConfig, TfeSettings, default_session_config, plaintext_twin_config
+from tfe_estimator.distribute.strategy import TfeStrategy
 
 __all__ = [
     "__version__",

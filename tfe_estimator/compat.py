@@ -13,7 +13,7 @@ Anything in ``>=2.9,<2.16`` is accepted; those two are the ones CI runs.
 TensorFlow 2.16 has no Estimator (tensorflow-estimator's last release is
 2.15), and tfe_estimator subclasses private classes of
 `tf.distribute` (`MirroredExtended`, `ReductionToOneDevice`) whose behaviour
-it has read on exactly this range (see `tfe_estimator.strategy`). The
+it has read on exactly this range (see `tfe_estimator.distribute.strategy`). The
 `setup.py` metadata states the same range.
 
 Example::

@@ -1,0 +1,14 @@
+"""Clusters and deployment: TF_CONFIG, servers, the launcher, Kubernetes, the evaluator.
+
+- `spec`: `TfeCluster`, the one definition of the cluster layout and TF_CONFIG.
+- `server`: the `tfe-estimator server` process of a TFE party.
+- `launcher`: `tfe-estimator launch`, a local multi-process cluster.
+- `kubernetes`: manifests for `tfe-estimator k8s`.
+- `evaluator`: an evaluator that survives checkpoint rotation.
+
+Example::
+
+    from tfe_estimator.cluster.spec import TfeCluster
+    cluster = TfeCluster.from_tf_config()
+"""
+__all__ = []

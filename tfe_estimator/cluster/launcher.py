@@ -1,0 +1,427 @@
+"""`launch`: a whole secure-aggregation cluster as local processes on loopback ports.
+
+The embedded default a user runs before owning a cluster: the chief, N
+workers and optionally an evaluator run the user's command, each with its own
+TF_CONFIG; the three ``tfe`` tasks run `tfe-estimator server`. Every line a
+task prints is prefixed with the task (or, with ``log_dir``, written to that
+task's own log file, whose path is printed).
+
+Policy, task by task:
+
+- **chief**: the run's status is the chief's. If it dies it is restarted (it
+  resumes from the last checkpoint) up to ``max_restarts`` times; otherwise
+  the cluster is stopped and the chief named.
+- **worker, tfe**: the chief needs them for every step. One that dies is
+  restarted at the same address up to ``max_restarts`` times (after
+  ``restart_delay`` s); otherwise the cluster is stopped and the task named.
+  One that is not serving (its port does not accept connections) for
+  ``down_timeout`` s, at start or after a restart, also stops the cluster:
+  a task that never comes back ends the run in bounded time.
+- **evaluator**: never stops training. One that dies is restarted (it
+  evaluates the newest checkpoint) up to ``evaluator_restarts`` times; if it
+  cannot recover, training still finishes and the run fails naming it. After
+  the chief finishes, it has ``final_eval_timeout`` s to evaluate the final
+  checkpoint.
+
+Free ports come from `portpicker`; if a task cannot bind its port because
+another process took it meanwhile, the whole cluster is re-planned on new
+ports and started again (up to ``port_retries`` times). Each task runs in its
+own process group, and every group is terminated (then killed) on the way
+out, Ctrl-C included, so no process is left behind.
+
+Example::
+
+    $ tfe-estimator launch --workers 1 --evaluator -- python train.py
+    [launch] cluster (pond): chief:0=127.0.0.1:41231 worker:0=127.0.0.1:39811 ...
+    [tfe:0] ... TFE party 0 of 3 serving /job:tfe/task:0 at 127.0.0.1:44085 ...
+    [chief:0] ...
+"""
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, TextIO
+
+from tfe_estimator.cluster.spec import LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB, TfeCluster, cluster_jobs, cluster_tasks
+from tfe_estimator.secure.protocols import validate_protocol
+from tfe_estimator.cluster.server import server_command
+
+__all__ = ["Launcher", "plan_cluster", "free_ports", "SERVER_COMMAND", "PortTakenError"]
+
+#: How a ``tfe`` task is started on this machine: this interpreter, the one server command.
+SERVER_COMMAND = server_command(sys.executable)
+
+#: What a task prints when its port was taken between planning and binding.
+_BIND_FAILURES = ("Could not start gRPC server", "Address already in use")
+#: Jobs the chief waits for in every step (restartable, watched by `down_timeout`).
+_SERVING_JOBS = ("worker", TFE_JOB)
+
+
+class PortTakenError(RuntimeError):
+    """A task could not bind the port planned for it, more often than allowed."""
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
+    """`count` distinct TCP ports that `portpicker` finds free on `host` right now."""
+    import portpicker  # pylint: disable=import-outside-toplevel
+
+    ports: List[int] = []
+    while len(ports) < count:
+        port = portpicker.pick_unused_port()
+        if port not in ports and portpicker.is_port_free(port):
+            ports.append(port)
+    del host  # portpicker checks every local address, loopback included
+    return ports
+
+
+def plan_cluster(workers: int, evaluator: bool, protocol: str = "pond", host: str = "127.0.0.1") -> TfeCluster:
+    """A cluster of one chief, `workers` workers, an optional evaluator and the ``tfe`` tasks, on free ports."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"--workers must be an integer >= 0, got {workers!r}.")
+    validate_protocol(protocol)
+    tasks = cluster_tasks(workers, evaluator, NUM_TFE_TASKS)
+    ports = dict(zip(tasks, free_ports(len(tasks), host)))
+    return TfeCluster(jobs=cluster_jobs(tasks, lambda job, i: f"{host}:{ports[(job, i)]}"),
+                      task_type="chief", task_index=0)
+
+
+@dataclasses.dataclass
+class _Task:
+    job: str
+    index: int
+    argv: Sequence[str]
+    env: Dict[str, str]
+    cwd: Optional[str]
+    process: Optional[subprocess.Popen] = None
+    restarts: int = 0
+    restart_at: Optional[float] = None
+    down_since: Optional[float] = None
+    reader: Optional[threading.Thread] = None
+    bind_failed: bool = False
+    log_path: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.job}:{self.index}"
+
+
+def _describe(status: int) -> str:
+    if status is not None and status < 0:
+        try:
+            return f"status {status} (killed by {signal.Signals(-status).name})"
+        except ValueError:
+            pass
+    return f"status {status}"
+
+
+class Launcher:
+    """Runs `command` as the chief, workers and evaluator of a loopback cluster.
+
+    Args:
+      command: argv of the training program (it reads TF_CONFIG).
+      workers: workers besides the chief.
+      evaluator: whether to run an evaluator task.
+      protocol: tf-encrypted protocol; passed to tasks as TFE_ESTIMATOR_PROTOCOL.
+      task_cwd: working directory of each chief/worker/evaluator task, with
+        ``{job}`` and ``{index}`` replaced (e.g. ``"owners/{job}-{index}"``), so
+        each data owner reads its own files through one relative path.
+      max_restarts: how often the chief, a worker or a ``tfe`` task that dies
+        is restarted at the same address before the launch is given up.
+      restart_delay: seconds to wait before such a restart.
+      out: where the launcher's lines (and, without `log_dir`, the tasks'
+        prefixed lines) go.
+      grace_seconds: how long a task may take to exit after SIGTERM before SIGKILL.
+      host: the address every task binds to (loopback).
+      server_command: argv of the ``tfe`` tasks (default `SERVER_COMMAND`).
+      evaluator_restarts: how often a dying evaluator is restarted; it never
+        stops training.
+      down_timeout: seconds a worker or ``tfe`` task may be down (dead, or not
+        accepting connections on its port) before the cluster is stopped.
+      final_eval_timeout: seconds the evaluator may take after the chief finished.
+      log_dir: if set, each task's output goes to ``<log_dir>/<job>-<index>.log``.
+      port_retries: how often to re-plan the ports when one was taken meanwhile.
+
+    Example::
+
+        status = Launcher(["python", "train.py"], workers=1, evaluator=True).run()
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        workers: int = 1,
+        evaluator: bool = False,
+        protocol: str = "pond",
+        task_cwd: Optional[str] = None,
+        max_restarts: int = 0,
+        restart_delay: float = 0.0,
+        out: TextIO = sys.stdout,
+        grace_seconds: float = 10.0,
+        host: str = "127.0.0.1",
+        server_command: Sequence[str] = SERVER_COMMAND,  # pylint: disable=redefined-outer-name
+        evaluator_restarts: int = 2,
+        down_timeout: float = 300.0,
+        final_eval_timeout: float = 600.0,
+        log_dir: Optional[str] = None,
+        port_retries: int = 3,
+    ) -> None:
+        if not command:
+            raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")
+        for name, value in (("--max-restarts", max_restarts), ("--evaluator-restarts", evaluator_restarts),
+                            ("port_retries", port_retries)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
+        for name, value in (("--down-timeout", down_timeout), ("--final-eval-timeout", final_eval_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}.")
+        self.protocol = validate_protocol(protocol)
+        self.workers, self.evaluator, self.host = workers, evaluator, host
+        self.command, self.server_command, self.task_cwd = list(command), list(server_command), task_cwd
+        self.max_restarts, self.evaluator_restarts = max_restarts, evaluator_restarts
+        self.restart_delay = float(restart_delay)
+        self.down_timeout, self.final_eval_timeout = float(down_timeout), float(final_eval_timeout)
+        self.grace_seconds = grace_seconds
+        self.log_dir = os.path.abspath(log_dir) if log_dir else None
+        self.port_retries = port_retries
+        self._out = out
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.tasks: List[_Task] = []
+        self._plan()
+
+    def _plan(self) -> None:
+        self.cluster = plan_cluster(self.workers, self.evaluator, self.protocol, self.host)
+        self.tasks = []
+        for job, addresses in self.cluster.jobs.items():
+            for index in range(len(addresses)):
+                env = dict(os.environ)
+                env.update({"TF_CONFIG": self.cluster.to_tf_config(job, index),
+                            LAUNCH_PROTOCOL_ENV: self.protocol, "PYTHONUNBUFFERED": "1"})
+                if job == TFE_JOB:
+                    argv, cwd = list(self.server_command), None
+                else:
+                    argv = list(self.command)
+                    cwd = self.task_cwd.format(job=job, index=index) if self.task_cwd else None
+                    if cwd:
+                        os.makedirs(cwd, exist_ok=True)
+                task = _Task(job, index, argv, env, cwd)
+                if self.log_dir:
+                    task.log_path = os.path.join(self.log_dir, f"{job}-{index}.log")
+                self.tasks.append(task)
+
+    def say(self, line: str, task: str = "launch") -> None:
+        """Writes one prefixed log line."""
+        with self._lock:
+            self._out.write(f"[{task}] {line}\n")
+            self._out.flush()
+
+    def task(self, job: str, index: int = 0) -> _Task:
+        """The task `job:index`."""
+        return next(t for t in self.tasks if t.job == job and t.index == index)
+
+    def stop(self) -> None:
+        """Asks `run` to stop the cluster (thread-safe)."""
+        self._stop.set()
+
+    def run(self) -> int:
+        """Starts every task, supervises them, stops everything; returns the exit status."""
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handlers[sig] = signal.signal(sig, lambda signum, frame: self._stop.set())
+        try:
+            for attempt in range(self.port_retries + 1):
+                try:
+                    return self._run_once()
+                except PortTakenError as e:
+                    self._terminate_all()
+                    if attempt == self.port_retries:
+                        self.say(f"{e}; gave up after {self.port_retries} re-plans")
+                        return 1
+                    self.say(f"{e}; re-planning all ports and starting again "
+                             f"({attempt + 1}/{self.port_retries})")
+                    self._plan()
+            return 1  # not reached
+        finally:
+            self._terminate_all()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def _run_once(self) -> int:
+        layout = " ".join(f"{t.name}={self.cluster.jobs[t.job][t.index]}" for t in self.tasks)
+        self.say(f"cluster ({self.protocol}): {layout}")
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self.say(f"task logs: {os.path.join(self.log_dir, '<job>-<index>.log')} "
+                     f"({', '.join(os.path.basename(t.log_path) for t in self.tasks)})")
+        for task in sorted(self.tasks, key=lambda t: t.job != TFE_JOB):  # servers first
+            self._start(task)
+        return self._supervise()
+
+    def _start(self, task: _Task) -> None:
+        sink = None
+        if task.log_path:
+            sink = open(task.log_path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+        task.bind_failed = False
+        task.process = subprocess.Popen(
+            task.argv, env=task.env, cwd=task.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, text=True, errors="replace",
+        )
+        if task.job in _SERVING_JOBS:
+            task.down_since = time.monotonic()  # until its port accepts connections
+        self.say(f"started {task.name} (pid {task.process.pid}): {' '.join(task.argv)}")
+        task.reader = threading.Thread(target=self._pump, args=(task, task.process, sink), daemon=True)
+        task.reader.start()
+
+    def _pump(self, task: _Task, process: subprocess.Popen, sink) -> None:
+        try:
+            for line in process.stdout:
+                if any(marker in line for marker in _BIND_FAILURES):
+                    task.bind_failed = True
+                if sink is None:
+                    self.say(line.rstrip("\n"), task.name)
+                else:
+                    sink.write(line)
+                    sink.flush()
+        finally:
+            if sink is not None:
+                sink.close()
+
+    def _serving(self, task: _Task) -> bool:
+        host, port = self.cluster.jobs[task.job][task.index].rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.2):
+                return True
+        except OSError:
+            return False
+
+    def _tail(self, task: _Task, lines: int = 15) -> None:
+        """With log files, show the end of a failed task's log so the failure is visible."""
+        if not task.log_path or not os.path.exists(task.log_path):
+            return
+        if task.reader is not None:
+            task.reader.join(timeout=2)
+        with open(task.log_path, encoding="utf-8", errors="replace") as f:
+            tail = f.readlines()[-lines:]
+        self.say(f"last lines of {task.log_path}:")
+        for line in tail:
+            self.say(line.rstrip("\n"), task.name)
+
+    def _dead(self, task: _Task) -> Optional[int]:
+        """The task's exit status if it has exited (raises PortTakenError for a bind failure)."""
+        status = task.process.poll()
+        if status is not None and task.reader is not None:
+            task.reader.join(timeout=2)  # its last lines, which may name a bind failure
+        if status is not None and task.restart_at is None and task.bind_failed:
+            raise PortTakenError(f"{task.name} could not bind {self.cluster.jobs[task.job][task.index]}: "
+                                 "another process took the port after it was planned")
+        return status
+
+    def _schedule_restart(self, task: _Task, status: int, budget: int, what: str) -> bool:
+        if task.restarts >= budget:
+            return False
+        task.restarts += 1
+        self.say(f"{task.name} died with {_describe(status)}; {what}restarting it at "
+                 f"{self.cluster.jobs[task.job][task.index]} in {self.restart_delay:g} s "
+                 f"({task.restarts}/{budget})")
+        self._tail(task)
+        task.restart_at = time.monotonic() + self.restart_delay
+        if task.job in _SERVING_JOBS and task.down_since is None:
+            task.down_since = time.monotonic()
+        return True
+
+    def _supervise(self) -> int:
+        chief = self.task("chief")
+        evaluators = [t for t in self.tasks if t.job == "evaluator"]
+        others = [t for t in self.tasks if t is not chief and t.job != "evaluator"]
+        chief_done_at = None
+        evaluator_failure = None
+        while True:
+            if self._stop.wait(0.2):
+                self.say("interrupted: stopping the cluster")
+                return 130
+            now = time.monotonic()
+            for task in self.tasks:  # due restarts
+                if task.restart_at is not None and now >= task.restart_at:
+                    task.restart_at = None
+                    self._start(task)
+            if chief_done_at is None:
+                status = self._dead(chief)
+                if status is not None and chief.restart_at is None:
+                    if status == 0:
+                        chief_done_at = now
+                        self.say("chief finished with status 0")
+                    elif not self._schedule_restart(chief, status, self.max_restarts, ""):
+                        self.say(f"chief:0 died with {_describe(status)}; stopping the cluster")
+                        self._tail(chief)
+                        return status
+            for task in evaluators:
+                status = self._dead(task)
+                if status is None or task.restart_at is not None or status == 0 or task is evaluator_failure:
+                    continue
+                if not self._schedule_restart(task, status, self.evaluator_restarts, "training goes on; "):
+                    self.say(f"{task.name} died with {_describe(status)} and has used its "
+                             f"{self.evaluator_restarts} restarts (--evaluator-restarts); training goes on "
+                             "without it")
+                    self._tail(task)
+                    evaluator_failure = task
+            if chief_done_at is not None:
+                running = [t for t in evaluators if t.process.poll() is None or t.restart_at is not None]
+                if not running:
+                    if evaluator_failure is not None:
+                        self.say(f"the chief finished, but {evaluator_failure.name} failed with "
+                                 f"{_describe(evaluator_failure.process.returncode)}: the model is trained, "
+                                 "its evaluation is incomplete")
+                        return evaluator_failure.process.returncode or 1
+                    return 0
+                if now - chief_done_at > self.final_eval_timeout:
+                    self.say(f"{running[0].name} did not finish within {self.final_eval_timeout:g} s after the "
+                             "chief (--final-eval-timeout); stopping the cluster")
+                    return 1
+                continue
+            for task in others:
+                status = None if task.restart_at is not None else self._dead(task)
+                if task.restart_at is not None:
+                    pass  # waiting to be restarted
+                elif status is None:
+                    if task.down_since is not None and self._serving(task):
+                        task.down_since = None
+                elif not self._schedule_restart(task, status, self.max_restarts, ""):
+                    self.say(f"{task.name} died with {_describe(status)} while the chief was training; "
+                             "stopping the cluster")
+                    self._tail(task)
+                    return status or 1
+                if task.down_since is not None and now - task.down_since > self.down_timeout:
+                    self.say(f"{task.name} has been down for {self.down_timeout:g} s (not serving at "
+                             f"{self.cluster.jobs[task.job][task.index]}; --down-timeout); the chief cannot "
+                             "train without it: stopping the cluster")
+                    self._tail(task)
+                    return 1
+
+    def _terminate_all(self) -> None:
+        running = [t for t in self.tasks if t.process is not None and t.process.poll() is None]
+        for task in running:
+            _signal_group(task.process, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds
+        for task in running:
+            try:
+                task.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{task.name} did not stop after SIGTERM; killing it")
+        for task in self.tasks:  # the whole group: also what a task started itself
+            if task.process is not None:
+                _signal_group(task.process, signal.SIGKILL)
+                task.process.wait()
+                if task.reader is not None:
+                    task.reader.join(timeout=5)
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,14 @@
+"""The distribute layer: TensorFlow's `tf.distribute` plumbing around the secure sum.
+
+- `aggregation`: `SecureAggregation`, the `CrossDeviceOps`.
+- `strategy`: `TfeStrategy`, a MirroredStrategy routed through it.
+- `run_config`: `TfeRunConfig`, the one line a user changes.
+- `devices`, `logical_devices`: replica and party placement.
+- `checkpoint_replicas`: model_dir compatibility checks.
+
+Example::
+
+    from tfe_estimator.distribute.run_config import TfeRunConfig
+    config = TfeRunConfig(model_dir="/tmp/model", protocol="pond")
+"""
+__all__ = []

@@ -1,0 +1,381 @@
+"""`SecureAggregation`: a `tf.distribute.CrossDeviceOps` that sums by secret sharing.
+
+Implements the design of tf-encrypted's RFC "Using TF Encrypted with
+Distribution Strategies" (2019): every reduction a `MirroredStrategy` does
+(gradients in `apply_gradients`, the reported loss, metric and other
+`SyncOnRead` variables) goes through a secure sum instead of a plaintext copy
+to one device. Per reduction and per replica, all dense values of one kind
+(floats, or integers) are checked, fixed-point encoded and secret-shared once
+on the replica's own device, as one vector (Pond: one fused kernel,
+`fused_sum`; ABY3 or the "tf-encrypted" reference: tf-encrypted's protocol
+code, `secure_sum`); the TFE servers add the shares they hold; each
+destination device receives both parts of the sum, adds them and decodes the
+result once (the MEAN's division folded into the decoding). The servers only
+ever hold ring elements.
+
+It subclasses `ReductionToOneDevice` only because `MirroredStrategy` refuses
+in-graph multi-worker training with any other cross-device ops; none of the
+parent's reduction code runs.
+
+Use it through `tfe_estimator.TfeStrategy`: on TensorFlow 2.15 a plain
+`MirroredStrategy` sums CPU and int32 values in the clear whatever
+cross-device ops it is given.
+
+Example::
+
+    ops = tfe_estimator.SecureAggregation(
+        protocol="pond", server_devices=["/cpu:2", "/cpu:3", "/cpu:4"])
+    strategy = tfe_estimator.TfeStrategy(devices=["/cpu:0", "/cpu:1"],
+                                         server_devices=ops.server_devices)
+"""
+import collections
+import math
+from typing import Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import values as value_lib
+
+from tfe_estimator.privacy import dp as dp_lib
+from tfe_estimator.secure import fused_sum
+from tfe_estimator.secure import secure_sum
+from tfe_estimator.distribute.devices import validate_party_devices
+from tfe_estimator.secure.precision import READ_PRECISION, get_precision
+from tfe_estimator.secure.protocols import check_supported, load_backend, validate_protocol
+
+__all__ = ["SecureAggregation"]
+
+_FLOAT, _INT = "float", "int"
+
+#: `implementation` values: "auto" runs Pond on tfe_estimator's fused AES-CTR
+#: kernels and ABY3 on tf-encrypted; "tf-encrypted" runs tf-encrypted's own
+#: protocol code for both (the reference implementation, with our AES-CTR
+#: generator as its randomness).
+IMPLEMENTATIONS = ("auto", "tf-encrypted")
+
+
+class SecureAggregation(tf.distribute.ReductionToOneDevice):
+    """Cross-device reduction by TF Encrypted secure aggregation.
+
+    Args:
+      protocol: "pond" (2 servers + a crypto producer, 2-out-of-2 additive
+        sharing) or "aby3" (3 servers, replicated sharing, honest majority).
+      precision: "low" (64-bit ring) or "high" (128-bit ring); see
+        `tfe_estimator.secure.precision`.
+      server_devices: the three devices of the protocol's parties (for Pond:
+        server0, server1 and the crypto producer, which a sum never uses),
+        all distinct, and none a replica or destination device (on a
+        cluster: none on a replica's or destination's task). Required:
+        `tfe_estimator.distribute.devices.local_layout` gives a one-machine layout, and
+        `TfeStrategy` chooses one for you.
+      clip_norm: if set, each replica's float values of an update (a
+        reduction to variables or an all-reduce, which is what optimizers do
+        with gradients) are clipped to this global L2 norm on the replica's
+        device before the range check, so large gradients are bounded
+        instead of refused. Reductions to one device (the reported loss,
+        metric reads) are never clipped.
+      implementation: "auto" (Pond on tfe_estimator's fused AES-CTR kernels,
+        ABY3 on tf-encrypted) or "tf-encrypted" (tf-encrypted's own Pond as
+        well: the reference implementation; slower, same ring sums).
+      dp: optional `tfe_estimator.DistributedDP`: every float update (the
+        gradients) must be a sum of per-example clipped gradients (marked by
+        `tfe_estimator.privacy.dp.make_dp_optimizer`; others are refused), and each
+        replica adds its part of the discrete Gaussian noise to its encoded
+        values inside the fused mask op (see `tfe_estimator.privacy.dp`). Pond on
+        the fused kernels only.
+
+    Raises:
+      ValueError: for an unknown protocol, precision or implementation, or
+        server devices that are missing, too few or too many, or not distinct.
+      NotImplementedError: for a combination this TensorFlow cannot run.
+
+    Example::
+
+        ops = SecureAggregation(protocol="pond", server_devices=[
+            "/job:tfe/task:0", "/job:tfe/task:1", "/job:tfe/task:2"])
+        strategy = tf.compat.v1.distribute.MirroredStrategy(
+            devices=["/job:chief/task:0/device:CPU:0", "/job:worker/task:0/device:CPU:0"],
+            cross_device_ops=ops)
+    """
+
+    def __init__(
+        self,
+        protocol: str = "pond",
+        precision: str = "low",
+        server_devices: Optional[Sequence[str]] = None,
+        clip_norm: Optional[float] = None,
+        implementation: str = "auto",
+        dp: Optional["dp_lib.DistributedDP"] = None,
+    ) -> None:
+        self._protocol = validate_protocol(protocol)
+        self._clip_norm = validate_clip_norm(clip_norm)
+        self._precision = get_precision(precision)
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
+        self._fused = implementation == "auto" and self._protocol == "pond"
+        if not self._fused:  # tf-encrypted's protocol code: its 128-bit ring may be missing
+            check_supported("aby3" if self._precision.ring_bits == 128 else self._protocol, self._precision)
+        self._server_devices = validate_party_devices(self._protocol, server_devices)
+        self._dp = _validate_dp(dp, self._protocol, self._fused)
+        super().__init__()
+
+    @property
+    def protocol(self) -> str:
+        """The tf-encrypted protocol's name."""
+        return self._protocol
+
+    @property
+    def precision(self):
+        """The `tfe_estimator.secure.precision.Precision` in use."""
+        return self._precision
+
+    @property
+    def clip_norm(self) -> Optional[float]:
+        """The per-replica L2 clipping norm of updates, or None."""
+        return self._clip_norm
+
+    @property
+    def server_devices(self):
+        """The devices of the protocol's parties."""
+        return self._server_devices
+
+    @property
+    def dp(self) -> Optional["dp_lib.DistributedDP"]:
+        """The `DistributedDP` whose noise is added inside the secure sum, or None."""
+        return self._dp
+
+    @property
+    def implementation(self) -> str:
+        """"fused" (tfe_estimator's kernels) or "tf-encrypted" (its protocol code)."""
+        return "fused" if self._fused else "tf-encrypted"
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        return self.batch_reduce_implementation(
+            reduce_op, [(per_replica_value, destinations)], options
+        )[0]
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        del options  # Communication options do not apply to secret sharing.
+        if reduce_op not in (tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN):
+            raise ValueError(f"reduce_op must be ReduceOp.SUM or ReduceOp.MEAN, got {reduce_op}.")
+        groups = collections.OrderedDict()
+        for index, (value, destinations) in enumerate(value_destination_pairs):
+            sources = cross_device_ops_lib.get_devices_from(value)
+            if cross_device_ops_lib.check_destinations(destinations):
+                targets = cross_device_ops_lib.get_devices_from(destinations)
+            else:
+                targets = sources
+            kind = _kind(value)
+            # An update (gradients to variables, an all-reduce) or a read (the
+            # reported loss, a metric value, to one device).
+            update = isinstance(destinations, value_lib.DistributedValues)
+            groups.setdefault((sources, targets, kind, update), []).append(index)
+
+        results = [None] * len(value_destination_pairs)
+        for (sources, targets, kind, update), indices in groups.items():
+            values = [value_destination_pairs[i][0] for i in indices]
+            reduced = self._secure_reduce(reduce_op, values, sources, targets, kind, update)
+            for i, r in zip(indices, reduced):
+                results[i] = r
+        return results
+
+    def _gather_implementation(self, per_replica_value, destinations, axis, options):
+        raise NotImplementedError(
+            "SecureAggregation only sums: gathering would send each replica's values "
+            "in plaintext to one device. Avoid strategy.gather / all_gather with "
+            "TfeStrategy."
+        )
+
+    def _secure_reduce(self, reduce_op, values, sources, targets, kind, update):
+        """Securely reduces PerReplica `values` (all on `sources`) to `targets`."""
+        tfe_backend = load_backend()  # our kernels, and tf-encrypted with our generator
+        num = len(sources)
+        self._precision.check_headroom(num)
+        validate_party_devices(self._protocol, self._server_devices, sources, targets)
+        dtypes = [v.values[0].dtype for v in values]
+        pack_dtype = _pack_dtype(kind, dtypes)
+        encoding = self._encoding(kind, update, num)
+        scale = 1.0 / num if kind == _FLOAT and reduce_op == tf.distribute.ReduceOp.MEAN else 1.0
+        owners = [f"replica {r} ({device})" for r, device in enumerate(sources)]
+        hint = self._hint(kind, update, encoding)
+        clip = self._clip_norm is not None and kind == _FLOAT and update
+        vectors, shapes = [], None
+        with tf.name_scope("secure_aggregation"):
+            for r, device in enumerate(sources):
+                with tf.device(device):
+                    dense = [_densify(v.values[r]) for v in values]
+                    if self._fused:
+                        # The fused kernels read a list of tensors as one vector:
+                        # no concat here, no split after the reveal.
+                        vector, shapes = secure_sum.parts(dense, pack_dtype)
+                        if clip:
+                            vector = tf.clip_by_global_norm(vector, self._clip_norm)[0]
+                    else:
+                        vector, shapes = secure_sum.pack(dense, pack_dtype)
+                        if clip:
+                            vector = tf.clip_by_norm(vector, self._clip_norm)
+                vectors.append(vector)
+            num_elements = sum(s.num_elements() for s in shapes)
+            noise_variance = self._dp_noise_variance(values, kind, update, num, encoding, num_elements)
+            if self._fused:
+                totals = fused_sum.pond_sum(vectors, sources, self._server_devices, targets, encoding,
+                                            pack_dtype, owners, hint, scale, noise_variance=noise_variance)
+            else:
+                totals = self._tfe_sum(tfe_backend, vectors, sources, targets, encoding, pack_dtype,
+                                       owners, hint, scale)
+        per_target = []
+        for device, total in zip(targets, totals):
+            with tf.device(device), tf.name_scope("secure_aggregation_unpack"):
+                parts = total if self._fused else secure_sum.unpack(total, shapes)
+                parts = [_finish(p, dtype, kind, reduce_op, num) for p, dtype in zip(parts, dtypes)]
+            per_target.append(parts)
+        results = []
+        for j in range(len(values)):
+            on_targets = [parts[j] for parts in per_target]
+            if len(on_targets) == 1:
+                results.append(on_targets[0])
+            else:
+                results.append(distribute_utils.regroup(on_targets, wrap_class=value_lib.Mirrored))
+        return results
+
+    def _dp_noise_variance(self, values, kind, update, num, encoding, num_elements):
+        """Each replica's noise variance (ring units^2) for a DP update, else None.
+
+        Refuses an update whose values are not marked as sums of gradients
+        clipped per example to at most the `DistributedDP`'s l2_norm_clip.
+        """
+        if self._dp is None or kind != _FLOAT or not update:
+            return None
+        for value in values:
+            for tensor in value.values:
+                clip = dp_lib.clipped_sum_norm(tensor)
+                if clip is None:
+                    raise ValueError(
+                        f"SecureAggregation(dp={self._dp}) refuses to share gradients that are not "
+                        f"clipped per example ({tensor.name}): without per-example clipping the noise "
+                        "bounds nothing. Use our model_fns (they clip when the RunConfig carries dp), or "
+                        "a tensorflow-privacy DP head/estimator (e.g. tensorflow_privacy.DNNClassifier) "
+                        "with optimizer=tfe_estimator.privacy.dp.make_dp_optimizer(tf.keras.optimizers.legacy.SGD(...), "
+                        "l2_norm_clip) instead of an ordinary optimizer or a canned tf.estimator model.")
+                if clip > self._dp.l2_norm_clip:
+                    raise ValueError(
+                        f"SecureAggregation: gradients clipped per example to {clip}, above "
+                        f"DistributedDP.l2_norm_clip={self._dp.l2_norm_clip}: the noise would be too small. "
+                        "Use the same l2_norm_clip in make_dp_optimizer and DistributedDP.")
+        variance = dp_lib.check_noise_headroom(self._dp, num, encoding.ring_bits, encoding.fraction_bits,
+                                               encoding.bound, num_elements)
+        return variance or None
+
+    def _tfe_sum(self, tfe_backend, vectors, sources, targets, encoding, dtype, owners, hint, scale):
+        """The sum by tf-encrypted's own protocol code; decoded, one tensor per target."""
+        players = tfe_backend.DevicePlayers(self._server_devices)
+        with tfe_backend.players_scope(players):
+            protocol = tfe_backend.make_protocol(self._protocol, self._precision, players.servers)
+            inputs = []
+            for vector, device, owner in zip(vectors, sources, owners):
+                with tf.device(device):
+                    vector = secure_sum.check_encodable(vector, encoding.bound, owner, hint)
+                    inputs.append((players.device_player(device), secure_sum.encode(vector, encoding.fraction_bits)))
+            sums = secure_sum.share_and_sum(protocol, inputs, [players.device_player(d) for d in targets])
+        totals = []
+        for device, total in zip(targets, sums):
+            with tf.device(device):
+                totals.append(secure_sum.decode(total, dtype, encoding.fraction_bits, scale))
+        return totals
+
+    def _encoding(self, kind, update, num) -> fused_sum.Encoding:
+        """Ring, fraction bits and per-replica bound for one group of values."""
+        if kind == _INT:
+            # Integers are shared exactly. On the 64-bit ring the sum of N
+            # values must stay below 2**63; on the 128-bit ring any int64 fits
+            # and the reveal refuses a sum that does not fit the dtype.
+            ring = self._precision.ring_bits
+            bits = 63 if ring == 128 else 63 - math.ceil(math.log2(max(num, 1)))
+            return fused_sum.Encoding(ring, 0, float(2**bits))
+        precision = self._precision
+        if not update and self._fused:
+            # The reported loss and metric values: any magnitude float32
+            # training produces in practice, on the 128-bit ring.
+            precision = READ_PRECISION
+            precision.check_headroom(num)
+        return fused_sum.Encoding(precision.ring_bits, precision.fraction_bits, precision.max_magnitude)
+
+    def _hint(self, kind, update, encoding):
+        if kind == _INT:
+            return "Integer values are shared exactly; keep counters below this limit."
+        if not update:
+            return (
+                "These are values the model reports (the loss or a metric), not gradients. Fix: "
+                f"scale the labels (and features) so that they stay below {encoding.bound:.3g}."
+            )
+        return (
+            "Fixes: lower the learning rate, clip gradients (clip_norm=... in TfeRunConfig, or "
+            "tf.clip_by_global_norm in the model_fn), scale features and labels"
+            + (", or use precision='high' (limit 2**30)." if self._precision.name == "low" else ".")
+        )
+
+
+def validate_clip_norm(clip_norm) -> Optional[float]:
+    """Returns `clip_norm` as a float if it is None or a finite number > 0."""
+    if clip_norm is None:
+        return None
+    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)):
+        raise TypeError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
+    if not math.isfinite(clip_norm) or clip_norm <= 0:
+        raise ValueError(f"clip_norm must be a finite number > 0 or None, got {clip_norm!r}.")
+    return float(clip_norm)
+
+
+def _validate_dp(dp, protocol, fused):
+    """Returns `dp` if it is None or a `DistributedDP` this configuration can run."""
+    if dp is None:
+        return None
+    if not isinstance(dp, dp_lib.DistributedDP):
+        raise TypeError(f"dp must be a tfe_estimator.DistributedDP or None, got {type(dp).__name__}: {dp!r}.")
+    if not fused:
+        raise NotImplementedError(
+            f"DistributedDP adds its noise inside tfe_estimator's fused Pond kernels; protocol={protocol!r} "
+            "with this implementation shares through tf-encrypted, which has no noise input. Use "
+            "protocol='pond' with implementation='auto' for differential privacy.")
+    return dp
+
+
+def _kind(value):
+    dtype = value.values[0].dtype if isinstance(value, value_lib.DistributedValues) else value.dtype
+    if dtype.is_floating:
+        return _FLOAT
+    if dtype.is_integer and dtype.is_unsigned:
+        raise NotImplementedError(
+            f"SecureAggregation does not sum unsigned integers (got {dtype.name}): their sums "
+            "would wrap silently. Cast them to int64 first."
+        )
+    if dtype.is_integer:
+        return _INT
+    raise NotImplementedError(
+        f"SecureAggregation sums float and integer values; got dtype {dtype.name}."
+    )
+
+
+def _densify(value):
+    # The indices of an IndexedSlices gradient say which embedding rows a
+    # replica's batch touched: revealing them leaks data, so they are summed dense.
+    if isinstance(value, tf.IndexedSlices):
+        return tf.convert_to_tensor(value)
+    return value
+
+
+def _pack_dtype(kind, dtypes):
+    if kind == _INT:
+        return tf.int64
+    return tf.float64 if tf.float64 in dtypes else tf.float32
+
+
+def _finish(part, dtype, kind, reduce_op, num):
+    """Casts a decoded sum back to the input dtype; applies MEAN to integers.
+
+    A float MEAN is already divided by `decode`'s scale.
+    """
+    if kind == _INT and reduce_op == tf.distribute.ReduceOp.MEAN:
+        return tf.cast(part, dtype) / num  # like ReductionToOneDevice
+    return tf.cast(part, dtype)

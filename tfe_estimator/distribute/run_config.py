@@ -1,0 +1,285 @@
+"""`TfeRunConfig`: the one line a user changes to train with secure aggregation.
+
+Built like `tf.estimator.tpu.RunConfig`: its own keyword arguments plus any
+`tf.estimator.RunConfig` keyword argument, an immutable settings object, and a
+`replace()` that keeps the settings.
+
+Example::
+
+    config = TfeRunConfig(model_dir="/tmp/model", protocol="pond", num_replicas=2,
+                          save_checkpoints_steps=100)
+    est = tf.estimator.LinearRegressor(feature_columns=cols, config=config)
+    tf.estimator.train_and_evaluate(est, train_spec, eval_spec)
+
+Note: `tf.estimator.RunConfig` already has an argument called `protocol`, the
+gRPC protocol of distributed servers. Here `protocol` is the tf-encrypted
+protocol; pass the gRPC one as `grpc_protocol`. The inherited `protocol`
+property keeps its gRPC meaning (Estimator reads it); the tf-encrypted one is
+`tfe_protocol`.
+"""
+import dataclasses
+import logging
+import os
+from typing import Optional, Sequence
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow_estimator.python.estimator import run_config as run_config_lib
+
+from tfe_estimator.cluster import spec as cluster_lib
+from tfe_estimator.distribute.aggregation import validate_clip_norm
+from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
+from tfe_estimator.secure.precision import get_precision
+from tfe_estimator.secure.protocols import load_backend, validate_protocol
+from tfe_estimator.distribute.strategy import TfeStrategy
+
+__all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_twin_config"]
+
+#: Set by `tfe-estimator launch` in every task's environment (defined in `cluster`).
+LAUNCH_PROTOCOL_ENV = cluster_lib.LAUNCH_PROTOCOL_ENV
+
+_OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol", "dp")
+
+
+def default_session_config() -> tf.compat.v1.ConfigProto:
+    """Estimator's default session config (soft placement, one optimizer pass)."""
+    return run_config_lib.get_default_session_config()
+
+
+def plaintext_twin_config(devices: Sequence[str], session_config=None, **run_config_kwargs) -> tf.estimator.RunConfig:
+    """The plaintext twin of a `TfeRunConfig`: the same replicas, summed in the clear.
+
+    Its strategies are `MirroredStrategy` with `ReductionToOneDevice` on
+    `devices` (local, or a cluster's `TfeCluster.replica_devices()`), so a
+    model trained with it is what the secure one must match.
+
+    Example::
+
+        secure = TfeRunConfig(model_dir="/tmp/secure", num_replicas=2)
+        plain = plaintext_twin_config(secure.train_distribute.extended.worker_devices,
+                                      model_dir="/tmp/plain")
+    """
+    with tf.Graph().as_default():  # in-graph multi-worker MirroredStrategy is graph-only
+        strategies = [_PlaintextTwinStrategy(list(devices)) for _ in range(2)]
+    session_config = session_config or default_session_config()
+    session_config.device_count["CPU"] = max(session_config.device_count.get("CPU", 1), cpus_needed(devices))
+    return tf.estimator.RunConfig(train_distribute=strategies[0], eval_distribute=strategies[1],
+                                  session_config=session_config, **run_config_kwargs)
+
+
+class _PlaintextTwinExtended(mirrored_strategy.MirroredExtended):
+    """`MirroredExtended` without the unused collective all-reduce.
+
+    MirroredStrategy also builds a `CollectiveAllReduce` (for XLA on GPUs),
+    which Estimator deep-copies with the config; on TF 2.9 the copy creates a
+    variable on the replicas' devices eagerly and fails once the process's
+    eager runtime has fewer CPU devices than the twin. The twin's reductions
+    are all `ReductionToOneDevice`, as `TfeStrategy`'s are `SecureAggregation`.
+    """
+
+    def _make_collective_ops(self, devices):  # TF 2.9
+        del devices
+        return self._cross_device_ops
+
+    def _make_collective_ops_with_fallbacks(self):  # TF 2.10+
+        return self._cross_device_ops
+
+
+class _PlaintextTwinStrategy(tf.compat.v1.distribute.MirroredStrategy):
+    """`MirroredStrategy` with `ReductionToOneDevice` on `devices`: the plaintext twin."""
+
+    def __init__(self, devices):  # pylint: disable=super-init-not-called
+        extended = _PlaintextTwinExtended(self, devices=devices,
+                                          cross_device_ops=tf.distribute.ReductionToOneDevice())
+        distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
+
+
+@dataclasses.dataclass(frozen=True)
+class TfeSettings:
+    """The validated secure-aggregation settings of a `TfeRunConfig`."""
+
+    protocol: str = "pond"
+    precision: str = "low"
+    num_replicas: Optional[int] = None
+    clip_norm: Optional[float] = None
+    dp: Optional[object] = None  # a tfe_estimator.DistributedDP (checked by SecureAggregation)
+
+    def __post_init__(self):
+        validate_protocol(self.protocol)
+        validate_clip_norm(self.clip_norm)
+        get_precision(self.precision)
+        if self.num_replicas is not None:
+            validate_num_replicas(self.num_replicas)
+
+
+class TfeRunConfig(tf.estimator.RunConfig):
+    """A `RunConfig` whose `train_distribute` and `eval_distribute` are `TfeStrategy`.
+
+    Without a cluster in TF_CONFIG it trains on `num_replicas` local replicas.
+    With one, the chief and worker tasks are the replicas (the data owners)
+    and the tasks of the job `tfe` are the TFE parties; see
+    `tfe_estimator.cluster.spec`.
+
+    Args:
+      protocol: tf-encrypted protocol, "pond" or "aby3".
+      num_replicas: local replicas (default 2). Ignored in a TF_CONFIG
+        cluster, where each chief/worker task is one replica.
+      precision: "low" or "high"; see `tfe_estimator.secure.precision`.
+      clip_norm: optional per-replica L2 norm to clip gradients to before
+        they are shared, so out-of-range gradients are bounded instead of
+        refused (see `SecureAggregation`).
+      grpc_protocol: `tf.estimator.RunConfig`'s `protocol` (gRPC flavour).
+      dp: optional `tfe_estimator.DistributedDP`: DP-SGD whose noise each
+        replica adds inside the secure sum (see `tfe_estimator.privacy.dp`); our
+        model_fns clip per example when it is set.
+      **kwargs: any other `tf.estimator.RunConfig` argument except
+        `train_distribute` and `eval_distribute`.
+
+    Raises:
+      ValueError, TypeError: for a bad protocol, precision or num_replicas,
+        a distribute argument, or a TF_CONFIG that cannot run secure
+        aggregation (the message names TF_CONFIG and the fix).
+    """
+
+    def __init__(
+        self,
+        protocol: str = "pond",
+        num_replicas: Optional[int] = None,
+        precision: str = "low",
+        clip_norm: Optional[float] = None,
+        grpc_protocol: Optional[str] = None,
+        dp=None,
+        **kwargs,
+    ) -> None:
+        for name in ("train_distribute", "eval_distribute"):
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"TfeRunConfig sets {name} itself (a TfeStrategy); got {name}="
+                    f"{kwargs[name]!r}. To combine your own strategy, use "
+                    "tf.estimator.RunConfig with tfe_estimator.TfeStrategy."
+                )
+        settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
+                               clip_norm=clip_norm, dp=dp)
+        kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
+        super().__init__(protocol=grpc_protocol, **kwargs)
+        self._tfe_settings = settings
+        _check_model_dir_replicas(self)
+
+    @property
+    def tfe_settings(self) -> TfeSettings:
+        """The secure-aggregation settings."""
+        return self._tfe_settings
+
+    @property
+    def tfe_protocol(self) -> str:
+        """The tf-encrypted protocol ("pond" or "aby3")."""
+        return self._tfe_settings.protocol
+
+    @property
+    def precision(self) -> str:
+        """The fixed-point precision ("low" or "high")."""
+        return self._tfe_settings.precision
+
+    @property
+    def num_replicas(self) -> int:
+        """How many replicas train: local ones, or the cluster's chief + workers."""
+        return self._train_distribute.num_replicas_in_sync
+
+    def replace(self, **kwargs) -> "TfeRunConfig":
+        """Returns a copy with `kwargs` replaced; keeps the TFE settings.
+
+        Accepts the `tf.estimator.RunConfig.replace` properties plus
+        `protocol` (tf-encrypted's), `precision`, `num_replicas`, `clip_norm`,
+        `dp` and `grpc_protocol`.
+        """
+        ours = {k: kwargs.pop(k) for k in _OURS if k in kwargs}
+        if "grpc_protocol" in ours:
+            kwargs["protocol"] = ours.pop("grpc_protocol")
+        settings = self._tfe_settings
+        if ours:
+            settings = dataclasses.replace(settings, **ours)
+            kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config", self.session_config)))
+        new = super().replace(**kwargs)
+        new._tfe_settings = settings  # pylint: disable=protected-access
+        if "model_dir" in kwargs or "num_replicas" in ours:
+            _check_model_dir_replicas(new)
+        return new
+
+
+def _check_model_dir_replicas(config: "TfeRunConfig") -> None:
+    """Refuses more replicas than wrote model_dir's checkpoint (a clear error, not a missing key)."""
+    if config.task_type == "evaluator":  # evaluation restores no per-replica optimizer slots
+        return
+    from tfe_estimator.distribute.checkpoint_replicas import check_checkpoint_replicas  # pylint: disable=import-outside-toplevel
+
+    source = "the chief and workers of TF_CONFIG" if config.cluster_spec else "num_replicas"
+    check_checkpoint_replicas(config.model_dir, config.num_replicas, source)
+
+
+#: Above this many local replicas TfeRunConfig warns: they all share this machine's cores.
+MANY_LOCAL_REPLICAS = 16
+
+
+def _warn_many_local_replicas(num_replicas: int) -> None:
+    """Warns that local replicas are devices of this one process, however large the ring."""
+    if num_replicas > MANY_LOCAL_REPLICAS:
+        logging.getLogger("tfe_estimator").warning(
+            "num_replicas=%d local replicas: every replica is a CPU device of this one process, so the "
+            "graph holds %d copies of the model and each step secret-shares %d updates on this machine's "
+            "cores; graph building and steps grow about linearly (precision only bounds how many values the "
+            "ring can sum, not the cost). Use a few local replicas to test, and a cluster "
+            "(TF_CONFIG, one task per data owner) for many owners.", num_replicas, num_replicas, num_replicas)
+
+
+def _check_launch_protocol(protocol: str) -> None:
+    """Refuses a protocol other than the one `tfe-estimator launch` started the cluster for."""
+    launched = os.environ.get(LAUNCH_PROTOCOL_ENV)
+    if launched and launched != protocol:
+        raise ValueError(
+            f"TfeRunConfig(protocol={protocol!r}) but this task was launched for protocol "
+            f"{launched!r} ({LAUNCH_PROTOCOL_ENV}={launched}): every task of a cluster must use "
+            f"the same protocol. Pass protocol=os.environ[{LAUNCH_PROTOCOL_ENV!r}] or launch "
+            f"with --protocol {protocol}."
+        )
+
+
+def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
+    """The strategies and session config `RunConfig` gets for `settings`."""
+    _check_launch_protocol(settings.protocol)
+    spec = cluster_lib.TfeCluster.from_environment()
+    if spec is not None and spec.task_type == cluster_lib.TFE_JOB:
+        raise ValueError(
+            f"TF_CONFIG says this is task {spec.task_index} of the '{cluster_lib.TFE_JOB}' job: "
+            "TFE parties run `tfe-estimator server`, not a training script."
+        )
+    # Fail early without secure randomness, and register tf-encrypted's ops
+    # before Estimator starts this task's TensorFlow server.
+    load_backend()
+    if spec is not None and spec.is_evaluator:
+        # Survive checkpoint rotation: skip (and log) a checkpoint deleted before it is restored.
+        from tfe_estimator.cluster.evaluator import install_checkpoint_retry  # pylint: disable=import-outside-toplevel
+
+        install_checkpoint_retry()
+    if spec is None or spec.is_evaluator:  # the evaluator evaluates on its own replicas
+        _warn_many_local_replicas(validate_num_replicas(settings.num_replicas))
+        replicas, servers = local_layout(validate_num_replicas(settings.num_replicas), settings.protocol)
+    else:
+        spec.check_protocol(settings.protocol)
+        replicas, servers = spec.replica_devices(), spec.server_devices()
+    strategies = [
+        TfeStrategy(devices=replicas, protocol=settings.protocol, precision=settings.precision,
+                    server_devices=servers, clip_norm=settings.clip_norm,
+                    dp=settings.dp,  # differential privacy pass-through
+                    # exact evaluation with fewer batches than replicas; training keeps
+                    # its steps free of the per-step cross-worker synchronisation
+                    partial_batches=(mode == "eval"))
+        for mode in ("train", "eval")
+    ]
+    # The strategy's update_config_proto asks for the CPU devices of its layout.
+    session_config = strategies[0].update_config_proto(session_config or default_session_config())
+    return {
+        "train_distribute": strategies[0],
+        "eval_distribute": strategies[1],
+        "session_config": session_config,
+    }

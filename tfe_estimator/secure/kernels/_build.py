@@ -1,0 +1,142 @@
+"""Compiles the kernel library against the installed TensorFlow, once, into a cache.
+
+The library is built with the machine's C++ compiler (``$CXX``, default
+``g++``) from the sources in ``kernels/src`` with TensorFlow's own compile and
+link flags, and with the BoringSSL headers that TensorFlow's wheel ships
+(``include/external/boringssl/src/include``): the cipher is BoringSSL's, whose
+symbols ``libtensorflow_framework.so.2`` exports. ``-Wl,--no-undefined`` makes
+the link step prove that every symbol (``EVP_aes_128_ctr``, ``RAND_bytes``, ...)
+is there.
+
+The result is cached per TensorFlow version, Python version and source hash
+under ``$TFE_ESTIMATOR_KERNEL_CACHE`` (default
+``$XDG_CACHE_HOME/tfe_estimator/kernels`` or ``~/.cache/tfe_estimator/kernels``),
+and built under a file lock: the tasks of a cluster start at the same moment,
+and exactly one of them compiles.
+
+Example::
+
+    >>> from tfe_estimator.secure.kernels import _build
+    >>> path = _build.build()          # compiles on first use, then reuses
+    >>> path.name
+    'libtfe_estimator_kernels.so'
+"""
+import fcntl
+import hashlib
+import logging
+import os
+import pathlib
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import List
+
+__all__ = ["KernelBuildError", "build", "library_path", "compile_command", "SOURCE_DIR"]
+
+log = logging.getLogger("tfe_estimator")
+
+SOURCE_DIR = pathlib.Path(__file__).parent / "src"
+LIBRARY_NAME = "libtfe_estimator_kernels.so"
+CACHE_ENV = "TFE_ESTIMATOR_KERNEL_CACHE"
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel library could not be compiled; the message names the command and the fix."""
+
+
+def _sources() -> List[pathlib.Path]:
+    return sorted(SOURCE_DIR.glob("*.cc"))
+
+
+def _tf():
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    return tf
+
+
+def _cxx_standard(tf_version: str) -> str:
+    # TF 2.9's headers break under C++17 (StringPiece becomes std::string_view
+    # and loading fails on an undefined OpKernelRegistrar symbol).
+    major, minor = (int(p) for p in tf_version.split(".")[:2])
+    return "-std=c++14" if (major, minor) < (2, 10) else "-std=c++17"
+
+
+def compile_command(output: pathlib.Path) -> List[str]:
+    """The compiler command that builds the library into `output`."""
+    tf = _tf()
+    include = pathlib.Path(tf.sysconfig.get_include())
+    flags = [f for f in tf.sysconfig.get_compile_flags() if not f.lstrip("-").startswith("std=")]
+    return [
+        os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O3", _cxx_standard(tf.__version__),
+        *flags, f"-I{include / 'external' / 'boringssl' / 'src' / 'include'}",
+        *[str(s) for s in _sources()], "-o", str(output),
+        *tf.sysconfig.get_link_flags(), "-Wl,--no-undefined",
+    ]
+
+
+def _cache_root() -> pathlib.Path:
+    if os.environ.get(CACHE_ENV):
+        return pathlib.Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "tfe_estimator" / "kernels"
+
+
+def library_path() -> pathlib.Path:
+    """Where the library for this TensorFlow, Python and source version lives."""
+    tf = _tf()
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(compile_command(pathlib.Path("out"))).encode())
+    key = f"tf{tf.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest.hexdigest()[:16]}"
+    return _cache_root() / key / LIBRARY_NAME
+
+
+def build(force: bool = False) -> pathlib.Path:
+    """Compiles the library unless it is cached; returns its path.
+
+    Args:
+      force: recompile even if a cached library exists.
+
+    Raises:
+      KernelBuildError: no compiler, or the compiler failed (the message
+        names the command, its last output lines and the fix).
+    """
+    target = library_path()
+    if target.exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per cache entry; the others wait
+        if target.exists() and not force:
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            partial = pathlib.Path(tmp) / LIBRARY_NAME
+            command = compile_command(partial)
+            _compile(command)
+            os.replace(partial, target)  # atomic: a reader sees no half-written file
+    log.info("built the tfe_estimator kernel library %s", target)
+    return target
+
+
+def _compile(command: List[str]) -> None:
+    if shutil.which(command[0]) is None:
+        raise KernelBuildError(
+            f"No C++ compiler {command[0]!r} on PATH, and tfe_estimator's AES-CTR kernels must be "
+            "compiled against the installed TensorFlow. Install one (Debian/Ubuntu: "
+            "`apt-get install g++`) or set CXX to a compiler, then run `tfe-estimator "
+            "build-kernels`. Secure aggregation does not run without them."
+        )
+    log.info("compiling the tfe_estimator kernels: %s", shlex.join(command))
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-15:])
+        raise KernelBuildError(
+            f"Compiling tfe_estimator's kernels failed (exit {result.returncode}):\n"
+            f"  {shlex.join(command)}\n{tail}\n"
+            "Fix: use g++ >= 9 (C++17; TensorFlow 2.9 needs C++14 headers, which this "
+            "command selects), and a TensorFlow wheel that ships its headers (the "
+            "`tensorflow` or `tensorflow-cpu` package). Then run `tfe-estimator build-kernels`."
+        )

@@ -1,0 +1,102 @@
+"""Python wrappers of the fused secure-sum ops, one per party's step.
+
+Pond's sum of replica vectors x_r in the ring Z_{2^R} (R = 64 or 128):
+
+    share_r, seed_r = mask_share(x_r, ...)             # on replica r
+    part_k = server_sum(seeds_k, shares_k, ...)         # on server k = 0, 1
+    y = reveal_sum(part_0, part_1, dtype, ...)          # on each destination
+
+Ring tensors are int64: shape [n] on the 64-bit ring, [n, 2] (low, high
+word) on the 128-bit ring.
+
+Example::
+
+    share, seed = mask_share(x, bound=2.0**24, ring_bits=64, fraction_bits=32,
+                             owner="replica 0", hint="clip gradients")
+    y = reveal_sum(server_sum([seed], [], 64, n), server_sum([], [share], 64, n),
+                   tf.float32, ring_bits=64, fraction_bits=32)
+"""
+import math
+from typing import Optional, Sequence, Union
+
+import tensorflow as tf
+
+from tfe_estimator.secure import kernels
+
+__all__ = ["mask_share", "server_sum", "reveal_sum", "keystream", "discrete_gaussian"]
+
+
+def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring_bits: int, fraction_bits: int,
+               owner: str, hint: str, noise: Optional[tf.Tensor] = None):
+    """Checks, encodes and masks `values` in one pass; returns ``(share, seed)``.
+
+    `values` is a tensor or a list of tensors of one dtype, read as one flat
+    vector (their elements in order), so no concat is needed before.
+
+    Fails at run time, naming `owner` and `hint` but no value, if an element
+    is NaN/infinite or not below `bound` in magnitude. `noise` (int64, one
+    element per value, in ring units) is added to the encoding before masking.
+    """
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    return kernels.load().tfe_mask_share(
+        values, [] if noise is None else [noise], ring_bits=ring_bits, fraction_bits=fraction_bits,
+        bound_log2=_log2(bound), owner=owner, hint=hint)
+
+
+def discrete_gaussian(num_elements: int, variance: float):
+    """`num_elements` int64 samples of the exact discrete Gaussian N_Z(0, variance).
+
+    `variance` must be an integer in [1, 2**100] (Canonne, Kamath, Steinke 2020;
+    AES-128-CTR randomness under a fresh RAND_bytes key on every run).
+    """
+    return kernels.load().tfe_discrete_gaussian(tf.constant([num_elements], tf.int64),
+                                                tf.constant(variance, tf.float64))
+
+
+def server_sum(seeds: Sequence[tf.Tensor], shares: Sequence[tf.Tensor], ring_bits: int, num_elements: int):
+    """Sum of the masks of `seeds` and of `shares`, modulo ``2**ring_bits``."""
+    return kernels.load().tfe_server_sum(list(seeds), list(shares), ring_bits=ring_bits,
+                                         num_elements=num_elements)
+
+
+def reveal_sum(share0, share1, dtype: tf.DType, ring_bits: int, fraction_bits: int, scale: float = 1.0,
+               shapes: Optional[Sequence[tf.TensorShape]] = None):
+    """Adds two ring shares and decodes them to `dtype` (floats times `scale`).
+
+    Returns one vector, or, with `shapes`, a list of tensors of those shapes
+    (the sum's elements in order), so no split is needed after.
+    """
+    lib = kernels.load()
+    divisor = _divisor(scale)
+    if shapes is None:
+        return lib.tfe_reveal_sum(share0, share1, T=dtype, N=1, ring_bits=ring_bits,
+                                  fraction_bits=fraction_bits, divisor=divisor)[0]
+    shapes = [tf.TensorShape(s) for s in shapes]
+    return lib.tfe_reveal_sum(share0, share1, T=dtype, N=len(shapes), ring_bits=ring_bits,
+                              fraction_bits=fraction_bits, divisor=divisor, shapes=shapes)
+
+
+def _log2(bound: float) -> int:
+    """The exponent of a power-of-two bound (every fixed-point limit is one)."""
+    exponent = math.frexp(bound)[1] - 1
+    if bound <= 0 or 2.0**exponent != bound:
+        raise ValueError(f"bound must be a power of two, got {bound!r}")
+    return exponent
+
+
+def _divisor(scale: float) -> int:
+    """`scale` as ``1 / divisor`` (a MEAN over replicas, or 1).
+
+    Bounds and scales are op attributes, not constant tensors: a constant
+    made on one task and read by an op on another would cost a round trip
+    per step on a cluster.
+    """
+    divisor = round(1.0 / scale)
+    if divisor < 1 or 1.0 / divisor != scale:
+        raise ValueError(f"scale must be 1/N for an integer N >= 1, got {scale!r}")
+    return divisor
+
+
+def keystream(key, counter, num_bytes: int):
+    """Raw AES-128-CTR keystream (uint8) of a 16-byte `key` from 16-byte block `counter`."""
+    return kernels.load().tfe_aes_ctr_keystream(key, counter, tf.constant(num_bytes, tf.int64))

@@ -1,0 +1,174 @@
+"""`tfe-estimator bench`: secure aggregation vs its plaintext twin, side by side.
+
+Runs every case's secure Estimator (`TfeRunConfig`) and its plaintext twin
+(`MirroredStrategy` + `ReductionToOneDevice` on the same devices) in one run,
+alternating rounds of steps between them (see `tfe_estimator.tools.bench.timing`),
+and reports the median ms/step and the ratio per case; the bytes each
+replica uploads to the TFE servers per parameter and step, counted from the
+training graph (`tfe_estimator.tools.bench.traffic`); and the secure sum alone
+against `ReductionToOneDevice` (`tfe_estimator.tools.bench.secure_sum_micro`).
+
+Writes ``results.json``, ``benchmark.png`` and ``BENCHMARKS.md`` into
+``--out`` (default ``bench-results/``) and prints one line per case.
+
+Example::
+
+    $ python -m tfe_estimator.tools.bench                  # the default cases, a few minutes on 2 cores
+    $ python -m tfe_estimator.tools.bench --quick --out /tmp/b   # tiny sizes, a smoke test
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Dict, List, Optional, Sequence
+
+from tfe_estimator.tools.bench.workloads import Workload
+
+__all__ = ["main", "parse_args", "default_cases", "quick_cases", "cluster_case_supported"]
+
+
+def cluster_case_supported() -> bool:
+    """Whether this TensorFlow runs the loopback-cluster case (TF 2.9 only, for now).
+
+    The case drives two Estimators' `train()` in threads against the chief's
+    server without the distribute coordinator; on TensorFlow 2.15 the remote
+    worker's input iterator then fails ("Attempted create an iterator on
+    device /job:worker/... from handle defined on device /job:chief/...").
+    `train_and_evaluate` on a cluster (the demo, the launch and fault tests)
+    is not affected.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    return tuple(int(p) for p in tf.__version__.split(".")[:2]) < (2, 10)
+
+
+def _cases(cases: List[Workload]) -> List[Workload]:
+    return [c for c in cases if not c.cluster or cluster_case_supported()]
+
+
+def default_cases() -> List[Workload]:
+    return _cases([
+        Workload("linear-1e3", "linear", 1_000),
+        Workload("linear-1e5", "linear", 100_000),
+        Workload("linear-1e6", "linear", 1_000_000),
+        Workload("dnn-256", "dnn", 256, hidden_units=(512, 256, 128)),
+        Workload("linear-1e5-4rep", "linear", 100_000, replicas=4),
+        Workload("cluster-linear-1e5", "linear", 100_000, cluster=True),
+    ])
+
+
+def quick_cases() -> List[Workload]:
+    return _cases([
+        Workload("linear-1e2", "linear", 100),
+        Workload("linear-1e3", "linear", 1_000),
+        Workload("dnn-16", "dnn", 16, hidden_units=(16, 8)),
+        Workload("linear-1e2-4rep", "linear", 100, replicas=4),
+        Workload("cluster-linear-1e2", "linear", 100, cluster=True),
+    ])
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tfe-estimator bench",
+                                     description="Secure aggregation vs plaintext, side by side.")
+    parser.add_argument("--out", default="bench-results", help="output directory (default bench-results/)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few steps: a smoke test")
+    parser.add_argument("--batch-size", type=int, default=32, help="examples per replica per step (default 32)")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds per case (default 6; quick 2)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per twin per round (default 10; quick 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per twin first (default 5; quick 2)")
+    parser.add_argument("--cases", default=None, help="comma-separated case names to run (default all)")
+    parser.add_argument("--no-cluster", action="store_true", help="skip the loopback cluster case")
+    parser.add_argument("--no-secure-sum", action="store_true", help="skip the secure-sum microbenchmark")
+    parser.add_argument("--protocol", default="pond", help="tf-encrypted protocol (default pond)")
+    parser.add_argument("--markdown", default=None, help="also write the Markdown report to this path")
+    parser.add_argument("--plot", default=None, help="also copy the PNG plot to this path")
+    parser.add_argument("--cluster-task", default=None, help=argparse.SUPPRESS)  # JSON of one case, for tasks
+    return parser.parse_args(argv)
+
+
+def _settings(args) -> Dict:
+    quick = args.quick
+    return {
+        "batch_size": args.batch_size,
+        "rounds": args.rounds or (2 if quick else 6),
+        "steps": args.steps or (3 if quick else 10),
+        "warmup": args.warmup if args.warmup is not None else (2 if quick else 5),
+        "protocol": args.protocol,
+        "precision": "low",
+        "quick": quick,
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the benchmark; returns 0. See the module docstring."""
+    args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.cluster_task:
+        from tfe_estimator.tools.bench.cluster_task import run_task  # pylint: disable=import-outside-toplevel
+
+        return run_task(json.loads(args.cluster_task))
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.tools.bench import report  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.tools.bench.cases import run_cluster_case, run_local_case  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.tools.bench.secure_sum_micro import run_secure_sum  # pylint: disable=import-outside-toplevel
+
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    settings = _settings(args)
+    out = os.path.abspath(str(args.out))
+    os.makedirs(out, exist_ok=True)
+    cases = quick_cases() if args.quick else default_cases()
+    if not cluster_case_supported():
+        print(f"[bench] the loopback-cluster case is skipped on TensorFlow {tf.__version__} "
+              "(see tfe_estimator.tools.bench.cluster_case_supported)", flush=True)
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        cases = [c for c in cases if c.name in wanted]
+    if args.no_cluster:
+        cases = [c for c in cases if not c.cluster]
+    results = {"machine": report.machine(), "settings": settings, "cases": [], "secure_sum": []}
+    workdir = tempfile.mkdtemp(prefix="tfe-estimator-bench-")
+    try:
+        for case in cases:
+            run = run_cluster_case if case.cluster else run_local_case
+            row = run(case, settings, os.path.join(workdir, case.name))
+            results["cases"].append(row)
+            print(f"[bench] {case.name:>20}: {case.describe()}: secure {row['secure_ms_per_step']:.2f} ms/step, "
+                  f"plaintext {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "
+                  f"(target <= {report.target_of(row):.2f}), upload "
+                  f"{row['upload_bytes_per_param_per_replica_per_step']:.3f} B/param/replica/step", flush=True)
+            report.write_json(os.path.join(out, "results.json"), results)
+        if not args.no_secure_sum:
+            sizes = [1_000, 10_000] if args.quick else [10_000, 100_000, 1_000_000]
+            for row in run_secure_sum(sizes, rounds=settings["rounds"], steps=settings["steps"] * 2,
+                                      protocol=args.protocol):
+                results["secure_sum"].append(row)
+                print(f"[bench] {'secure-sum':>20}: {row['params']:,} params x {row['replicas']} replicas: "
+                      f"secure {row['secure_ms']:.2f} ms, reference (tf-encrypted) {row['reference_ms']:.2f} ms, "
+                      f"plaintext {row['plaintext_ms']:.2f} ms: extra {row['extra_ns_per_param_per_replica']:.2f} "
+                      f"ns/param/replica (target <= {report.TARGET_EXTRA_NS:g}; reference "
+                      f"{row['reference_extra_ns_per_param_per_replica']:.2f}), upload "
+                      f"{row['upload_bytes_per_param_per_replica']:.3f} B/param/replica", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report.write_json(os.path.join(out, "results.json"), results)
+    png = os.path.join(out, "benchmark.png")
+    report.write_plot(png, results)
+    md = report.markdown(results, png_name="benchmark.png")
+    with open(os.path.join(out, "BENCHMARKS.md"), "w") as f:
+        f.write(md)
+    if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        shutil.copyfile(png, args.plot)
+    if args.markdown:
+        png_ref = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.markdown))) if args.plot else png
+        with open(args.markdown, "w") as f:
+            f.write(report.markdown(results, png_name=png_ref))
+    print(f"[bench] wrote {out}/results.json, benchmark.png, BENCHMARKS.md", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

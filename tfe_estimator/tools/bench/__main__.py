@@ -1,0 +1,6 @@
+"""`python -m tfe_estimator.tools.bench`."""
+import sys
+
+from tfe_estimator.tools.bench import main
+
+sys.exit(main())

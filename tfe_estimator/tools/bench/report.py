@@ -1,0 +1,165 @@
+"""The benchmark's outputs: machine description, JSON, PNG plot, Markdown table."""
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+from typing import Dict
+
+__all__ = ["machine", "write_json", "write_plot", "markdown"]
+
+#: Step-time ratio targets (secure / plaintext) per model kind, the cluster's,
+#: the upload per parameter, and the secure sum's extra ns per parameter per replica.
+TARGET_LINEAR, TARGET_DNN, TARGET_CLUSTER, TARGET_UPLOAD, TARGET_EXTRA_NS = 1.15, 1.60, 1.30, 8.0, 3.0
+
+
+def machine() -> Dict:
+    """CPU model, cores, date and versions of the machine the benchmark runs on."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    versions = {"python": platform.python_version(), "tensorflow": tf.__version__}
+    for module, dist in (("tensorflow_estimator", "tensorflow-estimator"), ("tf_encrypted", "tf-encrypted"),
+                         ("tfe_estimator", "tfe-estimator")):
+        try:
+            versions[module] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[module] = "?"
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "versions": versions}
+
+
+def write_json(path: str, results: Dict) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2, sort_keys=False)
+
+
+def target_of(case: Dict) -> float:
+    if case["cluster"]:
+        return TARGET_CLUSTER
+    return TARGET_DNN if case["model"] == "dnn" else TARGET_LINEAR
+
+
+def write_plot(path: str, results: Dict) -> None:
+    """Ratio secure/plaintext vs parameters per case, and the secure sum's throughput."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    cases = results["cases"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    groups = {}
+    for c in cases:
+        key = ("cluster" if c["cluster"] else f"{c['replicas']} local replicas") + f", {c['model']}"
+        groups.setdefault(key, []).append(c)
+    for key, members in groups.items():
+        members = sorted(members, key=lambda c: c["params"])
+        left.plot([c["params"] for c in members], [c["ratio"] for c in members], "o-", label=key)
+        for c in members:
+            left.annotate(c["name"], (c["params"], c["ratio"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    left.axhline(TARGET_LINEAR, color="green", ls="--", lw=1, label=f"target linear ({TARGET_LINEAR})")
+    left.axhline(TARGET_DNN, color="purple", ls="--", lw=1, label=f"target DNN ({TARGET_DNN})")
+    left.axhline(TARGET_CLUSTER, color="orange", ls="--", lw=1, label="target cluster (1.30)")
+    left.axhline(1.0, color="gray", lw=0.5)
+    left.set_xscale("log")
+    left.set_xlabel("trainable parameters")
+    left.set_ylabel("secure / plaintext time per step")
+    left.set_title(f"Estimator training step (batch {results['settings']['batch_size']} per replica)")
+    left.legend(fontsize=7)
+    micro = results.get("secure_sum") or []
+    if micro:
+        sizes = [m["params"] for m in micro]
+        right.plot(sizes, [m["extra_ns_per_param_per_replica"] for m in micro], "o-",
+                   label="fused AES-CTR kernels (default)")
+        right.plot(sizes, [m["reference_extra_ns_per_param_per_replica"] for m in micro], "s-",
+                   label="tf-encrypted's Pond (reference)")
+        right.axhline(TARGET_EXTRA_NS, color="green", ls="--", lw=1, label=f"target ({TARGET_EXTRA_NS} ns)")
+        right.set_xscale("log")
+        right.set_xlabel("parameters per replica")
+        right.set_ylabel("extra ns per parameter per replica")
+        right.set_title(f"Secure sum alone vs ReductionToOneDevice, {micro[0]['replicas']} replicas")
+        right.legend(fontsize=7)
+    m = results["machine"]
+    fig.suptitle(f"tfe_estimator benchmark — {m['cpu']}, {m['cores']} cores, {m['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
+    """BENCHMARKS.md: machine, method, the table, the secure sum alone, traffic."""
+    m, s = results["machine"], results["settings"]
+    v = m["versions"]
+    lines = [
+        f"## TensorFlow {v['tensorflow']}, Python {v['python']}",
+        "",
+        "Secure aggregation (`TfeRunConfig`, Pond, `precision=\"low\"`) against its plaintext twin "
+        "(`MirroredStrategy` with `ReductionToOneDevice` on the same devices), measured side by side "
+        "in one run by `tfe-estimator bench` (`python -m tfe_estimator.tools.bench`).",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores; {m['platform']}; {m['date']}. "
+        f"Python {v['python']}, TensorFlow {v['tensorflow']}, tensorflow-estimator {v['tensorflow_estimator']}, "
+        f"tf-encrypted {v['tf_encrypted']}, tfe_estimator {v['tfe_estimator']}.",
+        "",
+        f"Method: batch {s['batch_size']} per replica (one cached synthetic batch, repeated); each twin makes one "
+        f"`train()` call in its own thread and the two take turns: {s['warmup']} warm-up steps each, then "
+        f"{s['rounds']} rounds of {s['steps']} steps per twin, the order alternating per round. A hook times each "
+        "step (`session.run` plus Estimator's own hooks); graph building, session creation and checkpoints are "
+        "outside the timed steps. ms/step is the median over all timed steps; the ratio is the median over "
+        "rounds of (secure round median / plaintext round median). Upload is counted from the training "
+        "graph's edges from replica devices to TFE server devices (elements x dtype size, per distinct "
+        "tensor and destination), divided by replicas and parameters.",
+        "",
+        "| case | workload | params | secure ms/step | plaintext ms/step | ratio | target | upload B/param/replica/step |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c in results["cases"]:
+        target = target_of(c)
+        mark = "" if c["ratio"] <= target else " (missed)"
+        lines.append(
+            f"| {c['name']} | {c['description']} | {c['params']:,} | {c['secure_ms_per_step']:.2f} | "
+            f"{c['plaintext_ms_per_step']:.2f} | **{c['ratio']:.2f}**{mark} | <= {target:.2f} | "
+            f"{c['upload_bytes_per_param_per_replica_per_step']:.3f} |"
+        )
+    micro = results.get("secure_sum") or []
+    if micro:
+        lines += [
+            "",
+            f"The sum alone ({micro[0]['replicas']} replicas, float32 vector, plain graph session, result "
+            "added into a variable on each replica), the default fused kernels and tf-encrypted's Pond "
+            "(the reference implementation, with our AES-CTR generator) beside `ReductionToOneDevice`; "
+            "extra = (secure - plaintext) / (params x replicas):",
+            "",
+            "| params | secure ms | reference ms | plaintext ms | extra ns/param/replica (target <= "
+            f"{TARGET_EXTRA_NS:g}) | reference extra ns | upload B/param/replica |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in micro:
+            mark = "" if r["extra_ns_per_param_per_replica"] <= TARGET_EXTRA_NS else " (missed)"
+            lines.append(
+                f"| {r['params']:,} | {r['secure_ms']:.2f} | {r['reference_ms']:.2f} | {r['plaintext_ms']:.2f} | "
+                f"**{r['extra_ns_per_param_per_replica']:.2f}**{mark} | "
+                f"{r['reference_extra_ns_per_param_per_replica']:.2f} | "
+                f"{r['upload_bytes_per_param_per_replica']:.3f} |"
+            )
+        kinds = sorted({k for r in micro for k in r["secure_op_ms_by_kind"]})
+        lines += [
+            "",
+            "Where the secure sum's time goes (one traced step: op time in ms summed over threads, by kind; "
+            "the wall time of a step is the median above):",
+            "",
+            "| params | " + " | ".join(kinds) + " | wall ms |",
+            "| ---: | " + " | ".join("---:" for _ in kinds) + " | ---: |",
+        ]
+        for r in micro:
+            ops = r["secure_op_ms_by_kind"]
+            lines.append(f"| {r['params']:,} | " + " | ".join(f"{ops.get(k, 0.0):.2f}" for k in kinds)
+                         + f" | {r['secure_ms']:.2f} |")
+    lines += ["", f"![ratio vs model size]({png_name})", ""]
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""The `tfe-estimator` command: `server`, `launch`, `demo`, `bench`, `k8s`.
+
+Example::
+
+    $ tfe-estimator demo                      # secure vs plaintext on one machine
+    $ tfe-estimator demo --cluster            # the same on a loopback cluster
+    $ tfe-estimator launch --workers 1 --evaluator -- python train.py
+    $ TF_CONFIG=... tfe-estimator server      # one TFE party of a real cluster
+    $ tfe-estimator bench                     # secure vs plaintext step time
+    $ tfe-estimator build-kernels             # compile the AES-CTR kernels ahead of time
+    $ tfe-estimator k8s --name demo --image my/train:1 --workers 2 -- python train.py
+"""
+import argparse
+import gc
+import logging
+import sys
+from typing import Optional, Sequence
+
+from tfe_estimator.cluster.server import SERVER_SUBCOMMAND
+
+__all__ = ["parse_args", "main"]
+
+
+#: Subcommands whose arguments are parsed by the module that runs them.
+_PASS_THROUGH = ("bench", "k8s")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parses the command line (without the program name)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in _PASS_THROUGH:
+        return argparse.Namespace(command=argv[0], args=argv[1:])
+    parser = argparse.ArgumentParser(prog="tfe-estimator", description="Secure aggregation for TensorFlow Estimator.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser(SERVER_SUBCOMMAND, help="run this task's TFE party server from TF_CONFIG and block")
+
+    launch = sub.add_parser("launch", help="run a whole cluster on loopback ports as local processes")
+    launch.add_argument("--workers", type=int, default=1, help="workers besides the chief (default 1)")
+    launch.add_argument("--evaluator", action="store_true", help="also run an evaluator task")
+    launch.add_argument("--protocol", default="pond", help="tf-encrypted protocol: pond or aby3")
+    launch.add_argument("--task-cwd", default=None,
+                        help="working directory per task, with {job} and {index}, e.g. 'owners/{job}-{index}'")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart a dying worker or tfe task this often at the same address")
+    launch.add_argument("--restart-delay", type=float, default=0.0, help="seconds to wait before a restart")
+    launch.add_argument("--evaluator-restarts", type=int, default=2,
+                        help="restart a dying evaluator this often; it never stops training (default 2)")
+    launch.add_argument("--down-timeout", type=float, default=300.0,
+                        help="stop the cluster when a worker or tfe task is down this many seconds (default 300)")
+    launch.add_argument("--final-eval-timeout", type=float, default=600.0,
+                        help="seconds the evaluator may take after the chief finished (default 600)")
+    launch.add_argument("--log-dir", default=None,
+                        help="write each task's output to LOG_DIR/<job>-<index>.log instead of the terminal")
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
+
+    demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")
+    demo.add_argument("--cluster", action="store_true", help="on a loopback cluster (chief + workers + tfe)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default 400 local, 300 cluster)")
+    demo.add_argument("--workers", type=int, default=1, help="with --cluster: workers besides the chief")
+    demo.add_argument("--num-replicas", type=int, default=2, help="without --cluster: local replicas")
+    demo.add_argument("--protocol", default="pond")
+
+    build = sub.add_parser("build-kernels", help="compile the AES-CTR kernel library now (e.g. in an image)")
+    build.add_argument("--force", action="store_true", help="recompile even if a cached build exists")
+
+    sub.add_parser("bench", help="secure vs plaintext step time, side by side (see bench --help)")
+    sub.add_parser("k8s", help="print Kubernetes manifests for a cluster (see k8s --help)")
+    return parser.parse_args(argv)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == SERVER_SUBCOMMAND:
+        from tfe_estimator.cluster.server import run_server  # pylint: disable=import-outside-toplevel
+
+        return run_server()
+    if args.command == "launch":
+        from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
+
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return Launcher(cmd, workers=args.workers, evaluator=args.evaluator, protocol=args.protocol,
+                        task_cwd=args.task_cwd, max_restarts=args.max_restarts,
+                        restart_delay=args.restart_delay, evaluator_restarts=args.evaluator_restarts,
+                        down_timeout=args.down_timeout, final_eval_timeout=args.final_eval_timeout,
+                        log_dir=args.log_dir).run()
+    if args.command == "demo":
+        return _demo(args)
+    if args.command == "build-kernels":
+        from tfe_estimator.secure import kernels  # pylint: disable=import-outside-toplevel
+
+        kernels.build(force=args.force)
+        kernels.load()  # and prove it: load it and run the known-answer test
+        print(kernels.library_path())
+        return 0
+    if args.command == "bench":
+        from tfe_estimator.tools import bench  # pylint: disable=import-outside-toplevel
+
+        return bench.main(args.args)
+    if args.command == "k8s":
+        from tfe_estimator.cluster import kubernetes  # pylint: disable=import-outside-toplevel
+
+        return kubernetes.main(args.args)
+    raise AssertionError(args.command)  # argparse allows only the commands above
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.tools.demo import format_comparison, run_local_demo  # pylint: disable=import-outside-toplevel
+
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    if args.cluster:
+        from tfe_estimator.tools.demo_cluster import run_cluster_demo  # pylint: disable=import-outside-toplevel
+
+        results = run_cluster_demo(steps=args.steps or 300, workers=args.workers, protocol=args.protocol)
+        title = (f"LinearRegressor on the diabetes data, loopback cluster: chief + {args.workers} worker(s), "
+                 f"each reading only its own share, + 3 tfe servers ({args.protocol})")
+    else:
+        results = run_local_demo(steps=args.steps or 400, num_replicas=args.num_replicas, protocol=args.protocol)
+        title = f"LinearRegressor on the diabetes data, {args.num_replicas} local replicas ({args.protocol})"
+    print(format_comparison(results, title))
+    # The plaintext twin's MirroredStrategy owns a thread pool; collecting it
+    # now, not at interpreter exit, avoids a spurious "Pool.__del__" traceback.
+    gc.collect()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the `tfe-estimator` console script."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        return _run(parse_args(argv))
+    except ValueError as e:  # bad input: one clear line, not a traceback
+        print(f"tfe-estimator: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
