@@ -1,0 +1,95 @@
+"""Who calls whom on a cluster: the one table transport authorisation derives from.
+
+TensorFlow's rendezvous is pull-based: a ``_Recv`` on task B issues a
+``RecvTensor`` RPC to the task that produced the tensor. So a link is needed
+in each direction in which a tensor or a session's graph travels:
+
+Between-graph mode (the default across organisations; each data owner runs
+only its own graph):
+
+===========  ====================================================  =====================
+caller       callee and RPCs                                       why
+===========  ====================================================  =====================
+owner        ``tfe`` task: CreateWorkerSession, RegisterGraph,     the owner's session
+             RunGraph, RecvTensor, CleanupGraph, ...               runs the server's part
+``tfe``      owner: RecvTensor only                                the server pulls the
+                                                                   owner's share / key
+owner        another owner: never                                  --
+``tfe``      another ``tfe`` task: never                           passive accumulators
+evaluator    nobody; nobody calls it                               evaluates locally
+===========  ====================================================  =====================
+
+In-graph mode (one organisation on a trusted network): the chief's session
+places ops on every task, so every training task may call every other one.
+
+An owner is a task of a job in `spec.DATA_OWNER_JOBS` (chief, worker).
+
+Example::
+
+    >>> allowed_callers("between-graph", "worker")
+    ('tfe',)
+    >>> allowed_callers("between-graph", "tfe")
+    ('chief', 'worker')
+"""
+from typing import Dict, Tuple
+
+from tfe_estimator.cluster.spec import DATA_OWNER_JOBS, TFE_JOB
+
+__all__ = ["CLUSTER_MODES", "BETWEEN_GRAPH", "IN_GRAPH", "allowed_callers", "allowed_callees", "validate_mode"]
+
+BETWEEN_GRAPH = "between-graph"
+IN_GRAPH = "in-graph"
+CLUSTER_MODES = (BETWEEN_GRAPH, IN_GRAPH)
+
+_TRAINING_JOBS = DATA_OWNER_JOBS + (TFE_JOB,)
+
+#: mode -> callee job -> the jobs whose tasks may open a connection to it.
+_CALLERS: Dict[str, Dict[str, Tuple[str, ...]]] = {
+    BETWEEN_GRAPH: {
+        **{owner: (TFE_JOB,) for owner in DATA_OWNER_JOBS},
+        TFE_JOB: DATA_OWNER_JOBS,
+        "evaluator": (),
+    },
+    IN_GRAPH: {
+        **{job: _TRAINING_JOBS for job in _TRAINING_JOBS},
+        "evaluator": (),
+    },
+}
+
+
+def validate_mode(mode: str, source: str = "cluster_mode") -> str:
+    """Returns `mode` if it is one of `CLUSTER_MODES`.
+
+    Raises:
+      ValueError: naming the value, where it came from and the choices.
+    """
+    if mode not in CLUSTER_MODES:
+        raise ValueError(
+            f"{source}={mode!r} is not a cluster mode: use {BETWEEN_GRAPH!r} (the default across "
+            f"organisations: each data owner runs only its own graph) or {IN_GRAPH!r} (one organisation "
+            "on a trusted network: the chief runs ops on every task)."
+        )
+    return mode
+
+
+def allowed_callers(mode: str, job: str) -> Tuple[str, ...]:
+    """The jobs whose tasks may connect to a task of `job` in cluster mode `mode`.
+
+    A task of the same job counts only when the job is listed (in between-graph
+    mode, a worker never accepts another worker).
+
+    Raises:
+      ValueError: for an unknown mode or job.
+    """
+    table = _CALLERS[validate_mode(mode)]
+    if job not in table:
+        raise ValueError(f"job {job!r} has no entry in the {mode} peer table: use one of {sorted(table)}.")
+    return table[job]
+
+
+def allowed_callees(mode: str, job: str) -> Tuple[str, ...]:
+    """The jobs whose tasks a task of `job` may connect to in cluster mode `mode`."""
+    table = _CALLERS[validate_mode(mode)]
+    if job not in table:
+        raise ValueError(f"job {job!r} has no entry in the {mode} peer table: use one of {sorted(table)}.")
+    return tuple(callee for callee, callers in table.items() if job in callers)
