@@ -6,6 +6,12 @@ Pond's sum of replica vectors x_r in the ring Z_{2^R} (R = 64 or 128):
     part_k = server_sum(seeds_k, shares_k, ...)         # on server k = 0, 1
     y = reveal_sum(part_0, part_1, dtype, ...)          # on each destination
 
+or, with one download per destination (what `fused_sum` builds)::
+
+    b, key = blinded_server_sum(seeds_0, shares_0, ...)          # server0
+    w = server_sum(seeds_1, shares_1 + [b], ...)                 # server1
+    y = reveal_sum(w, None, dtype, ..., key=key)                 # each destination
+
 Ring tensors are int64: shape [n] on the 64-bit ring, [n, 2] (low, high
 word) on the 128-bit ring.
 
