@@ -326,10 +326,12 @@ def _assert_roles(protocol, implementation, placement, step_views):
     roles = {}
     for edge, value in step_views:
         kind = "seed" if _is_seed(edge, value) else "share"
-        roles.setdefault(edge.party, set()).add((REPLICAS.index(edge.source_device), kind))
+        source = REPLICAS.index(edge.source_device) if edge.source_device in REPLICAS else edge.source_device
+        roles.setdefault(edge.party, set()).add((source, kind))
     server0, server1 = SERVERS[0], SERVERS[1]
-    if _fused(protocol, implementation):  # replica r's seed to server r % 2, its share to the other
-        expected = {server0: {(0, "seed"), (1, "share")}, server1: {(0, "share"), (1, "seed")}}
+    if _fused(protocol, implementation):
+        # replica r's seed to server r % 2, its share to the other; server0's part, blinded, to server1
+        expected = {server0: {(0, "seed"), (1, "share")}, server1: {(0, "share"), (1, "seed"), (server0, "share")}}
     else:  # tf-encrypted's Pond, its coin forced: every seed to server `placement`
         seeds, shares = {(0, "seed"), (1, "seed")}, {(0, "share"), (1, "share")}
         expected = {server0: seeds, server1: shares} if placement == 0 else {server0: shares, server1: seeds}
@@ -398,19 +400,20 @@ def plant_seed_beside_its_share(monkeypatch):
     """Server0 also receives the seed of the share replica 1 sends it (it can unmask it)."""
     pairs = []
     real_mask_share, real_server_sum = kernel_ops.mask_share, kernel_ops.server_sum
+    real_blinded_server_sum = kernel_ops.blinded_server_sum
 
     def mask_share(*args, **kwargs):
         pairs.append(real_mask_share(*args, **kwargs))
         return pairs[-1]
 
-    def server_sum(seeds, shares, ring_bits, num_elements):
-        total = real_server_sum(seeds, shares, ring_bits, num_elements)
-        if any(s is pairs[-1][0] for s in shares):  # server0 holds replica 1's share
-            total += real_server_sum([pairs[-1][1]], [], ring_bits, num_elements)
-        return total
+    def blinded_server_sum(seeds, shares, ring_bits, num_elements):  # server0
+        total, key = real_blinded_server_sum(seeds, shares, ring_bits, num_elements)
+        assert any(s is pairs[-1][0] for s in shares)  # server0 holds replica 1's share ...
+        total += real_server_sum([pairs[-1][1]], [], ring_bits, num_elements)  # ... and now its seed
+        return total, key
 
     monkeypatch.setattr(kernel_ops, "mask_share", mask_share)
-    monkeypatch.setattr(kernel_ops, "server_sum", server_sum)
+    monkeypatch.setattr(kernel_ops, "blinded_server_sum", blinded_server_sum)
 
 
 POND_PRECISIONS = sorted({q for p, q in COMBINATIONS if p == "pond"})

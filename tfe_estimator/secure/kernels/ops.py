@@ -6,6 +6,12 @@ Pond's sum of replica vectors x_r in the ring Z_{2^R} (R = 64 or 128):
     part_k = server_sum(seeds_k, shares_k, ...)         # on server k = 0, 1
     y = reveal_sum(part_0, part_1, dtype, ...)          # on each destination
 
+or, with one download per destination (what `fused_sum` builds)::
+
+    b, key = blinded_server_sum(seeds_0, shares_0, ...)          # server0
+    w = server_sum(seeds_1, shares_1 + [b], ...)                 # server1
+    y = reveal_sum(w, None, dtype, ..., key=key)                 # each destination
+
 Ring tensors are int64: shape [n] on the 64-bit ring, [n, 2] (low, high
 word) on the 128-bit ring.
 
@@ -23,7 +29,7 @@ import tensorflow as tf
 
 from tfe_estimator.secure import kernels
 
-__all__ = ["mask_share", "server_sum", "reveal_sum", "keystream", "discrete_gaussian"]
+__all__ = ["mask_share", "server_sum", "blinded_server_sum", "reveal_sum", "keystream", "discrete_gaussian"]
 
 
 def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring_bits: int, fraction_bits: int,
@@ -56,24 +62,40 @@ def discrete_gaussian(num_elements: int, variance: float):
 def server_sum(seeds: Sequence[tf.Tensor], shares: Sequence[tf.Tensor], ring_bits: int, num_elements: int):
     """Sum of the masks of `seeds` and of `shares`, modulo ``2**ring_bits``."""
     return kernels.load().tfe_server_sum(list(seeds), list(shares), ring_bits=ring_bits,
-                                         num_elements=num_elements)
+                                         num_elements=num_elements)[0]
+
+
+def blinded_server_sum(seeds: Sequence[tf.Tensor], shares: Sequence[tf.Tensor], ring_bits: int, num_elements: int):
+    """`server_sum` minus the mask of a fresh key drawn in the op; returns ``(blinded, key)``.
+
+    The blinded part may go to the other server (it is uniform to anyone
+    without `key`); `key` goes only to the destinations, which reveal with
+    ``reveal_sum(other_part_plus_blinded, None, ..., key=key)``.
+    """
+    total, keys = kernels.load().tfe_server_sum(list(seeds), list(shares), ring_bits=ring_bits,
+                                                num_elements=num_elements, num_blind=1)
+    return total, keys[0]
 
 
 def reveal_sum(share0, share1, dtype: tf.DType, ring_bits: int, fraction_bits: int, scale: float = 1.0,
-               shapes: Optional[Sequence[tf.TensorShape]] = None):
+               shapes: Optional[Sequence[tf.TensorShape]] = None, key=None):
     """Adds two ring shares and decodes them to `dtype` (floats times `scale`).
+
+    With `key` (from `blinded_server_sum`) and ``share1=None``, the second
+    part is the key's mask: one downloaded vector instead of two.
 
     Returns one vector, or, with `shapes`, a list of tensors of those shapes
     (the sum's elements in order), so no split is needed after.
     """
-    lib = kernels.load()
-    divisor = _divisor(scale)
+    if (share1 is None) == (key is None):
+        raise ValueError("reveal_sum needs two parts: share1, or key (a blinded share's key), not both")
+    shares = [share0] if share1 is None else [share0, share1]
+    keys = [] if key is None else [key]
+    attrs = dict(ring_bits=ring_bits, fraction_bits=fraction_bits, divisor=_divisor(scale))
     if shapes is None:
-        return lib.tfe_reveal_sum(share0, share1, T=dtype, N=1, ring_bits=ring_bits,
-                                  fraction_bits=fraction_bits, divisor=divisor)[0]
+        return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=1, **attrs)[0]
     shapes = [tf.TensorShape(s) for s in shapes]
-    return lib.tfe_reveal_sum(share0, share1, T=dtype, N=len(shapes), ring_bits=ring_bits,
-                              fraction_bits=fraction_bits, divisor=divisor, shapes=shapes)
+    return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=len(shapes), shapes=shapes, **attrs)
 
 
 def _log2(bound: float) -> int:

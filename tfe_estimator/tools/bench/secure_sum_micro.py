@@ -8,7 +8,9 @@ and by `ReductionToOneDevice` (`tf.add_n` on one device, copied back:
 as an optimizer update would use it (a result nobody consumes could be
 pruned by Grappler). Rounds alternate between the graphs; the secure sum's
 extra cost is ``(secure - plaintext) / (P * replicas)`` nanoseconds per
-parameter per replica. One traced step of the secure graph splits its op
+parameter per replica. Bytes per parameter per replica are counted from
+the graphs' cross-device edges: replica -> server (upload), server -> replica
+(download), and, for the plaintext anchor, between replicas. One traced step of the secure graph splits its op
 time by kind (mask, server sum, reveal, other).
 """
 import collections
@@ -99,6 +101,9 @@ def run_secure_sum(sizes: List[int], rounds: int, steps: int, replicas: int = 2,
                     session.run(step)
                     times[name].append(time.perf_counter() - start)
         upload, _ = cross_device_bytes(twins["secure"][0], replica_devices, servers)
+        download, _ = cross_device_bytes(twins["secure"][0], servers, replica_devices)
+        # The plaintext anchor moves values between replicas only (to the reducing device and back).
+        plain_bytes, _ = cross_device_bytes(twins["plaintext"][0], replica_devices, replica_devices)
         op_time = _op_time_by_kind(twins["secure"][1], twins["secure"][2])
         for _, session, _ in twins.values():
             session.close()
@@ -110,6 +115,8 @@ def run_secure_sum(sizes: List[int], rounds: int, steps: int, replicas: int = 2,
             "reference_extra_ns_per_param_per_replica": 1e9 * (r - p) / (params * replicas),
             "secure_params_per_s": params / s, "plaintext_params_per_s": params / p,
             "upload_bytes_per_param_per_replica": upload / replicas / params,
+            "download_bytes_per_param_per_replica": download / replicas / params,
+            "plaintext_bytes_per_param_per_replica": plain_bytes / replicas / params,
             "secure_op_ms_by_kind": op_time,
             "graph_ops": {n: len(twins[n][0].get_operations()) for n in twins},
         })

@@ -5,6 +5,15 @@
 //                   = sum of AES(seed) over its seeds + sum of its masked shares
 //   destination:    y = TfeRevealSum(partial_0, partial_1) = dec(partial_0 + partial_1)
 //
+// With one download per destination instead of two (the default of fused_sum):
+//   server0:        blinded, key = TfeServerSum(..., num_blind=1)
+//                   = partial_0 - AES(key) under a fresh key drawn on server0
+//   server1:        w = TfeServerSum(its seeds, its shares + [blinded]) = sum - AES(key)
+//   destination:    y = TfeRevealSum(shares=[w], keys=[key]) = dec(w + AES(key))
+// server1 then holds partial_0 masked by a keystream whose key it never sees;
+// server0 learns nothing it did not hold; the destination downloads n ring
+// elements and a 16-byte key instead of 2n ring elements.
+//
 // Each replica's share pair (AES(seed_r), share_r) is Pond's 2-out-of-2
 // additive sharing of enc(x_r) in the ring Z_{2^R}, R = 64 or 128 (the seed is
 // the compressed form of the share AES(seed_r)). Each server holds, per
@@ -330,18 +339,26 @@ REGISTER_OP("TfeServerSum")
     .Input("seeds: num_seeds * int32")
     .Input("shares: num_shares * int64")
     .Output("sum: int64")
+    .Output("blind_key: num_blind * int32")
     .Attr("num_seeds: int >= 0")
     .Attr("num_shares: int >= 0")
     .Attr("ring_bits: int")
     .Attr("num_elements: int >= 0")
+    .Attr("num_blind: int >= 0 = 0")  // 1: subtract AES(fresh key) and output the key
+    .SetIsStateful()  // num_blind = 1 draws a fresh key per run: never fold or dedupe
     .SetShapeFn([](InferenceContext* c) {
       int64_t n;
       TF_RETURN_IF_ERROR(c->GetAttr("num_elements", &n));
+      int num_blind;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_blind", &num_blind));
+      if (num_blind == 1) c->set_output(1, c->Vector(kSeedWords));
       return RingShape(c, c->MakeDim(n), 0);
     })
     .Doc(R"doc(
 One server's part of a Pond sum: the sum, modulo 2**ring_bits, of the masks
 AES-128-CTR(seed) of the seeds it holds and of the masked shares it holds.
+With num_blind = 1, minus AES-128-CTR(blind_key) under a fresh key that is
+output too (for the destinations only, never for the other server).
 )doc");
 
 class ServerSumOp : public OpKernel {
@@ -352,10 +369,21 @@ class ServerSumOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_elements", &n_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_seeds", &num_seeds_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shares", &num_shares_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_blind", &num_blind_));
+    OP_REQUIRES(ctx, num_blind_ == 0 || num_blind_ == 1,
+                ::tensorflow::errors::InvalidArgument("num_blind must be 0 or 1, got ", num_blind_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const int words = ring_bits_ / 64;
+    const uint8_t* blind_key = nullptr;
+    if (num_blind_ == 1) {
+      Tensor* key = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({kSeedWords}), &key));
+      uint8_t* bytes = reinterpret_cast<uint8_t*>(key->flat<int32_t>().data());
+      OP_REQUIRES(ctx, FreshKey(bytes), ::tensorflow::errors::Internal("RAND_bytes failed"));
+      blind_key = bytes;
+    }
     std::vector<const uint8_t*> keys, shares;
     for (int i = 0; i < num_seeds_; ++i) {
       const Tensor& seed = ctx->input(i);
@@ -414,6 +442,26 @@ class ServerSumOp : public OpKernel {
         }
         add(stream.get());
       }
+      if (blind_key != nullptr) {  // out -= AES(blind_key)
+        if (!stream) stream.reset(new uint8_t[bytes]);
+        if (!AesCtrKeystream(blind_key, 0, first * words / kWordsPerBlock, stream.get(), bytes)) {
+          failed[c] = 1;
+          return;
+        }
+        if (words == 1) {
+          uint64_t* a = reinterpret_cast<uint64_t*>(out + offset);
+          const uint64_t* b = reinterpret_cast<const uint64_t*>(stream.get());
+          for (int64_t j = 0; j < count; ++j) a[j] -= b[j];
+        } else {
+          for (int64_t j = 0; j < count; ++j) {
+            u128 a, b;
+            std::memcpy(&a, out + offset + j * 16, 16);
+            std::memcpy(&b, stream.get() + j * 16, 16);
+            a -= b;
+            std::memcpy(out + offset + j * 16, &a, 16);
+          }
+        }
+      }
     });
     for (uint8_t f : failed) OP_REQUIRES(ctx, !f, ::tensorflow::errors::Internal("AES-128-CTR failed"));
   }
@@ -423,15 +471,18 @@ class ServerSumOp : public OpKernel {
   int64_t n_;
   int num_seeds_;
   int num_shares_;
+  int num_blind_;
 };
 REGISTER_KERNEL_BUILDER(Name("TfeServerSum").Device(DEVICE_CPU), ServerSumOp);
 
 // ------------------------------------------------------------ destination --
 
 REGISTER_OP("TfeRevealSum")
-    .Input("share0: int64")
-    .Input("share1: int64")
+    .Input("shares: num_shares * int64")
+    .Input("keys: num_keys * int32")  // a blinded part's key: its keystream is added
     .Output("values: N * T")
+    .Attr("num_shares: int >= 1 = 2")
+    .Attr("num_keys: int >= 0 = 0")
     .Attr("T: {float, double, int32, int64}")
     .Attr("N: int >= 1 = 1")
     .Attr("ring_bits: int")
@@ -453,7 +504,8 @@ REGISTER_OP("TfeRevealSum")
       return OkStatus();
     })
     .Doc(R"doc(
-Adds the two servers' parts of a sum modulo 2**ring_bits and decodes it:
+Adds the two servers' parts of a sum modulo 2**ring_bits and decodes it (the
+two parts are two shares, or one blinded share and the blind key):
 floats as signed(sum) * 2**-fraction_bits / divisor (one rounding), integers
 exactly (an error if the sum does not fit T).
 )doc");
@@ -475,15 +527,29 @@ class RevealSumOp : public OpKernel {
       OP_REQUIRES(ctx, shape.IsFullyDefined(),
                   ::tensorflow::errors::InvalidArgument("shapes must be fully defined, got ", shape.DebugString()));
     }
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shares", &num_shares_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_keys", &num_keys_));
+    OP_REQUIRES(ctx, num_shares_ + num_keys_ == 2,
+                ::tensorflow::errors::InvalidArgument("a sum is revealed from two parts (two shares, or a "
+                                                      "share and a key), got ", num_shares_, " shares and ",
+                                                      num_keys_, " keys"));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& a = ctx->input(0);
-    const Tensor& b = ctx->input(1);
     const int words = ring_bits_ / 64;
-    OP_REQUIRES(ctx, a.shape() == b.shape() && a.NumElements() % words == 0,
-                ::tensorflow::errors::InvalidArgument("the two shares differ in shape: ",
-                                                      a.shape().DebugString(), " vs ", b.shape().DebugString()));
+    const Tensor* b = num_shares_ == 2 ? &ctx->input(1) : nullptr;
+    OP_REQUIRES(ctx, a.NumElements() % words == 0 && (b == nullptr || a.shape() == b->shape()),
+                ::tensorflow::errors::InvalidArgument("the two shares differ in shape: ", a.shape().DebugString(),
+                                                      " vs ", b == nullptr ? "-" : b->shape().DebugString()));
+    const uint8_t* key = nullptr;
+    if (num_keys_ == 1) {
+      const Tensor& k = ctx->input(num_shares_);
+      OP_REQUIRES(ctx, k.NumElements() == kSeedWords,
+                  ::tensorflow::errors::InvalidArgument("the blind key must have 4 int32, got shape ",
+                                                        k.shape().DebugString()));
+      key = reinterpret_cast<const uint8_t*>(k.flat<int32_t>().data());
+    }
     const int64_t n = a.NumElements() / words;
     Segments segments;
     std::vector<T*> outputs;
@@ -500,17 +566,32 @@ class RevealSumOp : public OpKernel {
     OP_REQUIRES(ctx, segments.total() == n,
                 ::tensorflow::errors::InvalidArgument("shapes hold ", segments.total(), " elements, the sum ", n));
     const uint8_t* pa = reinterpret_cast<const uint8_t*>(a.flat<int64_t>().data());
-    const uint8_t* pb = reinterpret_cast<const uint8_t*>(b.flat<int64_t>().data());
+    const uint8_t* pb_all = b == nullptr ? nullptr : reinterpret_cast<const uint8_t*>(b->flat<int64_t>().data());
     const double factor = std::ldexp(1.0 / divisor_, -fraction_bits_);
     const int64_t chunks = NumChunks(n, words);
-    std::vector<uint8_t> overflow(chunks, 0);
+    std::vector<uint8_t> overflow(chunks, 0), failed(chunks, 0);
     ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
+      // The second part: the other share, or the blind key's keystream for this chunk
+      // (element i of the sum is element i - b_first of pb).
+      std::unique_ptr<uint8_t[]> stream;
+      const uint8_t* pb = pb_all;
+      int64_t b_first = 0;
+      if (key != nullptr) {
+        const int64_t bytes = count * words * 8;
+        stream.reset(new uint8_t[bytes]);
+        if (!AesCtrKeystream(key, 0, first * words / kWordsPerBlock, stream.get(), bytes)) {
+          failed[c] = 1;
+          return;
+        }
+        pb = stream.get();
+        b_first = first;
+      }
       segments.ForSegments(first, count, [&](int64_t k, int64_t begin, int64_t at, int64_t len) {
         T* y = outputs[k] + begin;
         const int64_t from = first + at;  // index of y[0] in the shares
         if (words == 1) {  // 64-bit ring: int64 arithmetic only (no __int128 conversions)
           const uint64_t* x = reinterpret_cast<const uint64_t*>(pa) + from;
-          const uint64_t* z = reinterpret_cast<const uint64_t*>(pb) + from;
+          const uint64_t* z = reinterpret_cast<const uint64_t*>(pb) + (from - b_first);
           for (int64_t i = 0; i < len; ++i) {
             const int64_t s = static_cast<int64_t>(x[i] + z[i]);
             if (std::is_floating_point<T>::value) {
@@ -527,7 +608,7 @@ class RevealSumOp : public OpKernel {
         for (int64_t i = 0; i < len; ++i) {
           u128 x, z;
           std::memcpy(&x, pa + (from + i) * 16, 16);
-          std::memcpy(&z, pb + (from + i) * 16, 16);
+          std::memcpy(&z, pb + (from - b_first + i) * 16, 16);
           const i128 s = static_cast<i128>(x + z);
           if (std::is_floating_point<T>::value) {
             y[i] = static_cast<T>(static_cast<double>(s) * factor);
@@ -540,6 +621,7 @@ class RevealSumOp : public OpKernel {
         }
       });
     });
+    for (uint8_t f : failed) OP_REQUIRES(ctx, !f, ::tensorflow::errors::Internal("AES-128-CTR failed"));
     for (uint8_t o : overflow) {
       OP_REQUIRES(ctx, !o,
                   ::tensorflow::errors::InvalidArgument(
@@ -554,6 +636,8 @@ class RevealSumOp : public OpKernel {
   int fraction_bits_;
   std::vector<::tensorflow::PartialTensorShape> shapes_;
   int divisor_;
+  int num_shares_;
+  int num_keys_;
 };
 
 #define REGISTER_REVEAL(T) \
