@@ -13,6 +13,7 @@ import tensorflow as tf
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from tfe_estimator.audit.server_view import capture_party_views
+from tfe_estimator.distribute.aggregation import narrow_update_encoding
 from tfe_estimator.distribute.strategy import TfeStrategy
 from tfe_estimator.secure import fused_sum
 from tfe_estimator.secure.kernels import ops as kernel_ops
@@ -115,3 +116,158 @@ def test_server1_could_add_up_the_sum_if_server0_sent_its_part_unblinded(monkeyp
     monkeypatch.setattr(kernel_ops, "reveal_sum", reveal)
     with pytest.raises(AssertionError):
         test_server1_cannot_add_up_the_sum_from_what_it_receives()
+
+
+# ------------------------------------------------------------------ the 32-bit update ring
+
+CLIP = 1.0
+
+
+@pytest.mark.parametrize("params", [65_536])
+def test_clipped_updates_on_the_32_bit_ring_move_4_bytes_up_and_4_down(params):
+    # Execute
+    narrow = _sum_graph(lambda: TfeStrategy(devices=REPLICAS, server_devices=SERVERS, clip_norm=CLIP,
+                                            update_ring_bits=32), params)
+    up, _ = cross_device_bytes(narrow, REPLICAS, SERVERS)
+    down, _ = cross_device_bytes(narrow, SERVERS, REPLICAS)
+    # Assert: 8 bytes per parameter and replica in all, plaintext's own figure (4 each way per 2 replicas)
+    assert up == len(REPLICAS) * (4 * params + SEED_BYTES)
+    assert down == len(REPLICAS) * (4 * params + SEED_BYTES)
+
+
+def _narrow_sum(values_per_replica, clip=CLIP):
+    """Runs one SUM update of float32 vectors (one per replica) on the 32-bit ring; returns replica 0's result."""
+    n = values_per_replica[0].size
+    graph = tf.Graph()
+    with graph.as_default():
+        strategy = TfeStrategy(devices=REPLICAS, server_devices=SERVERS, clip_norm=clip, update_ring_bits=32)
+        placeholders = []
+        for device in REPLICAS:
+            with tf.device(device):
+                placeholders.append(tf.compat.v1.placeholder(tf.float32, [n]))
+        with strategy.scope():
+            values = strategy.extended.call_for_each_replica(
+                lambda: tf.identity(placeholders[tf.get_static_value(
+                    tf.distribute.get_replica_context().replica_id_in_sync_group)]))
+            reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(values, values)])[0]
+            result = strategy.experimental_local_results(reduced)[0]
+    with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
+        return session.run(result, dict(zip(placeholders, values_per_replica)))
+
+
+def test_the_32_bit_ring_sums_clipped_updates_to_its_resolution():
+    rng = np.random.RandomState(1)
+    n = 4097  # odd: the padding lane
+    xs = [rng.normal(size=n).astype(np.float32) for _ in REPLICAS]
+    xs = [x / np.linalg.norm(x) * 0.999 * CLIP for x in xs]  # already within the clip: nothing scaled
+    encoding = narrow_update_encoding(CLIP, len(REPLICAS))
+    got = _narrow_sum(xs)
+    # Each replica's rounding moves a value by less than one unit of 2**-F; float32 output rounding on top.
+    np.testing.assert_allclose(got, xs[0] + xs[1], rtol=0, atol=len(REPLICAS) * 2.0**-encoding.fraction_bits + 1e-7)
+
+
+def _rounding_bias_in_units(monkeypatch=None):
+    """Mean error of a sum of values a quarter unit above the grid, in units of 2**-F (expected 0)."""
+    clip = 64.0  # 22 fraction bits; the values' norm (0.05) is far below it: nothing is scaled
+    unit = 2.0**-narrow_update_encoding(clip, len(REPLICAS)).fraction_bits
+    n = 40_000
+    x = np.full(n, (1000 + 0.25) * unit, np.float32)  # exact in float32
+    got = _narrow_sum([x, x], clip=clip)
+    return float(np.mean(got.astype(np.float64) - 2 * x.astype(np.float64)) / unit)
+
+
+def test_the_random_rounding_is_unbiased():
+    # Each replica rounds up with probability 1/4: the sum's error has mean 0 and
+    # standard deviation sqrt(2 * 3/16) = 0.61 units per element, 0.0031 over 40,000.
+    assert abs(_rounding_bias_in_units()) < 5 * 0.0031
+
+
+def test_the_rounding_check_catches_truncation(monkeypatch):
+    """Mutation: values truncated to the grid before the op (what round-toward-zero does): biased by 1/2 unit."""
+    real = kernel_ops.mask_share
+
+    def truncating(values, bound, ring_bits, fraction_bits, *args, **kwargs):
+        scale = 2.0**fraction_bits
+        values = [tf.floor(v * scale) / scale for v in (values if isinstance(values, (list, tuple)) else [values])]
+        return real(values, bound, ring_bits, fraction_bits, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_ops, "mask_share", truncating)
+    with pytest.raises(AssertionError):
+        test_the_random_rounding_is_unbiased()
+
+
+def _narrow_views(steps=2, n=1 << 13):
+    rng = np.random.RandomState(2)
+    encoding = narrow_update_encoding(CLIP, len(REPLICAS))
+    graph = tf.Graph()
+    with graph.as_default():
+        inputs = []
+        for device in REPLICAS:
+            with tf.device(device):
+                inputs.append(tf.compat.v1.placeholder(tf.float32, [n]))
+        totals = fused_sum.pond_sum([[x] for x in inputs], REPLICAS, SERVERS, REPLICAS, encoding, tf.float32,
+                                    owners=["replica 0", "replica 1"], hint="-")
+    values = [np.full(n, 0.999 * CLIP, np.float32), np.zeros(n, np.float32)]  # at the bound, and zeros
+    with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
+        return [capture_party_views(session, totals, SERVERS[:2], feed_dict=dict(zip(inputs, values)))[1]
+                for _ in range(steps)]
+
+
+def test_the_32_bit_ring_shares_are_uniform_and_fresh():
+    from test_security import assert_views_hide_the_secret  # pylint: disable=import-outside-toplevel
+
+    assert_views_hide_the_secret(_narrow_views(), "32-bit ring")
+
+
+def test_an_unmasked_32_bit_share_is_caught(monkeypatch):
+    """Mutation: the share is the plain encoding (two int32 lanes per int64), the seed as before."""
+    from test_security import assert_views_hide_the_secret  # pylint: disable=import-outside-toplevel
+
+    real = kernel_ops.mask_share
+
+    def unmasked(values, bound, ring_bits, fraction_bits, *args, **kwargs):
+        _, seed = real(values, bound, ring_bits, fraction_bits, *args, **kwargs)
+        flat = tf.concat([tf.reshape(v, [-1]) for v in (values if isinstance(values, (list, tuple)) else [values])], 0)
+        lanes = tf.reshape(tf.cast(tf.round(flat * 2.0**fraction_bits), tf.int32), [-1, 2])
+        return tf.bitcast(lanes, tf.int64), seed
+
+    monkeypatch.setattr(kernel_ops, "mask_share", unmasked)
+    with pytest.raises(AssertionError, match="not uniform|same value"):
+        assert_views_hide_the_secret(_narrow_views(), "32-bit ring")
+
+
+def test_the_32_bit_ring_refuses_what_it_cannot_carry():
+    with pytest.raises(ValueError, match="update_ring_bits=32 needs clip_norm"):
+        TfeStrategy(devices=REPLICAS, server_devices=SERVERS, update_ring_bits=32)
+    with pytest.raises(ValueError, match="must be 64 or 32"):
+        TfeStrategy(devices=REPLICAS, server_devices=SERVERS, clip_norm=1.0, update_ring_bits=16)
+    with pytest.raises(NotImplementedError, match="fused Pond kernels"):
+        TfeStrategy(devices=REPLICAS, server_devices=SERVERS, clip_norm=1.0, update_ring_bits=32,
+                    implementation="tf-encrypted")
+    with pytest.raises(ValueError, match="clip_norm=10000000.0 and 2 replicas leaves 5 fraction bits"):
+        narrow_update_encoding(1e7, 2)
+
+
+@pytest.mark.slow
+def test_a_linear_regressor_on_the_32_bit_ring_stays_with_the_exact_ring(tmp_path, linear_data):
+    """Accuracy on a real model: 20 steps of LinearRegressor, clipped, 32- against 64-bit updates."""
+    import tfe_estimator  # pylint: disable=import-outside-toplevel
+    from model_fns import keras_optimizers  # pylint: disable=import-outside-toplevel
+
+    x, y, _ = linear_data
+
+    def train(bits):
+        config = tfe_estimator.TfeRunConfig(model_dir=str(tmp_path / f"ring{bits}"), tf_random_seed=7,
+                                            clip_norm=1.0, update_ring_bits=bits)
+        est = tf.estimator.LinearRegressor([tf.feature_column.numeric_column("x", shape=[3])], config=config,
+                                           optimizer=lambda: keras_optimizers().SGD(0.1))
+        assert config.train_distribute.secure_aggregation.update_ring_bits == bits
+        est.train(lambda: tf.data.Dataset.from_tensor_slices(({"x": x}, y)).repeat().batch(32), steps=20)
+        return {n: est.get_variable_value(n) for n in est.get_variable_names() if "linear_model" in n}
+
+    exact, narrow = train(64), train(32)
+    # Rounding moves each update by < 2 units of 2**-28 (3.7e-9) per step; after 20 steps of lr 0.1 that is
+    # far below 1e-6. The weights did move (clipped steps of norm <= 0.1 each).
+    for name in exact:
+        np.testing.assert_allclose(narrow[name], exact[name], rtol=0, atol=1e-6, err_msg=name)
+    assert np.abs(exact["linear/linear_model/x/weights"]).max() > 0.1

@@ -44,7 +44,7 @@ from tfe_estimator.distribute.devices import validate_party_devices
 from tfe_estimator.secure.precision import READ_PRECISION, get_precision
 from tfe_estimator.secure.protocols import check_supported, load_backend, validate_protocol
 
-__all__ = ["SecureAggregation"]
+__all__ = ["SecureAggregation", "narrow_update_encoding"]
 
 _FLOAT, _INT = "float", "int"
 
@@ -78,6 +78,14 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
       implementation: "auto" (Pond on tfe_estimator's fused AES-CTR kernels,
         ABY3 on tf-encrypted) or "tf-encrypted" (tf-encrypted's own Pond as
         well: the reference implementation; slower, same ring sums).
+      update_ring_bits: 64 (default: updates on the precision's ring, exact
+        fixed point) or 32: clipped float updates travel on a 32-bit ring
+        whose scale comes from `clip_norm` (each element is below the next
+        power of two above it), rounded at random to the ring's resolution
+        (unbiased; Kairouz, Liu and Steinke 2021 quantise the same way for
+        distributed DP): half the bytes up and down. Needs `clip_norm`, Pond
+        on the fused kernels and no `dp`. The reported loss and metrics keep
+        their exact rings.
       dp: optional `tfe_estimator.DistributedDP`: every float update (the
         gradients) must be a sum of per-example clipped gradients (marked by
         `tfe_estimator.privacy.dp.make_dp_optimizer`; others are refused), and each
@@ -107,6 +115,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         clip_norm: Optional[float] = None,
         implementation: str = "auto",
         dp: Optional["dp_lib.DistributedDP"] = None,
+        update_ring_bits: int = 64,
     ) -> None:
         self._protocol = validate_protocol(protocol)
         self._clip_norm = validate_clip_norm(clip_norm)
@@ -118,6 +127,7 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             check_supported("aby3" if self._precision.ring_bits == 128 else self._protocol, self._precision)
         self._server_devices = validate_party_devices(self._protocol, server_devices)
         self._dp = _validate_dp(dp, self._protocol, self._fused)
+        self._update_ring_bits = _validate_update_ring_bits(update_ring_bits, self._clip_norm, self._fused, dp)
         super().__init__()
 
     @property
@@ -144,6 +154,11 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
     def dp(self) -> Optional["dp_lib.DistributedDP"]:
         """The `DistributedDP` whose noise is added inside the secure sum, or None."""
         return self._dp
+
+    @property
+    def update_ring_bits(self) -> int:
+        """The ring of clipped float updates: 64 (the precision's ring) or 32."""
+        return self._update_ring_bits
 
     @property
     def implementation(self) -> str:
@@ -293,6 +308,8 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             ring = self._precision.ring_bits
             bits = 63 if ring == 128 else 63 - math.ceil(math.log2(max(num, 1)))
             return fused_sum.Encoding(ring, 0, float(2**bits))
+        if self._update_ring_bits == 32 and update and kind == _FLOAT:  # clipped: see narrow_update_encoding
+            return narrow_update_encoding(self._clip_norm, num)
         precision = self._precision
         if not update and self._fused:
             # The reported loss and metric values: any magnitude float32
@@ -325,6 +342,44 @@ def validate_clip_norm(clip_norm) -> Optional[float]:
     if not math.isfinite(clip_norm) or clip_norm <= 0:
         raise ValueError(f"clip_norm must be a finite number > 0 or None, got {clip_norm!r}.")
     return float(clip_norm)
+
+
+def narrow_update_encoding(clip_norm: float, num: int) -> fused_sum.Encoding:
+    """The 32-bit ring's encoding of updates clipped to `clip_norm`, summed over `num` replicas.
+
+    Each element of a clipped update is at most `clip_norm` < ``2**b`` (b the
+    exponent of the next power of two above it); with F fraction bits and
+    ``h = ceil(log2 num)`` headroom bits, ``b + F + h = 30`` keeps the sum of
+    `num` randomly rounded values (each below ``2**(b+F)`` plus one unit)
+    inside the signed 32-bit ring.
+
+    Raises:
+      ValueError: if fewer than 8 fraction bits remain, naming the values and the fix.
+    """
+    b = math.floor(math.log2(clip_norm)) + 1
+    headroom = math.ceil(math.log2(max(num, 1)))
+    fraction = 30 - b - headroom
+    if fraction < 8:
+        raise ValueError(
+            f"update_ring_bits=32 with clip_norm={clip_norm} and {num} replicas leaves {fraction} fraction "
+            "bits (resolution 2**-fraction): too coarse. Lower clip_norm or use update_ring_bits=64.")
+    return fused_sum.Encoding(32, fraction, float(2**b))
+
+
+def _validate_update_ring_bits(bits, clip_norm, fused, dp) -> int:
+    if bits == 64:
+        return 64
+    if bits != 32 or isinstance(bits, bool):
+        raise ValueError(f"update_ring_bits must be 64 or 32, got {bits!r}.")
+    if clip_norm is None:
+        raise ValueError("update_ring_bits=32 needs clip_norm=...: the 32-bit ring's scale comes from the "
+                         "clipping bound. Set clip_norm, or keep update_ring_bits=64.")
+    if not fused or dp is not None:
+        raise NotImplementedError(
+            "update_ring_bits=32 runs on the fused Pond kernels without DistributedDP (the noise is "
+            "sized for the 64-bit ring). Use protocol='pond', implementation='auto' and no dp, or "
+            "update_ring_bits=64.")
+    return 32
 
 
 def _validate_dp(dp, protocol, fused):

@@ -39,7 +39,7 @@ __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_t
 #: Set by `tfe-estimator launch` in every task's environment (defined in `cluster`).
 LAUNCH_PROTOCOL_ENV = cluster_lib.LAUNCH_PROTOCOL_ENV
 
-_OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol", "dp")
+_OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol", "dp", "update_ring_bits")
 
 
 def default_session_config() -> tf.compat.v1.ConfigProto:
@@ -104,6 +104,7 @@ class TfeSettings:
     num_replicas: Optional[int] = None
     clip_norm: Optional[float] = None
     dp: Optional[object] = None  # a tfe_estimator.DistributedDP (checked by SecureAggregation)
+    update_ring_bits: int = 64  # 32: clipped updates on a 32-bit ring (checked by SecureAggregation)
 
     def __post_init__(self):
         validate_protocol(self.protocol)
@@ -133,6 +134,9 @@ class TfeRunConfig(tf.estimator.RunConfig):
       dp: optional `tfe_estimator.DistributedDP`: DP-SGD whose noise each
         replica adds inside the secure sum (see `tfe_estimator.privacy.dp`); our
         model_fns clip per example when it is set.
+      update_ring_bits: 64 (default), or 32: gradients clipped to `clip_norm`
+        travel on a 32-bit ring with random rounding, half the bytes up and
+        down (see `SecureAggregation`).
       **kwargs: any other `tf.estimator.RunConfig` argument except
         `train_distribute` and `eval_distribute`.
 
@@ -150,6 +154,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         clip_norm: Optional[float] = None,
         grpc_protocol: Optional[str] = None,
         dp=None,
+        update_ring_bits: int = 64,
         **kwargs,
     ) -> None:
         for name in ("train_distribute", "eval_distribute"):
@@ -160,7 +165,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
                     "tf.estimator.RunConfig with tfe_estimator.TfeStrategy."
                 )
         settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
-                               clip_norm=clip_norm, dp=dp)
+                               clip_norm=clip_norm, dp=dp, update_ring_bits=update_ring_bits)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
@@ -271,6 +276,7 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
         TfeStrategy(devices=replicas, protocol=settings.protocol, precision=settings.precision,
                     server_devices=servers, clip_norm=settings.clip_norm,
                     dp=settings.dp,  # differential privacy pass-through
+                    update_ring_bits=settings.update_ring_bits,
                     # exact evaluation with fewer batches than replicas; training keeps
                     # its steps free of the per-step cross-worker synchronisation
                     partial_batches=(mode == "eval"))

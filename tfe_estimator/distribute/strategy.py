@@ -152,6 +152,8 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         shared (see `SecureAggregation`).
       implementation: "auto" or "tf-encrypted" (the reference implementation;
         see `SecureAggregation`).
+      update_ring_bits: 64, or 32 for clipped updates on a 32-bit ring (half
+        the bytes; needs `clip_norm`; see `SecureAggregation`).
       dp: optional `tfe_estimator.DistributedDP` (noise added inside the
         secure sum; see `SecureAggregation` and `tfe_estimator.privacy.dp`).
       partial_batches: give a replica that has no data left in a step an
@@ -192,6 +194,7 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         implementation: str = "auto",
         dp=None,
         partial_batches: bool = False,
+        update_ring_bits: int = 64,
     ) -> None:
         protocol = validate_protocol(protocol)
         check_supported(protocol, precision)
@@ -200,7 +203,8 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
             server_devices = server_devices or default_servers
         ops = SecureAggregation(protocol=protocol, precision=precision, server_devices=server_devices,
                                 clip_norm=clip_norm, implementation=implementation,
-                                dp=dp)  # differential privacy: see tfe_estimator.privacy.dp
+                                dp=dp,  # differential privacy: see tfe_estimator.privacy.dp
+                                update_ring_bits=update_ring_bits)
         ops.precision.check_headroom(len(devices))
         validate_party_devices(protocol, ops.server_devices, devices)
         # MirroredStrategy refuses remote (in-graph multi-worker) devices when

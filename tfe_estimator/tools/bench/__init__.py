@@ -149,8 +149,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"secure {row['secure_ms']:.2f} ms, reference (tf-encrypted) {row['reference_ms']:.2f} ms, "
                       f"plaintext {row['plaintext_ms']:.2f} ms: extra {row['extra_ns_per_param_per_replica']:.2f} "
                       f"ns/param/replica (target <= {report.TARGET_EXTRA_NS:g}; reference "
-                      f"{row['reference_extra_ns_per_param_per_replica']:.2f}), upload "
-                      f"{row['upload_bytes_per_param_per_replica']:.3f} B/param/replica", flush=True)
+                      f"{row['reference_extra_ns_per_param_per_replica']:.2f}), up + down "
+                      f"{row['upload_bytes_per_param_per_replica']:.3f} + "
+                      f"{row['download_bytes_per_param_per_replica']:.3f} B/param/replica (plaintext "
+                      f"{row['plaintext_bytes_per_param_per_replica']:.3f}); 32-bit ring: extra "
+                      f"{row['secure32_extra_ns_per_param_per_replica']:.2f} ns, "
+                      f"{row['secure32_bytes_per_param_per_replica']:.3f} B/param/replica", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report.write_json(os.path.join(out, "results.json"), results)

@@ -3,6 +3,7 @@
 Per size P: a vector of P float32 parameters on each of 2 replica devices is
 reduced (SUM, to both replicas) by `TfeStrategy` on the fused AES-CTR kernels
 ("secure"), by the same strategy on tf-encrypted's own Pond ("reference"),
+by the fused kernels with clipped updates on the 32-bit ring ("secure32"),
 and by `ReductionToOneDevice` (`tf.add_n` on one device, copied back:
 "plaintext"), and each replica adds the result into an accumulator variable,
 as an optimizer update would use it (a result nobody consumes could be
@@ -44,12 +45,14 @@ def _build(make_strategy, params):
 
             values = strategy.extended.call_for_each_replica(replica_fn)
             reduced = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.SUM, [(values, values)])[0]
-            updates = []
-            for tensor in strategy.experimental_local_results(reduced):
-                with tf.device(tensor.device):
-                    acc = tf.compat.v1.Variable(tf.zeros([params]), trainable=False, use_resource=True)
-                    updates.append(acc.assign_add(tensor * 1e-9).op)
-            step = tf.group(*updates)
+        updates = []
+        for tensor in strategy.experimental_local_results(reduced):
+            # Outside the scope: a plain variable on the replica's device (a mirrored one
+            # would also copy replica 0's result to the other replica).
+            with tf.device(tensor.device):
+                acc = tf.compat.v1.Variable(tf.zeros([params]), trainable=False, use_resource=True)
+                updates.append(acc.assign_add(tensor * 1e-9).op)
+        step = tf.group(*updates)
         init = tf.compat.v1.global_variables_initializer()
     return graph, step, init
 
@@ -77,6 +80,9 @@ def run_secure_sum(sizes: List[int], rounds: int, steps: int, replicas: int = 2,
     config = tf.compat.v1.ConfigProto(device_count={"CPU": len(devices)})
     makers = {
         "secure": lambda: TfeStrategy(devices=replica_devices, protocol=protocol, server_devices=servers),
+        # Clipped updates on the 32-bit ring (clip far above the values: the norm is computed, nothing scaled).
+        "secure32": lambda: TfeStrategy(devices=replica_devices, protocol=protocol, server_devices=servers,
+                                        clip_norm=1e3, update_ring_bits=32),
         "reference": lambda: TfeStrategy(devices=replica_devices, protocol=protocol, server_devices=servers,
                                          implementation="tf-encrypted"),
         "plaintext": lambda: tf.compat.v1.distribute.MirroredStrategy(
@@ -100,19 +106,25 @@ def run_secure_sum(sizes: List[int], rounds: int, steps: int, replicas: int = 2,
                     start = time.perf_counter()
                     session.run(step)
                     times[name].append(time.perf_counter() - start)
-        upload, _ = cross_device_bytes(twins["secure"][0], replica_devices, servers)
-        download, _ = cross_device_bytes(twins["secure"][0], servers, replica_devices)
+        def count(name, src, dst):  # the edges one step needs (not the initializers' copies)
+            graph, _, step = twins[name]
+            return cross_device_bytes(graph, src, dst, fetches=[step])[0]
+
+        upload, download = count("secure", replica_devices, servers), count("secure", servers, replica_devices)
+        up32, down32 = count("secure32", replica_devices, servers), count("secure32", servers, replica_devices)
         # The plaintext anchor moves values between replicas only (to the reducing device and back).
-        plain_bytes, _ = cross_device_bytes(twins["plaintext"][0], replica_devices, replica_devices)
+        plain_bytes = count("plaintext", replica_devices, replica_devices)
         op_time = _op_time_by_kind(twins["secure"][1], twins["secure"][2])
         for _, session, _ in twins.values():
             session.close()
-        s, r, p = (statistics.median(times[n]) for n in ("secure", "reference", "plaintext"))
+        s, r, p, s32 = (statistics.median(times[n]) for n in ("secure", "reference", "plaintext", "secure32"))
         results.append({
             "params": params, "replicas": replicas,
             "secure_ms": 1e3 * s, "reference_ms": 1e3 * r, "plaintext_ms": 1e3 * p, "ratio": s / p,
             "extra_ns_per_param_per_replica": 1e9 * (s - p) / (params * replicas),
             "reference_extra_ns_per_param_per_replica": 1e9 * (r - p) / (params * replicas),
+            "secure32_ms": 1e3 * s32, "secure32_extra_ns_per_param_per_replica": 1e9 * (s32 - p) / (params * replicas),
+            "secure32_bytes_per_param_per_replica": (up32 + down32) / replicas / params,
             "secure_params_per_s": params / s, "plaintext_params_per_s": params / p,
             "upload_bytes_per_param_per_replica": upload / replicas / params,
             "download_bytes_per_param_per_replica": download / replicas / params,

@@ -7,7 +7,7 @@ that tensor's bytes. `cross_device_bytes` finds those edges in a built graph
 each distinct (tensor, destination device): the bytes moved per step
 between two sets of devices, measured from the graph rather than assumed.
 """
-from typing import Iterable, Tuple
+from typing import Iterable, Optional, Tuple
 
 import tensorflow as tf
 from tensorflow.python.distribute import device_util
@@ -19,8 +19,25 @@ def _canon(device: str) -> str:
     return device_util.canonicalize(device) if device else ""
 
 
-def cross_device_bytes(graph: tf.Graph, sources: Iterable[str], destinations: Iterable[str]) -> Tuple[int, int]:
+def _upstream(ops) -> set:
+    """The ops `ops` depend on (data and control inputs), themselves included."""
+    seen, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return seen
+
+
+def cross_device_bytes(graph: tf.Graph, sources: Iterable[str], destinations: Iterable[str],
+                       fetches: Optional[Iterable] = None) -> Tuple[int, int]:
     """Bytes per run sent from ops on `sources` to ops on `destinations`.
+
+    With `fetches` (ops or tensors), only the edges a run of them needs count
+    (not, e.g., the variable initializers' copies).
 
     Returns:
       `(bytes, edges)`: total bytes of distinct (tensor, destination) edges,
@@ -34,7 +51,11 @@ def cross_device_bytes(graph: tf.Graph, sources: Iterable[str], destinations: It
     destinations = {_canon(d) for d in destinations}
     seen = set()
     total = 0
-    for op in graph.get_operations():
+    ops = graph.get_operations()
+    if fetches is not None:
+        needed = _upstream(getattr(f, "op", f) for f in fetches)
+        ops = [op for op in ops if op in needed]
+    for op in ops:
         dst = _canon(op.device)
         if dst not in destinations:
             continue

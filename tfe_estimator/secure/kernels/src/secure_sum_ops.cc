@@ -20,11 +20,17 @@
 // replica, either a fresh random key or enc(x_r) minus a keystream under a
 // key it never sees, so every value it receives is uniform on the ring.
 //
-// Ring elements are int64 tensors: shape [n] for R = 64 and [n, 2] (low word,
+// Ring elements are int64 tensors: shape [n] for R = 64, [n, 2] (low word,
 // high word) for R = 128, whose memory layout is that of a little-endian
-// unsigned __int128. Element i's mask is keystream bytes [i*R/8, (i+1)*R/8)
-// read as a little-endian integer. All ring arithmetic is unsigned, so it
-// wraps modulo 2^R by definition.
+// unsigned __int128, and [ceil(n/2)] for R = 32, two little-endian uint32
+// lanes per int64 (an odd n's last lane encodes 0). Element i's mask is
+// keystream bytes [i*R/8, (i+1)*R/8) read as a little-endian integer. All
+// ring arithmetic is unsigned, so it wraps modulo 2^R by definition.
+//
+// The 32-bit ring carries clipped float updates only (the caller derives the
+// scale from the clipping bound): TfeMaskShare rounds x * 2**F to an integer
+// at random, up with probability equal to the fraction (unbiased), from the
+// keystream of a second fresh key that never leaves the op.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -62,20 +68,59 @@ using i128 = __int128;
 ::tensorflow::Status RingShape(InferenceContext* c, DimensionHandle n, int output) {
   int ring_bits;
   TF_RETURN_IF_ERROR(c->GetAttr("ring_bits", &ring_bits));
-  c->set_output(output, ring_bits == 64 ? c->Vector(n) : c->Matrix(n, 2));
+  if (ring_bits == 32) {
+    c->set_output(output, c->Vector(c->ValueKnown(n) ? c->MakeDim((c->Value(n) + 1) / 2) : c->UnknownDim()));
+  } else {
+    c->set_output(output, ring_bits == 64 ? c->Vector(n) : c->Matrix(n, 2));
+  }
   return OkStatus();
 }
 
 ::tensorflow::Status ReadRingBits(OpKernelConstruction* ctx, int* ring_bits) {
   TF_RETURN_IF_ERROR(ctx->GetAttr("ring_bits", ring_bits));
-  if (*ring_bits != 64 && *ring_bits != 128) {
-    return ::tensorflow::errors::InvalidArgument("ring_bits must be 64 or 128, got ", *ring_bits);
+  if (*ring_bits != 32 && *ring_bits != 64 && *ring_bits != 128) {
+    return ::tensorflow::errors::InvalidArgument("ring_bits must be 32, 64 or 128, got ", *ring_bits);
   }
   return OkStatus();
 }
 
+// 64-bit words of a ring vector of n elements.
+inline int64_t RingWords(int64_t n, int ring_bits) {
+  return ring_bits == 32 ? (n + 1) / 2 : n * (ring_bits / 64);
+}
+
 TensorShape RingTensorShape(int64_t n, int ring_bits) {
+  if (ring_bits == 32) return TensorShape({RingWords(n, 32)});
   return ring_bits == 64 ? TensorShape({n}) : TensorShape({n, 2});
+}
+
+// a += b (or -= b) over `words` 64-bit words of ring elements, lane by lane.
+inline void RingAdd(uint8_t* a, const uint8_t* b, int64_t words, int ring_bits, bool subtract = false) {
+  if (ring_bits == 32) {
+    uint32_t* x = reinterpret_cast<uint32_t*>(a);
+    const uint32_t* y = reinterpret_cast<const uint32_t*>(b);
+    if (subtract) {
+      for (int64_t j = 0; j < 2 * words; ++j) x[j] -= y[j];
+    } else {
+      for (int64_t j = 0; j < 2 * words; ++j) x[j] += y[j];
+    }
+  } else if (ring_bits == 64) {
+    uint64_t* x = reinterpret_cast<uint64_t*>(a);
+    const uint64_t* y = reinterpret_cast<const uint64_t*>(b);
+    if (subtract) {
+      for (int64_t j = 0; j < words; ++j) x[j] -= y[j];
+    } else {
+      for (int64_t j = 0; j < words; ++j) x[j] += y[j];
+    }
+  } else {
+    for (int64_t j = 0; j < words / 2; ++j) {
+      u128 x, y;
+      std::memcpy(&x, a + j * 16, 16);
+      std::memcpy(&y, b + j * 16, 16);
+      x = subtract ? x - y : x + y;
+      std::memcpy(a + j * 16, &x, 16);
+    }
+  }
 }
 
 
@@ -189,6 +234,9 @@ class MaskShareOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_noise", &num_noise_));
     OP_REQUIRES(ctx, num_noise_ <= 1,
                 ::tensorflow::errors::InvalidArgument("num_noise must be 0 or 1, got ", num_noise_));
+    OP_REQUIRES(ctx, ring_bits_ != 32 || (std::is_floating_point<T>::value && num_noise_ == 0),
+                ::tensorflow::errors::InvalidArgument(
+                    "the 32-bit ring carries clipped float updates without noise only"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -209,8 +257,10 @@ class MaskShareOp : public OpKernel {
                                                         " elements, values ", segments.total()));
       noise = noise_tensor.flat<int64_t>().data();
     }
-    // An encoded value must fit the signed ring and its int64/int128 carrier.
-    OP_REQUIRES(ctx, bound > 0 && std::ldexp(bound, fraction_bits_) <= std::ldexp(1.0, ring_bits_ == 64 ? 63 : 126),
+    // An encoded value must fit the signed ring and its int64/int128 carrier
+    // (on the 32-bit ring with one unit to spare for the random rounding).
+    const int carrier_bits = ring_bits_ == 32 ? 30 : ring_bits_ == 64 ? 63 : 126;
+    OP_REQUIRES(ctx, bound > 0 && std::ldexp(bound, fraction_bits_) <= std::ldexp(1.0, carrier_bits),
                 ::tensorflow::errors::InvalidArgument("bound ", bound, " with ", fraction_bits_,
                                                       " fraction bits does not fit the ", ring_bits_, "-bit ring"));
     const int64_t n = segments.total();
@@ -222,16 +272,35 @@ class MaskShareOp : public OpKernel {
     OP_REQUIRES(ctx, FreshKey(key), ::tensorflow::errors::Internal("RAND_bytes failed: no secure seed"));
 
     uint8_t* out = reinterpret_cast<uint8_t*>(share->flat<int64_t>().data());
-    const int words = ring_bits_ / 64;
     const double scale = std::ldexp(1.0, fraction_bits_);
-    const int64_t chunks = NumChunks(n, words);
+    // The 32-bit ring rounds at random from a second key's keystream: local to this op.
+    uint8_t round_key[kKeyBytes];
+    OP_REQUIRES(ctx, ring_bits_ != 32 || FreshKey(round_key),
+                ::tensorflow::errors::Internal("RAND_bytes failed: no secure seed"));
+    // Work in chunks of 64-bit words, each a whole number of elements.
+    const int64_t total_words = RingWords(n, ring_bits_);
+    const int per_word = ring_bits_ == 32 ? 2 : 1;  // elements per word (128: 2 words per element)
+    const int words = ring_bits_ == 128 ? 2 : 1;
+    const int64_t chunks = NumChunks(total_words, 1);
     std::vector<uint8_t> nonfinite(chunks, 0), out_of_range(chunks, 0), cipher_failed(chunks, 0);
     std::vector<double> largest(chunks, 0.0);
-    ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
-      uint8_t* dst = out + first * words * 8;
-      if (!AesCtrKeystream(key, 0, first * words / kWordsPerBlock, dst, count * words * 8)) {
+    ForEachChunk(ctx, total_words, 1, [&](int64_t c, int64_t first_word, int64_t word_count) {
+      uint8_t* dst = out + first_word * 8;
+      if (!AesCtrKeystream(key, 0, first_word / kWordsPerBlock, dst, word_count * 8)) {
         cipher_failed[c] = 1;
         return;
+      }
+      const int64_t first = first_word * per_word / words;
+      const int64_t count = std::min(word_count * per_word / words, n - first);
+      std::unique_ptr<uint8_t[]> coins;  // 32-bit ring: one uniform uint32 per element
+      if (ring_bits_ == 32) {
+        coins.reset(new uint8_t[word_count * 8]);
+        if (!AesCtrKeystream(round_key, 0, first_word / kWordsPerBlock, coins.get(), word_count * 8)) {
+          cipher_failed[c] = 1;
+          return;
+        }
+        uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+        if (count < 2 * word_count) d[count] = 0u - d[count];  // an odd n's padding lane: encodes 0
       }
       // The hot loop has no branch: an element out of range (or NaN, which
       // fails every comparison) is encoded as 0 and flagged; the flags are
@@ -241,7 +310,19 @@ class MaskShareOp : public OpKernel {
       bool bad = false;
       segments.ForSegments(first, count, [&](int64_t k, int64_t begin, int64_t at, int64_t len) {
         const T* xs = inputs[k] + begin;
-        if (words == 1) {
+        if (ring_bits_ == 32) {
+          uint32_t* d = reinterpret_cast<uint32_t*>(dst) + at;
+          const uint32_t* u = reinterpret_cast<const uint32_t*>(coins.get()) + at;
+          for (int64_t j = 0; j < len; ++j) {
+            const bool ok = InRange(xs[j], bound);
+            bad |= !ok;
+            const double v = ok ? static_cast<double>(xs[j]) * scale : 0.0;
+            const double low = std::floor(v);
+            // Up with probability v - low: E[enc] = v (to 2**-32).
+            const int64_t enc = static_cast<int64_t>(low) + (std::ldexp(static_cast<double>(u[j]), -32) < v - low);
+            d[j] = static_cast<uint32_t>(enc) - d[j];  // d[j] held the mask
+          }
+        } else if (words == 1) {
           uint64_t* d = reinterpret_cast<uint64_t*>(dst) + at;
           const int64_t* nz = ns ? ns + at : nullptr;
           for (int64_t j = 0; j < len; ++j) {
@@ -375,7 +456,7 @@ class ServerSumOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const int words = ring_bits_ / 64;
+    const int64_t total_words = RingWords(n_, ring_bits_);
     const uint8_t* blind_key = nullptr;
     if (num_blind_ == 1) {
       Tensor* key = nullptr;
@@ -394,38 +475,26 @@ class ServerSumOp : public OpKernel {
     }
     for (int i = 0; i < num_shares_; ++i) {
       const Tensor& share = ctx->input(num_seeds_ + i);
-      OP_REQUIRES(ctx, share.NumElements() == n_ * words,
+      OP_REQUIRES(ctx, share.NumElements() == total_words,
                   ::tensorflow::errors::InvalidArgument("share ", i, " has ", share.NumElements(),
-                                                        " int64, expected ", n_ * words));
+                                                        " int64, expected ", total_words));
       shares.push_back(reinterpret_cast<const uint8_t*>(share.flat<int64_t>().data()));
     }
     Tensor* sum = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RingTensorShape(n_, ring_bits_), &sum));
     uint8_t* out = reinterpret_cast<uint8_t*>(sum->flat<int64_t>().data());
-    const int64_t chunks = NumChunks(n_, words);
+    // Chunks of 64-bit words (each a whole number of elements): ring
+    // elements never straddle a chunk, and a chunk starts on an AES block.
+    const int64_t chunks = NumChunks(total_words, 1);
     std::vector<uint8_t> failed(chunks, 0);
-    ForEachChunk(ctx, n_, words, [&](int64_t c, int64_t first, int64_t count) {
-      const int64_t offset = first * words * 8, bytes = count * words * 8;
+    ForEachChunk(ctx, total_words, 1, [&](int64_t c, int64_t first, int64_t count) {
+      const int64_t offset = first * 8, bytes = count * 8;
       std::unique_ptr<uint8_t[]> stream;  // for the second key on: no zero-filling
-      auto add = [&](const uint8_t* src) {
-        if (words == 1) {
-          uint64_t* a = reinterpret_cast<uint64_t*>(out + offset);
-          const uint64_t* b = reinterpret_cast<const uint64_t*>(src);
-          for (int64_t j = 0; j < count; ++j) a[j] += b[j];
-        } else {
-          for (int64_t j = 0; j < count; ++j) {
-            u128 a, b;
-            std::memcpy(&a, out + offset + j * 16, 16);
-            std::memcpy(&b, src + j * 16, 16);
-            a += b;
-            std::memcpy(out + offset + j * 16, &a, 16);
-          }
-        }
-      };
+      auto add = [&](const uint8_t* src) { RingAdd(out + offset, src, count, ring_bits_); };
       // The first addend is written, not added: one pass fewer.
       size_t next_key = 0;
       if (!keys.empty()) {
-        if (!AesCtrKeystream(keys[0], 0, first * words / kWordsPerBlock, out + offset, bytes)) {
+        if (!AesCtrKeystream(keys[0], 0, first / kWordsPerBlock, out + offset, bytes)) {
           failed[c] = 1;
           return;
         }
@@ -436,7 +505,7 @@ class ServerSumOp : public OpKernel {
       for (const uint8_t* share : shares) add(share + offset);
       for (size_t k = next_key; k < keys.size(); ++k) {
         if (!stream) stream.reset(new uint8_t[bytes]);
-        if (!AesCtrKeystream(keys[k], 0, first * words / kWordsPerBlock, stream.get(), bytes)) {
+        if (!AesCtrKeystream(keys[k], 0, first / kWordsPerBlock, stream.get(), bytes)) {
           failed[c] = 1;
           return;
         }
@@ -444,23 +513,11 @@ class ServerSumOp : public OpKernel {
       }
       if (blind_key != nullptr) {  // out -= AES(blind_key)
         if (!stream) stream.reset(new uint8_t[bytes]);
-        if (!AesCtrKeystream(blind_key, 0, first * words / kWordsPerBlock, stream.get(), bytes)) {
+        if (!AesCtrKeystream(blind_key, 0, first / kWordsPerBlock, stream.get(), bytes)) {
           failed[c] = 1;
           return;
         }
-        if (words == 1) {
-          uint64_t* a = reinterpret_cast<uint64_t*>(out + offset);
-          const uint64_t* b = reinterpret_cast<const uint64_t*>(stream.get());
-          for (int64_t j = 0; j < count; ++j) a[j] -= b[j];
-        } else {
-          for (int64_t j = 0; j < count; ++j) {
-            u128 a, b;
-            std::memcpy(&a, out + offset + j * 16, 16);
-            std::memcpy(&b, stream.get() + j * 16, 16);
-            a -= b;
-            std::memcpy(out + offset + j * 16, &a, 16);
-          }
-        }
+        RingAdd(out + offset, stream.get(), count, ring_bits_, /*subtract=*/true);
       }
     });
     for (uint8_t f : failed) OP_REQUIRES(ctx, !f, ::tensorflow::errors::Internal("AES-128-CTR failed"));
@@ -537,7 +594,8 @@ class RevealSumOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& a = ctx->input(0);
-    const int words = ring_bits_ / 64;
+    const int words = ring_bits_ == 128 ? 2 : 1;  // 64-bit words per element (32-bit ring: 2 elements per word)
+    const int per_word = ring_bits_ == 32 ? 2 : 1;
     const Tensor* b = num_shares_ == 2 ? &ctx->input(1) : nullptr;
     OP_REQUIRES(ctx, a.NumElements() % words == 0 && (b == nullptr || a.shape() == b->shape()),
                 ::tensorflow::errors::InvalidArgument("the two shares differ in shape: ", a.shape().DebugString(),
@@ -550,7 +608,17 @@ class RevealSumOp : public OpKernel {
                                                         k.shape().DebugString()));
       key = reinterpret_cast<const uint8_t*>(k.flat<int32_t>().data());
     }
-    const int64_t n = a.NumElements() / words;
+    const int64_t total_words = a.NumElements();
+    OP_REQUIRES(ctx, ring_bits_ != 32 || !shapes_.empty(),
+                ::tensorflow::errors::InvalidArgument("the 32-bit ring needs the output shapes"));
+    int64_t n = total_words / words;
+    if (ring_bits_ == 32) {
+      n = 0;
+      for (const auto& shape : shapes_) n += shape.num_elements();
+      OP_REQUIRES(ctx, RingWords(n, 32) == total_words,
+                  ::tensorflow::errors::InvalidArgument("shapes hold ", n, " elements, the shares ",
+                                                        total_words, " words of the 32-bit ring"));
+    }
     Segments segments;
     std::vector<T*> outputs;
     ::tensorflow::OpOutputList out_list;
@@ -568,18 +636,19 @@ class RevealSumOp : public OpKernel {
     const uint8_t* pa = reinterpret_cast<const uint8_t*>(a.flat<int64_t>().data());
     const uint8_t* pb_all = b == nullptr ? nullptr : reinterpret_cast<const uint8_t*>(b->flat<int64_t>().data());
     const double factor = std::ldexp(1.0 / divisor_, -fraction_bits_);
-    const int64_t chunks = NumChunks(n, words);
+    const int64_t chunks = NumChunks(total_words, 1);
     std::vector<uint8_t> overflow(chunks, 0), failed(chunks, 0);
-    ForEachChunk(ctx, n, words, [&](int64_t c, int64_t first, int64_t count) {
+    ForEachChunk(ctx, total_words, 1, [&](int64_t c, int64_t first_word, int64_t word_count) {
+      const int64_t first = first_word * per_word / words;
+      const int64_t count = std::min(word_count * per_word / words, n - first);
       // The second part: the other share, or the blind key's keystream for this chunk
       // (element i of the sum is element i - b_first of pb).
       std::unique_ptr<uint8_t[]> stream;
       const uint8_t* pb = pb_all;
       int64_t b_first = 0;
       if (key != nullptr) {
-        const int64_t bytes = count * words * 8;
-        stream.reset(new uint8_t[bytes]);
-        if (!AesCtrKeystream(key, 0, first * words / kWordsPerBlock, stream.get(), bytes)) {
+        stream.reset(new uint8_t[word_count * 8]);
+        if (!AesCtrKeystream(key, 0, first_word / kWordsPerBlock, stream.get(), word_count * 8)) {
           failed[c] = 1;
           return;
         }
@@ -589,6 +658,19 @@ class RevealSumOp : public OpKernel {
       segments.ForSegments(first, count, [&](int64_t k, int64_t begin, int64_t at, int64_t len) {
         T* y = outputs[k] + begin;
         const int64_t from = first + at;  // index of y[0] in the shares
+        if (ring_bits_ == 32) {
+          const uint32_t* x = reinterpret_cast<const uint32_t*>(pa) + from;
+          const uint32_t* z = reinterpret_cast<const uint32_t*>(pb) + (from - b_first);
+          for (int64_t i = 0; i < len; ++i) {
+            const int32_t s = static_cast<int32_t>(x[i] + z[i]);
+            if (std::is_floating_point<T>::value) {
+              y[i] = static_cast<T>(static_cast<double>(s) * factor);
+            } else {
+              y[i] = static_cast<T>(s);  // every int32 fits T (int32 or int64)
+            }
+          }
+          return;
+        }
         if (words == 1) {  // 64-bit ring: int64 arithmetic only (no __int128 conversions)
           const uint64_t* x = reinterpret_cast<const uint64_t*>(pa) + from;
           const uint64_t* z = reinterpret_cast<const uint64_t*>(pb) + (from - b_first);
