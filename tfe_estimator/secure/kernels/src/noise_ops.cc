@@ -2,29 +2,42 @@
 //
 //   noise = TfeDiscreteGaussian(shape, variance)
 //
-// Each element is an independent sample of the discrete Gaussian N_Z(0, s2),
-// Pr[X = x] proportional to exp(-x^2 / (2 s2)) on the integers, with
-// s2 = `variance` (an integer, 1 <= s2 <= 2^100). The samplers are
-// Algorithms 1-3 of Canonne, Kamath and Steinke, "The Discrete Gaussian for
-// Differential Privacy" (NeurIPS 2020): Bernoulli(exp(-gamma)) for rational
-// gamma, the discrete Laplace by rejection, and the discrete Gaussian by
-// rejection from the discrete Laplace of scale t = floor(sqrt(s2)) + 1. Every
-// step is integer arithmetic on exact rationals: no floating point touches a
-// sample (floating-point noise is attackable: Mironov, CCS 2012). At the
-// scale secure aggregation needs (s2 ~ 2^64 ring units) the acceptance test
-// compares numbers of up to 2^240, so it uses the 256-bit integers below.
+// Each element is an independent sample of the discrete Gaussian N_Z(0, v),
+// Pr[X = x] proportional to exp(-x^2 / (2 v)) on the integers, for an integer
+// v = `variance` in [1, 2^100]. The sampler is Karney's exact algorithm D
+// ("Sampling exactly from the normal distribution", ACM TOMS 2016) for the
+// discrete Gaussian with mu = 0 and sigma = sqrt(v), in integer arithmetic
+// only (no floating point touches a sample: Mironov, CCS 2012):
 //
-// Randomness: uniform integers by rejection from 64-bit words of AES-128-CTR
-// (EVP_aes_128_ctr, see aes_ctr.h) under a fresh key from RAND_bytes on every
-// run. Chunk c of the output reads the counter space whose high 64 bits are c,
-// so threads never share a stream and the output does not depend on how the
-// work is split. Never std::rand, never TensorFlow's Philox.
+//   1. k >= 0 with Pr ~ exp(-k^2 / 2): k = the number of Bernoulli(exp(-1/2))
+//      successes before the first failure, accepted if k (k - 1) more
+//      Bernoulli(exp(-1/2)) all succeed;
+//   2. a sign s and j uniform on [0, ceil(sigma)); m = ceil(k sigma) + j,
+//      rejected if m >= ceil((k + 1) sigma) (so every m >= 0 belongs to one k)
+//      or if m = 0 and s < 0 (0 counted once);
+//   3. accept with probability exp(-(m^2 - k^2 v) / (2 v)) and return s m.
 //
-// One departure from the exact algorithm, for the 256-bit bound: a discrete
-// Laplace candidate with |Y| > 2^20 * t is rejected without the final test.
-// Its acceptance probability is below exp(-2^38); such a candidate itself has
-// probability below exp(-2^20). The output distribution is N_Z(0, s2) up to a
-// total variation distance below exp(-2^20).
+// Every m >= 0 is then output with probability proportional to
+// exp(-k^2/2) exp(-(m^2 - k^2 v) / (2 v)) = exp(-m^2 / (2 v)). Bernoulli(exp(-g))
+// for rational g is Canonne, Kamath, Steinke (NeurIPS 2020) Algorithm 1, and
+// each Bernoulli(a / b) in it compares a uniform real, drawn bit by bit, with
+// the binary expansion of a / b (about 2 random bits each), so a sample costs
+// a few dozen random bits and no division.
+//
+// The one departure from the exact distribution: k is capped at kMaxK = 4096
+// (so |X| < 2^63 fits the int64 output and every product fits 128 bits:
+// m < 2^63, m^2 < 2^126, k^2 v < 2^124). A k above the cap is rejected; its
+// probability is below exp(-2^23), so the output is N_Z(0, v) up to a total
+// variation distance below exp(-2^23) per sample (stated in
+// tfe_estimator/privacy/dp.py; nothing representable is added to delta).
+//
+// Randomness: bits of AES-128-CTR (EVP_aes_128_ctr, see aes_ctr.h) under a
+// fresh key from RAND_bytes on every run. Chunk c of the output reads the
+// counter space whose high 64 bits are c, so threads never share a stream and
+// the output does not depend on how the work is split. Never std::rand, never
+// TensorFlow's Philox. The noise does not depend on the data, so in a
+// training graph the op has no data input and TensorFlow runs it alongside
+// the forward and backward passes where cores allow.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -54,51 +67,6 @@ using u128 = unsigned __int128;
 
 // Elements per work unit (and per AES-CTR stream).
 constexpr int64_t kNoiseChunk = 1024;
-// Candidates beyond this many t are rejected outright (see the header).
-constexpr int kMaxScaleShift = 20;
-
-// ------------------------------------------------------ 256-bit unsigned --
-
-struct U256 {
-  u128 hi = 0, lo = 0;
-};
-
-inline bool Less(const U256& a, const U256& b) { return a.hi < b.hi || (a.hi == b.hi && a.lo < b.lo); }
-
-inline U256 Sub(const U256& a, const U256& b) {  // a - b, requires a >= b
-  U256 r;
-  r.lo = a.lo - b.lo;
-  r.hi = a.hi - b.hi - (a.lo < b.lo ? 1 : 0);
-  return r;
-}
-
-inline U256 Mul128(u128 a, u128 b) {  // full 256-bit product
-  const uint64_t a0 = static_cast<uint64_t>(a), a1 = static_cast<uint64_t>(a >> 64);
-  const uint64_t b0 = static_cast<uint64_t>(b), b1 = static_cast<uint64_t>(b >> 64);
-  const u128 p00 = static_cast<u128>(a0) * b0, p01 = static_cast<u128>(a0) * b1;
-  const u128 p10 = static_cast<u128>(a1) * b0, p11 = static_cast<u128>(a1) * b1;
-  const u128 mid = (p00 >> 64) + static_cast<uint64_t>(p01) + static_cast<uint64_t>(p10);
-  U256 r;
-  r.lo = (mid << 64) | static_cast<uint64_t>(p00);
-  r.hi = p11 + (p01 >> 64) + (p10 >> 64) + (mid >> 64);
-  return r;
-}
-
-inline U256 MulSmall(const U256& a, uint64_t k) {  // a * k; callers keep it below 2^256
-  const U256 lo = Mul128(a.lo, k);
-  U256 r;
-  r.lo = lo.lo;
-  r.hi = lo.hi + a.hi * k;
-  return r;
-}
-
-inline int BitLength128(u128 x) {
-  const uint64_t h = static_cast<uint64_t>(x >> 64), l = static_cast<uint64_t>(x);
-  if (h) return 128 - __builtin_clzll(h);
-  if (l) return 64 - __builtin_clzll(l);
-  return 0;
-}
-
 // ------------------------------------------------------------- randomness --
 
 // 64-bit words of the AES-128-CTR keystream of `key` in counter space `stream`.
@@ -113,39 +81,8 @@ class AesWords {
     return buf_[pos_++];
   }
 
-  // Uniform on [0, m), m >= 1, by rejection (no modulo bias).
-  uint64_t Below(uint64_t m) {
-    if (m == 1) return 0;
-    const int bits = 64 - __builtin_clzll(m - 1);
-    const uint64_t mask = bits == 64 ? ~0ull : ((1ull << bits) - 1);
-    for (;;) {
-      const uint64_t x = Next() & mask;
-      if (x < m) return x;
-    }
-  }
-
-  // Uniform on [0, m), m >= 1.
-  U256 Below(const U256& m) {
-    U256 one;
-    one.lo = 1;
-    const U256 top = Sub(m, one);  // the largest value allowed
-    const int bits = top.hi ? 128 + BitLength128(top.hi) : BitLength128(top.lo);
-    for (;;) {
-      U256 x;
-      x.lo = (static_cast<u128>(Next()) << 64) | Next();
-      x.hi = (static_cast<u128>(Next()) << 64) | Next();
-      if (bits <= 128) {
-        x.hi = 0;
-        if (bits < 128) x.lo &= (static_cast<u128>(1) << bits) - 1;
-      } else if (bits < 256) {
-        x.hi &= (static_cast<u128>(1) << (bits - 128)) - 1;
-      }
-      if (!Less(top, x)) return x;
-    }
-  }
-
  private:
-  static constexpr int kBufWords = 256;
+  static constexpr int kBufWords = 1024;
 
   void Refill() {
     ok_ = ok_ && AesCtrKeystream(key_, stream_, block_, reinterpret_cast<uint8_t*>(buf_), sizeof(buf_));
@@ -170,71 +107,153 @@ class AesWords {
   uint64_t fallback_ = 0x9e3779b97f4a7c15ull;
 };
 
-// ------------------------------------------------- Canonne-Kamath-Steinke --
+// Uniform bits from the words, without waste: bits left in a word that are
+// not enough for a request are dropped (they were never looked at).
+class RandomBits {
+ public:
+  RandomBits(const uint8_t* key, uint64_t stream) : words_(key, stream) {}
 
-// Bernoulli(exp(-n/d)) for 0 <= n <= d, d >= 1 (CKS20 Algorithm 1, gamma <= 1):
-// K <- 1; while Bernoulli(gamma / K): K <- K + 1; return K odd.
-bool BernoulliExpSmall(AesWords& rng, uint64_t n, uint64_t d) {
+  bool ok() const { return words_.ok(); }
+
+  uint32_t Bit() {
+    if (count_ == 0) pool_ = words_.Next(), count_ = 64;
+    const uint32_t b = static_cast<uint32_t>(pool_ & 1);
+    pool_ >>= 1;
+    --count_;
+    return b;
+  }
+
+  // `n` uniform bits, 1 <= n <= 63.
+  uint64_t Bits(int n) {
+    if (count_ < n) pool_ = words_.Next(), count_ = 64;
+    const uint64_t r = pool_ & ((1ull << n) - 1);
+    pool_ >>= n;
+    count_ -= n;
+    return r;
+  }
+
+  // Uniform on [0, c), 1 <= c <= 2^63, by rejection (no modulo bias).
+  uint64_t Below(uint64_t c) {
+    if (c == 1) return 0;
+    const int bits = 64 - __builtin_clzll(c - 1);
+    for (;;) {
+      const uint64_t x = Bits(bits);
+      if (x < c) return x;
+    }
+  }
+
+ private:
+  AesWords words_;
+  uint64_t pool_ = 0;
+  int count_ = 0;
+};
+
+// ------------------------------------------------------ exact Bernoullis --
+
+// Bernoulli(a / b) for 0 <= a <= b < 2^127: a uniform U in [0, 1), drawn bit
+// by bit, against the binary expansion of a / b (long division); U < a / b
+// is decided at the first differing bit. If the expansion ends (remainder 0)
+// while all bits agree, U >= a / b (U = a / b has probability 0).
+bool BernoulliFraction(RandomBits& rng, u128 a, u128 b) {
+  if (a >= b) return true;
+  if (b <= 0xffffffffull) {
+    // Small denominators (the Bernoulli(exp(-1/2)) and (exp(-1)) steps): 32
+    // digits of a / b per 64-bit division against 32 random bits at once.
+    uint64_t r = static_cast<uint64_t>(a);
+    const uint64_t d = static_cast<uint64_t>(b);
+    for (;;) {
+      const uint64_t shifted = r << 32;
+      const uint64_t digits = shifted / d;
+      r = shifted - digits * d;
+      const uint64_t u = rng.Bits(32);
+      if (u != digits) return u < digits;
+      if (r == 0) return false;
+    }
+  }
+  u128 r = a;
+  for (;;) {
+    r <<= 1;
+    uint32_t digit = 0;
+    if (r >= b) r -= b, digit = 1;
+    const uint32_t u = rng.Bit();
+    if (u != digit) return u < digit;
+    if (r == 0) return false;
+  }
+}
+
+// Bernoulli(exp(-a/b)) for 0 <= a <= b, b < 2^102 (CKS20 Algorithm 1,
+// gamma <= 1): K <- 1; while Bernoulli(gamma / K): K <- K + 1; return K odd.
+// (K reaches 2^25, where b K would pass 2^127, with probability below 1/(2^25)!.)
+bool BernoulliExpSmall(RandomBits& rng, u128 a, u128 b) {
   uint64_t k = 1;
-  while (rng.Below(d * k) < n) ++k;
+  while (BernoulliFraction(rng, a, b * k)) ++k;
   return k % 2 == 1;
 }
 
-bool BernoulliExpSmall(AesWords& rng, const U256& n, const U256& d) {
-  uint64_t k = 1;
-  while (Less(rng.Below(MulSmall(d, k)), n)) ++k;
-  return k % 2 == 1;
-}
+inline bool BernoulliExpHalf(RandomBits& rng) { return BernoulliExpSmall(rng, 1, 2); }
 
-inline bool BernoulliExpMinusOne(AesWords& rng) { return BernoulliExpSmall(rng, 1, 1); }
-
-// Bernoulli(exp(-n/d)) for any n >= 0 (CKS20 Algorithm 1): floor(gamma)
+// Bernoulli(exp(-a/b)) for any a >= 0 (CKS20 Algorithm 1): floor(a/b)
 // Bernoulli(exp(-1)) trials, stopping at the first failure, then the rest.
-bool BernoulliExp(AesWords& rng, U256 n, const U256& d) {
-  while (!Less(n, d)) {
-    if (!BernoulliExpMinusOne(rng)) return false;
-    n = Sub(n, d);
+bool BernoulliExp(RandomBits& rng, u128 a, u128 b) {
+  while (a >= b) {
+    if (!BernoulliExpSmall(rng, 1, 1)) return false;
+    a -= b;
   }
-  return BernoulliExpSmall(rng, n, d);
+  return BernoulliExpSmall(rng, a, b);
 }
 
-// The discrete Laplace with scale t >= 1, Pr[X = x] ~ exp(-|x| / t)
-// (CKS20 Algorithm 2 with s = 1).
-int64_t DiscreteLaplace(AesWords& rng, uint64_t t) {
-  for (;;) {
-    const uint64_t u = rng.Below(t);
-    if (!BernoulliExpSmall(rng, u, t)) continue;
-    uint64_t v = 0;
-    while (BernoulliExpMinusOne(rng)) ++v;
-    const uint64_t x = u + t * v;
-    const bool negative = rng.Next() & 1;
-    if (negative && x == 0) continue;
-    return negative ? -static_cast<int64_t>(x) : static_cast<int64_t>(x);
-  }
-}
+// ------------------------------------------------------------- Karney D --
 
-// N_Z(0, s2) for an integer s2 >= 1 (CKS20 Algorithm 3): t = floor(sqrt(s2)) + 1;
-// accept a discrete Laplace candidate Y with probability
-// exp(-(|Y| - s2/t)^2 / (2 s2)) = exp(-(|Y| t - s2)^2 / (2 s2 t^2)).
-int64_t DiscreteGaussian(AesWords& rng, u128 s2, uint64_t t) {
-  const U256 denominator = MulSmall(Mul128(s2, static_cast<u128>(t) * t), 2);
-  const uint64_t limit = t << kMaxScaleShift;
-  for (;;) {
-    const int64_t y = DiscreteLaplace(rng, t);
-    const uint64_t magnitude = y < 0 ? -static_cast<uint64_t>(y) : static_cast<uint64_t>(y);
-    if (magnitude > limit) continue;
-    const u128 yt = static_cast<u128>(magnitude) * t;
-    const u128 diff = yt > s2 ? yt - s2 : s2 - yt;
-    if (BernoulliExp(rng, Mul128(diff, diff), denominator)) return y;
-  }
-}
+// k is capped here (see the header).
+constexpr uint64_t kMaxK = 4096;
+constexpr int kTableK = 64;
 
-uint64_t FloorSqrt(u128 s2) {
-  uint64_t r = static_cast<uint64_t>(std::sqrt(static_cast<long double>(s2)));
-  while (static_cast<u128>(r) * r > s2) --r;
-  while (static_cast<u128>(r + 1) * (r + 1) <= s2) ++r;
+// floor(sqrt(x)) for x < 2^127.
+uint64_t FloorSqrt(u128 x) {
+  uint64_t r = static_cast<uint64_t>(std::sqrt(static_cast<long double>(x)));
+  while (static_cast<u128>(r) * r > x) --r;
+  while (static_cast<u128>(r + 1) * (r + 1) <= x) ++r;
   return r;
 }
+
+class KarneySampler {
+ public:
+  explicit KarneySampler(u128 v) : v_(v), two_v_(2 * v), width_(CeilSigmaTimes(1)) {
+    for (int k = 0; k < kTableK; ++k) ceil_[k] = CeilSigmaTimes(k);
+  }
+
+  int64_t Sample(RandomBits& rng) const {
+    for (;;) {
+      uint64_t k = 0;
+      while (BernoulliExpHalf(rng)) ++k;
+      if (k > kMaxK) continue;
+      bool accept = true;
+      for (uint64_t i = 0, n = k * (k - (k > 0)); i < n && accept; ++i) accept = BernoulliExpHalf(rng);
+      if (!accept) continue;
+      const bool negative = rng.Bit();
+      const u128 m = Ceil(k) + rng.Below(width_);
+      if (m >= Ceil(k + 1) || (m == 0 && negative)) continue;
+      const u128 k2v = static_cast<u128>(k) * k * v_;
+      const u128 m2 = m * m;
+      if (!BernoulliExp(rng, m2 - k2v, two_v_)) continue;
+      const int64_t y = static_cast<int64_t>(m);
+      return negative ? -y : y;
+    }
+  }
+
+ private:
+  // ceil(k sqrt(v)) = the least m with m^2 >= k^2 v.
+  uint64_t CeilSigmaTimes(uint64_t k) const {
+    const u128 x = static_cast<u128>(k) * k * v_;
+    return x == 0 ? 0 : FloorSqrt(x - 1) + 1;
+  }
+
+  uint64_t Ceil(uint64_t k) const { return k < kTableK ? ceil_[k] : CeilSigmaTimes(k); }
+
+  u128 v_, two_v_;
+  uint64_t width_;  // ceil(sigma): j is uniform on [0, width_)
+  uint64_t ceil_[kTableK];
+};
 
 // ------------------------------------------------------------------- op --
 
@@ -251,7 +270,8 @@ REGISTER_OP("TfeDiscreteGaussian")
     })
     .Doc(R"doc(
 Independent samples of the discrete Gaussian N_Z(0, variance) on the integers
-(Canonne, Kamath, Steinke 2020, exact integer sampling), with randomness from
+(Karney's exact algorithm with Canonne-Kamath-Steinke Bernoulli(exp(-x)), integer
+arithmetic only), with randomness from
 AES-128-CTR keyed by a fresh RAND_bytes key on every run. `variance` must be an
 integer in [1, 2**100].
 )doc");
@@ -277,20 +297,19 @@ class DiscreteGaussianOp : public OpKernel {
     uint8_t key[kKeyBytes];
     OP_REQUIRES(ctx, FreshKey(key), ::tensorflow::errors::Internal("RAND_bytes failed: no secure key"));
 
-    const u128 s2 = static_cast<u128>(variance);  // exact: variance is an integer below 2^101
-    const uint64_t t = FloorSqrt(s2) + 1;
+    const KarneySampler sampler(static_cast<u128>(variance));  // exact: an integer below 2^101
     int64_t* y = out->flat<int64_t>().data();
     const int64_t n = out->NumElements();
     const int64_t chunks = (n + kNoiseChunk - 1) / kNoiseChunk;
     std::vector<uint8_t> failed(chunks, 0);
     auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    // Cost per element: a few hundred ns (measured in tests/test_dp.py).
-    ::tensorflow::Shard(workers->NumThreads(), workers, chunks, kNoiseChunk * 400,
+    // Cost per element: tens of ns (python -m tfe_estimator.tools.bench.dp).
+    ::tensorflow::Shard(workers->NumThreads(), workers, chunks, kNoiseChunk * 50,
                         [&](int64_t begin, int64_t end) {
                           for (int64_t c = begin; c < end; ++c) {
-                            AesWords rng(key, static_cast<uint64_t>(c));
+                            RandomBits rng(key, static_cast<uint64_t>(c));
                             const int64_t last = std::min(n, (c + 1) * kNoiseChunk);
-                            for (int64_t i = c * kNoiseChunk; i < last; ++i) y[i] = DiscreteGaussian(rng, s2, t);
+                            for (int64_t i = c * kNoiseChunk; i < last; ++i) y[i] = sampler.Sample(rng);
                             failed[c] = !rng.ok();
                           }
                         });
