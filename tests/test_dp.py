@@ -100,19 +100,23 @@ def test_dp_epsilon_edge_cases():
 # ------------------------------------------------------ the noise sampler --
 
 
-def _discrete_gaussian(n, variance):
+def _discrete_gaussian(n, variance, margin_log2=40):
     from tfe_estimator.secure.kernels import ops  # pylint: disable=import-outside-toplevel
 
     with tf.Graph().as_default():
-        noise = ops.discrete_gaussian(n, variance)
+        noise = ops.discrete_gaussian(n, variance, fast_path_margin_log2=margin_log2)
         with _session() as sess:
             return sess.run(noise), sess.run(noise)
 
 
-@pytest.mark.parametrize("variance", [1.0, 2.0, 5.0, 30.0])
-def test_sampler_matches_the_exact_discrete_gaussian_pmf(variance):
-    # Chi-square goodness of fit against Pr[x] ~ exp(-x^2 / (2 variance)).
-    samples, _ = _discrete_gaussian(200000, variance)
+# margin 2**-40: the double-precision bounds decide almost every Bernoulli(exp); margin 2**-2:
+# about half of them go to the exact multi-precision path, which must give the same pmf.
+@pytest.mark.parametrize("variance, margin_log2, n", [
+    (1.0, 40, 200000), (2.0, 40, 200000), (5.0, 40, 200000), (30.0, 40, 200000), (2.0, 2, 40000),
+    (30.0, 2, 40000)])
+def test_sampler_matches_the_exact_discrete_gaussian_pmf(variance, margin_log2, n):
+    # Chi-square goodness of fit against Pr[x] ~ exp(-x^2 / (2 variance)), alpha = 1e-4.
+    samples, _ = _discrete_gaussian(n, variance, margin_log2)
     support = np.arange(-12 * int(math.sqrt(variance) + 1), 12 * int(math.sqrt(variance) + 1) + 1)
     pmf = np.exp(-support.astype(float) ** 2 / (2 * variance))
     pmf /= pmf.sum()
@@ -182,19 +186,20 @@ def _mutant_std(tmp_path, old, new, variance, n):
     (src / "noise_ops.cc").write_text(code.replace(old, new))
     env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path / "cache"))
     out = subprocess.run([sys.executable, "-c", _MUTANT_RUNNER, str(src), repr(variance), str(n)], env=env,
-                         capture_output=True, text=True, timeout=400, check=True).stdout
+                         capture_output=True, text=True, timeout=180, check=True).stdout
     return float(out.split("STD")[-1])
 
 
-#: The old kind of overflow, planted back: a product that needs 128 bits (m^2, with m up to
-#: 2^63) computed in 64 bits, as the old `t << 20` was.
-OVERFLOW_MUTATION = ("const u128 m2 = m * m;", "const u128 m2 = static_cast<uint64_t>(m * m);")
+#: The old kind of overflow, planted back: a product that needs 128 bits (k^2 v, with v up to
+#: 2^100) computed in 64 bits, as the old `t << 20` was.
+OVERFLOW_MUTATION = ("const u128 k2v = static_cast<u128>(k) * k * v_;",
+                     "const u128 k2v = static_cast<uint64_t>(k * k * static_cast<uint64_t>(v_));")
 
 
 @pytest.mark.slow
 def test_mutation_a_64_bit_product_fails_the_sampler_test_at_2_88(tmp_path):
     # The correct kernel gives std / sqrt(v) = 1 at 2**88 (tested above, 5 standard errors);
-    # with m^2 wrapped modulo 2^64 (m ~ 2^44 here) it does not.
+    # with k^2 v wrapped modulo 2^64 it does not (at 2**40 the mutation is inert).
     std = _mutant_std(tmp_path, *OVERFLOW_MUTATION, 2.0**88, 2000)
     with pytest.raises(AssertionError):
         assert abs(std - 1.0) < 5 / math.sqrt(2 * 2000), std

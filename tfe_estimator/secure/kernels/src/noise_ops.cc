@@ -115,6 +115,9 @@ class RandomBits {
 
   bool ok() const { return words_.ok(); }
 
+  // A whole 64-bit word (the next 64 bits of a uniform real in [0, 1)).
+  uint64_t Word() { return words_.Next(); }
+
   uint32_t Bit() {
     if (count_ == 0) pool_ = words_.Next(), count_ = 64;
     const uint32_t b = static_cast<uint32_t>(pool_ & 1);
@@ -132,14 +135,15 @@ class RandomBits {
     return r;
   }
 
-  // Uniform on [0, c), 1 <= c <= 2^63, by rejection (no modulo bias).
+  // Uniform on [0, c), 1 <= c < 2^64: Lemire's multiply-and-reject ("Fast
+  // random integer generation in an interval", 2019), exactly uniform.
   uint64_t Below(uint64_t c) {
-    if (c == 1) return 0;
-    const int bits = 64 - __builtin_clzll(c - 1);
-    for (;;) {
-      const uint64_t x = Bits(bits);
-      if (x < c) return x;
+    u128 m = static_cast<u128>(words_.Next()) * c;
+    if (static_cast<uint64_t>(m) < c) {
+      const uint64_t threshold = (0 - c) % c;  // 2^64 mod c
+      while (static_cast<uint64_t>(m) < threshold) m = static_cast<u128>(words_.Next()) * c;
     }
+    return static_cast<uint64_t>(m >> 64);
   }
 
  private:
@@ -148,59 +152,240 @@ class RandomBits {
   int count_ = 0;
 };
 
-// ------------------------------------------------------ exact Bernoullis --
+// ------------------------------------------------- exact Bernoulli(exp) --
+//
+// Bernoulli(exp(-a/b)) is decided as U < exp(-a/b) for a uniform real U whose
+// binary digits are drawn 64 at a time. The first word W almost always
+// decides it against bounds L <= exp(-a/b) <= H computed in double precision
+// with a margin (2^-40 by default) far above their rounding error (below
+// 2^-50: a/b and the bounds 1 - f <= exp(-f) <= 1 - f + f^2/2 are a few
+// roundings; glibc's exp is within 1 ulp): W + 1 <= floor(L 2^64) means
+// U < exp(-a/b), W >= ceil(H 2^64) means U >= exp(-a/b). Otherwise (with
+// probability about 2 * margin) the exact path draws more words of U and
+// compares them with an interval of exp(-a/b) computed in multi-precision
+// integer arithmetic (alternating Taylor series with floor/ceiling bounds)
+// until the interval separates them. So the decision is exact: the double
+// arithmetic only chooses which path decides, never the answer.
 
-// Bernoulli(a / b) for 0 <= a <= b < 2^127: a uniform U in [0, 1), drawn bit
-// by bit, against the binary expansion of a / b (long division); U < a / b
-// is decided at the first differing bit. If the expansion ends (remainder 0)
-// while all bits agree, U >= a / b (U = a / b has probability 0).
-bool BernoulliFraction(RandomBits& rng, u128 a, u128 b) {
-  if (a >= b) return true;
-  if (b <= 0xffffffffull) {
-    // Small denominators (the Bernoulli(exp(-1/2)) and (exp(-1)) steps): 32
-    // digits of a / b per 64-bit division against 32 random bits at once.
-    uint64_t r = static_cast<uint64_t>(a);
-    const uint64_t d = static_cast<uint64_t>(b);
-    for (;;) {
-      const uint64_t shifted = r << 32;
-      const uint64_t digits = shifted / d;
-      r = shifted - digits * d;
-      const uint64_t u = rng.Bits(32);
-      if (u != digits) return u < digits;
-      if (r == 0) return false;
+// Unsigned multi-precision integers, little-endian 64-bit limbs (exact path only).
+using Big = std::vector<uint64_t>;
+
+void Trim(Big& x) {
+  while (!x.empty() && x.back() == 0) x.pop_back();
+}
+
+Big FromU128(u128 v) {
+  Big x = {static_cast<uint64_t>(v), static_cast<uint64_t>(v >> 64)};
+  Trim(x);
+  return x;
+}
+
+int Compare(const Big& a, const Big& b) {
+  if (a.size() != b.size()) return a.size() < b.size() ? -1 : 1;
+  for (size_t i = a.size(); i-- > 0;) {
+    if (a[i] != b[i]) return a[i] < b[i] ? -1 : 1;
+  }
+  return 0;
+}
+
+Big Add(const Big& a, const Big& b) {
+  Big r(std::max(a.size(), b.size()) + 1, 0);
+  u128 carry = 0;
+  for (size_t i = 0; i < r.size(); ++i) {
+    carry += static_cast<u128>(i < a.size() ? a[i] : 0) + (i < b.size() ? b[i] : 0);
+    r[i] = static_cast<uint64_t>(carry);
+    carry >>= 64;
+  }
+  Trim(r);
+  return r;
+}
+
+Big Sub(const Big& a, const Big& b) {  // a - b for a >= b
+  Big r(a.size(), 0);
+  uint64_t borrow = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const uint64_t bi = i < b.size() ? b[i] : 0;
+    const u128 d = static_cast<u128>(a[i]) - bi - borrow;
+    r[i] = static_cast<uint64_t>(d);
+    borrow = (d >> 64) ? 1 : 0;
+  }
+  Trim(r);
+  return r;
+}
+
+Big Mul(const Big& a, const Big& b) {
+  Big r(a.size() + b.size() + 1, 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    u128 carry = 0;
+    for (size_t j = 0; j < b.size(); ++j) {
+      carry += static_cast<u128>(a[i]) * b[j] + r[i + j];
+      r[i + j] = static_cast<uint64_t>(carry);
+      carry >>= 64;
+    }
+    for (size_t k = i + b.size(); carry; ++k) {
+      carry += r[k];
+      r[k] = static_cast<uint64_t>(carry);
+      carry >>= 64;
     }
   }
+  Trim(r);
+  return r;
+}
+
+// floor(x / 2^bits), or the ceiling when `ceil`.
+Big ShiftRight(const Big& x, int bits, bool ceil) {
+  const size_t limbs = bits / 64, rest = bits % 64;
+  bool dropped = false;
+  for (size_t i = 0; i < std::min(limbs, x.size()); ++i) dropped = dropped || x[i] != 0;
+  if (limbs < x.size() && rest) dropped = dropped || (x[limbs] & ((1ull << rest) - 1)) != 0;
+  Big r;
+  for (size_t i = limbs; i < x.size(); ++i) {
+    uint64_t v = x[i] >> rest;
+    if (rest && i + 1 < x.size()) v |= x[i + 1] << (64 - rest);
+    r.push_back(v);
+  }
+  Trim(r);
+  return ceil && dropped ? Add(r, Big{1}) : r;
+}
+
+// floor(x / n), or the ceiling when `ceil`; n >= 1.
+Big DivSmall(const Big& x, uint64_t n, bool ceil) {
+  Big r(x.size(), 0);
+  u128 rem = 0;
+  for (size_t i = x.size(); i-- > 0;) {
+    rem = (rem << 64) | x[i];
+    r[i] = static_cast<uint64_t>(rem / n);
+    rem %= n;
+  }
+  Trim(r);
+  return ceil && rem ? Add(r, Big{1}) : r;
+}
+
+// [lo, hi] with lo <= 2^p exp(-a/b) <= hi, for 0 <= a < b < 2^127.
+void ExpInterval(u128 a, u128 b, int p, Big* lo, Big* hi) {
+  const int g = p + 32;  // guard bits for the series' roundings
+  // X = floor(2^g a / b) by long division, so X <= 2^g x < X + 1 for x = a/b.
+  Big x_lo((g + 63) / 64 + 1, 0);
   u128 r = a;
-  for (;;) {
+  for (int bit = g - 1; bit >= 0; --bit) {
     r <<= 1;
-    uint32_t digit = 0;
-    if (r >= b) r -= b, digit = 1;
-    const uint32_t u = rng.Bit();
-    if (u != digit) return u < digit;
-    if (r == 0) return false;
+    if (r >= b) r -= b, x_lo[bit / 64] |= 1ull << (bit % 64);
+  }
+  Trim(x_lo);
+  const Big x_hi = Add(x_lo, Big{1});
+  // t_n = 2^g x^n / n!, bracketed: t_lo[n] <= t_n <= t_hi[n]. The series is
+  // alternating with decreasing terms (x < 1), so a partial sum ending on an
+  // odd term is a lower bound and one ending on an even term an upper bound.
+  Big one((g / 64) + 1, 0);
+  one[g / 64] = 1ull << (g % 64);
+  Big t_lo = one, t_hi = one, even_lo = one, even_hi = one, odd_lo, odd_hi, last_even_hi;
+  for (uint64_t n = 1;; ++n) {
+    t_lo = DivSmall(ShiftRight(Mul(t_lo, x_lo), g, false), n, false);
+    t_hi = DivSmall(ShiftRight(Mul(t_hi, x_hi), g, true), n, true);
+    if (n % 2 == 1) {
+      odd_lo = Add(odd_lo, t_lo), odd_hi = Add(odd_hi, t_hi);
+      if (Compare(t_hi, Big{1}) <= 0) {
+        // Lower bound: sum to n (odd); upper bound: sum to n + 1, whose term is at most t_hi.
+        const Big lower = Compare(even_lo, odd_hi) > 0 ? Sub(even_lo, odd_hi) : Big{};
+        const Big upper = Sub(Add(even_hi, t_hi), odd_lo);
+        *lo = ShiftRight(lower, g - p, false);
+        *hi = ShiftRight(upper, g - p, true);
+        return;
+      }
+    } else {
+      even_lo = Add(even_lo, t_lo), even_hi = Add(even_hi, t_hi);
+    }
   }
 }
 
-// Bernoulli(exp(-a/b)) for 0 <= a <= b, b < 2^102 (CKS20 Algorithm 1,
-// gamma <= 1): K <- 1; while Bernoulli(gamma / K): K <- K + 1; return K odd.
-// (K reaches 2^25, where b K would pass 2^127, with probability below 1/(2^25)!.)
-bool BernoulliExpSmall(RandomBits& rng, u128 a, u128 b) {
-  uint64_t k = 1;
-  while (BernoulliFraction(rng, a, b * k)) ++k;
-  return k % 2 == 1;
-}
-
-inline bool BernoulliExpHalf(RandomBits& rng) { return BernoulliExpSmall(rng, 1, 2); }
-
-// Bernoulli(exp(-a/b)) for any a >= 0 (CKS20 Algorithm 1): floor(a/b)
-// Bernoulli(exp(-1)) trials, stopping at the first failure, then the rest.
-bool BernoulliExp(RandomBits& rng, u128 a, u128 b) {
-  while (a >= b) {
-    if (!BernoulliExpSmall(rng, 1, 1)) return false;
-    a -= b;
+// U < exp(-a/b), exactly, for 0 <= a < b < 2^127, where `first` is U's first
+// 64 bits and the rest are drawn from `rng` as needed.
+bool ExpCompareExact(RandomBits& rng, uint64_t first, u128 a, u128 b) {
+  std::vector<uint64_t> digits = {first};  // U's words, most significant first
+  for (size_t words = 2;; words *= 2) {
+    while (digits.size() < words) digits.push_back(rng.Word());
+    Big u(words, 0);
+    for (size_t i = 0; i < words; ++i) u[words - 1 - i] = digits[i];
+    Trim(u);
+    Big lo, hi;
+    ExpInterval(a, b, static_cast<int>(64 * words), &lo, &hi);
+    if (Compare(Add(u, Big{1}), lo) <= 0) return true;   // U < (u + 1) / 2^P <= exp(-a/b)
+    if (Compare(u, hi) >= 0) return false;               // U >= u / 2^P >= exp(-a/b)
   }
-  return BernoulliExpSmall(rng, a, b);
 }
+
+// floor(y 2^bits) and ceil(y 2^bits), saturated to [0, 2^bits], for a double
+// y and bits <= 32 (exact: scaling by a power of two and truncation below 2^53).
+inline uint64_t FloorScaled(double y, int bits) {
+  const double scale = static_cast<double>(1ull << bits);
+  if (!(y > 0)) return 0;
+  if (y >= 1) return 1ull << bits;
+  return static_cast<uint64_t>(y * scale);
+}
+inline uint64_t CeilScaled(double y, int bits) {
+  const double scale = static_cast<double>(1ull << bits);
+  if (!(y > 0)) return 0;
+  if (y >= 1) return 1ull << bits;
+  const double t = y * scale;
+  const uint64_t f = static_cast<uint64_t>(t);
+  return static_cast<double>(f) < t ? f + 1 : f;
+}
+
+// x as a double, within a relative 2^-52 (two roundings; inline, unlike the
+// compiler's 128-bit conversion call).
+inline double ToDouble(u128 x) {
+  return static_cast<double>(static_cast<uint64_t>(x >> 64)) * 18446744073709551616.0 +
+         static_cast<double>(static_cast<uint64_t>(x));
+}
+
+// The first 32 bits of U decide unless they fall in the band [lo, hi); then
+// the exact path continues with U's first 64 bits (32 more fresh bits).
+constexpr int kFastBits = 32;
+
+// Bernoulli(exp(-a/b)) for 0 <= a < b < 2^127 (see the section's comment).
+class ExpBernoulli {
+ public:
+  explicit ExpBernoulli(double margin) : margin_(margin) {}
+
+  bool operator()(RandomBits& rng, u128 a, u128 b) const {
+    if (a == 0) return true;
+    const uint64_t w = rng.Bits(kFastBits);
+    const double f = ToDouble(a) / ToDouble(b);
+    // 1 - f <= exp(-f) <= 1 - f + f^2 / 2 on [0, 1].
+    if (w + 1 <= FloorScaled(1 - f - margin_, kFastBits)) return true;
+    if (w >= CeilScaled(1 - f + f * f / 2 + margin_, kFastBits)) return false;
+    const double e = std::exp(-f);
+    if (w + 1 <= FloorScaled(e - margin_, kFastBits)) return true;
+    if (w >= CeilScaled(e + margin_, kFastBits)) return false;
+    return ExpCompareExact(rng, (w << 32) | rng.Bits(32), a, b);
+  }
+
+ private:
+  double margin_;
+};
+
+// Bernoulli(exp(-a/b)) for a constant a/b <= 1: its exact bounds at 2^-64,
+// computed once; the first 16 bits of U decide unless they tie with them.
+class ConstantExpBernoulli {
+ public:
+  ConstantExpBernoulli(u128 a, u128 b) : a_(a), b_(b) {
+    Big lo, hi;
+    ExpInterval(a, b, 16, &lo, &hi);
+    lo_ = lo.empty() ? 0 : lo[0];
+    hi_ = hi.empty() ? 0 : hi[0];
+  }
+
+  bool operator()(RandomBits& rng) const {
+    const uint64_t w = rng.Bits(16);
+    if (w + 1 <= lo_) return true;
+    if (w >= hi_) return false;
+    return ExpCompareExact(rng, (w << 48) | rng.Bits(48), a_, b_);
+  }
+
+ private:
+  u128 a_, b_;
+  uint64_t lo_, hi_;
+};
 
 // ------------------------------------------------------------- Karney D --
 
@@ -218,24 +403,34 @@ uint64_t FloorSqrt(u128 x) {
 
 class KarneySampler {
  public:
-  explicit KarneySampler(u128 v) : v_(v), two_v_(2 * v), width_(CeilSigmaTimes(1)) {
+  KarneySampler(u128 v, double margin)
+      : v_(v), two_v_(2 * v), two_v_double_(ToDouble(2 * v)), width_(CeilSigmaTimes(1)), exp_(margin),
+        half_(1, 2), one_(1, 1) {
     for (int k = 0; k < kTableK; ++k) ceil_[k] = CeilSigmaTimes(k);
   }
 
   int64_t Sample(RandomBits& rng) const {
     for (;;) {
+      // k with Pr ~ exp(-k/2) exp(-k (k - 1) / 2) = exp(-k^2 / 2).
       uint64_t k = 0;
-      while (BernoulliExpHalf(rng)) ++k;
+      while (half_(rng)) ++k;
       if (k > kMaxK) continue;
       bool accept = true;
-      for (uint64_t i = 0, n = k * (k - (k > 0)); i < n && accept; ++i) accept = BernoulliExpHalf(rng);
+      for (uint64_t i = 0, n = k * (k - (k > 0)); i < n && accept; ++i) accept = half_(rng);
       if (!accept) continue;
       const bool negative = rng.Bit();
       const u128 m = Ceil(k) + rng.Below(width_);
       if (m >= Ceil(k + 1) || (m == 0 && negative)) continue;
+      // Accept with exp(-(m^2 - k^2 v) / (2 v)) = exp(-q) exp(-r / (2 v)).
       const u128 k2v = static_cast<u128>(k) * k * v_;
       const u128 m2 = m * m;
-      if (!BernoulliExp(rng, m2 - k2v, two_v_)) continue;
+      u128 a = m2 - k2v;
+      u128 q = static_cast<uint64_t>(ToDouble(a) / two_v_double_);  // then corrected exactly
+      while (q > 0 && q * two_v_ > a) --q;
+      while ((q + 1) * two_v_ <= a) ++q;
+      a -= q * two_v_;
+      for (u128 i = 0; i < q && accept; ++i) accept = one_(rng);
+      if (!accept || !exp_(rng, a, two_v_)) continue;
       const int64_t y = static_cast<int64_t>(m);
       return negative ? -y : y;
     }
@@ -251,8 +446,11 @@ class KarneySampler {
   uint64_t Ceil(uint64_t k) const { return k < kTableK ? ceil_[k] : CeilSigmaTimes(k); }
 
   u128 v_, two_v_;
+  double two_v_double_;
   uint64_t width_;  // ceil(sigma): j is uniform on [0, width_)
   uint64_t ceil_[kTableK];
+  ExpBernoulli exp_;
+  ConstantExpBernoulli half_, one_;
 };
 
 // ------------------------------------------------------------------- op --
@@ -261,6 +459,7 @@ REGISTER_OP("TfeDiscreteGaussian")
     .Input("shape: int64")
     .Input("variance: float64")
     .Output("noise: int64")
+    .Attr("fast_path_margin_log2: int = 40")
     .SetIsStateful()  // fresh randomness on every run; Grappler must not fold it
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle out;
@@ -273,12 +472,24 @@ Independent samples of the discrete Gaussian N_Z(0, variance) on the integers
 (Karney's exact algorithm with Canonne-Kamath-Steinke Bernoulli(exp(-x)), integer
 arithmetic only), with randomness from
 AES-128-CTR keyed by a fresh RAND_bytes key on every run. `variance` must be an
-integer in [1, 2**100].
+integer in [1, 2**100]. `fast_path_margin_log2` (1..50): the margin 2^-m of the
+double-precision bounds that decide most Bernoulli(exp) draws; any value gives
+the same distribution (the rest is decided exactly); small values only make
+the exact path run more often (tests use that to exercise it).
 )doc");
 
 class DiscreteGaussianOp : public OpKernel {
  public:
-  explicit DiscreteGaussianOp(OpKernelConstruction* ctx) : OpKernel(ctx) { RequireSelfTest(ctx); }
+  explicit DiscreteGaussianOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    RequireSelfTest(ctx);
+    int margin_log2 = 40;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("fast_path_margin_log2", &margin_log2));
+    OP_REQUIRES(ctx, margin_log2 >= 1 && margin_log2 <= 50,
+                ::tensorflow::errors::InvalidArgument("TfeDiscreteGaussian: fast_path_margin_log2 must be in "
+                                                      "[1, 50] (the double bounds' error is below 2^-50), got ",
+                                                      margin_log2));
+    margin_ = std::ldexp(1.0, -margin_log2);
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& shape_tensor = ctx->input(0);
@@ -297,7 +508,7 @@ class DiscreteGaussianOp : public OpKernel {
     uint8_t key[kKeyBytes];
     OP_REQUIRES(ctx, FreshKey(key), ::tensorflow::errors::Internal("RAND_bytes failed: no secure key"));
 
-    const KarneySampler sampler(static_cast<u128>(variance));  // exact: an integer below 2^101
+    const KarneySampler sampler(static_cast<u128>(variance), margin_);  // exact: an integer below 2^101
     int64_t* y = out->flat<int64_t>().data();
     const int64_t n = out->NumElements();
     const int64_t chunks = (n + kNoiseChunk - 1) / kNoiseChunk;
@@ -316,6 +527,8 @@ class DiscreteGaussianOp : public OpKernel {
     std::memset(key, 0, sizeof(key));
     for (uint8_t f : failed) OP_REQUIRES(ctx, !f, ::tensorflow::errors::Internal("AES-128-CTR failed"));
   }
+ private:
+  double margin_ = 0;
 };
 REGISTER_KERNEL_BUILDER(Name("TfeDiscreteGaussian").Device(DEVICE_CPU).HostMemory("shape"),
                         DiscreteGaussianOp);
