@@ -3,43 +3,49 @@
 Secure aggregation hides each replica's gradient, but every owner learns the
 sum. DP-SGD (Abadi et al., CCS 2016) bounds what the sum says about any one
 record: each example's gradient is clipped to L2 norm ``l2_norm_clip`` and
-Gaussian noise of standard deviation ``noise_multiplier * l2_norm_clip`` is
-added to the sum. Here the noise is *distributed* ("The Distributed Discrete
+Gaussian noise of standard deviation ``sigma = noise_multiplier * l2_norm_clip``
+is added to the sum. Here the noise is *distributed* ("The Distributed Discrete
 Gaussian Mechanism for Federated Learning with Secure Aggregation", Kairouz,
 Liu, Steinke, ICML 2021): each of the N replicas adds its part, in the ring,
-after fixed-point encoding and before masking (inside `TfeMaskShare`), so no
-party and no owner ever sees a sum without the full noise.
+after fixed-point encoding and before masking (inside `TfeMaskShare`).
+
+Every owner knows its own part, so the parts are sized against colluding
+owners: with ``t = colluding_owners`` (default ``min(1, N - 1)``) each part has
+variance ``sigma**2 / (N - t)``, so any t owners who pool their parts still face
+``sigma``; outsiders face ``sigma * sqrt(N / (N - t))``. `DistributedDP.epsilons`
+reports epsilon for both (dp-accounting's RDP accountant with the two noise
+multipliers).
 
 Each part is an exact discrete Gaussian ``N_Z(0, s2)`` (`TfeDiscreteGaussian`:
-Canonne, Kamath, Steinke, NeurIPS 2020, on AES-128-CTR randomness), with::
+Karney's exact algorithm on AES-128-CTR randomness), with::
 
-    Delta = l2_norm_clip * 2**F + sqrt(d)      # L2 sensitivity of the encoded sum
-    s2    = ceil((noise_multiplier * Delta)**2 / N)   # ring units^2, per replica
+    Delta = l2_norm_clip * 2**F + sqrt(d)                 # L2 sensitivity of the encoded sum
+    s2    = ceil((noise_multiplier * Delta)**2 / (N - t))  # ring units^2, per replica
 
 (``d`` values per replica; ``sqrt(d)`` bounds what rounding toward zero can add
-to one example's encoded contribution). The sum of the N parts therefore has
-variance at least ``(noise_multiplier * Delta)**2``: decoded, a standard deviation
-of ``noise_multiplier * l2_norm_clip`` (times ``1 + sqrt(d) / (l2_norm_clip * 2**F)``,
-below ``1 + 1e-6`` for a million parameters at F = 32).
+to one example's encoded contribution), ``2**40 <= s2 <= MAX_REPLICA_VARIANCE =
+2**100`` (else refused). The sampler's only departure from ``N_Z(0, s2)`` is a
+cap on ``|X|`` at 4096 standard deviations: a total variation distance below
+``exp(-2**23)`` per sample, which is what it adds to delta (nothing a float
+can represent).
 
 How the sum of the parts is accounted for: a sum of independent discrete
 Gaussians is not exactly a discrete Gaussian. Kairouz, Liu and Steinke (ICML
-2021) bound the gap for the sum of N parts of variance ``s2``: it is
-``eps^2 / 2``-concentrated DP with ``eps = min(sqrt(D2^2 / (N s2) + tau D1 / 2),
-D2 / sqrt(N s2) + tau sqrt(D1))`` (D2, D1: L2 and L1 sensitivities), where
-``tau = 10 * sum_{k=1}^{N-1} exp(-2 pi^2 s2 k / (k + 1))``. We require
-``s2 >= 2**40`` ring units^2 (`check_noise_headroom`; in practice s2 ~ 2**64),
-so ``tau < exp(-10**13)``: zero in any arithmetic, and the bound is that of
-one Gaussian of variance ``N * s2``, as for the continuous Gaussian mechanism
-(Canonne et al. 2020: the discrete Gaussian is exactly as private as the
-continuous one for integer queries). We therefore account with
-dp-accounting's RDP accountant for the Poisson-sampled Gaussian mechanism
-with ``noise_multiplier`` (`dp_epsilon`); the discreteness at ~2**32 ring
-units per standard deviation changes no digit of epsilon. Not covered (as in
-every DP-SGD library): the floating-point computation of the clipped
-per-example gradients and of their sum on a replica. The noise itself is
-sampled with integers only, so the floating-point attack on noise samplers
-(Mironov, CCS 2012) does not apply.
+2021) bound the gap for a sum of n parts of variance ``s2``: it is
+``eps^2 / 2``-concentrated DP with ``eps = min(sqrt(D2^2 / (n s2) + tau D1 / 2),
+D2 / sqrt(n s2) + tau sqrt(D1))`` (D2, D1: L2 and L1 sensitivities), where
+``tau = 10 * sum_{k=1}^{n-1} exp(-2 pi^2 s2 k / (k + 1))``. With ``s2 >= 2**40``,
+``tau < exp(-10**13)``: zero in any arithmetic, and the bound is that of one
+Gaussian of variance ``n * s2`` (n = N against outsiders, N - t against t
+owners), as for the continuous Gaussian mechanism (Canonne et al. 2020: the
+discrete Gaussian is exactly as private as the continuous one for integer
+queries). We therefore account with dp-accounting's RDP accountant for the
+Poisson-sampled Gaussian mechanism (`dp_epsilon`). Not covered (as in every
+DP-SGD library): the floating-point computation of the clipped per-example
+gradients and of their sum on a replica. The noise itself is sampled with
+integers only (floating point only chooses between a fast and an exact path,
+never the outcome), so the floating-point attack on noise samplers (Mironov,
+CCS 2012) does not apply.
 
 Example::
 

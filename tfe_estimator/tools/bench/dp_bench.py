@@ -4,7 +4,9 @@ Two measurements, in one run:
 
 1. ``TfeDiscreteGaussian`` (the exact sampler of `tfe_estimator.privacy.dp`):
    ns per value with 1 and 2 intra-op threads (best of `repeats` runs of
-   `n` values) at the workload's per-replica variance and at 2**40 / 2**88.
+   `n` values) at the workload's per-replica variance and at 2**40 / 2**88,
+   each thread count in a process of its own (TensorFlow sizes its intra-op
+   pool once per process, from the first session).
 2. One DP-SGD training step, side by side in alternating rounds
    (`timing.run_alternating`): tensorflow-privacy's `DNNClassifier` with
    our clipping optimizer under `TfeRunConfig(dp=DistributedDP(...))`
@@ -22,6 +24,8 @@ import argparse
 import json
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
@@ -129,13 +133,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sampler-values", type=int, default=1_000_000)
     parser.add_argument("--no-step", action="store_true", help="only the sampler")
+    parser.add_argument("--sampler-threads", type=int, default=None, help=argparse.SUPPRESS)  # child process
+    parser.add_argument("--variances", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def _sampler_in_child(variances: Sequence[float], threads: int, n: int) -> List[float]:
+    # A process per thread count: the intra-op pool is sized once per process.
+    command = [sys.executable, "-m", "tfe_estimator.tools.bench.dp_bench", "--sampler-threads", str(threads),
+               "--variances", ",".join(repr(v) for v in variances), "--sampler-values", str(n)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs both measurements; prints them and writes <out>/dp_bench.json. Returns 0."""
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.sampler_threads:
+        values = [float(v) for v in args.variances.split(",")]
+        print(json.dumps([sampler_ns_per_value(v, args.sampler_threads, args.sampler_values) for v in values]))
+        return 0
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     from tfe_estimator.privacy.dp import DistributedDP, replica_noise_variance  # pylint: disable=import-outside-toplevel
@@ -147,12 +165,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     warmup=args.warmup)
     workload_variance = replica_noise_variance(DistributedDP(1.0, 1.1), args.replicas, 32, 300_000)
     sampler: List[Dict] = []
-    for variance in (2.0**40, workload_variance, 2.0**88):
-        for threads in (1, 2):
-            ns = sampler_ns_per_value(variance, threads, args.sampler_values)
+    variances = (2.0**40, workload_variance, 2.0**88)
+    for threads in (1, 2):
+        for variance, ns in zip(variances, _sampler_in_child(variances, threads, args.sampler_values)):
             sampler.append({"log2_variance": math.log2(variance), "threads": threads, "ns_per_value": ns})
             print(f"[dp bench] TfeDiscreteGaussian v = 2**{math.log2(variance):.1f}, {threads} thread(s): "
-                  f"{ns:.1f} ns per value", flush=True)
+                  f"{ns:.1f} ns per value (wall)", flush=True)
     results = {"machine": report.machine(), "settings": settings, "sampler": sampler}
     if not args.no_step:
         workdir = tempfile.mkdtemp(prefix="tfe-estimator-dp-bench-")
