@@ -90,7 +90,8 @@ def main(argv=None):
     print(f"{'metric':<14}{'secure DP':>12}{'secure':>12}")
     for metric in METRICS:
         print(f"{metric:<14}{results['secure DP'][metric]:>12.4f}{results['secure'][metric]:>12.4f}")
-    print(f"DP-SGD: epsilon = {results['secure DP']['dp_epsilon']:.3g} at delta = {DELTA:g} "
+    print(f"DP-SGD: epsilon = {results['secure DP']['dp_epsilon']:.3g} at delta = {DELTA:g} against the other "
+          f"owner (who knows its own noise), {results['secure DP']['dp_epsilon_outsiders']:.3g} against outsiders "
           f"(noise_multiplier {args.noise_multiplier}, l2_norm_clip {args.l2_norm_clip}, "
           f"global batch {args.batch_size}, {args.steps} steps, Poisson-sampling accounting)")
     return results

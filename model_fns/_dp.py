@@ -7,8 +7,11 @@ each example's gradient to `l2_norm_clip` and sums them
 clipping); `SecureAggregation` adds the noise inside the secure sum; the
 optimizer applies the noisy sum divided by the global batch size. The
 head's losses, metrics, predictions and exports are unchanged; evaluation
-adds a `dp_epsilon` metric and training logs epsilon at its end when the
-`DistributedDP` has `num_examples`.
+adds the metrics `dp_epsilon` (against `colluding_owners` owners who pool
+their own noise: the guarantee) and `dp_epsilon_outsiders`, and training logs
+both at its end, when the `DistributedDP` has `num_examples`. Under DP the
+reported loss and metrics are the chief's replica's own (see
+`SecureAggregation`): no un-noised value from another owner's data.
 
 Example::
 
@@ -22,10 +25,13 @@ import tensorflow as tf
 
 from model_fns._params import make_optimizer
 
-__all__ = ["dp_settings", "dp_estimator_spec", "EPSILON_METRIC"]
+__all__ = ["dp_settings", "dp_estimator_spec", "EPSILON_METRIC", "OUTSIDER_EPSILON_METRIC"]
 
-#: The eval metric that reports the epsilon spent by the evaluated checkpoint.
+#: The eval metric that reports the epsilon spent by the evaluated checkpoint,
+#: against t colluding owners (`DistributedDP.colluding_owners`).
 EPSILON_METRIC = "dp_epsilon"
+#: The same against outsiders (anyone who knows none of the noise parts).
+OUTSIDER_EPSILON_METRIC = "dp_epsilon_outsiders"
 _BATCH_VARIABLE = "dp_global_batch_size"
 
 
@@ -53,21 +59,22 @@ def _batch_variable():
         trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
-def _epsilon_metric(dp, batch_variable):
-    from tfe_estimator.privacy.dp import dp_epsilon  # pylint: disable=import-outside-toplevel
+def _epsilon_metrics(dp, batch_variable):
+    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
 
-    def epsilon(steps, batch):
+    def epsilons(steps, batch):
         if int(batch) <= 0:
-            return float("nan")  # no training step recorded yet
-        return dp_epsilon(dp.noise_multiplier, int(batch), dp.num_examples, int(steps), dp.delta)
+            return [float("nan")] * 2  # no training step recorded yet
+        return list(dp.epsilons(int(batch), int(steps), num_replicas))
 
     def value(_=None):
         step = tf.compat.v1.train.get_global_step()
-        return tf.py_function(epsilon, [tf.identity(step), tf.identity(batch_variable)], tf.float64)
+        return tf.py_function(epsilons, [tf.identity(step), tf.identity(batch_variable)], [tf.float64] * 2)
 
     # Like tf.compat.v1.metrics: the value is built once, in cross-replica context.
     context = tf.distribute.get_replica_context()
-    return (value() if context is None else context.merge_call(value)), tf.no_op()
+    outsiders, colluders = value() if context is None else context.merge_call(value)
+    return {EPSILON_METRIC: (colluders, tf.no_op()), OUTSIDER_EPSILON_METRIC: (outsiders, tf.no_op())}
 
 
 def dp_estimator_spec(
@@ -89,13 +96,14 @@ def dp_estimator_spec(
         spec = head.create_estimator_spec(features=features, mode=mode, logits=logits, labels=labels)
         if mode == tf.estimator.ModeKeys.EVAL and dp.num_examples is not None:
             metrics = dict(spec.eval_metric_ops or {})
-            metrics[EPSILON_METRIC] = _epsilon_metric(dp, batch_variable)
+            metrics.update(_epsilon_metrics(dp, batch_variable))
             spec = spec._replace(eval_metric_ops=metrics)
         return spec
-    optimizer = make_dp_optimizer(make_optimizer(params), dp.l2_norm_clip)
+    optimizer = make_dp_optimizer(make_optimizer(params), dp.l2_norm_clip, dp.expected_batch_size)
     optimizer.iterations = tf.compat.v1.train.get_or_create_global_step()
     per_example = _per_example_loss(head, features, labels, logits)
-    global_batch = tf.cast(tf.shape(logits)[0] * tf.distribute.get_strategy().num_replicas_in_sync, tf.int64)
+    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    global_batch = tf.cast(tf.shape(logits)[0] * num_replicas, tf.int64)
 
     def train_op_fn(scalar_loss):
         del scalar_loss  # the head's reduced loss: reported, not differentiated
@@ -107,6 +115,6 @@ def dp_estimator_spec(
                                       train_op_fn=train_op_fn, trainable_variables=trainable)
     hooks = list(spec.training_hooks or ())
     if dp.num_examples is not None:
-        hooks.append(EpsilonLoggingHook(dp, global_batch))
+        hooks.append(EpsilonLoggingHook(dp, global_batch, num_replicas))
     return spec._replace(training_hooks=hooks)
 

@@ -100,19 +100,23 @@ def test_dp_epsilon_edge_cases():
 # ------------------------------------------------------ the noise sampler --
 
 
-def _discrete_gaussian(n, variance):
+def _discrete_gaussian(n, variance, margin_log2=40):
     from tfe_estimator.secure.kernels import ops  # pylint: disable=import-outside-toplevel
 
     with tf.Graph().as_default():
-        noise = ops.discrete_gaussian(n, variance)
+        noise = ops.discrete_gaussian(n, variance, fast_path_margin_log2=margin_log2)
         with _session() as sess:
             return sess.run(noise), sess.run(noise)
 
 
-@pytest.mark.parametrize("variance", [1.0, 2.0, 5.0, 30.0])
-def test_sampler_matches_the_exact_discrete_gaussian_pmf(variance):
-    # Chi-square goodness of fit against Pr[x] ~ exp(-x^2 / (2 variance)).
-    samples, _ = _discrete_gaussian(200000, variance)
+# margin 2**-40: the double-precision bounds decide almost every Bernoulli(exp); margin 2**-2:
+# about half of them go to the exact multi-precision path, which must give the same pmf.
+@pytest.mark.parametrize("variance, margin_log2, n", [
+    (1.0, 40, 200000), (2.0, 40, 200000), (5.0, 40, 200000), (30.0, 40, 200000), (2.0, 2, 40000),
+    (30.0, 2, 40000)])
+def test_sampler_matches_the_exact_discrete_gaussian_pmf(variance, margin_log2, n):
+    # Chi-square goodness of fit against Pr[x] ~ exp(-x^2 / (2 variance)), alpha = 1e-4.
+    samples, _ = _discrete_gaussian(n, variance, margin_log2)
     support = np.arange(-12 * int(math.sqrt(variance) + 1), 12 * int(math.sqrt(variance) + 1) + 1)
     pmf = np.exp(-support.astype(float) ** 2 / (2 * variance))
     pmf /= pmf.sum()
@@ -122,15 +126,83 @@ def test_sampler_matches_the_exact_discrete_gaussian_pmf(variance):
     assert stats.chisquare(observed, expected).pvalue > 1e-4
 
 
-@pytest.mark.parametrize("variance", [2.0**40, 2.0**64, 1.21 * 2.0**64 + 2.0**20])
+def _assert_gaussian_with_variance(samples, variance):
+    z = samples.astype(np.float64) / math.sqrt(variance)
+    # Standard error of the std estimate: 1/sqrt(2n) (0.16 % at n = 2e5); tolerance 5 se
+    # (alpha < 1e-6); the mean within 5 se; Kolmogorov-Smirnov against N(0, 1) at alpha = 1e-4.
+    assert abs(z.std() - 1.0) < 5 / math.sqrt(2 * len(z)), z.std()
+    assert abs(z.mean()) < 5 / math.sqrt(len(z)), z.mean()
+    assert stats.kstest(z, "norm").pvalue > 1e-4
+
+
+# 2**40 (the floor), 2**64, 2**88 (where the old `t << 20` wrapped) and the cap 2**100.
+@pytest.mark.parametrize("variance", [2.0**40, 2.0**64, 1.21 * 2.0**64 + 2.0**20, 2.0**88, 2.0**88 + 2.0**60,
+                                      dp_lib.MAX_REPLICA_VARIANCE])
 def test_sampler_at_ring_scale_is_gaussian_with_the_stated_variance(variance):
     samples, again = _discrete_gaussian(200000, variance)
-    z = samples.astype(np.float64) / math.sqrt(variance)
-    # Standard error of the std estimate: 1/sqrt(2n) = 0.16 %; tolerance 5 se.
-    assert abs(z.std() - 1.0) < 5 / math.sqrt(2 * len(z))
-    assert abs(z.mean()) < 5 / math.sqrt(len(z))
-    assert stats.kstest(z, "norm").pvalue > 1e-4
+    _assert_gaussian_with_variance(samples, variance)
     assert not np.array_equal(samples, again)  # a fresh key on every run
+
+
+@needs_dp
+def test_the_issues_overflowing_configuration_adds_its_noise():
+    # l2_norm_clip=4096, noise_multiplier=2, 4 replicas at "low" (64-bit ring, F = 32, bound 2**24):
+    # per-replica variance ~ 2**88.4, where the old sampler's std was 2**24.2 instead of 2**44.
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=4096, noise_multiplier=2)
+    variance = dp_lib.check_noise_headroom(dp, 4, 64, 32, 2.0**24, 1000)
+    assert variance >= (2 * 4096 * 2.0**32) ** 2 / 3  # sigma^2 / (N - t), t = 1
+    samples, _ = _discrete_gaussian(20000, variance)
+    _assert_gaussian_with_variance(samples, variance)
+
+
+_MUTANT_RUNNER = r"""
+import math, pathlib, shutil, sys
+import numpy as np
+from tfe_estimator.secure.kernels import _build
+src = pathlib.Path(sys.argv[1])
+_build.SOURCE_DIR = src
+import tensorflow as tf
+from tfe_estimator.secure.kernels import ops
+with tf.Graph().as_default():
+    noise = ops.discrete_gaussian(int(sys.argv[3]), float(sys.argv[2]))
+    with tf.compat.v1.Session() as sess:
+        print("STD", np.asarray(sess.run(noise), np.float64).std() / math.sqrt(float(sys.argv[2])))
+"""
+
+
+def _mutant_std(tmp_path, old, new, variance, n):
+    """Std / sqrt(variance) of `n` samples from a copy of the kernels with `old` replaced by `new`."""
+    import os  # pylint: disable=import-outside-toplevel
+    import shutil  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.secure.kernels import _build  # pylint: disable=import-outside-toplevel
+
+    src = tmp_path / "src"
+    shutil.copytree(_build.SOURCE_DIR, src)
+    code = (src / "noise_ops.cc").read_text()
+    assert code.count(old) == 1, "the mutation no longer applies: update the test with the sampler"
+    (src / "noise_ops.cc").write_text(code.replace(old, new))
+    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", _MUTANT_RUNNER, str(src), repr(variance), str(n)], env=env,
+                         capture_output=True, text=True, timeout=180, check=True).stdout
+    return float(out.split("STD")[-1])
+
+
+#: The old kind of overflow, planted back: a product that needs 128 bits (k^2 v, with v up to
+#: 2^100) computed in 64 bits, as the old `t << 20` was.
+OVERFLOW_MUTATION = ("const u128 k2v = static_cast<u128>(k) * k * v_;",
+                     "const u128 k2v = static_cast<uint64_t>(k * k * static_cast<uint64_t>(v_));")
+
+
+@pytest.mark.slow
+def test_mutation_a_64_bit_product_fails_the_sampler_test_at_2_88(tmp_path):
+    # The correct kernel gives std / sqrt(v) = 1 at 2**88 (tested above, 5 standard errors);
+    # with k^2 v wrapped modulo 2^64 it does not (at 2**40 the mutation is inert).
+    std = _mutant_std(tmp_path, *OVERFLOW_MUTATION, 2.0**88, 2000)
+    with pytest.raises(AssertionError):
+        assert abs(std - 1.0) < 5 / math.sqrt(2 * 2000), std
 
 
 def test_sampler_refuses_a_non_integer_variance():
@@ -162,9 +234,12 @@ def test_noise_is_added_in_the_ring_before_masking(ring_bits):
 @needs_dp
 def test_replica_variance_covers_the_encoded_sensitivity():
     dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.1)
-    variance = dp_lib.replica_noise_variance(dp, num_replicas=3, fraction_bits=32, num_elements=10000)
-    target = (1.1 * (2.0**32 + 100.0)) ** 2 / 3
-    assert variance == math.floor(variance) and target <= variance <= target * (1 + 1e-15)
+    # Default colluding_owners=1: sigma^2 / (N - 1) each; colluding_owners=0: sigma^2 / N.
+    for t, shares in ((None, 2), (0, 3), (2, 1)):
+        dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.1, colluding_owners=t)
+        variance = dp_lib.replica_noise_variance(dp, num_replicas=3, fraction_bits=32, num_elements=10000)
+        target = (1.1 * (2.0**32 + 100.0)) ** 2 / shares
+        assert variance == math.floor(variance) and target <= variance <= target * (1 + 1e-15)
 
 
 @needs_dp
@@ -238,12 +313,18 @@ def test_one_step_update_carries_noise_of_the_stated_scale(num_replicas, tmp_pat
     weights = est.get_variable_value("logits/kernel").ravel()
     global_batch = batch * num_replicas
     # Zero features: the kernel's clipped gradients are 0, so its update is the noise / global batch.
-    _assert_std(weights, dp.noise_multiplier * dp.l2_norm_clip / global_batch)
-    # The bias sees the clipped signal: each example's gradient is -0.5 (label 1, p = 0.5) -> +0.5 per step.
+    # Default colluding_owners=1: each replica adds sigma^2 / (N - 1), so the sum carries
+    # sqrt(N / (N - 1)) sigma and any one owner who removes its own part still faces sigma.
+    outsider_multiplier = dp.noise_multiplier * math.sqrt(num_replicas / (num_replicas - 1))
+    _assert_std(weights, outsider_multiplier * dp.l2_norm_clip / global_batch)
     epsilon = tfe_estimator.dp_epsilon(1.5, global_batch, 1000, 1, 1e-5)
-    assert f"epsilon = {epsilon:.4g}" in caplog.text
+    outsiders = tfe_estimator.dp_epsilon(outsider_multiplier, global_batch, 1000, 1, 1e-5)
+    assert outsiders < epsilon
+    assert f"epsilon = {epsilon:.4g} at delta = 1e-05 against 1 colluding owner(s) of {num_replicas}" in caplog.text
+    assert f"epsilon = {outsiders:.4g} against outsiders" in caplog.text
     metrics = est.evaluate(input_fn, steps=1)
     assert metrics["dp_epsilon"] == pytest.approx(epsilon, rel=1e-12)
+    assert metrics["dp_epsilon_outsiders"] == pytest.approx(outsiders, rel=1e-12)
 
 
 @needs_dp
@@ -256,7 +337,7 @@ def test_mutation_noise_divided_among_replicas_wrongly_fails_the_scale_test(tmp_
     dp = tfe_estimator.DistributedDP(l2_norm_clip=0.5, noise_multiplier=1.5)
     est, _ = _zero_feature_step(tmp_path, 2, 3000, 4, dp)
     with pytest.raises(AssertionError):
-        _assert_std(est.get_variable_value("logits/kernel").ravel(), 1.5 * 0.5 / 8)
+        _assert_std(est.get_variable_value("logits/kernel").ravel(), math.sqrt(2) * 1.5 * 0.5 / 8)
 
 
 @needs_dp
@@ -336,3 +417,191 @@ def test_every_model_fn_trains_with_dp(name, params, label_dtype, tmp_path):
     metrics = est.evaluate(input_fn, steps=1)
     assert metrics["global_step"] == 3 and np.isfinite(metrics["loss"])
     assert metrics["dp_epsilon"] == pytest.approx(tfe_estimator.dp_epsilon(0.3, 20, 200, 3, 1e-5))
+
+
+# ------------------------------------------------------ colluding owners --
+
+
+@needs_dp
+def test_colluding_owners_default_and_validation():
+    dp = tfe_estimator.DistributedDP(1.0, 1.0)
+    assert [dp.colluders(n) for n in (1, 2, 3, 5)] == [0, 1, 1, 1]
+    assert tfe_estimator.DistributedDP(1.0, 1.0, colluding_owners=2).colluders(3) == 2
+    with pytest.raises(ValueError, match=r"colluding_owners=2\) with 2 replicas.*t < N.*colluding_owners <= 1"):
+        dp_lib.check_noise_headroom(tfe_estimator.DistributedDP(1.0, 1.0, colluding_owners=2), 2, 64, 32, 2.0**24, 10)
+    with pytest.raises(ValueError, match="colluding_owners must be >= 0, got -1"):
+        tfe_estimator.DistributedDP(1.0, 1.0, colluding_owners=-1)
+    with pytest.raises(TypeError, match="colluding_owners must be an integer"):
+        tfe_estimator.DistributedDP(1.0, 1.0, colluding_owners=1.5)
+    with pytest.raises(ValueError, match="expected_batch_size must be >= 1"):
+        tfe_estimator.DistributedDP(1.0, 1.0, expected_batch_size=0)
+
+
+@needs_dp
+@pytest.mark.parametrize("num_replicas, colluding", [(2, None), (3, None), (3, 2), (4, 0)])
+def test_epsilon_is_reported_against_outsiders_and_colluding_owners(num_replicas, colluding):
+    dp = tfe_estimator.DistributedDP(1.0, 1.1, num_examples=60000, colluding_owners=colluding)
+    t = dp.colluders(num_replicas)
+    outsiders, colluders = dp.epsilons(64, 1000, num_replicas)
+    # Against t owners who pool their noise: exactly noise_multiplier is left.
+    assert colluders == tfe_estimator.dp_epsilon(1.1, 64, 60000, 1000, 1e-5)
+    # Against outsiders: all N parts, variance N sigma^2 / (N - t).
+    assert outsiders == tfe_estimator.dp_epsilon(1.1 * math.sqrt(num_replicas / (num_replicas - t)), 64, 60000,
+                                                 1000, 1e-5)
+    assert (outsiders < colluders) == (t > 0)
+    assert dp.epsilon(64, 1000, num_replicas) == colluders
+
+
+SUM = tf.distribute.ReduceOp.SUM
+_DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(6)]
+
+
+def _dp_reduce(dp, per_replica, reduce_op=SUM, to=None, monkeypatch=None):
+    """Reduces one vector per replica (marked as clipped sums) under `dp`; returns results and replica 0's noise."""
+    from tfe_estimator.secure.kernels import ops  # pylint: disable=import-outside-toplevel
+
+    noises = []
+    if monkeypatch is not None:
+        real = ops.discrete_gaussian
+        monkeypatch.setattr(ops, "discrete_gaussian", lambda *a: noises.append(real(*a)) or noises[-1])
+    n = len(per_replica)
+    graph = tf.Graph()
+    with graph.as_default():
+        strategy = tfe_estimator.TfeStrategy(devices=_DEVICES[:n], server_devices=_DEVICES[n:n + 3], dp=dp)
+        with strategy.scope():
+            def replica_fn():
+                rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+                value = tf.gather(tf.constant(np.stack(per_replica)), rid)
+                dp_lib.mark_clipped_sums([value], dp.l2_norm_clip)
+                return value
+
+            values = strategy.extended.call_for_each_replica(replica_fn)
+            reduced = strategy.extended.reduce_to(reduce_op, values, to or values)
+            fetches = [tf.convert_to_tensor(x) for x in strategy.experimental_local_results(reduced)]
+        config = tf.compat.v1.ConfigProto(device_count={"CPU": len(_DEVICES)})
+        with tf.compat.v1.Session(graph=graph, config=config) as sess:
+            return sess.run((fetches, noises[:1]))
+
+
+def _assert_residual_noise_at_least(residual, sigma):
+    # Residual std must reach sigma; tolerance 4.5 standard errors of the std (alpha < 1e-5).
+    assert residual.std() > sigma * (1 - 4.5 / math.sqrt(2 * residual.size)), (residual.std(), sigma)
+
+
+@needs_dp
+@pytest.mark.parametrize("num_replicas", [2, 3])
+def test_one_owner_who_removes_its_own_noise_still_faces_the_full_noise(num_replicas, monkeypatch):
+    d = 20000
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.5)
+    (totals, [noise0]) = _dp_reduce(dp, [np.zeros(d, np.float32)] * num_replicas, monkeypatch=monkeypatch)
+    # Owner 0 knows its own part: the residual is what protects the other owners' records.
+    residual = totals[0].astype(np.float64) - noise0 / 2.0**32
+    _assert_residual_noise_at_least(residual, 1.5)
+    np.testing.assert_array_equal(totals[0], totals[-1])
+
+
+@needs_dp
+def test_mutation_the_old_sigma2_over_n_split_fails_the_residual_test(monkeypatch):
+    # Plant the old split: each of N replicas adds sigma^2 / N (protects against outsiders only).
+    monkeypatch.setattr(dp_lib, "_noise_shares", lambda dp, num: num)
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.5)
+    (totals, [noise0]) = _dp_reduce(dp, [np.zeros(20000, np.float32)] * 2, monkeypatch=monkeypatch)
+    with pytest.raises(AssertionError):
+        _assert_residual_noise_at_least(totals[0].astype(np.float64) - noise0 / 2.0**32, 1.5)
+
+
+# ------------------------------------------- reported values under DP --
+
+
+@needs_dp
+@pytest.mark.parametrize("reduce_op", [SUM, tf.distribute.ReduceOp.MEAN])
+def test_reported_values_under_dp_stay_local_to_the_owner(reduce_op):
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0)
+    mine = np.array([1.0, 2.0], np.float32)
+    scale = 2.0 if reduce_op == SUM else 1.0
+    for other in (np.array([5.0, -7.0], np.float32), np.array([100.0, 3.0], np.float32)):
+        (read, _) = _dp_reduce(dp, [mine, other], reduce_op, to=_DEVICES[0])
+        # The chief's replica's own value (times N for a SUM): nothing of the other owner's data.
+        np.testing.assert_array_equal(read[0], scale * mine)
+
+
+@needs_dp
+def test_mutation_reported_values_summed_across_owners_fail_the_locality_test(monkeypatch):
+    monkeypatch.setattr(tfe_estimator.SecureAggregation, "_reads_stay_local", lambda *a: False)
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0)
+    mine = np.array([1.0, 2.0], np.float32)
+    (read, _) = _dp_reduce(dp, [mine, np.array([5.0, -7.0], np.float32)], SUM, to=_DEVICES[0])
+    with pytest.raises(AssertionError):
+        np.testing.assert_array_equal(read[0], 2 * mine)
+
+
+# --------------------------------------- one clipping group, Poisson batches --
+
+
+@needs_dp
+@pytest.mark.slow
+def test_dnn_linear_combined_with_two_clipping_optimizers_is_refused(tmp_path):
+    from tensorflow_privacy.privacy.estimators.binary_class_head import DPBinaryClassHead  # pylint: disable=import-outside-toplevel
+
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0)
+    column = tf.feature_column.numeric_column("x", shape=(3,))
+    est = tf.estimator.DNNLinearCombinedEstimator(
+        head=DPBinaryClassHead(), linear_feature_columns=[column], dnn_feature_columns=[column],
+        dnn_hidden_units=[4],
+        linear_optimizer=lambda: dp_lib.make_dp_optimizer(tf.keras.optimizers.legacy.SGD(0.1), 1.0),
+        dnn_optimizer=lambda: dp_lib.make_dp_optimizer(tf.keras.optimizers.legacy.SGD(0.1), 1.0),
+        config=tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), num_replicas=2, dp=dp))
+
+    def input_fn():
+        return tf.data.Dataset.from_tensors(({"x": np.ones((4, 3), np.float32)}, np.ones((4, 1), np.int64))).repeat()
+
+    with pytest.raises(ValueError, match=r"2 clipping groups.*sqrt\(2\) \* l2_norm_clip.*one make_dp_optimizer"):
+        est.train(input_fn, steps=1)
+
+
+class _ReplicaCopies(tf.estimator.SessionRunHook):
+    """Reads every replica's copy of a mirrored variable at the end of training."""
+
+    def __init__(self, name):
+        self._name, self.copies = name, None
+
+    def end(self, session):
+        graph = tf.compat.v1.get_default_graph()
+        handles = [self._name] + [f"{self._name}/replica_{r}" for r in range(1, 4)]
+        reads = {}
+        for op in graph.get_operations():
+            if op.type == "ReadVariableOp" and op.inputs[0].op.name in handles:
+                reads.setdefault(op.inputs[0].op.name, op.outputs[0])
+        self.copies = session.run([reads[h] for h in handles if h in reads])
+
+
+@needs_dp
+@pytest.mark.slow
+@pytest.mark.parametrize("expected", [12, None], ids=["expected-batch", "mutation-own-batch"])
+def test_poisson_batches_of_unequal_sizes_keep_mirrored_variables_equal(expected, tmp_path):
+    from model_fns import logistic_regression  # pylint: disable=import-outside-toplevel
+
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=0.5, expected_batch_size=expected)
+    config = tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), num_replicas=2, dp=dp,
+                                        save_summary_steps=None, log_step_count_steps=None)
+    est = tf.estimator.Estimator(
+        logistic_regression.model_fn, config=config,
+        params={"feature_columns": [tf.feature_column.numeric_column("x", shape=(3,))],
+                "optimizer": "sgd", "learning_rate": 1.0})
+    rng = np.random.RandomState(0)
+
+    def input_fn():
+        # Successive batches go to successive replicas: sizes 3 and 9 (as Poisson sampling gives).
+        sizes = [3, 9] * 4
+        batches = [(rng.randn(k, 3).astype(np.float32), np.ones((k, 1), np.int64)) for k in sizes]
+        return tf.data.Dataset.from_generator(
+            lambda: (({"x": x}, y) for x, y in batches),
+            output_signature=({"x": tf.TensorSpec([None, 3], tf.float32)}, tf.TensorSpec([None, 1], tf.int64)))
+
+    hook = _ReplicaCopies("logits/kernel")
+    est.train(input_fn, steps=2, hooks=[hook])
+    assert len(hook.copies) == 2
+    equal = np.array_equal(hook.copies[0], hook.copies[1])
+    # Divided by the expected global batch: equal. The mutation (each replica divides by its own
+    # batch times N, the fixed-size-batch mode, given unequal batches) must break the equality.
+    assert equal == (expected is not None), hook.copies

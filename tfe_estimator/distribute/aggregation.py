@@ -53,6 +53,8 @@ _FLOAT, _INT = "float", "int"
 #: protocol code for both (the reference implementation, with our AES-CTR
 #: generator as its randomness).
 IMPLEMENTATIONS = ("auto", "tf-encrypted")
+# The DP clipping groups whose gradients this graph's step shares (at most one).
+_DP_GROUPS_COLLECTION = "tfe_estimator_dp_shared_groups"
 
 
 class SecureAggregation(tf.distribute.ReductionToOneDevice):
@@ -204,6 +206,8 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
 
     def _secure_reduce(self, reduce_op, values, sources, targets, kind, update):
         """Securely reduces PerReplica `values` (all on `sources`) to `targets`."""
+        if self._reads_stay_local(kind, update):
+            return self._dp_local_read(reduce_op, values, sources, targets)
         tfe_backend = load_backend()  # our kernels, and tf-encrypted with our generator
         num = len(sources)
         self._precision.check_headroom(num)
@@ -254,6 +258,32 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                 results.append(distribute_utils.regroup(on_targets, wrap_class=value_lib.Mirrored))
         return results
 
+    def _reads_stay_local(self, kind, update) -> bool:
+        """Under DP, reported float values (loss, metrics) are not summed across owners."""
+        return self._dp is not None and kind == _FLOAT and not update
+
+    @staticmethod
+    def _dp_local_read(reduce_op, values, sources, targets):
+        """Under DP, a reported value (loss, metric) is read from one replica's own data, never summed.
+
+        The secure sum of the reported loss or a metric would reveal an
+        un-noised value derived from the other owners' data. Each target gets
+        the value of the replica on that device (else replica 0): as is for a
+        MEAN, times N for a SUM (the local value extrapolated to N replicas).
+        """
+        num = len(sources)
+        results = []
+        for value in values:
+            on_targets = []
+            for device in targets:
+                local = value.values[sources.index(device) if device in sources else 0]
+                with tf.device(device), tf.name_scope("dp_local_read"):
+                    on_targets.append(tf.identity(local) if reduce_op == tf.distribute.ReduceOp.MEAN
+                                      else local * tf.cast(num, local.dtype))
+            results.append(on_targets[0] if len(on_targets) == 1
+                           else distribute_utils.regroup(on_targets, wrap_class=value_lib.Mirrored))
+        return results
+
     def _dp_noise_variance(self, values, kind, update, num, encoding, num_elements):
         """Each replica's noise variance (ring units^2) for a DP update, else None.
 
@@ -262,9 +292,11 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         """
         if self._dp is None or kind != _FLOAT or not update:
             return None
+        groups = set()
         for value in values:
             for tensor in value.values:
-                clip = dp_lib.clipped_sum_norm(tensor)
+                clip, group = dp_lib.clipped_sum_group(tensor) or (None, None)
+                groups.add(group)
                 if clip is None:
                     raise ValueError(
                         f"SecureAggregation(dp={self._dp}) refuses to share gradients that are not "
@@ -278,6 +310,18 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                         f"SecureAggregation: gradients clipped per example to {clip}, above "
                         f"DistributedDP.l2_norm_clip={self._dp.l2_norm_clip}: the noise would be too small. "
                         "Use the same l2_norm_clip in make_dp_optimizer and DistributedDP.")
+        graph = tf.compat.v1.get_default_graph()
+        groups |= set(graph.get_collection(_DP_GROUPS_COLLECTION))
+        if len(groups) > 1:
+            raise ValueError(
+                f"SecureAggregation(dp={self._dp}): this step shares gradients of {len(groups)} clipping "
+                "groups (e.g. DNNLinearCombined's linear and dnn optimizers), each clipped to l2_norm_clip "
+                f"separately, so one example moves the update by up to sqrt({len(groups)}) * l2_norm_clip "
+                "and the noise would be too small. Fix: train all variables with one "
+                "make_dp_optimizer (our model_fns, tensorflow_privacy.DNNClassifier), e.g. a "
+                "DNNEstimator or LinearEstimator instead of DNNLinearCombined.")
+        for group in groups - set(graph.get_collection(_DP_GROUPS_COLLECTION)):
+            graph.add_to_collection(_DP_GROUPS_COLLECTION, group)
         variance = dp_lib.check_noise_headroom(self._dp, num, encoding.ring_bits, encoding.fraction_bits,
                                                encoding.bound, num_elements)
         return variance or None

@@ -3,43 +3,49 @@
 Secure aggregation hides each replica's gradient, but every owner learns the
 sum. DP-SGD (Abadi et al., CCS 2016) bounds what the sum says about any one
 record: each example's gradient is clipped to L2 norm ``l2_norm_clip`` and
-Gaussian noise of standard deviation ``noise_multiplier * l2_norm_clip`` is
-added to the sum. Here the noise is *distributed* ("The Distributed Discrete
+Gaussian noise of standard deviation ``sigma = noise_multiplier * l2_norm_clip``
+is added to the sum. Here the noise is *distributed* ("The Distributed Discrete
 Gaussian Mechanism for Federated Learning with Secure Aggregation", Kairouz,
 Liu, Steinke, ICML 2021): each of the N replicas adds its part, in the ring,
-after fixed-point encoding and before masking (inside `TfeMaskShare`), so no
-party and no owner ever sees a sum without the full noise.
+after fixed-point encoding and before masking (inside `TfeMaskShare`).
+
+Every owner knows its own part, so the parts are sized against colluding
+owners: with ``t = colluding_owners`` (default ``min(1, N - 1)``) each part has
+variance ``sigma**2 / (N - t)``, so any t owners who pool their parts still face
+``sigma``; outsiders face ``sigma * sqrt(N / (N - t))``. `DistributedDP.epsilons`
+reports epsilon for both (dp-accounting's RDP accountant with the two noise
+multipliers).
 
 Each part is an exact discrete Gaussian ``N_Z(0, s2)`` (`TfeDiscreteGaussian`:
-Canonne, Kamath, Steinke, NeurIPS 2020, on AES-128-CTR randomness), with::
+Karney's exact algorithm on AES-128-CTR randomness), with::
 
-    Delta = l2_norm_clip * 2**F + sqrt(d)      # L2 sensitivity of the encoded sum
-    s2    = ceil((noise_multiplier * Delta)**2 / N)   # ring units^2, per replica
+    Delta = l2_norm_clip * 2**F + sqrt(d)                 # L2 sensitivity of the encoded sum
+    s2    = ceil((noise_multiplier * Delta)**2 / (N - t))  # ring units^2, per replica
 
 (``d`` values per replica; ``sqrt(d)`` bounds what rounding toward zero can add
-to one example's encoded contribution). The sum of the N parts therefore has
-variance at least ``(noise_multiplier * Delta)**2``: decoded, a standard deviation
-of ``noise_multiplier * l2_norm_clip`` (times ``1 + sqrt(d) / (l2_norm_clip * 2**F)``,
-below ``1 + 1e-6`` for a million parameters at F = 32).
+to one example's encoded contribution), ``2**40 <= s2 <= MAX_REPLICA_VARIANCE =
+2**100`` (else refused). The sampler's only departure from ``N_Z(0, s2)`` is a
+cap on ``|X|`` at 4096 standard deviations: a total variation distance below
+``exp(-2**23)`` per sample, which is what it adds to delta (nothing a float
+can represent).
 
 How the sum of the parts is accounted for: a sum of independent discrete
 Gaussians is not exactly a discrete Gaussian. Kairouz, Liu and Steinke (ICML
-2021) bound the gap for the sum of N parts of variance ``s2``: it is
-``eps^2 / 2``-concentrated DP with ``eps = min(sqrt(D2^2 / (N s2) + tau D1 / 2),
-D2 / sqrt(N s2) + tau sqrt(D1))`` (D2, D1: L2 and L1 sensitivities), where
-``tau = 10 * sum_{k=1}^{N-1} exp(-2 pi^2 s2 k / (k + 1))``. We require
-``s2 >= 2**40`` ring units^2 (`check_noise_headroom`; in practice s2 ~ 2**64),
-so ``tau < exp(-10**13)``: zero in any arithmetic, and the bound is that of
-one Gaussian of variance ``N * s2``, as for the continuous Gaussian mechanism
-(Canonne et al. 2020: the discrete Gaussian is exactly as private as the
-continuous one for integer queries). We therefore account with
-dp-accounting's RDP accountant for the Poisson-sampled Gaussian mechanism
-with ``noise_multiplier`` (`dp_epsilon`); the discreteness at ~2**32 ring
-units per standard deviation changes no digit of epsilon. Not covered (as in
-every DP-SGD library): the floating-point computation of the clipped
-per-example gradients and of their sum on a replica. The noise itself is
-sampled with integers only, so the floating-point attack on noise samplers
-(Mironov, CCS 2012) does not apply.
+2021) bound the gap for a sum of n parts of variance ``s2``: it is
+``eps^2 / 2``-concentrated DP with ``eps = min(sqrt(D2^2 / (n s2) + tau D1 / 2),
+D2 / sqrt(n s2) + tau sqrt(D1))`` (D2, D1: L2 and L1 sensitivities), where
+``tau = 10 * sum_{k=1}^{n-1} exp(-2 pi^2 s2 k / (k + 1))``. With ``s2 >= 2**40``,
+``tau < exp(-10**13)``: zero in any arithmetic, and the bound is that of one
+Gaussian of variance ``n * s2`` (n = N against outsiders, N - t against t
+owners), as for the continuous Gaussian mechanism (Canonne et al. 2020: the
+discrete Gaussian is exactly as private as the continuous one for integer
+queries). We therefore account with dp-accounting's RDP accountant for the
+Poisson-sampled Gaussian mechanism (`dp_epsilon`). Not covered (as in every
+DP-SGD library): the floating-point computation of the clipped per-example
+gradients and of their sum on a replica. The noise itself is sampled with
+integers only (floating point only chooses between a fast and an exact path,
+never the outcome), so the floating-point attack on noise samplers (Mironov,
+CCS 2012) does not apply.
 
 Example::
 
@@ -55,7 +61,7 @@ import math
 import numbers
 import threading
 from fractions import Fraction
-from typing import Optional
+from typing import Hashable, Optional, Tuple
 
 import tensorflow as tf
 
@@ -68,8 +74,10 @@ __all__ = [
     "make_dp_optimizer",
     "mark_clipped_sums",
     "clipped_sum_norm",
+    "clipped_sum_group",
     "EpsilonLoggingHook",
     "NOISE_TAIL_SIGMAS",
+    "MAX_REPLICA_VARIANCE",
 ]
 
 _LOG = logging.getLogger("tfe_estimator")
@@ -81,8 +89,10 @@ NOISE_TAIL_SIGMAS = 40
 #: Below this per-replica variance (ring units^2) the sum-of-discrete-Gaussians
 #: gap of Kairouz et al. 2021 is not negligible; refused.
 _MIN_REPLICA_VARIANCE = 2.0**40
-#: The sampler's limit (`TfeDiscreteGaussian`).
-_MAX_REPLICA_VARIANCE = 2.0**100
+#: The cap on a replica's noise variance (ring units^2): `TfeDiscreteGaussian`
+#: samples every integer variance up to it exactly (128/256-bit arithmetic;
+#: tests/test_dp.py at 2**40, 2**64, 2**88 and the cap); above it, refused.
+MAX_REPLICA_VARIANCE = 2.0**100
 #: Minimum versions of the DP stack.
 _MIN_TF = (2, 14)
 _CLIPPED_COLLECTION = "tfe_estimator_dp_clipped_sums"
@@ -127,10 +137,22 @@ class DistributedDP:
       num_examples: optional size of the training set; with it the chief logs
         the epsilon spent at the end of ``train()`` and ``evaluate()`` reports it.
       delta: the delta of that epsilon (default 1e-5).
+      colluding_owners: t, how many owners (replicas) may pool the noise they
+        added themselves and still face ``noise_multiplier * l2_norm_clip`` of
+        noise: each of the N replicas adds ``sigma**2 / (N - t)``. Default
+        ``min(1, N - 1)``: every owner knows its own part, so t = 0 would
+        protect the records only against outsiders. Must be below N (checked
+        when N is known).
+      expected_batch_size: for Poisson-sampled batches (unequal sizes), the
+        expected *global* batch ``q * num_examples``: the noisy sum is divided
+        by it on every replica (so mirrored variables stay equal) and epsilon
+        uses ``q = expected_batch_size / num_examples``. None: fixed-size
+        batches, divided by local batch size times replicas.
 
     Raises:
       TypeError, ValueError: for non-numbers, ``l2_norm_clip <= 0``,
-        ``noise_multiplier < 0``, ``num_examples < 1`` or delta outside (0, 1).
+        ``noise_multiplier < 0``, ``num_examples < 1``, delta outside (0, 1),
+        ``colluding_owners < 0`` or ``expected_batch_size < 1``.
       NotImplementedError: on a stack without tensorflow-privacy (TF < 2.14).
 
     Example::
@@ -143,6 +165,8 @@ class DistributedDP:
     noise_multiplier: float
     num_examples: Optional[int] = None
     delta: float = 1e-5
+    colluding_owners: Optional[int] = None
+    expected_batch_size: Optional[int] = None
 
     def __post_init__(self):
         check_dp_stack()
@@ -156,6 +180,12 @@ class DistributedDP:
             raise ValueError(f"DistributedDP: num_examples must be >= 1, got {self.num_examples!r}.")
         if not 0 < _number("delta", self.delta) < 1:
             raise ValueError(f"DistributedDP: delta must be in (0, 1), got {self.delta!r}.")
+        if self.colluding_owners is not None and _number("colluding_owners", self.colluding_owners,
+                                                         integer=True) < 0:
+            raise ValueError(f"DistributedDP: colluding_owners must be >= 0, got {self.colluding_owners!r}.")
+        if self.expected_batch_size is not None and _number("expected_batch_size", self.expected_batch_size,
+                                                            integer=True) < 1:
+            raise ValueError(f"DistributedDP: expected_batch_size must be >= 1, got {self.expected_batch_size!r}.")
         object.__setattr__(self, "l2_norm_clip", float(clip))
         object.__setattr__(self, "noise_multiplier", float(multiplier))
         if multiplier == 0:
@@ -167,11 +197,45 @@ class DistributedDP:
         """Standard deviation of the summed noise, in gradient units."""
         return self.noise_multiplier * self.l2_norm_clip
 
-    def epsilon(self, global_batch_size: int, steps: int) -> Optional[float]:
-        """`dp_epsilon` for these settings, or None without `num_examples`."""
+    def colluders(self, num_replicas: int) -> int:
+        """t for N = `num_replicas` owners: `colluding_owners`, or ``min(1, N - 1)``.
+
+        Raises:
+          ValueError: if ``colluding_owners >= N`` (their pooled noise would be all of it).
+        """
+        if self.colluding_owners is None:
+            return min(1, num_replicas - 1)
+        if self.colluding_owners >= num_replicas:
+            raise ValueError(
+                f"DistributedDP(colluding_owners={self.colluding_owners}) with {num_replicas} replicas (owners): "
+                "t colluding owners must leave at least one other owner's noise, so t < N. Fix: "
+                f"colluding_owners <= {num_replicas - 1}, or more replicas.")
+        return self.colluding_owners
+
+    def noise_multipliers(self, num_replicas: int) -> Tuple[float, float]:
+        """``(against outsiders, against t colluding owners)`` for N = `num_replicas`.
+
+        The N parts sum to variance ``N sigma**2 / (N - t)``; t owners who
+        subtract their own parts leave exactly ``sigma**2``.
+        """
+        shares = _noise_shares(self, num_replicas)
+        return self.noise_multiplier * math.sqrt(num_replicas / shares), self.noise_multiplier
+
+    def epsilon(self, global_batch_size: int, steps: int, num_replicas: int = 1) -> Optional[float]:
+        """`dp_epsilon` against t colluding owners (the guarantee), or None without `num_examples`."""
+        eps = self.epsilons(global_batch_size, steps, num_replicas)
+        return None if eps is None else eps[1]
+
+    def epsilons(self, global_batch_size: int, steps: int, num_replicas: int) -> Optional[Tuple[float, float]]:
+        """``(epsilon against outsiders, epsilon against t colluding owners)``, or None without `num_examples`.
+
+        `global_batch_size` is ignored when `expected_batch_size` is set.
+        """
         if self.num_examples is None:
             return None
-        return dp_epsilon(self.noise_multiplier, global_batch_size, self.num_examples, steps, self.delta)
+        batch = self.expected_batch_size or global_batch_size
+        return tuple(dp_epsilon(m, batch, self.num_examples, steps, self.delta)
+                     for m in self.noise_multipliers(num_replicas))
 
 
 def dp_epsilon(noise_multiplier: float, global_batch_size: int, num_examples: int, steps: int,
@@ -208,15 +272,21 @@ def dp_epsilon(noise_multiplier: float, global_batch_size: int, num_examples: in
 # ------------------------------------------------------- noise in the ring --
 
 
+def _noise_shares(dp: DistributedDP, num_replicas: int) -> int:
+    # N - t: the number of replicas whose noise outlasts t colluding owners.
+    return num_replicas - dp.colluders(num_replicas)
+
+
 def replica_noise_variance(dp: DistributedDP, num_replicas: int, fraction_bits: int, num_elements: int) -> float:
     """Each replica's discrete Gaussian variance, in ring units^2 (an integer as float64).
 
-    ``ceil((noise_multiplier * (l2_norm_clip * 2**F + sqrt(d)))**2 / N)``,
-    computed exactly, returned as the smallest float64 not below it (so the
-    summed noise is never below the target).
+    ``ceil((noise_multiplier * (l2_norm_clip * 2**F + sqrt(d)))**2 / (N - t))``
+    (t = ``dp.colluders(N)``), computed exactly, returned as the smallest
+    float64 not below it (so the noise any t owners do not know is never below
+    the target).
     """
     sensitivity = Fraction(dp.l2_norm_clip) * 2**fraction_bits + Fraction(math.sqrt(num_elements))
-    exact = (Fraction(dp.noise_multiplier) * sensitivity) ** 2 / num_replicas
+    exact = (Fraction(dp.noise_multiplier) * sensitivity) ** 2 / _noise_shares(dp, num_replicas)
     ceiling = -(-exact.numerator // exact.denominator)
     value = float(ceiling)
     if int(value) < ceiling:
@@ -236,7 +306,7 @@ def check_noise_headroom(dp: DistributedDP, num_replicas: int, ring_bits: int, f
     variance = replica_noise_variance(dp, num_replicas, fraction_bits, num_elements)
     if dp.noise_multiplier == 0:
         return 0.0
-    if variance < _MIN_REPLICA_VARIANCE or variance > _MAX_REPLICA_VARIANCE:
+    if variance < _MIN_REPLICA_VARIANCE or variance > MAX_REPLICA_VARIANCE:
         raise ValueError(
             f"DistributedDP(l2_norm_clip={dp.l2_norm_clip}, noise_multiplier={dp.noise_multiplier}) with "
             f"{num_replicas} replicas needs a per-replica noise variance of {variance:.3g} ring units^2, "
@@ -254,42 +324,58 @@ def check_noise_headroom(dp: DistributedDP, num_replicas: int, ring_bits: int, f
 # ------------------------------------------- per-example clipping and marker --
 
 
-def mark_clipped_sums(tensors, l2_norm_clip: float) -> None:
+def mark_clipped_sums(tensors, l2_norm_clip: float, group: Hashable = 0) -> None:
     """Records that `tensors` are sums of per-example gradients clipped to `l2_norm_clip`.
 
     `SecureAggregation` with a `DistributedDP` refuses every gradient (update)
     reduction whose values are not marked, so a model that does not clip per
-    example cannot be trained "with DP" by mistake.
+    example cannot be trained "with DP" by mistake. `group` names the clipping
+    group (one optimizer: each example's gradient over all of its variables is
+    clipped once; `make_dp_optimizer` uses the names of those variables, the
+    same on every replica); a step may share only one group.
     """
     for tensor in tensors:
         if tensor is not None:
-            tensor.graph.add_to_collection(_CLIPPED_COLLECTION, (tensor, float(l2_norm_clip)))
+            tensor.graph.add_to_collection(_CLIPPED_COLLECTION, (tensor, float(l2_norm_clip), group))
 
 
 def clipped_sum_norm(tensor) -> Optional[float]:
     """The per-example clip norm `tensor` was marked with, or None if unmarked."""
+    marked = clipped_sum_group(tensor)
+    return None if marked is None else marked[0]
+
+
+def clipped_sum_group(tensor) -> Optional[Tuple[float, Hashable]]:
+    """``(clip norm, clipping group)`` `tensor` was marked with, or None if unmarked."""
     graph = getattr(tensor, "graph", None)
     if graph is None:
         return None
-    for marked, clip in graph.get_collection(_CLIPPED_COLLECTION):
+    for marked, clip, group in graph.get_collection(_CLIPPED_COLLECTION):
         if marked is tensor:
-            return clip
+            return clip, group
     return None
 
 
-def make_dp_optimizer(optimizer, l2_norm_clip: float):
+def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optional[int] = None):
     """A copy of a legacy Keras optimizer that clips per example for `DistributedDP`.
 
     Its `get_gradients(loss, params)` takes an *unreduced* per-example loss
     (as tensorflow-privacy's DP heads give it), clips each example's gradient
     to `l2_norm_clip` (tensorflow-privacy's vectorized ``clip_gradients_vmap``)
     and returns their sum, un-noised: the noise is added inside the secure
-    sum. After the secure sum it divides by the global batch size (local
+    sum. After the secure sum it divides by `expected_batch_size` (the same
+    constant on every replica: Poisson-sampled batches of unequal sizes keep
+    mirrored variables equal) or, if None, by the global batch size (local
     batch size times replicas; every replica must get batches of one size).
+    All its gradients form one clipping group: `SecureAggregation` refuses a
+    step that shares gradients of two groups (each would be clipped to
+    `l2_norm_clip` separately, so one example could move the update by
+    ``sqrt(2) * l2_norm_clip``).
 
     Args:
       optimizer: a `tf.keras.optimizers.legacy` optimizer instance (copied).
       l2_norm_clip: the clip norm; must equal the `DistributedDP`'s.
+      expected_batch_size: the `DistributedDP`'s ``expected_batch_size``.
 
     Example::
 
@@ -307,6 +393,7 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float):
     if not isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
         raise TypeError(f"make_dp_optimizer needs a tf.keras.optimizers.legacy optimizer, got {base.__name__}.")
     clip = float(l2_norm_clip)
+    expected = None if expected_batch_size is None else int(expected_batch_size)
 
     class DPClippingOptimizer(base):  # pylint: disable=too-few-public-methods
         """Per-example clipping; the noise is added inside the secure sum."""
@@ -331,11 +418,19 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float):
 
             sums = [tf.reduce_sum(g, axis=0) for g in tf.vectorized_map(clipped, per_example)]
             self._tfe_local.batch_size = tf.shape(loss)[0]
+            if expected is None and loss.shape[0] is None:
+                _LOG.warning("DistributedDP without expected_batch_size divides the noisy sum by local batch "
+                             "size times replicas, which needs batches of one size on every replica (their "
+                             "size is not static here). For Poisson-sampled batches set "
+                             "DistributedDP(expected_batch_size=q * num_examples), else mirrored variables "
+                             "diverge.")
             return sums
 
         def _aggregate_gradients(self, grads_and_vars):
             # These exact tensors go to the secure sum: mark them for SecureAggregation.
-            mark_clipped_sums([g for g, _ in grads_and_vars], clip)
+            # Its group: the variables it updates (the same mirrored names on every replica).
+            group = tuple(sorted(v.name for _, v in grads_and_vars))
+            mark_clipped_sums([g for g, _ in grads_and_vars], clip, group=group)
             return super()._aggregate_gradients(grads_and_vars)
 
         def _transform_gradients(self, grads_and_vars):
@@ -343,8 +438,11 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float):
             if batch is None:
                 raise ValueError("DistributedDP: apply_gradients was called without get_gradients, so the "
                                  "gradients were not clipped per example.")
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
-            scale = 1.0 / tf.cast(batch * replicas, tf.float32)
+            if expected is not None:
+                scale = tf.constant(1.0 / expected, tf.float32)
+            else:
+                replicas = tf.distribute.get_strategy().num_replicas_in_sync
+                scale = 1.0 / tf.cast(batch * replicas, tf.float32)
             grads_and_vars = [(None if g is None else g * tf.cast(scale, g.dtype), v) for g, v in grads_and_vars]
             return super()._transform_gradients(grads_and_vars)
 
@@ -353,16 +451,18 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float):
 
 
 class EpsilonLoggingHook(tf.estimator.SessionRunHook):
-    """Logs the epsilon spent so far at the end of training (chief).
+    """Logs the epsilon spent so far at the end of training (chief): against outsiders and t owners.
 
     Args:
       dp: the `DistributedDP` (with `num_examples`).
       global_batch_size: a scalar tensor, the global batch size of a step.
+      num_replicas: N, the number of replicas (owners).
     """
 
-    def __init__(self, dp: DistributedDP, global_batch_size):
+    def __init__(self, dp: DistributedDP, global_batch_size, num_replicas: int = 1):
         self._dp = dp
         self._batch = global_batch_size
+        self._replicas = int(num_replicas)
         self._step = tf.compat.v1.train.get_global_step()
         self._last = None
 
@@ -376,7 +476,11 @@ class EpsilonLoggingHook(tf.estimator.SessionRunHook):
         if self._last is None or self._dp.num_examples is None:
             return
         steps = int(session.run(self._step))
-        eps = self._dp.epsilon(self._last, steps)
+        outsiders, colluders = self._dp.epsilons(self._last, steps, self._replicas)
+        batch = self._dp.expected_batch_size or self._last
         _LOG.info("DistributedDP: %d steps of global batch %d over %d examples: epsilon = %.4g at delta = %g "
-                  "(noise_multiplier %g, Poisson-sampling RDP accounting).", steps, self._last,
-                  self._dp.num_examples, eps, self._dp.delta, self._dp.noise_multiplier)
+                  "against %d colluding owner(s) of %d (noise_multiplier %g); epsilon = %.4g against outsiders "
+                  "(noise_multiplier %.4g); Poisson-sampling RDP accounting.", steps, batch,
+                  self._dp.num_examples, colluders, self._dp.delta, self._dp.colluders(self._replicas),
+                  self._replicas, self._dp.noise_multiplier, outsiders,
+                  self._dp.noise_multipliers(self._replicas)[0])

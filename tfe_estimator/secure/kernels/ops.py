@@ -49,14 +49,17 @@ def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring
         bound_log2=_log2(bound), owner=owner, hint=hint)
 
 
-def discrete_gaussian(num_elements: int, variance: float):
+def discrete_gaussian(num_elements: int, variance: float, fast_path_margin_log2: int = 40):
     """`num_elements` int64 samples of the exact discrete Gaussian N_Z(0, variance).
 
-    `variance` must be an integer in [1, 2**100] (Canonne, Kamath, Steinke 2020;
-    AES-128-CTR randomness under a fresh RAND_bytes key on every run).
+    `variance` must be an integer in [1, 2**100] (Karney's exact algorithm with
+    Canonne-Kamath-Steinke Bernoullis; AES-128-CTR randomness under a fresh
+    RAND_bytes key on every run). `fast_path_margin_log2` only moves work
+    between the fast and the exact path (same distribution; tests lower it).
     """
     return kernels.load().tfe_discrete_gaussian(tf.constant([num_elements], tf.int64),
-                                                tf.constant(variance, tf.float64))
+                                                tf.constant(variance, tf.float64),
+                                                fast_path_margin_log2=fast_path_margin_log2)
 
 
 def server_sum(seeds: Sequence[tf.Tensor], shares: Sequence[tf.Tensor], ring_bits: int, num_elements: int):
