@@ -220,8 +220,9 @@ def test_the_training_step_passes_the_party_audit(protocol, tmp_path, linear_dat
     _linear(config).train(_input_fn({"x": x}, y), steps=3, hooks=[hook])
     assert hook.audited_runs == 2
     assert hook.report.party_ops > 0 and hook.report.edges
-    # The parties receive only masked shares and seeds of the replicas' values.
-    assert {e.producer_type for e in hook.report.edges} <= {"TfeMaskShare", "TfeAesSeed", "Sub"}
+    # The parties receive only masked shares and seeds of the replicas' values, and (fused Pond)
+    # server1 receives server0's blinded part.
+    assert {e.producer_type for e in hook.report.edges} <= {"TfeMaskShare", "TfeAesSeed", "Sub", "TfeServerSum"}
 
 
 # ---------------------------------------------------------------- refusals and checkpoints
