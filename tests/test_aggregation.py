@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import tfe_estimator
 from tfe_estimator import SecureAggregation, TfeStrategy
+from tfe_estimator.distribute import aggregation
 from tfe_estimator.secure.protocols import supported_combinations
 
 MAX_REPLICAS = 4
@@ -174,6 +175,30 @@ def test_integers_beyond_the_ring_are_refused_not_wrapped():
         _reduce(_secure(2, "pond", "low"), [[a, a]], SUM)
 
 
+@pytest.mark.parametrize("implementation", ["auto", "tf-encrypted"])
+def test_an_int32_sum_that_does_not_fit_is_an_error_not_wrapped(implementation):
+    top = np.array([2**31 - 1], np.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a sum of int32 values does not fit int32"):
+        _reduce(_secure(2, implementation=implementation), [[top, top]], SUM)
+    low = np.array([-2**31], np.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="does not fit int32"):
+        _reduce(_secure(2, implementation=implementation), [[low, np.array([-1], np.int32)]], SUM)
+
+
+def test_an_int32_sum_that_fits_is_exact():
+    a, b = np.array([2**30, -2**30, 7], np.int32), np.array([2**30 - 1, -2**30, -7], np.int32)
+    secure, _ = _reduce(_secure(2), [[a, b]], SUM)
+    assert secure[0][0].dtype == np.int32
+    assert secure[0][0].tolist() == [2**31 - 1, -2**31, 0]
+
+
+def test_the_int32_check_catches_a_wrap(monkeypatch):
+    """Mutation: the cast without the check wraps 2 * (2**31 - 1) to -2, and the test above must see it."""
+    monkeypatch.setattr(aggregation, "_finish", lambda part, dtype, *args: tf.cast(part, dtype))
+    with pytest.raises(pytest.fail.Exception):
+        test_an_int32_sum_that_does_not_fit_is_an_error_not_wrapped("auto")
+
+
 def test_unsigned_integers_are_refused():
     values = [[np.array([1], np.uint32), np.array([2], np.uint32)]]
     with pytest.raises(NotImplementedError, match="unsigned integers.*uint32.*int64"):
@@ -305,3 +330,35 @@ def test_integers_just_below_the_limit_are_accepted(implementation):
     b = np.array([0, 0], np.int64)
     secure, _ = _reduce(_secure(implementation=implementation), [[a, b]], SUM)
     assert secure[0][0].tolist() == [2**62 - 1, -(2**62 - 1)]
+
+
+def _only_first_replica_update(strategy):
+    graph = tf.Graph()
+    with graph.as_default(), strategy.scope():
+        counter = tf.Variable(0.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        # Each replica adds a value of its own (here its id; in a model, something computed from its data).
+        strategy.extended.call_for_each_replica(lambda: counter.assign_add(
+            tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)))
+
+
+def test_an_only_first_replica_update_is_refused_with_the_fix():
+    with pytest.raises(NotImplementedError, match="ONLY_FIRST_REPLICA.*in plaintext.*aggregation=SUM or MEAN"):
+        _only_first_replica_update(_secure(2)())
+
+
+def test_the_broadcast_refusal_is_what_stops_the_plaintext_copy(monkeypatch):
+    """Mutation: the inherited broadcast (a plaintext copy from replica 0) goes through."""
+    monkeypatch.setattr(SecureAggregation, "broadcast_implementation",
+                        tf.distribute.ReductionToOneDevice.broadcast_implementation)
+    _only_first_replica_update(_secure(2)())  # no error: replica 0's value is copied in the clear
+
+
+def test_a_value_from_cross_replica_context_is_still_broadcast():
+    strategy = _secure(2)()
+    graph = tf.Graph()
+    with graph.as_default(), strategy.scope():
+        on_replicas = strategy.extended.call_for_each_replica(lambda: tf.zeros([2]))
+        mirrored = strategy.extended.broadcast_to(tf.constant([3.0, 6.0]), destinations=on_replicas)
+        values = strategy.experimental_local_results(mirrored)
+    with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
+        assert [v.tolist() for v in session.run(values)] == [[3.0, 6.0], [3.0, 6.0]]

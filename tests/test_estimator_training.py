@@ -220,8 +220,9 @@ def test_the_training_step_passes_the_party_audit(protocol, tmp_path, linear_dat
     _linear(config).train(_input_fn({"x": x}, y), steps=3, hooks=[hook])
     assert hook.audited_runs == 2
     assert hook.report.party_ops > 0 and hook.report.edges
-    # The parties receive only masked shares and seeds of the replicas' values.
-    assert {e.producer_type for e in hook.report.edges} <= {"TfeMaskShare", "TfeAesSeed", "Sub"}
+    # The parties receive only masked shares and seeds of the replicas' values, and (fused Pond)
+    # server1 receives server0's blinded part.
+    assert {e.producer_type for e in hook.report.edges} <= {"TfeMaskShare", "TfeAesSeed", "Sub", "TfeServerSum"}
 
 
 # ---------------------------------------------------------------- refusals and checkpoints
@@ -261,3 +262,38 @@ def test_checkpoints_move_between_secure_and_plain_configs(tmp_path, linear_data
     final = secure.evaluate(eval_fn)
     assert final["global_step"] == 20
     assert final["average_loss"] < s_eval["average_loss"]
+
+
+# ---------------------------------------------------------------- what TensorBoard shows
+
+def _first_event_loss(model_dir):
+    """The first value TensorBoard would show as `loss`."""
+    for path in tf.io.gfile.glob(f"{model_dir}/events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                if value.tag == "loss":
+                    return value.simple_value
+    raise AssertionError(f"no loss summary in {model_dir}")
+
+
+def test_the_loss_written_for_tensorboard_is_the_secure_sum_not_replica_0s(tmp_path, linear_data):
+    # Prepare: the linear model starts at zero, so each replica's first loss is the mean of y**2
+    # over its own batch of 32 (replica 0 rows 0-31, replica 1 rows 32-63).
+    x, y, _ = linear_data
+    config = _secure_config(str(tmp_path)).replace(save_summary_steps=1)
+    # Execute
+    _linear(config).train(_input_fn({"x": x}, y, repeat=False), steps=1)
+    # Assert: Estimator's reported (summed) loss, not the head's summary of replica 0's batch.
+    replica0, replica1 = float(np.mean(y[:32] ** 2)), float(np.mean(y[32:64] ** 2))
+    assert _first_event_loss(str(tmp_path)) == pytest.approx(replica0 + replica1, rel=1e-5)
+
+
+def test_the_loss_check_sees_replica_0s_summary(monkeypatch, tmp_path, linear_data):
+    """Mutation: TensorFlow's own replica-0 summaries are kept; the test above must fail."""
+    from tensorflow.python.distribute import mirrored_strategy  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.distribute import strategy as strategy_lib  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(strategy_lib._TfeExtended, "_call_for_each_replica",  # pylint: disable=protected-access
+                        mirrored_strategy.MirroredExtended._call_for_each_replica)
+    with pytest.raises(AssertionError):
+        test_the_loss_written_for_tensorboard_is_the_secure_sum_not_replica_0s(tmp_path, linear_data)

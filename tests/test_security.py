@@ -37,6 +37,7 @@ import tensorflow as tf
 from scipy import stats
 
 from tfe_estimator import TfeStrategy
+from tfe_estimator.secure import kernels as _KERNELS
 from tfe_estimator.secure import secure_sum
 from tfe_estimator.secure.kernels import ops as kernel_ops
 from tfe_estimator.secure.precision import READ_PRECISION, get_precision
@@ -473,7 +474,7 @@ def test_the_audit_passes_every_real_secure_sum(protocol, precision, implementat
 
 
 @pytest.mark.parametrize("plant, protocol, implementation, message", [
-    (plant_unmasked_fused_share, "pond", "auto", "is not an allowed producer"),
+    (plant_unmasked_fused_share, "pond", "auto", "not a masked share"),
     (plant_float_edge, "pond", "auto", "a float32 value"),
     (plant_seed_beside_its_share, "pond", "auto", "can unmask"),
     # x - 0: Grappler may keep the Sub or rewrite it away (Identity, BroadcastTo).
@@ -539,6 +540,124 @@ def test_the_audit_treats_a_cluster_party_as_its_whole_task():
         audit_party_inputs(into_other_device and _crossing("Cast", tf.int64, "/job:chief/replica:0/task:0/device:CPU:0",
                                                            "/job:tfe/replica:0/task:0/device:CPU:0"), None)
     # Between two devices of one party's task: not a crossing (the task already holds it).
-    within = _crossing("Cast", tf.int64, "/job:tfe/replica:0/task:2/device:CPU:1",
+    within = _crossing("TfeAesSeed", tf.int32, "/job:tfe/replica:0/task:2/device:CPU:1",
                        "/job:tfe/replica:0/task:2/device:CPU:0")
     assert audit_party_inputs(within, parties).edges == ()
+
+
+# ---------------------------------------------------------------- crafted bypasses of the audit
+# Each graph hands a server a replica's plaintext using only op types a secure sum uses; the
+# audit must name the op. The control (`_pond_by_hand(full_ring)`) is the same graph done right.
+
+N = 64
+
+
+def _audit_of(build):
+    """Runs `build()` (returns the tensors to fetch, and a feed) once; audits its partition graphs."""
+    graph = tf.Graph()
+    with graph.as_default():
+        fetches, feed = build()
+    metadata = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
+        session.run(fetches, feed, options=tf.compat.v1.RunOptions(output_partition_graphs=True),
+                    run_metadata=metadata)
+    return audit_party_inputs(metadata, SERVERS)
+
+
+def _secret():
+    with tf.device(REPLICAS[0]):
+        x = tf.compat.v1.placeholder(tf.int64, [N])
+    return x, {x: np.arange(N, dtype=np.int64)}
+
+
+def _stream(seed, low=tf.int64.min, high=tf.int64.max):
+    return _KERNELS.load().tfe_aes_seeded_random_uniform(
+        [N], seed, tf.constant(low, tf.int64), tf.constant(high, tf.int64))
+
+
+def _pond_by_hand(low=tf.int64.min, high=tf.int64.max, seed_on=REPLICAS[0], const_seed=False):
+    """tf-encrypted's Pond sharing of one replica's x: the seed to server0, x - AES(seed) to server1."""
+    def build():
+        x, feed = _secret()
+        with tf.device(seed_on):
+            seed = tf.constant([1, 2, 3, 4], tf.int32) if const_seed else _KERNELS.load().tfe_aes_seed()
+        with tf.device(REPLICAS[0]):
+            share = x - _stream(seed, low, high)
+        with tf.device(SERVERS[0]):
+            part0 = _stream(seed) + 1
+        with tf.device(SERVERS[1]):
+            part1 = share + 1
+        return [part0, part1], feed
+    return build
+
+
+def test_the_audit_accepts_pond_sharing_done_right():
+    report = _audit_of(_pond_by_hand())
+    assert {e.producer_type for e in report.edges} == {"TfeAesSeed", "Sub"}
+
+
+def test_a_mask_of_range_zero_to_one_is_refused():
+    with pytest.raises(PartyAuditError, match=r"TfeAesSeededRandomUniform .* \[\[0\], \[1\]\), not the full ring"):
+        _audit_of(_pond_by_hand(low=0, high=1))
+
+
+def test_a_mask_whose_seed_the_receiving_server_drew_is_refused():
+    with pytest.raises(PartyAuditError, match=r"CPU:3 receives .*Sub.* also holds the key of every mask on it"):
+        _audit_of(_pond_by_hand(seed_on=SERVERS[1]))
+
+
+def test_a_mask_keyed_by_a_constant_is_refused():
+    # Grappler folds the stream of a constant key into a constant: then there is no mask at all.
+    with pytest.raises(PartyAuditError, match="stands where a fresh key must be|not a masked share"):
+        _audit_of(_pond_by_hand(const_seed=True))
+
+
+def test_a_mask_keyed_by_a_fed_value_is_refused():
+    def build():
+        x, feed = _secret()
+        with tf.device(REPLICAS[0]):
+            key = tf.compat.v1.placeholder(tf.int32, [4])
+            share = x - _stream(key)
+        with tf.device(SERVERS[1]):
+            part1 = share + 1
+        return [part1], {**feed, key: np.arange(4, dtype=np.int32)}
+
+    with pytest.raises(PartyAuditError, match="Placeholder.* stands where a fresh key must be"):
+        _audit_of(build)
+
+
+def test_a_share_forwarded_to_the_server_holding_its_key_is_refused():
+    def build():
+        x, feed = _secret()
+        with tf.device(REPLICAS[0]):
+            share, seed = kernel_ops.mask_share(tf.cast(x, tf.float32), 2.0**24, 64, 32, "replica 0", "-")
+        with tf.device(SERVERS[1]):
+            forwarded = kernel_ops.server_sum([], [share], 64, N)  # server1 passes replica 0's share on ...
+        with tf.device(SERVERS[0]):  # ... to server0, which holds replica 0's key
+            part0 = kernel_ops.server_sum([seed], [forwarded], 64, N)
+        return [part0], feed
+
+    with pytest.raises(PartyAuditError, match=r"CPU:2 receives .*TfeServerSum.* also holds the key of every mask"):
+        _audit_of(build)
+
+
+def test_a_float_constant_computed_on_a_party_is_refused():
+    def build():
+        fetches, feed = _pond_by_hand()()
+        with tf.device(SERVERS[0]):
+            fetches.append(fetches[0] + tf.cast(tf.cast(fetches[0], tf.float32) * 2.5, tf.int64))
+        return fetches, feed
+
+    with pytest.raises(PartyAuditError, match=r"CPU:2 runs .* on a float32 value"):
+        _audit_of(build)
+
+
+def test_an_op_outside_the_allow_list_on_a_party_is_refused():
+    def build():
+        fetches, feed = _pond_by_hand()()
+        with tf.device(SERVERS[1]):
+            fetches.append(tf.bitwise.bitwise_xor(fetches[1], fetches[1] + 1))
+        return fetches, feed
+
+    with pytest.raises(PartyAuditError, match=r"CPU:3 runs BitwiseXor .* not an op a party may run"):
+        _audit_of(build)

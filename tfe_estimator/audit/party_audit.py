@@ -1,46 +1,49 @@
-"""`audit_party_inputs`: what every TFE party received in the graphs a session really ran.
+"""`audit_party_inputs`: what every TFE party received and computed in the graphs a session really ran.
 
 The audit reads the partitioned graphs of one run (``RunMetadata.partition_graphs``
 of a run with ``tf.compat.v1.RunOptions(output_partition_graphs=True)``: actual
-placement, after soft placement, colocation and Grappler) and checks every
-tensor that enters a party from outside it (`tfe_estimator.audit.server_view`; a
-party is its device on one machine, its whole task on a cluster). It raises
-`PartyAuditError`, naming the party, the op and the producer, unless:
+placement, after soft placement, colocation and Grappler; a party is its
+device on one machine, its whole task on a cluster). It raises
+`PartyAuditError`, naming the party, the op and what is wrong, unless:
 
 - the run placed at least one op on a party (no party ops: no secure sum);
-- no party runs a collective op (data would move without a send/receive the
-  audit can see) or takes a value fed by the client;
-- every edge that carries a value is an integer tensor (no float, bool,
-  string, resource or variant: an empty tensor, which is how TensorFlow
-  orders ops across devices, carries no value and is skipped);
-- its producer is on the allow-list:
+- every op on a party is of a type in `PARTY_OPS` (below), none takes a value
+  fed by the client, none runs a collective, and no op on a party has a
+  floating-point input, output or constant;
+- every tensor a party receives from outside it carries integers (an empty
+  tensor, how TensorFlow orders ops across devices, carries no value);
+- every mask is a real one: a keystream op with the full ring as its bounds,
+  keyed by a fresh key (`tfe_estimator.audit.masks`); a constant or computed
+  key, or a stream of range [0, 1), is refused;
+- no party can read owners' data from anything it receives or computes:
+  following each value through owners' and parties' ops as a linear form
+  (data plus signed masks, masks cancelling), a value that depends on owner
+  data must keep at least one mask whose key the party does not hold. A party
+  holds the keys it draws itself and every key (or mask stream) that reaches
+  it, from an owner or from another party. This covers messages between
+  parties (server0's blinded part to server1) and a party's own sums.
 
-  =====================================  ====================================
-  producer (op type:output)              what it is
-  =====================================  ====================================
-  ``TfeMaskShare:0``                     a masked share (fused Pond)
-  ``TfeMaskShare:1``                     the seed of that share's mask
-  ``TfeAesSeed:0``                       a 128-bit seed (tf-encrypted's Pond
-                                         and ABY3 on our generator)
-  ``TfeAesSeededRandomUniform:0``,       a mask: the AES-CTR (or, for
-  ``I128SecureSeededRandomUniform:0``    tf-encrypted's 128-bit ring, ChaCha)
-                                         stream of a seed
-  ``Sub:0``, ``I128Sub:0``               a masked share ``x - mask`` of
-                                         tf-encrypted's sharing, only if its
-                                         subtrahend is such a mask (ABY3:
-                                         ``(x - mask0) - mask1``)
-  any integer op on another party       a message between parties
-  =====================================  ====================================
+`PARTY_OPS`, the op types that may run on a party:
 
-- no party receives a masked share together with the seeds (or streams) of
-  all of its masks: it could unmask it.
+================================================  ==============================
+op types                                          role
+================================================  ==============================
+``TfeServerSum``                                  a server's part of a fused sum
+``TfeAesSeededRandomUniform``,                    expanding a key into its mask
+``I128SecureSeededRandomUniform``                 (tf-encrypted's parties)
+``TfeAesSeed``                                    a key the party draws
+``Add``, ``AddV2``, ``AddN``, ``Sub``, ``Neg``,   ring arithmetic on shares
+``I128Add``, ``I128Sub``
+``Const`` (integers only)                         bounds and shapes
+``Identity``, ``Snapshot``, ``NoOp``              plumbing
+``_Send``, ``_Recv``, ``_HostSend``, ``_HostRecv``  TensorFlow's transfers
+================================================  ==============================
 
-What it cannot prove: that a mask is really random or that a producer
-computes what its name says (the server-view tests in ``tests/test_security.py``
-check the values statistically); what a party does with what it legitimately
-holds; messages between parties beyond their dtype; runs it did not see
-(audit the runs you care about, e.g. with `PartyAuditHook`); anyone who
-reaches a task's gRPC port and runs ops there (see the README's threat model).
+What it cannot prove: that a key is really random or that an op computes what
+its name says (the server-view tests in ``tests/test_security.py`` check the
+values statistically); collusion between parties; runs it did not see (audit
+the runs you care about, e.g. with `PartyAuditHook`); anyone who reaches a
+task's gRPC port and runs ops there (see the README's threat model).
 
 Example::
 
@@ -48,26 +51,28 @@ Example::
     estimator.train(input_fn, steps=10, hooks=[hook])
     print(hook.report)
 """
+import collections
 import dataclasses
 import logging
-from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python.distribute import device_util
 
+from tfe_estimator.audit.masks import LINEAR_OPS, MASK_STREAMS, SEED_OUTPUTS, Form, Forms, MaskError
+from tfe_estimator.audit.server_view import (RECV_OPS, SEND_OPS, PartyEdge, is_control_carrier, partition_graphs_of,
+                                             party_edges, party_of)
 from tfe_estimator.cluster.spec import TFE_JOB
 from tfe_estimator.errors import PlaintextOnServerError
-from tfe_estimator.audit.server_view import RECV_OPS, SEND_OPS, PartyEdge, partition_graphs_of, party_edges, party_of
 
 __all__ = ["audit_party_inputs", "assert_no_plaintext_on_servers", "AuditReport", "PartyAuditError",
-           "PartyAuditHook", "server_ops"]
+           "PartyAuditHook", "server_ops", "PARTY_OPS"]
 
 _LOG = logging.getLogger("tfe_estimator")
 
-_MASK_SHARE = "TfeMaskShare"
-_SEEDS = frozenset({"TfeAesSeed"})
-_STREAMS = frozenset({"TfeAesSeededRandomUniform", "I128SecureSeededRandomUniform"})
-_SUBS = frozenset({"Sub", "I128Sub"})
+#: The op types that may run on a party (the allow-list; see the module docstring).
+PARTY_OPS = frozenset({"TfeServerSum", "TfeAesSeed", "Const", "Identity", "Snapshot", "NoOp"}
+                      | MASK_STREAMS | set(LINEAR_OPS) | set(RECV_OPS) | set(SEND_OPS))
 _TRANSPARENT = frozenset({"Identity", "Snapshot"})
 
 
@@ -96,7 +101,7 @@ class AuditReport:
             kinds[key] = kinds.get(key, 0) + 1
         received = ", ".join(f"{n} x {k}" for k, n in sorted(kinds.items()))
         return (f"{self.party_ops} ops on {len(self.parties)} parties; every one of the {len(self.edges)} "
-                f"tensors they receive is a seed, a mask or a masked share ({received})")
+                f"tensors they receive is a key, a mask or a value masked by a key they lack ({received})")
 
 
 class _Graphs:
@@ -131,44 +136,26 @@ class _Graphs:
         raise ValueError(f"Producer chain of {name!r} too long")
 
 
-def _seed_of_stream(graphs: _Graphs, device: str, node) -> Tuple:
-    """The mask id of a stream op: the seed it expands (through a key derived from it)."""
-    seed_device, seed, index = graphs.resolve(device, node.input[1])
-    if seed.op in _STREAMS:  # tf-encrypted's 128-bit ring: a key derived from our seed
-        return _seed_of_stream(graphs, seed_device, seed)
-    if seed.op not in _SEEDS:
-        return ("unseeded", device, node.name)
-    return ("seed", seed_device, seed.name, index)
+def _float_dtypes(node) -> List[str]:
+    """The floating-point dtypes among a node's type attributes (T, dtype, DstT, a Const's value...)."""
+    found = []
+    for value in node.attr.values():
+        types = list(value.list.type) + ([value.type] if value.type else [])
+        found += [tf.as_dtype(t).name for t in types if tf.as_dtype(t).is_floating or tf.as_dtype(t).is_complex]
+    return found
 
 
-def _masks_of(graphs: _Graphs, device: str, node) -> Optional[FrozenSet[Tuple]]:
-    """The masks subtracted in a masked share, or None if it is not masked by a stream."""
-    if node.op == _MASK_SHARE:
-        return frozenset({("mask_share", device, node.name)})
-    if node.op not in _SUBS:
-        return None
-    mask_device, mask, _ = graphs.resolve(device, node.input[1])
-    if mask.op not in _STREAMS:
-        return None
-    masks = {_seed_of_stream(graphs, mask_device, mask)}
-    inner_device, inner, _ = graphs.resolve(device, node.input[0])
-    if inner.op in _SUBS:  # ABY3: (x - mask0) - mask1
-        inner_masks = _masks_of(graphs, inner_device, inner)
-        if inner_masks:
-            masks |= inner_masks
-    return frozenset(masks)
-
-
-def _held(graphs: _Graphs, edge: PartyEdge) -> Set[Tuple]:
-    """The mask ids a party learns from receiving `edge`."""
-    node = edge.producer
-    if node.op == _MASK_SHARE and edge.output_index == 1:
-        return {("mask_share", edge.source_device, node.name)}
-    if node.op in _SEEDS:
-        return {("seed", edge.source_device, node.name, edge.output_index)}
-    if node.op in _STREAMS:
-        return {_seed_of_stream(graphs, edge.source_device, node)}
-    return set()
+def _orders_only(graphs: "_Graphs", device: str, node) -> bool:
+    """A transfer or identity of TensorFlow's empty control carrier (no value), or the carrier itself."""
+    if is_control_carrier(node):
+        return True
+    if node.op in RECV_OPS:
+        source = device_util.canonicalize(node.attr["send_device"].s.decode())
+        send = graphs.sends.get((node.attr["tensor_name"].s, source))
+        return send is not None and is_control_carrier(graphs.resolve(source, send.input[0])[1])
+    if node.op in SEND_OPS or node.op in _TRANSPARENT:
+        return is_control_carrier(graphs.resolve(device, node.input[0])[1])
+    return False
 
 
 def _tfe_devices(partition_graphs) -> List[str]:
@@ -184,8 +171,34 @@ def _fail(message: str) -> None:
     raise PartyAuditError(message + " Secure aggregation's promise does not hold for this graph.")
 
 
+def _party_nodes(graphs: _Graphs, unit) -> Tuple[List[Tuple[str, object]], set, int]:
+    """The nodes on parties, checked against `PARTY_OPS`, feeds, collectives and floats."""
+    nodes, parties, count = [], set(), 0
+    for device, node in graphs.nodes.values():
+        party = unit(device)
+        if party is None:
+            continue
+        if node.op in RECV_OPS and node.attr["client_terminated"].b or node.op in ("_Arg", "Placeholder"):
+            _fail(f"{party} takes a value fed by the client: {node.op} {node.name!r}.")
+        if node.op.startswith(("Collective", "Nccl")):
+            _fail(f"{party} runs the collective op {node.name!r} ({node.op}), which exchanges data "
+                  "without a send/receive the audit can check.")
+        floats = [] if _orders_only(graphs, device, node) else _float_dtypes(node)
+        if floats:
+            _fail(f"{party} runs {node.op} {node.name!r} on a {floats[0]} value: parties must hold ring "
+                  "elements and keys only.")
+        if node.op not in PARTY_OPS:
+            _fail(f"{party} runs {node.op} {node.name!r}, which is not an op a party may run "
+                  f"(tfe_estimator.audit.party_audit.PARTY_OPS).")
+        nodes.append((device, node))
+        if node.op not in RECV_OPS + SEND_OPS:
+            parties.add(party)
+            count += 1
+    return nodes, parties, count
+
+
 def audit_party_inputs(run_metadata_or_partition_graphs, party_devices: Optional[Sequence[str]] = None) -> AuditReport:
-    """Checks every tensor entering a TFE party in one run; raises naming the first violation.
+    """Checks every tensor a TFE party receives or computes in one run; raises naming the first violation.
 
     Args:
       run_metadata_or_partition_graphs: a `RunMetadata` (or its
@@ -205,54 +218,56 @@ def audit_party_inputs(run_metadata_or_partition_graphs, party_devices: Optional
     if party_devices is None:
         party_devices = _tfe_devices(partition_graphs)
     graphs = _Graphs(partition_graphs)
-    parties, count = set(), 0
-    for graph_def in partition_graphs:
-        for node in graph_def.node:
-            device = node.device or next((n.device for n in graph_def.node if n.device), "")
-            party = party_of(device, party_devices) if party_devices else None
-            if party is None:
-                continue
-            if node.op in RECV_OPS and node.attr["client_terminated"].b or node.op in ("_Arg", "Placeholder"):
-                _fail(f"{party} takes a value fed by the client: {node.op} {node.name!r}.")
-            if node.op.startswith(("Collective", "Nccl")):
-                _fail(f"{party} runs the collective op {node.name!r} ({node.op}), which exchanges data "
-                      "without a send/receive the audit can check.")
-            if node.op not in RECV_OPS + SEND_OPS:
-                parties.add(party)
-                count += 1
+
+    def unit(device):
+        return party_of(device, party_devices) if party_devices and device else None
+
+    nodes, parties, count = _party_nodes(graphs, unit)
     if count == 0:
         _fail(f"No op of this run is placed on the parties {list(party_devices)}: the run has no secure "
               "sum, or the parties are not the devices it uses.")
+    forms = Forms(graphs.resolve, unit)
     edges = [e for e in party_edges(partition_graphs, party_devices) if e.carries_value]
-    held: Dict[str, Set[Tuple]] = {}
-    for edge in edges:
-        held.setdefault(edge.party, set()).update(_held(graphs, edge))
-    masked: List[Tuple[PartyEdge, FrozenSet[Tuple]]] = []
+    received: Dict[str, List[Tuple]] = collections.defaultdict(list)
+    values: List[Tuple[str, str, Tuple]] = []  # (party, where, producer) of every value to check
     for edge in edges:
         where = (f"{edge.party} receives {edge.tensor} ({edge.producer_type}, {edge.dtype.name}) from "
                  f"{edge.source_device}")
         if not edge.dtype.is_integer:
-            _fail(f"{where}: a {edge.dtype.name} value; parties must only receive ring elements and seeds.")
-        if party_of(edge.source_device, party_devices) is not None:
-            continue  # a message between parties
-        node = edge.producer
-        if node.op == _MASK_SHARE and edge.output_index in (0, 1) or node.op in _SEEDS | _STREAMS:
-            if node.op == _MASK_SHARE and edge.output_index == 0:
-                masked.append((edge, _masks_of(graphs, edge.source_device, node)))
-            continue
-        if node.op in _SUBS:
-            masks = _masks_of(graphs, edge.source_device, node)
-            if masks:
-                masked.append((edge, masks))
-                continue
-            _fail(f"{where}: a difference whose subtrahend is not a seeded mask, i.e. not a masked share.")
-        _fail(f"{where}: {node.op} is not an allowed producer (a masked share, a seed, a mask, or "
-              "another party); an unmasked value may reach this party.")
-    for edge, masks in masked:
-        if masks <= held.get(edge.party, set()):
-            _fail(f"{edge.party} receives the masked share {edge.tensor} from {edge.source_device} and "
-                  f"also the seed of every one of its masks: it can unmask the value.")
+            _fail(f"{where}: a {edge.dtype.name} value; parties must only receive ring elements and keys.")
+        device, node, index = graphs.resolve(edge.source_device, edge.tensor)
+        try:
+            if (node.op, index) in SEED_OUTPUTS:
+                received[edge.party].append(forms.seed_id(device, node, index))
+            elif node.op in MASK_STREAMS:  # a mask itself: the party then knows it
+                received[edge.party].extend(forms.of(device, node, index).mask_seeds)
+            else:
+                values.append((edge.party, where, (device, node, index)))
+        except MaskError as e:
+            _fail(f"{where}: {e}.")
+    for device, node in nodes:  # what each party computes from what it holds
+        if node.op == "TfeServerSum" or node.op in LINEAR_OPS:
+            values.append((unit(device), f"{unit(device)} computes {node.name}:0 ({node.op})", (device, node, 0)))
+    held = {party: forms.held(party, received[party], nodes) for party in set(received) | parties}
+    for party, where, producer in values:
+        try:
+            form = forms.of(*producer)
+        except MaskError as e:
+            _fail(f"{where}: {e}.")
+        _check_hidden(party, where, form, held.get(party, frozenset()))
     return AuditReport(parties=tuple(sorted(parties)), party_ops=count, edges=tuple(edges))
+
+
+def _check_hidden(party: str, where: str, form: Form, held) -> None:
+    if not form.data:
+        return
+    owners = ", ".join(sorted({f"{name} on {device}" for device, name, _ in form.data})[:3])
+    if not form.masks:
+        _fail(f"{where}: not a masked share: it carries owner data ({owners}) with no mask left on it; an "
+              "unmasked value reaches this party.")
+    if form.mask_seeds <= held:
+        _fail(f"{where}: {party} also holds the key of every mask on it ({len(form.masks)}): it can unmask "
+              f"the owner data ({owners}).")
 
 
 class PartyAuditHook(tf.estimator.SessionRunHook):

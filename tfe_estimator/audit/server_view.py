@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 __all__ = ["PartyEdge", "CaptureError", "party_of", "party_edges", "party_nodes", "capture_party_views",
-           "group_by_party", "partition_graphs_of"]
+           "group_by_party", "partition_graphs_of", "is_control_carrier"]
 
 #: The ops that carry a tensor between the partitions of one run.
 RECV_OPS = ("_Recv", "_HostRecv")
@@ -123,7 +123,8 @@ def _tensor_name(name: str) -> str:
     return name if ":" in name else f"{name}:0"
 
 
-def _is_empty_const(node) -> bool:
+def is_control_carrier(node) -> bool:
+    """An empty constant: what TensorFlow sends between devices only to order ops (no value)."""
     if node.op != "Const":
         return False
     shape = node.attr["value"].tensor.tensor_shape
@@ -190,7 +191,7 @@ def party_edges(partition_graphs, party_devices: Sequence[str]) -> List[PartyEdg
             edges.append(PartyEdge(
                 party=party, device=device, source_device=source_device, tensor=tensor,
                 producer_type=producer.op, dtype=tf.as_dtype(node.attr["tensor_type"].type),
-                carries_value=not _is_empty_const(producer), producer=producer))
+                carries_value=not is_control_carrier(producer), producer=producer))
     return edges
 
 

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import values as value_lib
 
@@ -196,6 +197,27 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             for i, r in zip(indices, reduced):
                 results[i] = r
         return results
+
+    def broadcast_implementation(self, tensor, destinations):
+        """Copies a value computed outside the replicas (e.g. in cross-replica context) to `destinations`.
+
+        Refuses a value placed on a device that is not among the
+        destinations, which is how `MirroredVariable` updates a variable of
+        ``aggregation=ONLY_FIRST_REPLICA`` in replica context: it would send
+        replica 0's value, computed from its owner's data, to every replica
+        in plaintext. A secure channel would not help: a broadcast's purpose
+        is that every destination learns the value.
+        """
+        source = device_util.canonicalize(tensor.device) if getattr(tensor, "device", "") else ""
+        targets = [device_util.canonicalize(d) for d in cross_device_ops_lib.get_devices_from(destinations)]
+        if source and any(target != source for target in targets):
+            raise NotImplementedError(
+                f"SecureAggregation does not broadcast {getattr(tensor, 'name', tensor)} from {source} to "
+                f"{targets}: a value on one replica's device (e.g. a variable with "
+                "aggregation=ONLY_FIRST_REPLICA assigned in replica context) would reach every replica in "
+                "plaintext. Use aggregation=SUM or MEAN (summed securely), or compute the value in "
+                "cross-replica context (strategy.scope(), outside the replica function).")
+        return super().broadcast_implementation(tensor, destinations)
 
     def _gather_implementation(self, per_replica_value, destinations, axis, options):
         raise NotImplementedError(
@@ -475,6 +497,14 @@ def _finish(part, dtype, kind, reduce_op, num):
 
     A float MEAN is already divided by `decode`'s scale.
     """
+    if kind == _INT and dtype.size < 8:
+        # Integers are summed in int64: a sum that does not fit the narrower dtype is an
+        # error, never wrapped. The message carries no value (it may cross owners).
+        fits = tf.reduce_all(tf.logical_and(part >= dtype.min, part <= dtype.max))
+        check = tf.debugging.Assert(fits, [f"Secure aggregation: a sum of {dtype.name} values does not fit "
+                                           f"{dtype.name}; keep counters smaller or use int64."], name="sum_fits")
+        with tf.control_dependencies([check]):
+            part = tf.identity(part)
     if kind == _INT and reduce_op == tf.distribute.ReduceOp.MEAN:
         return tf.cast(part, dtype) / num  # like ReductionToOneDevice
     return tf.cast(part, dtype)

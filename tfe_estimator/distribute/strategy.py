@@ -15,6 +15,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import summary_op_util
 from tensorflow.python.distribute import values as value_lib
 from tensorflow.python.util import nest
 
@@ -119,6 +120,21 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
         # (MirroredExtended's would call collective ops directly without merge_call).
         return super(mirrored_strategy.MirroredExtended, self)._replica_ctx_all_reduce(  # pylint: disable=bad-super-call
             reduce_op, value, options)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        # TensorFlow records the v1 summaries a replica function writes (a head's
+        # `loss`, a DNN's activation histograms) from replica 0 alone: statistics of
+        # one replica's (one owner's) batch, written to model_dir as the training's
+        # own. Under TfeStrategy no replica records them (TensorFlow's own switch,
+        # which it flips the same way for XLA); with no `loss` summary, Estimator
+        # writes the reduced loss, i.e. the secure sum, under that name.
+        original = summary_op_util.skip_summary
+        summary_op_util.skip_summary = lambda: tf.distribute.get_replica_context() is not None \
+            and not tf.distribute.in_cross_replica_context() or original()
+        try:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        finally:
+            summary_op_util.skip_summary = original
 
     def _make_input_fn_iterator(self, input_fn,
                                 replication_mode=tf.distribute.InputReplicationMode.PER_WORKER):
