@@ -1,6 +1,7 @@
 """tfe_estimator's own kernels: the AES-CTR generator, the fused Pond sum, the build."""
 import os
 import pathlib
+import subprocess
 
 import numpy as np
 import pytest
@@ -183,3 +184,19 @@ def test_failed_compile_names_the_command_and_the_fix(tmp_path, monkeypatch):
     text = str(info.value)
     assert "false -shared -fPIC" in text and "tfe-estimator build-kernels" in text
     assert not list(pathlib.Path(tmp_path).rglob("*.so"))  # nothing half-built left behind
+
+
+@pytest.mark.parametrize("call, compiles", [
+    ("if (!tfe_estimator::AesCtrKeystream(key, 0, 0, out, 16)) return 1;", True),
+    ("tfe_estimator::AesCtrKeystream(key, 0, 0, out, 16);", False),  # the planted unchecked call
+    ("tfe_estimator::FreshKey(key);", False),
+])
+def test_an_unchecked_cipher_call_does_not_build(call, compiles, tmp_path):
+    source = tmp_path / "probe.cc"
+    source.write_text('#include "aes_ctr.h"\nint probe(uint8_t* key, uint8_t* out) {\n  '
+                      + call + "\n  return 0;\n}\n")
+    result = subprocess.run([*_build.compile_flags(), f"-I{_build.SOURCE_DIR}", "-c", str(source), "-o", os.devnull],
+                            capture_output=True, text=True, timeout=120)
+    assert (result.returncode == 0) == compiles, result.stderr[-2000:]
+    if not compiles:
+        assert "unused-result" in result.stderr or "warn_unused_result" in result.stderr

@@ -33,7 +33,7 @@ import sys
 import tempfile
 from typing import List
 
-__all__ = ["KernelBuildError", "build", "library_path", "compile_command", "SOURCE_DIR"]
+__all__ = ["KernelBuildError", "build", "library_path", "compile_command", "compile_flags", "SOURCE_DIR"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -63,17 +63,24 @@ def _cxx_standard(tf_version: str) -> str:
     return "-std=c++14" if (major, minor) < (2, 10) else "-std=c++17"
 
 
-def compile_command(output: pathlib.Path) -> List[str]:
-    """The compiler command that builds the library into `output`."""
+def compile_flags() -> List[str]:
+    """The compiler and its flags for our sources (no inputs, no output, no linking).
+
+    ``-Werror=unused-result``: a cipher call whose result is ignored
+    (`TFE_MUST_CHECK` in aes_ctr.h) does not build.
+    """
     tf = _tf()
     include = pathlib.Path(tf.sysconfig.get_include())
     flags = [f for f in tf.sysconfig.get_compile_flags() if not f.lstrip("-").startswith("std=")]
-    return [
-        os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O3", _cxx_standard(tf.__version__),
-        *flags, f"-I{include / 'external' / 'boringssl' / 'src' / 'include'}",
-        *[str(s) for s in _sources()], "-o", str(output),
-        *tf.sysconfig.get_link_flags(), "-Wl,--no-undefined",
-    ]
+    return [os.environ.get("CXX", "g++"), "-fPIC", "-O3", _cxx_standard(tf.__version__), "-Werror=unused-result",
+            *flags, f"-I{include / 'external' / 'boringssl' / 'src' / 'include'}"]
+
+
+def compile_command(output: pathlib.Path) -> List[str]:
+    """The compiler command that builds the library into `output`."""
+    compiler, *flags = compile_flags()
+    return [compiler, "-shared", *flags, *[str(s) for s in _sources()], "-o", str(output),
+            *_tf().sysconfig.get_link_flags(), "-Wl,--no-undefined"]
 
 
 def _cache_root() -> pathlib.Path:

@@ -20,13 +20,17 @@
 
 namespace tfe_estimator {
 
+// Every cipher call reports failure through its return value; the kernel
+// build turns an unchecked one into an error (-Werror=unused-result).
+#define TFE_MUST_CHECK __attribute__((warn_unused_result))
+
 constexpr int kKeyBytes = 16;
 constexpr int kBlockBytes = 16;
 
 // Encrypts (XORs with the keystream) `n` bytes of `in` into `out` (which may
 // equal `in`) under `key`, starting at the 16-byte counter block `iv`.
 // Returns false if the library reports an error.
-inline bool AesCtrXor(const uint8_t key[kKeyBytes], const uint8_t iv[kBlockBytes],
+TFE_MUST_CHECK inline bool AesCtrXor(const uint8_t key[kKeyBytes], const uint8_t iv[kBlockBytes],
                       const uint8_t* in, uint8_t* out, size_t n) {
   EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
   if (ctx == nullptr) return false;
@@ -54,7 +58,7 @@ inline void CounterBlock(uint64_t high, uint64_t low, uint8_t iv[kBlockBytes]) {
 // Writes `n` keystream bytes of `key` starting at block `first_block` (of the
 // counter space whose high 64 bits are `stream`) into `out`: the encryption of
 // zeros, read from a constant zero page instead of clearing `out` first.
-inline bool AesCtrKeystream(const uint8_t key[kKeyBytes], uint64_t stream, uint64_t first_block,
+TFE_MUST_CHECK inline bool AesCtrKeystream(const uint8_t key[kKeyBytes], uint64_t stream, uint64_t first_block,
                             uint8_t* out, size_t n) {
   static const uint8_t kZeros[1 << 15] = {};
   uint8_t iv[kBlockBytes];
@@ -65,7 +69,7 @@ inline bool AesCtrKeystream(const uint8_t key[kKeyBytes], uint64_t stream, uint6
 }
 
 // A fresh key from the library's CSPRNG.
-inline bool FreshKey(uint8_t key[kKeyBytes]) { return RAND_bytes(key, kKeyBytes) == 1; }
+TFE_MUST_CHECK inline bool FreshKey(uint8_t key[kKeyBytes]) { return RAND_bytes(key, kKeyBytes) == 1; }
 
 // Known-answer test: NIST SP 800-38A, appendix F.5.1 (CTR-AES128.Encrypt).
 // Returns an empty string on success, else what went wrong.

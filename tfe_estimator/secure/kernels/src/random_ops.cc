@@ -187,7 +187,10 @@ void UniformFromKey(OpKernelContext* ctx, const uint8_t key[kKeyBytes], T minval
       uint64_t w = words[j];
       for (uint64_t attempt = 1; limit != 0 && w >= limit; ++attempt) {
         uint8_t block[kBlockBytes];
-        AesCtrKeystream(key, attempt, static_cast<uint64_t>(first + j), block, kBlockBytes);
+        if (!AesCtrKeystream(key, attempt, static_cast<uint64_t>(first + j), block, kBlockBytes)) {
+          failed[c] = 1;
+          return;
+        }
         std::memcpy(&w, block, 8);
       }
       data[first + j] = static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(minval)) + w % range);
