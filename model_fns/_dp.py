@@ -54,9 +54,11 @@ def _per_example_loss(head, features, labels, logits):
 def _batch_variable():
     # The global batch size of the last training step, kept in the checkpoint
     # so that evaluation can report the epsilon of the checkpoint it evaluates.
+    # Each replica assigns its own batch size and the variable SUMs them through
+    # the secure sum (ONLY_FIRST_REPLICA would copy replica 0's in plaintext).
     return tf.compat.v1.get_variable(
         _BATCH_VARIABLE, shape=[], dtype=tf.int64, initializer=tf.compat.v1.zeros_initializer(),
-        trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        trainable=False, aggregation=tf.VariableAggregation.SUM)
 
 
 def _epsilon_metrics(dp, batch_variable):
@@ -109,7 +111,7 @@ def dp_estimator_spec(
         del scalar_loss  # the head's reduced loss: reported, not differentiated
         update = optimizer.get_updates(per_example, trainable)[0]
         with tf.control_dependencies([update]):
-            return batch_variable.assign(global_batch).op
+            return batch_variable.assign(tf.cast(tf.shape(logits)[0], tf.int64)).op  # summed: the global batch
 
     spec = head.create_estimator_spec(features=features, mode=mode, logits=logits, labels=labels,
                                       train_op_fn=train_op_fn, trainable_variables=trainable)
