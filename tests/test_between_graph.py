@@ -91,7 +91,7 @@ def _alive(pid):
 def _train(workdir, *flags):
     out = io.StringIO()
     launcher = Launcher([sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), *flags], workers=1,
-                        task_cwd=os.path.join(workdir, "{job}-{index}"), out=out)
+                        task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="between-graph")
     status = launcher.run()
     log = out.getvalue()
     assert status == 0, log[-5000:]
@@ -107,6 +107,11 @@ def test_owners_train_in_their_own_graphs_to_the_plaintext_twin_each_with_its_ow
     twin = _plaintext_twin(_owner_data(workdir), STEPS)
     weights = _train(workdir)
     np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
+    for owner, other in (("chief-0", "/job:worker/"), ("worker-0", "/job:chief/")):
+        with open(os.path.join(workdir, owner, "partition_devices.json")) as f:
+            devices = json.load(f)
+        assert any("/job:tfe/" in d for d in devices) and any(owner.split("-")[0] in d for d in devices), devices
+        assert not [d for d in devices if other in d], f"{owner} placed ops on another owner's task: {devices}"
     np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
     assert not np.allclose(twin, 0.0, atol=0.1)  # it learned from the data
     # Mutation: a reveal that doubles each sum must fail the comparison with the twin.

@@ -3,6 +3,7 @@
 Run by `tfe-estimator launch` in each owner's own directory (tests/test_between_graph.py).
 Usage: between_graph_owner.py STEPS LEARNING_RATE [--mutate-reveal-x2]
 """
+import json
 import sys
 
 import numpy as np
@@ -10,6 +11,25 @@ import tensorflow as tf
 
 import tfe_estimator
 from tfe_estimator.secure.kernels import ops
+
+
+class PartitionDevicesHook(tf.estimator.SessionRunHook):
+    """Writes the devices of every node of the first training step's partition graphs to ./partition_devices.json."""
+
+    def __init__(self):
+        self.done = False
+
+    def before_run(self, run_context):
+        if not self.done:
+            return tf.estimator.SessionRunArgs(None, options=tf.compat.v1.RunOptions(output_partition_graphs=True))
+        return None
+
+    def after_run(self, run_context, run_values):
+        if not self.done and run_values.run_metadata.partition_graphs:
+            devices = sorted({node.device for g in run_values.run_metadata.partition_graphs for node in g.node})
+            with open("partition_devices.json", "w") as f:
+                json.dump(devices, f)
+            self.done = True
 
 
 def main(argv):
@@ -28,7 +48,7 @@ def main(argv):
         feature_columns=[tf.feature_column.numeric_column("x", shape=[x.shape[1]])],
         optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
         loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE, config=config)
-    tf.estimator.train_and_evaluate(estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps),
+    tf.estimator.train_and_evaluate(estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=[PartitionDevicesHook()]),
                                     tf.estimator.EvalSpec(input_fn, steps=1))
     print("owner finished at step", estimator.get_variable_value("global_step"))
 
