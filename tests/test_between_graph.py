@@ -11,6 +11,7 @@ import tensorflow as tf
 from tfe_estimator import TfeRunConfig, TfeStrategy
 from tfe_estimator.cluster.launcher import Launcher
 from tfe_estimator.distribute.between_graph import BetweenGraphStrategy
+from test_launch import _alive  # a zombie does not count
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "between_graph_owner.py")
 OWNERS = ("chief-0", "worker-0")
@@ -78,14 +79,6 @@ def _weights(model_dir, steps):
     assert checkpoint and checkpoint.endswith(f"model.ckpt-{steps}"), checkpoint
     weights = tf.train.load_variable(checkpoint, "linear/linear_model/x/weights").ravel()
     return np.append(weights, tf.train.load_variable(checkpoint, "linear/linear_model/bias_weights"))
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _train(workdir, *flags):
