@@ -3,6 +3,7 @@ import io
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -115,3 +116,45 @@ def test_owners_train_in_their_own_graphs_to_the_plaintext_twin_each_with_its_ow
     bad = _train(mutated, "--mutate-reveal-x2")
     with pytest.raises(AssertionError):
         np.testing.assert_allclose(bad["chief-0"], twin, atol=1e-5)
+
+
+def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_a_second_one():
+    # Two owners' graphs in one process: devices stand for tasks, threads for the owners' sessions.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tfe_estimator.distribute.step_sum import step_sum
+    from tfe_estimator.secure.fused_sum import Encoding
+
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
+    with tf.Graph().as_default():
+        step = tf.compat.v1.placeholder(tf.int64, [])
+        values = [np.array([1.5, -2.0], np.float32), np.array([0.25, 4.0], np.float32)]
+        totals = []
+        for owner in range(2):
+            with tf.device(devices[owner]):
+                x = tf.constant(values[owner])
+            totals.append(step_sum([x], "sum_0", step, owner, 2, owner == 0, devices[owner], devices[2:],
+                                   Encoding(64, 32, 2.0**24), tf.float32, f"owner {owner}", "hint")[0])
+        pending = []  # how many steps wait for contributions on each server
+        for k, dtype, shape in ((0, tf.int32, totals[0].graph.get_operation_by_name(
+                "between_graph_mask_share/TfeMaskShare").outputs[1].shape), (1, tf.int64, [2])):
+            with tf.device(devices[2 + k]):
+                barrier = tf.raw_ops.Barrier(component_types=[dtype] * 2, shapes=[shape] * 2,
+                                             shared_name=f"tfe_between_graph/sum_0/server{k}")
+                pending.append(tf.raw_ops.BarrierIncompleteSize(handle=barrier))
+        config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=20000)
+        with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(2) as pool:
+            for s in (3, 4):
+                runs = [pool.submit(sess.run, t, {step: s}) for t in totals]
+                for run in runs:
+                    np.testing.assert_allclose(run.result(timeout=30), values[0] + values[1], atol=1e-6)
+            # Owner 1 contributes twice to step 5 (a replayed or restarted owner): the servers refuse.
+            waiting = pool.submit(sess.run, totals[1], {step: 5})
+            deadline = time.monotonic() + 30
+            while sess.run(pending) != [1, 1]:  # owner 1's first contribution has arrived
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            with pytest.raises(tf.errors.InvalidArgumentError, match="already has a value for component 1"):
+                sess.run(totals[1], {step: 5})
+            np.testing.assert_allclose(sess.run(totals[0], {step: 5}), values[0] + values[1], atol=1e-6)
+            waiting.result(timeout=30)
