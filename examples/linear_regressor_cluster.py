@@ -36,7 +36,7 @@ def main(argv=None):
     args = parse_args(argv)
     config = tfe_estimator.TfeRunConfig(  # tfe_estimator: reads TF_CONFIG (chief/worker/evaluator + tfe job)
         model_dir=args.model_dir, protocol=os.environ.get("TFE_ESTIMATOR_PROTOCOL", "pond"),
-        save_checkpoints_steps=100)
+        save_checkpoints_steps=100, cluster_mode="in-graph")
     est = tf.estimator.LinearRegressor(
         feature_columns=[tf.feature_column.numeric_column(name) for name in COLUMNS[:-1]],
         optimizer=lambda: keras_optimizers().SGD(0.05), config=config)

@@ -28,12 +28,14 @@ from tfe_estimator.secure.precision import PRECISIONS, Precision
 from tfe_estimator.secure.protocols import PROTOCOLS
 from tfe_estimator.distribute.run_config import TfeRunConfig, TfeSettings, default_session_config, plaintext_twin_config
 from tfe_estimator.distribute.strategy import TfeStrategy
+from tfe_estimator.distribute.between_graph import BetweenGraphStrategy
 
 __all__ = [
     "__version__",
     "TfeRunConfig",
     "TfeSettings",
     "TfeStrategy",
+    "BetweenGraphStrategy",
     "SecureAggregation",
     "TfeCluster",
     "DistributedDP",

@@ -46,6 +46,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, TextIO
 
+from tfe_estimator.cluster.peers import BETWEEN_GRAPH, IN_GRAPH, validate_mode
 from tfe_estimator.cluster.spec import LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB, TfeCluster, cluster_jobs, cluster_tasks
 from tfe_estimator.secure.protocols import validate_protocol
 from tfe_estimator.cluster.server import server_command
@@ -144,6 +145,11 @@ class Launcher:
       final_eval_timeout: seconds the evaluator may take after the chief finished.
       log_dir: if set, each task's output goes to ``<log_dir>/<job>-<index>.log``.
       port_retries: how often to re-plan the ports when one was taken meanwhile.
+      cluster_mode: "in-graph" (workers serve the chief until it finishes) or
+        "between-graph" (`tfe_estimator.cluster.peers`: every owner trains and
+        finishes on its own; a worker that exits with status 0 has finished, and
+        the run ends when the chief and every worker have finished, within
+        `final_eval_timeout` s of the chief).
 
     Example::
 
@@ -168,6 +174,7 @@ class Launcher:
         final_eval_timeout: float = 600.0,
         log_dir: Optional[str] = None,
         port_retries: int = 3,
+        cluster_mode: str = IN_GRAPH,
     ) -> None:
         if not command:
             raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")
@@ -179,6 +186,7 @@ class Launcher:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}.")
         self.protocol = validate_protocol(protocol)
+        self.cluster_mode = validate_mode(cluster_mode, "--cluster-mode")
         self.workers, self.evaluator, self.host = workers, evaluator, host
         self.command, self.server_command, self.task_cwd = list(command), list(server_command), task_cwd
         self.max_restarts, self.evaluator_restarts = max_restarts, evaluator_restarts
@@ -369,8 +377,20 @@ class Launcher:
                              "without it")
                     self._tail(task)
                     evaluator_failure = task
+            owners_running = []
+            if self.cluster_mode == BETWEEN_GRAPH:  # each owner finishes its own training
+                finished = [t for t in others if t.job == "worker" and t.restart_at is None and t.process.poll() == 0]
+                others = [t for t in others if t not in finished]
+                owners_running = [t for t in others if t.job == "worker"]
             if chief_done_at is not None:
+                for task in owners_running:
+                    status = self._dead(task)
+                    if status is not None:
+                        self.say(f"{task.name} died with {_describe(status)} after the chief finished")
+                        self._tail(task)
+                        return status
                 running = [t for t in evaluators if t.process.poll() is None or t.restart_at is not None]
+                running += owners_running
                 if not running:
                     if evaluator_failure is not None:
                         self.say(f"the chief finished, but {evaluator_failure.name} failed with "

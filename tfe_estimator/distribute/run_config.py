@@ -27,7 +27,9 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow_estimator.python.estimator import run_config as run_config_lib
 
+from tfe_estimator.cluster import peers
 from tfe_estimator.cluster import spec as cluster_lib
+from tfe_estimator.distribute.between_graph import BetweenGraphStrategy, check_between_graph_settings
 from tfe_estimator.distribute.aggregation import validate_clip_norm
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
 from tfe_estimator.secure.precision import get_precision
@@ -39,7 +41,8 @@ __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_t
 #: Set by `tfe-estimator launch` in every task's environment (defined in `cluster`).
 LAUNCH_PROTOCOL_ENV = cluster_lib.LAUNCH_PROTOCOL_ENV
 
-_OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol", "dp", "update_ring_bits")
+_OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol", "dp", "update_ring_bits",
+         "cluster_mode")
 
 
 def default_session_config() -> tf.compat.v1.ConfigProto:
@@ -105,9 +108,12 @@ class TfeSettings:
     clip_norm: Optional[float] = None
     dp: Optional[object] = None  # a tfe_estimator.DistributedDP (checked by SecureAggregation)
     update_ring_bits: int = 64  # 32: clipped updates on a 32-bit ring (checked by SecureAggregation)
+    cluster_mode: Optional[str] = None  # None: between-graph on a TF_CONFIG cluster (see cluster.peers)
 
     def __post_init__(self):
         validate_protocol(self.protocol)
+        if self.cluster_mode is not None:
+            peers.validate_mode(self.cluster_mode)
         validate_clip_norm(self.clip_norm)
         get_precision(self.precision)
         if self.num_replicas is not None:
@@ -137,6 +143,11 @@ class TfeRunConfig(tf.estimator.RunConfig):
       update_ring_bits: 64 (default), or 32: gradients clipped to `clip_norm`
         travel on a 32-bit ring with random rounding, half the bytes up and
         down (see `SecureAggregation`).
+      cluster_mode: on a TF_CONFIG cluster, "between-graph" (the default:
+        each data owner runs only its own graph, sums meet on the TFE servers;
+        needs `tf_random_seed`, Pond) or "in-graph" (one organisation on a
+        trusted network: the chief runs ops on every task). Ignored without
+        a cluster.
       **kwargs: any other `tf.estimator.RunConfig` argument except
         `train_distribute` and `eval_distribute`.
 
@@ -155,6 +166,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         grpc_protocol: Optional[str] = None,
         dp=None,
         update_ring_bits: int = 64,
+        cluster_mode: Optional[str] = None,
         **kwargs,
     ) -> None:
         for name in ("train_distribute", "eval_distribute"):
@@ -165,8 +177,10 @@ class TfeRunConfig(tf.estimator.RunConfig):
                     "tf.estimator.RunConfig with tfe_estimator.TfeStrategy."
                 )
         settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
-                               clip_norm=clip_norm, dp=dp, update_ring_bits=update_ring_bits)
+                               clip_norm=clip_norm, dp=dp, update_ring_bits=update_ring_bits,
+                               cluster_mode=cluster_mode)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
+        _check_seed(kwargs)
         super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
         _check_model_dir_replicas(self)
@@ -210,6 +224,15 @@ class TfeRunConfig(tf.estimator.RunConfig):
         if "model_dir" in kwargs or "num_replicas" in ours:
             _check_model_dir_replicas(new)
         return new
+
+
+def _check_seed(kwargs) -> None:
+    """Between-graph owners start from identical variables only with one shared graph-level seed."""
+    if isinstance(kwargs["train_distribute"], BetweenGraphStrategy) and kwargs.get("tf_random_seed") is None:
+        raise ValueError(
+            "TfeRunConfig(tf_random_seed=None) on a TF_CONFIG cluster in between-graph mode: every data owner "
+            "builds its own graph, so all owners must start from identical variables. Pass the same "
+            "tf_random_seed=<int> on every owner (or cluster_mode='in-graph' on a trusted network).")
 
 
 def _check_model_dir_replicas(config: "TfeRunConfig") -> None:
@@ -272,6 +295,12 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
     else:
         spec.check_protocol(settings.protocol)
         replicas, servers = spec.replica_devices(), spec.server_devices()
+        if (settings.cluster_mode or peers.BETWEEN_GRAPH) == peers.BETWEEN_GRAPH:
+            check_between_graph_settings(settings.protocol, settings.dp, settings.update_ring_bits)
+            strategy = BetweenGraphStrategy(spec, protocol=settings.protocol, precision=settings.precision,
+                                            clip_norm=settings.clip_norm)
+            return {"train_distribute": strategy, "eval_distribute": strategy,
+                    "session_config": strategy.update_config_proto(session_config or default_session_config())}
     strategies = [
         TfeStrategy(devices=replicas, protocol=settings.protocol, precision=settings.precision,
                     server_devices=servers, clip_norm=settings.clip_norm,

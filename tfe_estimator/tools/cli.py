@@ -52,6 +52,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="seconds the evaluator may take after the chief finished (default 600)")
     launch.add_argument("--log-dir", default=None,
                         help="write each task's output to LOG_DIR/<job>-<index>.log instead of the terminal")
+    launch.add_argument("--cluster-mode", default="in-graph",
+                        help="in-graph (workers serve the chief) or between-graph (every owner trains and finishes)")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
 
     demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")
@@ -82,7 +84,7 @@ def _run(args: argparse.Namespace) -> int:
                         task_cwd=args.task_cwd, max_restarts=args.max_restarts,
                         restart_delay=args.restart_delay, evaluator_restarts=args.evaluator_restarts,
                         down_timeout=args.down_timeout, final_eval_timeout=args.final_eval_timeout,
-                        log_dir=args.log_dir).run()
+                        log_dir=args.log_dir, cluster_mode=args.cluster_mode).run()
     if args.command == "demo":
         return _demo(args)
     if args.command == "build-kernels":

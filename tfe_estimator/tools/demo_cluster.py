@@ -151,7 +151,8 @@ def _config(args):
                   keep_checkpoint_max=args.keep_checkpoint_max)
     if args.mode == "secure":
         protocol = os.environ.get(LAUNCH_PROTOCOL_ENV, "pond")
-        return TfeRunConfig(protocol=protocol, **kwargs)  # tfe_estimator
+        # In-graph: the chief trains every owner's replica and writes the one model_dir the evaluator reads.
+        return TfeRunConfig(protocol=protocol, cluster_mode="in-graph", **kwargs)  # tfe_estimator
     cluster = TfeCluster.from_environment()
     devices = cluster.replica_devices() if not cluster.is_evaluator else ["/cpu:0"]
     return plaintext_twin_config(devices, **kwargs)

@@ -1,0 +1,160 @@
+"""Between-graph cluster mode: each data owner runs only its own graph; sums meet on the TFE servers."""
+import io
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfe_estimator import TfeRunConfig, TfeStrategy
+from tfe_estimator.cluster.launcher import Launcher
+from tfe_estimator.distribute.between_graph import BetweenGraphStrategy
+from test_launch import _alive  # a zombie does not count
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "between_graph_owner.py")
+OWNERS = ("chief-0", "worker-0")
+STEPS, LEARNING_RATE = 4, 0.1
+CLUSTER = {"chief": ["localhost:1"], "worker": ["localhost:2"],
+           "tfe": ["localhost:3", "localhost:4", "localhost:5"]}
+
+
+def _as_task(monkeypatch, job, index=0):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": CLUSTER, "task": {"type": job, "index": index}}))
+    monkeypatch.delenv("TFE_ESTIMATOR_PROTOCOL", raising=False)
+
+
+def test_a_cluster_defaults_to_between_graph_whose_sessions_see_only_their_task_and_the_servers(monkeypatch):
+    _as_task(monkeypatch, "worker")
+    config = TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg")
+    assert isinstance(config.train_distribute, BetweenGraphStrategy)
+    assert type(config.train_distribute).__name__ == "CollectiveAllReduceStrategyV1"  # Estimator's per-owner path
+    assert config.train_distribute.extended.experimental_between_graph
+    assert config.train_distribute.extended.should_checkpoint  # every owner saves its own copy
+    assert list(config.session_config.device_filters) == ["/job:worker/task:0", "/job:tfe"]
+    assert config.train_distribute.num_replicas_in_sync == 2
+    in_graph = TfeRunConfig(tf_random_seed=1, cluster_mode="in-graph", model_dir="/tmp/unused-bg")
+    assert isinstance(in_graph.train_distribute, TfeStrategy)
+
+
+def test_between_graph_refuses_a_missing_seed_another_protocol_and_a_bad_mode(monkeypatch):
+    _as_task(monkeypatch, "chief")
+    with pytest.raises(ValueError, match=r"tf_random_seed=None.*Pass the same tf_random_seed=<int> on every owner"):
+        TfeRunConfig(model_dir="/tmp/unused-bg")
+    with pytest.raises(ValueError, match=r"protocol='aby3' is not available in between-graph cluster mode"):
+        TfeRunConfig(protocol="aby3", tf_random_seed=1)
+    with pytest.raises(ValueError, match=r"cluster_mode='mixed' is not a cluster mode"):
+        TfeRunConfig(cluster_mode="mixed", tf_random_seed=1)
+
+
+def _owner_data(workdir):
+    """Each owner's own rows, in its own directory."""
+    rng = np.random.RandomState(0)
+    data = {}
+    for owner in OWNERS:
+        x = rng.randn(64, 2)
+        y = x @ np.array([2.0, -3.0]) + 1.0 + 0.1 * rng.randn(64)
+        data[owner] = np.column_stack([x, y]).astype(np.float32)
+        os.makedirs(os.path.join(workdir, owner))
+        np.savetxt(os.path.join(workdir, owner, "data.csv"), data[owner], delimiter=",", fmt="%.8g")
+    return data
+
+
+def _plaintext_twin(data, steps):
+    """Full-batch gradient descent on the mean over owners of each owner's mean squared error."""
+    w = np.zeros(3)
+    for _ in range(steps):
+        grads = []
+        for rows in data.values():
+            rows = rows.astype(np.float64)
+            x = np.column_stack([rows[:, :2], np.ones(len(rows))])
+            grads.append(2 * x.T @ (x @ w - rows[:, 2]) / len(rows))
+        w -= LEARNING_RATE * np.mean(grads, axis=0)
+    return w
+
+
+def _weights(model_dir, steps):
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    assert checkpoint and checkpoint.endswith(f"model.ckpt-{steps}"), checkpoint
+    weights = tf.train.load_variable(checkpoint, "linear/linear_model/x/weights").ravel()
+    return np.append(weights, tf.train.load_variable(checkpoint, "linear/linear_model/bias_weights"))
+
+
+def _train(workdir, *flags):
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), *flags], workers=1,
+                        task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="between-graph")
+    status = launcher.run()
+    log = out.getvalue()
+    assert status == 0, log[-5000:]
+    assert not [t.name for t in launcher.tasks if t.process.poll() is None or _alive(t.process.pid)]
+    assert log.count(f"owner finished at step {STEPS}") == 2, log[-5000:]
+    return {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in OWNERS}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_owners_train_in_their_own_graphs_to_the_plaintext_twin_each_with_its_own_checkpoints(tmp_path):
+    workdir = str(tmp_path)
+    twin = _plaintext_twin(_owner_data(workdir), STEPS)
+    weights = _train(workdir)
+    np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
+    for owner, other in (("chief-0", "/job:worker/"), ("worker-0", "/job:chief/")):
+        with open(os.path.join(workdir, owner, "partition_devices.json")) as f:
+            devices = json.load(f)
+        assert any("/job:tfe/" in d for d in devices) and any(owner.split("-")[0] in d for d in devices), devices
+        assert not [d for d in devices if other in d], f"{owner} placed ops on another owner's task: {devices}"
+    np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
+    assert not np.allclose(twin, 0.0, atol=0.1)  # it learned from the data
+    # Mutation: a reveal that doubles each sum must fail the comparison with the twin.
+    mutated = os.path.join(workdir, "mutated")
+    os.makedirs(mutated)
+    data = _owner_data(mutated)
+    assert np.allclose(_plaintext_twin(data, STEPS), twin)
+    bad = _train(mutated, "--mutate-reveal-x2")
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(bad["chief-0"], twin, atol=1e-5)
+
+
+def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_a_second_one():
+    # Two owners' graphs in one process: devices stand for tasks, threads for the owners' sessions.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tfe_estimator.distribute.step_sum import step_sum
+    from tfe_estimator.secure.fused_sum import Encoding
+
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
+    with tf.Graph().as_default():
+        step = tf.compat.v1.placeholder(tf.int64, [])
+        values = [np.array([1.5, -2.0], np.float32), np.array([0.25, 4.0], np.float32)]
+        totals = []
+        for owner in range(2):
+            with tf.device(devices[owner]):
+                x = tf.constant(values[owner])
+            totals.append(step_sum([x], "sum_0", step, owner, 2, owner == 0, devices[owner], devices[2:],
+                                   Encoding(64, 32, 2.0**24), tf.float32, f"owner {owner}", "hint")[0])
+        pending = []  # how many steps wait for contributions on each server
+        for k, dtype, shape in ((0, tf.int32, totals[0].graph.get_operation_by_name(
+                "between_graph_mask_share/TfeMaskShare").outputs[1].shape), (1, tf.int64, [2])):
+            with tf.device(devices[2 + k]):
+                barrier = tf.raw_ops.Barrier(component_types=[dtype] * 2, shapes=[shape] * 2,
+                                             shared_name=f"tfe_between_graph/sum_0/server{k}")
+                pending.append(tf.raw_ops.BarrierIncompleteSize(handle=barrier))
+        config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=20000)
+        with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(2) as pool:
+            for s in (3, 4):
+                runs = [pool.submit(sess.run, t, {step: s}) for t in totals]
+                for run in runs:
+                    np.testing.assert_allclose(run.result(timeout=30), values[0] + values[1], atol=1e-6)
+            # Owner 1 contributes twice to step 5 (a replayed or restarted owner): the servers refuse.
+            waiting = pool.submit(sess.run, totals[1], {step: 5})
+            deadline = time.monotonic() + 30
+            while sess.run(pending) != [1, 1]:  # owner 1's first contribution has arrived
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            with pytest.raises(tf.errors.InvalidArgumentError, match="already has a value for component 1"):
+                sess.run(totals[1], {step: 5})
+            np.testing.assert_allclose(sess.run(totals[0], {step: 5}), values[0] + values[1], atol=1e-6)
+            waiting.result(timeout=30)

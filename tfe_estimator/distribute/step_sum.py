@@ -1,0 +1,132 @@
+"""One owner's part of a per-step secure sum across data owners that run separate graphs.
+
+In between-graph mode every data owner builds and runs only its own graph. A
+sum across owners therefore meets on the two Pond servers, in resources that
+every owner's graph names alike (TensorFlow's ``shared_name``):
+
+    owner r (own device):  share_r, seed_r = mask_share(x_r)
+    server0:               Barrier "<channel>/server0", N components (seeds), key = the step
+    server1:               Barrier "<channel>/server1", N components (masked shares)
+    owner r:               inserts seed_r into server0's barrier, share_r into server1's,
+                           both as component r under the key ``str(step)``
+    chief (its session, on each server k): takes the step's complete element (it blocks
+                           until all N owners contributed), checks its key is the
+                           chief's step, ``part_k = server_sum(...)`` and enqueues
+                           ``(step, part_k)`` into each owner's queue "<channel>/server<k>/owner<o>"
+    owner r (own device):  dequeues its two queues, checks the step, ``reveal_sum``
+
+A second contribution of an owner for the same step is refused by the
+Barrier ("already has a value for component"); a chief that receives a
+complete element of another step (an owner out of step) stops with an error
+naming the steps. The servers only ever hold a fresh key or a masked ring
+vector per owner, and the ring sums of those; only owners reveal.
+
+Example::
+
+    totals = step_sum([grad_w, grad_b], channel="grads_0", step=global_step_value,
+                      owner=0, num_owners=2, is_chief=True,
+                      owner_device="/job:chief/task:0/device:CPU:0",
+                      servers=("/job:tfe/task:0/device:CPU:0", "/job:tfe/task:1/device:CPU:0"),
+                      encoding=Encoding(64, 32, 2.0**24), dtype=tf.float32,
+                      owner_name="chief:0", hint="clip gradients")
+"""
+from typing import List, Sequence
+
+import tensorflow as tf
+
+from tfe_estimator.secure.fused_sum import Encoding
+from tfe_estimator.secure.kernels import ops
+
+__all__ = ["step_sum", "SHARED_NAME_PREFIX"]
+
+#: Prefix of every server resource a between-graph sum creates (one name scheme for all owners).
+SHARED_NAME_PREFIX = "tfe_between_graph"
+
+
+def step_sum(
+    parts: Sequence[tf.Tensor],
+    channel: str,
+    step: tf.Tensor,
+    owner: int,
+    num_owners: int,
+    is_chief: bool,
+    owner_device: str,
+    servers: Sequence[str],
+    encoding: Encoding,
+    dtype: tf.DType,
+    owner_name: str,
+    hint: str,
+    scale: float = 1.0,
+) -> List[tf.Tensor]:
+    """This owner's contribution to the sum of `parts` over all owners, revealed on `owner_device`.
+
+    Args:
+      parts: this owner's tensors (one flat vector in order), on `owner_device`.
+      channel: a name unique in the graph and equal on every owner (the n-th sum of the graph).
+      step: a scalar int64 tensor, equal on all owners for the same step (the global step).
+      owner: this owner's index in 0..num_owners-1.
+      num_owners: how many owners contribute.
+      is_chief: whether this owner takes each step's contributions and hands out the partial sums.
+      owner_device: this owner's device.
+      servers: Pond's server0 and server1 devices.
+      encoding: ring, fraction bits and bound.
+      dtype: the dtype to decode to.
+      owner_name: this owner, for error messages.
+      hint: how to fix a value out of range, for error messages.
+      scale: multiplies the decoded floats (``1/N`` for a MEAN).
+
+    Returns:
+      The decoded sums, shaped like `parts`, on `owner_device`.
+    """
+    shapes = [p.shape for p in parts]
+    num_elements = sum(s.num_elements() for s in shapes)
+    with tf.device(owner_device), tf.name_scope("between_graph_mask_share"):
+        share, seed = ops.mask_share(list(parts), encoding.bound, encoding.ring_bits, encoding.fraction_bits,
+                                     owner_name, hint)
+        key = tf.strings.as_string(step)
+    revealed = []
+    for k, (contribution, server) in enumerate(zip((seed, share), servers[:2])):
+        name = f"{SHARED_NAME_PREFIX}/{channel}/server{k}"
+        with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
+            if not contribution.shape.is_fully_defined():
+                raise ValueError(f"between-graph sum {channel!r}: the shape of {contribution.name} is "
+                                 f"{contribution.shape}, but the servers' barriers need full shapes.")
+            barrier = tf.raw_ops.Barrier(component_types=[contribution.dtype] * num_owners,
+                                         shapes=[contribution.shape] * num_owners, shared_name=name)
+            insert = tf.raw_ops.BarrierInsertMany(handle=barrier, keys=tf.reshape(key, [1]),
+                                                  values=tf.expand_dims(contribution, 0), component_index=owner)
+            queues = [tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, tf.int64], shared_name=f"{name}/owner{o}")
+                      for o in range(num_owners)]
+            # The chief's session also runs the take, the server sum and every owner's enqueue.
+            handed_out = (_distribute(barrier, queues, key, step, k, contribution.dtype, num_owners, encoding,
+                                      num_elements) if is_chief else [])
+            with tf.control_dependencies([insert] + handed_out):
+                got_step, part = tf.raw_ops.QueueDequeueV2(handle=queues[owner], component_types=[tf.int64, tf.int64])
+        with tf.device(owner_device), tf.name_scope(f"between_graph_fetch{k}"):
+            in_step = tf.debugging.Assert(
+                tf.equal(got_step, step),
+                [f"Between-graph secure sum {channel!r}: {owner_name} at step", step,
+                 f"received server{k}'s partial sum of step", got_step,
+                 "; the owners are out of step (restart every owner from the same checkpoint)."])
+            with tf.control_dependencies([in_step]):
+                revealed.append(tf.identity(part))
+    with tf.device(owner_device), tf.name_scope("between_graph_reveal"):
+        return ops.reveal_sum(revealed[0], revealed[1], dtype, encoding.ring_bits, encoding.fraction_bits,
+                              scale, shapes)
+
+
+def _distribute(barrier, queues, key, step, k, dtype, num_owners, encoding, num_elements):
+    """The chief's ops on server k: take the step's complete element, sum, hand out to every owner."""
+    _, keys, values = tf.raw_ops.BarrierTakeMany(handle=barrier, num_elements=1,
+                                                 component_types=[dtype] * num_owners)
+    same = tf.debugging.Assert(
+        tf.equal(keys[0], key),
+        ["Between-graph secure sum: the chief at step", key, f"took server{k}'s contributions of step", keys[0],
+         "; the owners are out of step (restart every owner from the same checkpoint)."])
+    with tf.control_dependencies([same]):
+        contributions = [tf.squeeze(v, 0) for v in values]
+        if k == 0:
+            part = ops.server_sum(contributions, [], encoding.ring_bits, num_elements)
+        else:
+            part = ops.server_sum([], contributions, encoding.ring_bits, num_elements)
+    return [tf.raw_ops.QueueEnqueueV2(handle=queue, components=[step, part]) for queue in queues]
