@@ -24,6 +24,7 @@ CLUSTER = {"chief": ["localhost:1"], "worker": ["localhost:2"],
 def _as_task(monkeypatch, job, index=0):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": CLUSTER, "task": {"type": job, "index": index}}))
     monkeypatch.delenv("TFE_ESTIMATOR_PROTOCOL", raising=False)
+    monkeypatch.delenv("TFE_ESTIMATOR_CLUSTER_MODE", raising=False)
 
 
 def test_a_cluster_defaults_to_between_graph_whose_sessions_see_only_their_task_and_the_servers(monkeypatch):
@@ -47,6 +48,14 @@ def test_between_graph_refuses_a_missing_seed_another_protocol_and_a_bad_mode(mo
         TfeRunConfig(protocol="aby3", tf_random_seed=1)
     with pytest.raises(ValueError, match=r"cluster_mode='mixed' is not a cluster mode"):
         TfeRunConfig(cluster_mode="mixed", tf_random_seed=1)
+
+
+def test_a_task_follows_the_mode_it_was_launched_for_and_refuses_another(monkeypatch):
+    _as_task(monkeypatch, "worker")
+    monkeypatch.setenv("TFE_ESTIMATOR_CLUSTER_MODE", "in-graph")  # what `tfe-estimator launch` sets
+    assert isinstance(TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg").train_distribute, TfeStrategy)
+    with pytest.raises(ValueError, match=r"cluster_mode='between-graph'.*launched for 'in-graph'.*--cluster-mode"):
+        TfeRunConfig(tf_random_seed=1, cluster_mode="between-graph", model_dir="/tmp/unused-bg")
 
 
 def _owner_data(workdir):

@@ -47,7 +47,7 @@ import time
 from typing import Dict, List, Optional, Sequence, TextIO
 
 from tfe_estimator.cluster.peers import BETWEEN_GRAPH, IN_GRAPH, validate_mode
-from tfe_estimator.cluster.spec import LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB, TfeCluster, cluster_jobs, cluster_tasks
+from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB, TfeCluster, cluster_jobs, cluster_tasks
 from tfe_estimator.secure.protocols import validate_protocol
 from tfe_estimator.cluster.server import server_command
 
@@ -208,7 +208,8 @@ class Launcher:
             for index in range(len(addresses)):
                 env = dict(os.environ)
                 env.update({"TF_CONFIG": self.cluster.to_tf_config(job, index),
-                            LAUNCH_PROTOCOL_ENV: self.protocol, "PYTHONUNBUFFERED": "1"})
+                            LAUNCH_PROTOCOL_ENV: self.protocol, LAUNCH_CLUSTER_MODE_ENV: self.cluster_mode,
+                            "PYTHONUNBUFFERED": "1"})
                 if job == TFE_JOB:
                     argv, cwd = list(self.server_command), None
                 else:

@@ -29,6 +29,7 @@ from tfe_estimator.secure.protocols import PROTOCOLS
 
 __all__ = [
     "TfeCluster", "TFE_JOB", "NUM_TFE_TASKS", "DATA_OWNER_JOBS", "KNOWN_JOBS", "LAUNCH_PROTOCOL_ENV",
+    "LAUNCH_CLUSTER_MODE_ENV",
     "cluster_tasks", "cluster_jobs", "tf_config_json",
 ]
 
@@ -39,6 +40,8 @@ DATA_OWNER_JOBS = ("chief", "worker")
 KNOWN_JOBS = ("chief", "worker", "evaluator", TFE_JOB)
 #: Set by `tfe-estimator launch` in every task's environment: the protocol the cluster was started for.
 LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
+#: Set by `tfe-estimator launch` likewise: the cluster mode ("between-graph" or "in-graph") it runs.
+LAUNCH_CLUSTER_MODE_ENV = "TFE_ESTIMATOR_CLUSTER_MODE"
 _SOURCE = "Note that these values come from the TF_CONFIG environment variable."
 
 

@@ -272,6 +272,17 @@ def _check_launch_protocol(protocol: str) -> None:
         )
 
 
+def _cluster_mode(mode: Optional[str]) -> str:
+    """`mode`, else the one `tfe-estimator launch` started the cluster for, else between-graph."""
+    launched = os.environ.get(cluster_lib.LAUNCH_CLUSTER_MODE_ENV)
+    if launched and mode and launched != mode:
+        raise ValueError(
+            f"TfeRunConfig(cluster_mode={mode!r}) but this task was launched for {launched!r} "
+            f"({cluster_lib.LAUNCH_CLUSTER_MODE_ENV}={launched}): every task of a cluster must run the same "
+            f"mode. Drop cluster_mode (the launched one applies) or launch with --cluster-mode {mode}.")
+    return peers.validate_mode(mode or launched or peers.BETWEEN_GRAPH, "cluster_mode")
+
+
 def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
     """The strategies and session config `RunConfig` gets for `settings`."""
     _check_launch_protocol(settings.protocol)
@@ -295,7 +306,7 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
     else:
         spec.check_protocol(settings.protocol)
         replicas, servers = spec.replica_devices(), spec.server_devices()
-        if (settings.cluster_mode or peers.BETWEEN_GRAPH) == peers.BETWEEN_GRAPH:
+        if _cluster_mode(settings.cluster_mode) == peers.BETWEEN_GRAPH:
             check_between_graph_settings(settings.protocol, settings.dp, settings.update_ring_bits)
             strategy = BetweenGraphStrategy(spec, protocol=settings.protocol, precision=settings.precision,
                                             clip_norm=settings.clip_norm)
