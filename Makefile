@@ -27,6 +27,7 @@ endif
 .PHONY: demo demo-cluster test test-fast bench venv clean
 
 venv:
+	bash scripts/system-deps.sh
 	STACK=$(STACK) bash scripts/venv.sh $(EXTRAS_$(STACK))
 
 # TF_CPP_MIN_LOG_LEVEL=1: TensorFlow's INFO lines (e.g. "Local rendezvous recv item

@@ -34,6 +34,7 @@ INSTALL_REQUIRES = [
     "scikit-learn>=1.2,<1.6",  # the demo's real data sets ship with it
     "portpicker>=1.5,<2",  # free ports for loopback clusters
     "filelock>=3.12",  # one build of the kernel library at a time
+    "cryptography>=41",  # certificates for mutual TLS between tasks (cluster.certs)
 ]
 
 EXTRAS_REQUIRE = {
@@ -43,7 +44,6 @@ EXTRAS_REQUIRE = {
         "hypothesis>=6.80,<7",
         "scipy>=1.10,<1.18",
         "matplotlib>=3.7,<3.12",  # the benchmark's smoke test draws its plot
-        "cryptography>=41",  # the AES-CTR kernel is compared with its keystream
         "kubernetes-validate>=1.28,<2",  # rendered manifests are checked against the schemas, offline
     ],
     "bench": ["matplotlib>=3.7,<3.12"],

@@ -1,6 +1,8 @@
 """Clusters and deployment: TF_CONFIG, servers, the launcher, Kubernetes, the evaluator.
 
 - `spec`: `TfeCluster`, the one definition of the cluster layout and TF_CONFIG.
+- `peers`: who calls whom in each cluster mode (what transport authorisation allows).
+- `certs`, `sidecar`: certificates and the stunnel TLS sidecar's configuration.
 - `server`: the `tfe-estimator server` process of a TFE party.
 - `launcher`: `tfe-estimator launch`, a local multi-process cluster.
 - `kubernetes`: manifests for `tfe-estimator k8s`.
