@@ -60,6 +60,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import device_util
 
 from tfe_estimator.audit.masks import LINEAR_OPS, MASK_STREAMS, SEED_OUTPUTS, Form, Forms, MaskError
+from tfe_estimator.audit.step_channels import CHANNEL_OPS, SHAPE_OPS, STEP_OPS, StepChannels
 from tfe_estimator.audit.server_view import (RECV_OPS, SEND_OPS, PartyEdge, is_control_carrier, partition_graphs_of,
                                              party_edges, party_of)
 from tfe_estimator.cluster.spec import TFE_JOB
@@ -72,8 +73,9 @@ _LOG = logging.getLogger("tfe_estimator")
 
 #: The op types that may run on a party (the allow-list; see the module docstring).
 PARTY_OPS = frozenset({"TfeServerSum", "TfeAesSeed", "Const", "Identity", "Snapshot", "NoOp"}
-                      | MASK_STREAMS | set(LINEAR_OPS) | set(RECV_OPS) | set(SEND_OPS))
-_TRANSPARENT = frozenset({"Identity", "Snapshot"})
+                      | MASK_STREAMS | set(LINEAR_OPS) | set(RECV_OPS) | set(SEND_OPS)
+                      | CHANNEL_OPS | STEP_OPS | SHAPE_OPS)
+_TRANSPARENT = frozenset({"Identity", "Snapshot"}) | SHAPE_OPS
 
 
 class PartyAuditError(PlaintextOnServerError):
@@ -171,7 +173,7 @@ def _fail(message: str) -> None:
     raise PartyAuditError(message + " Secure aggregation's promise does not hold for this graph.")
 
 
-def _party_nodes(graphs: _Graphs, unit) -> Tuple[List[Tuple[str, object]], set, int]:
+def _party_nodes(graphs: _Graphs, unit, channels: StepChannels) -> Tuple[List[Tuple[str, object]], set, int]:
     """The nodes on parties, checked against `PARTY_OPS`, feeds, collectives and floats."""
     nodes, parties, count = [], set(), 0
     for device, node in graphs.nodes.values():
@@ -190,6 +192,8 @@ def _party_nodes(graphs: _Graphs, unit) -> Tuple[List[Tuple[str, object]], set, 
         if node.op not in PARTY_OPS:
             _fail(f"{party} runs {node.op} {node.name!r}, which is not an op a party may run "
                   f"(tfe_estimator.audit.party_audit.PARTY_OPS).")
+        if node.op in STEP_OPS:
+            channels.check_step_op(party, node)
         nodes.append((device, node))
         if node.op not in RECV_OPS + SEND_OPS:
             parties.add(party)
@@ -222,17 +226,23 @@ def audit_party_inputs(run_metadata_or_partition_graphs, party_devices: Optional
     def unit(device):
         return party_of(device, party_devices) if party_devices and device else None
 
-    nodes, parties, count = _party_nodes(graphs, unit)
+    channels = StepChannels(graphs, unit, party_devices, _fail, SEED_OUTPUTS)
+    nodes, parties, count = _party_nodes(graphs, unit, channels)
+    channels.check()
     if count == 0:
         _fail(f"No op of this run is placed on the parties {list(party_devices)}: the run has no secure "
               "sum, or the parties are not the devices it uses.")
-    forms = Forms(graphs.resolve, unit)
+    forms = Forms(graphs.resolve, unit, channels.channel_of)
     edges = [e for e in party_edges(partition_graphs, party_devices) if e.carries_value]
     received: Dict[str, List[Tuple]] = collections.defaultdict(list)
     values: List[Tuple[str, str, Tuple]] = []  # (party, where, producer) of every value to check
     for edge in edges:
         where = (f"{edge.party} receives {edge.tensor} ({edge.producer_type}, {edge.dtype.name}) from "
                  f"{edge.source_device}")
+        if channels.is_step_value(edge.device, edge.tensor, edge.source_device):
+            if edge.dtype.is_floating or edge.dtype.is_complex:
+                _fail(f"{where}: a {edge.dtype.name} value where only a between-graph sum's step may go.")
+            continue  # the public step of a between-graph sum (step_channels)
         if not edge.dtype.is_integer:
             _fail(f"{where}: a {edge.dtype.name} value; parties must only receive ring elements and keys.")
         device, node, index = graphs.resolve(edge.source_device, edge.tensor)

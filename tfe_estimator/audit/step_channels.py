@@ -1,0 +1,182 @@
+"""The audit's rule for between-graph sums: server barriers and queues that carry a step's contributions.
+
+In between-graph mode (`tfe_estimator.distribute.step_sum`) an owner's graph
+does not show the other owners' contributions: they arrive through shared-name
+resources on the servers. The audit treats those resources as channels with a
+fixed meaning, checked in every graph that touches them:
+
+- every ``Barrier``/``FIFOQueueV2`` on a party is named by step_sum's scheme,
+  ``<SHARED_NAME_PREFIX>/<channel>/server<k>`` (a barrier) or
+  ``.../server<k>/owner<o>`` (an owner's queue), with ``k`` the index of the
+  party it lives on; any other barrier or queue on a party is refused;
+- ``BarrierInsertMany`` runs on the barrier's party; into server0's barrier
+  it inserts a fresh key (`SEED_OUTPUTS`, drawn on an owner's device), into
+  server1's a masked share (a value with owner data and masks); a key into
+  server1's barrier is refused, and the share is checked like any value a
+  party receives (server1 must lack its key);
+- ``BarrierTakeMany`` runs only on the barrier's party and each of its value
+  components reaches nothing but that party's ``TfeServerSum`` (through
+  ``Squeeze``); component ``r`` of server0's take is owner r's key, of
+  server1's take owner r's share masked by that key, so the server sums get
+  the same forms as in-graph;
+- ``QueueEnqueueV2`` enqueues ``(step, TfeServerSum:0 of its own party)`` into
+  a queue of the scheme; ``QueueDequeueV2`` therefore yields a partial sum;
+- the step itself (an integer scalar, or its string key from ``AsString``)
+  may reach a party only as a queue's step component, a barrier key or an
+  out-of-step check (``Equal``/``Assert``/``Switch`` predicate).
+
+Limits: the enqueue is in the chief's graph only, so a non-chief owner's
+audit relies on the chief's; the step value a party sees is public but not
+proven to be the step (an owner could put 64 bits of anything there).
+
+Example::
+
+    checks = StepChannels(graphs, unit, party_devices)
+    checks.check()   # raises PartyAuditError naming the op
+"""
+import re
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from tfe_estimator.distribute.step_sum import SHARED_NAME_PREFIX
+
+__all__ = ["StepChannels", "CHANNEL_OPS", "STEP_OPS", "SHAPE_OPS"]
+
+#: Resource ops of a between-graph channel (checked by `StepChannels`).
+CHANNEL_OPS = frozenset({"Barrier", "BarrierInsertMany", "BarrierTakeMany", "FIFOQueueV2", "QueueEnqueueV2",
+                         "QueueDequeueV2"})
+#: Ops that may only handle the public step (its key string or a bool check), never a ring value.
+STEP_OPS = frozenset({"Reshape", "StridedSlice", "Equal", "Assert"})
+#: Ops that pass a value on unchanged (a shape or a control-flow guard): followed by the forms.
+SHAPE_OPS = frozenset({"ExpandDims", "Squeeze", "Switch"})
+_BARRIER = re.compile(re.escape(SHARED_NAME_PREFIX) + r"/(.+)/server(\d+)$")
+_QUEUE = re.compile(re.escape(SHARED_NAME_PREFIX) + r"/(.+)/server(\d+)/owner(\d+)$")
+_STEP_TYPES = (tf.string, tf.bool)
+
+
+class StepChannels:
+    """Checks the between-graph channel ops of one run's partition graphs.
+
+    Args:
+      graphs: `party_audit`'s graph index (``nodes``, ``resolve``).
+      unit: device -> the party's unit, or None for an owner's device.
+      party_devices: the parties in protocol order (server0, server1, ...).
+      fail: raises `PartyAuditError` with a message.
+      seed_outputs: (op type, output index) of fresh keys.
+    """
+
+    def __init__(self, graphs, unit: Callable[[str], Optional[str]], party_devices: Sequence[str],
+                 fail: Callable[[str], None], seed_outputs):
+        self._graphs, self._unit, self._fail, self._seeds = graphs, unit, fail, seed_outputs
+        self._index = {}
+        for device in party_devices:
+            party = unit(device)
+            if party is not None and party not in self._index:
+                self._index[party] = len(self._index)
+        self.consumers: Dict[Tuple[str, str], List[Tuple[object, int]]] = {}
+        for device, node in graphs.nodes.values():
+            for i, name in enumerate(node.input):
+                if not name.startswith("^"):
+                    self.consumers.setdefault((device, name.partition(":")[0]), []).append((node, i))
+
+    def _scheme(self, device: str, handle: str, pattern, what: str, user) -> Tuple:
+        res_device, res, _ = self._graphs.resolve(device, handle)
+        party = self._unit(res_device)
+        name = res.attr["shared_name"].s.decode() if "shared_name" in res.attr else ""
+        match = pattern.match(name)
+        if party is None or match is None or int(match.group(2)) != self._index.get(party):
+            self._fail(f"{user.op} {user.name!r} on {device} uses the {what} {res.op} {res.name!r} on {res_device} "
+                       f"named {name!r}: between-graph sums use only {what}s named "
+                       f"'{SHARED_NAME_PREFIX}/<channel>/server<k>...' on server k.")
+        if res_device != device:
+            self._fail(f"{user.op} {user.name!r} runs on {device}, not on its {what}'s party {res_device}: an "
+                       "owner's device must not touch the servers' contributions.")
+        return int(match.group(2)), match.group(1)
+
+    def channel_of(self, device: str, node) -> Tuple[int, str]:
+        """(server index, channel) of the barrier a ``BarrierTakeMany`` takes from."""
+        return self._scheme(device, node.input[0], _BARRIER, "barrier", node)
+
+    def check_step_op(self, party: str, node) -> None:
+        """A `STEP_OPS` op on a party must handle strings (the step key) or bools only."""
+        types = [tf.as_dtype(t) for t in node.attr["T"].list.type] if node.op == "Assert" else [
+            tf.as_dtype(node.attr["T"].type)]
+        if any(t not in _STEP_TYPES for t in types):
+            self._fail(f"{party} runs {node.op} {node.name!r} on {types[0].name} values: on a party it may only "
+                       "handle a between-graph sum's step key (strings and bools).")
+
+    def check(self) -> None:
+        """Raises through `fail` naming the first channel op that breaks the rule (module docstring)."""
+        for device, node in list(self._graphs.nodes.values()):
+            if node.op in ("Barrier", "FIFOQueueV2") and self._unit(device) is not None:
+                pattern, what = (_BARRIER, "barrier") if node.op == "Barrier" else (_QUEUE, "queue")
+                self._scheme(device, node.name, pattern, what, node)
+            elif node.op == "BarrierInsertMany":
+                k, _ = self._scheme(device, node.input[0], _BARRIER, "barrier", node)
+                self._check_insert(device, node, k)
+            elif node.op == "BarrierTakeMany":
+                self._scheme(device, node.input[0], _BARRIER, "barrier", node)
+                self._check_take(device, node)
+            elif node.op == "QueueEnqueueV2":
+                self._scheme(device, node.input[0], _QUEUE, "queue", node)
+                value_device, value, index = self._graphs.resolve(device, node.input[2])
+                if value.op != "TfeServerSum" or index != 0 or value_device != device:
+                    self._fail(f"{node.name!r} on {device} enqueues {value.op} {value.name!r}:{index} from "
+                               f"{value_device}: an owner's queue may only receive its server's partial sum "
+                               "(TfeServerSum:0 on the queue's party).")
+            elif node.op == "QueueDequeueV2":
+                self._scheme(device, node.input[0], _QUEUE, "queue", node)
+
+    def _check_insert(self, device: str, node, k: int) -> None:
+        value_device, value, index = self._graphs.resolve(device, node.input[2])
+        is_seed = (value.op, index) in self._seeds
+        if k == 0 and not (is_seed and self._unit(value_device) is None):
+            self._fail(f"{node.name!r} inserts {value.op} {value.name!r}:{index} from {value_device} into "
+                       "server0's barrier, which takes only a fresh key drawn on an owner's device.")
+        if k != 0 and is_seed:
+            self._fail(f"{node.name!r} inserts the key {value.name!r}:{index} into server{k}'s barrier, which "
+                       "holds the masked shares: one server would hold both key and share.")
+
+    def _check_take(self, device: str, node) -> None:
+        pending = [(node.name, i) for i in range(2, 2 + len(node.attr["component_types"].list.type))]
+        while pending:
+            name, index = pending.pop()
+            for user, position in self.consumers.get((device, name), []):
+                if user.input[position] not in (name if index == 0 else f"{name}:{index}", f"{name}:{index}"):
+                    continue
+                if user.op in SHAPE_OPS or user.op == "Identity":
+                    pending.append((user.name, 0))
+                elif user.op != "TfeServerSum":
+                    self._fail(f"{node.name!r} on {device} takes the owners' contributions and {user.op} "
+                               f"{user.name!r} uses them: they may only reach this server's TfeServerSum "
+                               "(no single owner's contribution leaves a server).")
+
+    def is_step_value(self, device: str, tensor: str, source_device: str) -> bool:
+        """Whether the tensor `tensor` of `source_device` received on a party only serves as the public step."""
+        names = [node.name for d, node in self._graphs.nodes.values()
+                 if d == device and node.op in ("_Recv", "_HostRecv")
+                 and node.attr["send_device"].s.decode().lower() == source_device.lower()
+                 and _input_tensor(self._graphs.sends.get((node.attr["tensor_name"].s, source_device))) == tensor]
+        return bool(names) and all(self._step_only(device, name) for name in names)
+
+    def _step_only(self, device: str, recv_name: str) -> bool:
+        uses = self.consumers.get((device, recv_name), [])
+        if not uses:
+            return False
+        for user, position in uses:
+            if user.op == "QueueEnqueueV2" and position == 1:
+                continue
+            if user.op in STEP_OPS or (user.op == "Switch" and position == 1):
+                continue
+            if user.op == "BarrierInsertMany" and position == 1:
+                continue
+            return False
+        return True
+
+
+def _input_tensor(send) -> Optional[str]:
+    if send is None:
+        return None
+    name = send.input[0]
+    return name if ":" in name else name + ":0"
