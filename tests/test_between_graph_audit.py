@@ -1,0 +1,122 @@
+"""The party audit on between-graph sums: every owner's partition graphs pass, planted leaks fail.
+
+Two owners' graphs run in one process (devices stand for tasks, threads for the
+owners' sessions, as in tests/test_between_graph.py); each owner's run returns
+its own partition graphs, audited alone. The leaks are planted into copies of
+those partition graphs (the graphs the audit reads), each beside the clean pass.
+"""
+import copy
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfe_estimator.audit.party_audit import PartyAuditError, audit_party_inputs
+
+DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
+SERVERS = DEVICES[2:]
+VALUES = [np.array([1.5, -2.0], np.float32), np.array([0.25, 4.0], np.float32)]
+
+
+@pytest.fixture(scope="module")
+def owner_runs():
+    """Each owner's partition graphs of one between-graph step (owner 0 is the chief)."""
+    from tfe_estimator.distribute.step_sum import step_sum
+    from tfe_estimator.secure.fused_sum import Encoding
+
+    with tf.Graph().as_default():
+        step = tf.compat.v1.placeholder(tf.int64, [])
+        totals = []
+        for owner in range(2):
+            with tf.device(DEVICES[owner]):
+                x = tf.constant(VALUES[owner], name="gradient")
+            totals.append(step_sum([x], "sum_0", step, owner, 2, owner == 0, DEVICES[owner], SERVERS,
+                                   Encoding(64, 32, 2.0**24), tf.float32, f"owner {owner}", "hint")[0])
+        config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=20000)
+        options = tf.compat.v1.RunOptions(output_partition_graphs=True)
+        metadata = [tf.compat.v1.RunMetadata() for _ in totals]
+        with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(sess.run, t, {step: 3}, options=options, run_metadata=m)
+                    for t, m in zip(totals, metadata)]
+            for run in runs:
+                np.testing.assert_allclose(run.result(timeout=60), VALUES[0] + VALUES[1], atol=1e-6)
+    return [list(m.partition_graphs) for m in metadata]
+
+
+def _node(graphs, device_suffix, name):
+    for graph in graphs:
+        for node in graph.node:
+            if node.name == name and node.device.endswith(device_suffix):
+                return graph, node
+    raise KeyError(name)
+
+
+def _send_of(graphs, producer):
+    """The owner's _Send node whose input is `producer` and whose receiver is server1."""
+    for graph in graphs:
+        for node in graph.node:
+            if node.op == "_Send" and node.input[0] == producer and node.attr["recv_device"].s.decode() == SERVERS[1]:
+                return node
+    raise KeyError(producer)
+
+
+def test_every_owners_partition_graphs_of_a_between_graph_step_pass_the_audit(owner_runs):
+    for owner, graphs in enumerate(owner_runs):
+        report = audit_party_inputs(graphs, SERVERS)
+        assert report.parties == tuple(SERVERS), (owner, report)
+        kinds = {e.producer_type for e in report.edges}
+        assert {"TfeMaskShare"} <= kinds, (owner, kinds)  # the owner's key and its masked share reach the servers
+    chief_ops = {n.op for g in owner_runs[0] for n in g.node}
+    assert {"BarrierTakeMany", "TfeServerSum", "QueueEnqueueV2"} <= chief_ops
+    assert "BarrierTakeMany" not in {n.op for g in owner_runs[1] for n in g.node}
+
+
+def test_an_owner_inserting_its_unmasked_gradient_into_a_barrier_fails(owner_runs):
+    graphs = copy.deepcopy(owner_runs[1])
+    share = "between_graph_mask_share_1/TfeMaskShare"
+    send = _send_of(graphs, share)
+    graph, _ = _node(graphs, DEVICES[1][-5:], share)
+    raw = graph.node.add(name="raw_gradient", op="Const", device=DEVICES[1])  # the fixed-point gradient, no mask
+    raw.attr["dtype"].type = tf.int64.as_datatype_enum
+    raw.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.array([3, -4], np.int64)))
+    send.input[0] = "raw_gradient"
+    with pytest.raises(PartyAuditError, match="not a masked share"):
+        audit_party_inputs(graphs, SERVERS)
+
+
+def test_an_owners_key_inserted_into_server1s_barrier_beside_its_share_fails(owner_runs):
+    graphs = copy.deepcopy(owner_runs[1])
+    send = _send_of(graphs, "between_graph_mask_share_1/TfeMaskShare")
+    send.input[0] = "between_graph_mask_share_1/TfeMaskShare:1"  # the key goes where the share went
+    with pytest.raises(PartyAuditError, match="into server1's barrier, which holds the masked shares"):
+        audit_party_inputs(graphs, SERVERS)
+
+
+def test_the_chief_handing_one_owners_share_to_an_owner_fails(owner_runs):
+    graphs = copy.deepcopy(owner_runs[0])
+    _, enqueue = _node(graphs, "CPU:3", "between_graph_server1/QueueEnqueueV2_1")
+    enqueue.input[2] = "between_graph_server1/Squeeze_1"  # owner 1's share instead of the partial sum
+    with pytest.raises(PartyAuditError, match="may only reach this server's TfeServerSum"):
+        audit_party_inputs(graphs, SERVERS)
+
+
+def test_a_take_whose_component_is_sent_to_an_owner_device_fails(owner_runs):
+    graphs = copy.deepcopy(owner_runs[0])
+    graph, take = _node(graphs, "CPU:3", "between_graph_server1/BarrierTakeMany")
+    send = graph.node.add(name="leak_send", op="_Send", device=take.device, input=["between_graph_server1/BarrierTakeMany:3"])
+    send.attr["T"].type = tf.int64.as_datatype_enum
+    send.attr["tensor_name"].s = b"leak_edge"
+    send.attr["send_device"].s = take.device.encode()
+    send.attr["recv_device"].s = DEVICES[0].encode()
+    with pytest.raises(PartyAuditError, match=r"_Send 'leak_send' uses them"):
+        audit_party_inputs(graphs, SERVERS)
+
+
+@pytest.mark.parametrize("shared_name", ["my_barrier", "tfe_between_graph/sum_0/server1"])
+def test_a_barrier_outside_step_sums_scheme_or_on_the_wrong_server_fails(owner_runs, shared_name):
+    graphs = copy.deepcopy(owner_runs[1])
+    _, barrier = _node(graphs, "CPU:2", "between_graph_server0_1/Barrier")
+    barrier.attr["shared_name"].s = shared_name.encode()
+    with pytest.raises(PartyAuditError, match=r"between-graph sums use only barriers named"):
+        audit_party_inputs(graphs, SERVERS)
