@@ -3,6 +3,8 @@
 - `server_view`: reads the partition graphs a session really ran and pairs
   every `_Recv` on a party with its `_Send`.
 - `party_audit`: `audit_party_inputs` / `PartyAuditHook`, the allow-list audit.
+- `masks`: values as owner data plus signed masks.
+- `step_channels`: the between-graph rule for the servers' barriers and queues.
 
 Example::
 

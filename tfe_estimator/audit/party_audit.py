@@ -37,6 +37,12 @@ op types                                          role
 ``Const`` (integers only)                         bounds and shapes
 ``Identity``, ``Snapshot``, ``NoOp``              plumbing
 ``_Send``, ``_Recv``, ``_HostSend``, ``_HostRecv``  TensorFlow's transfers
+``Barrier``, ``BarrierInsertMany``,               between-graph channels, only
+``BarrierTakeMany``, ``FIFOQueueV2``,             as `step_channels` allows
+``QueueEnqueueV2``, ``QueueDequeueV2``
+``Reshape``, ``StridedSlice``, ``Equal``,         the step key (strings, bools
+``Assert``                                        only)
+``ExpandDims``, ``Squeeze``, ``Switch``           shape and guard (followed)
 ================================================  ==============================
 
 What it cannot prove: that a key is really random or that an op computes what
