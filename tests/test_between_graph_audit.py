@@ -120,3 +120,36 @@ def test_a_barrier_outside_step_sums_scheme_or_on_the_wrong_server_fails(owner_r
     barrier.attr["shared_name"].s = shared_name.encode()
     with pytest.raises(PartyAuditError, match=r"between-graph sums use only barriers named"):
         audit_party_inputs(graphs, SERVERS)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_each_owner_of_a_loopback_cluster_audits_its_own_training_steps(tmp_path):
+    import io
+    import os
+    import sys
+
+    from test_between_graph import OWNERS, _owner_data
+    from test_launch import _alive
+    from tfe_estimator.cluster.launcher import Launcher
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "between_graph_audit_owner.py")
+
+    def run(workdir, *flags):
+        os.makedirs(workdir)
+        _owner_data(workdir)
+        out = io.StringIO()
+        launcher = Launcher([sys.executable, script, "3", *flags], workers=1,
+                            task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="between-graph")
+        status = launcher.run()
+        assert not [t.name for t in launcher.tasks if t.process.poll() is None or _alive(t.process.pid)]
+        return status, out.getvalue()
+
+    status, log = run(str(tmp_path / "clean"))
+    assert status == 0, log[-5000:]
+    assert log.count("audit passed:") == len(OWNERS), log[-5000:]
+    assert "TfeMaskShare" in log and "ops on 2 parties" in log, log[-3000:]
+    # Mutation: every owner's barriers and queues renamed out of step_sum's scheme; training works, the audit fails.
+    status, log = run(str(tmp_path / "planted"), "--plant-foreign-barrier")
+    assert status != 0 and "audit passed:" not in log, log[-5000:]
+    assert "between-graph sums use only barriers named" in log or "use only queues named" in log, log[-5000:]
