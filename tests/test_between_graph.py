@@ -127,23 +127,35 @@ def test_owners_train_in_their_own_graphs_to_the_plaintext_twin_each_with_its_ow
         np.testing.assert_allclose(bad["chief-0"], twin, atol=1e-5)
 
 
-def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_a_second_one():
-    # Two owners' graphs in one process: devices stand for tasks, threads for the owners' sessions.
-    from concurrent.futures import ThreadPoolExecutor
+OWNER_NAMES = ["chief:0", "worker:0"]
 
+
+def _two_owners_in_one_process(timeout_secs=30.0):
+    """Two owners' graphs in one process: devices stand for tasks, threads for the owners' sessions."""
     from tfe_estimator.distribute.step_sum import step_sum
     from tfe_estimator.secure.fused_sum import Encoding
 
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
+    step = tf.compat.v1.placeholder(tf.int64, [])
+    values = [np.array([1.5, -2.0], np.float32), np.array([0.25, 4.0], np.float32)]
+    totals = []
+    for owner in range(2):
+        with tf.device(devices[owner]):
+            x = tf.constant(values[owner])
+        totals.append(step_sum([x], "sum_0", step, owner, 2, owner == 0, devices[owner], devices[2:],
+                               Encoding(64, 32, 2.0**24), tf.float32, OWNER_NAMES, "hint",
+                               timeout_secs=timeout_secs)[0])
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=60000,
+                                      inter_op_parallelism_threads=16)
+    return step, values, totals, devices, config
+
+
+def test_a_second_contribution_of_an_owner_to_one_step_is_refused_naming_the_owner():
+    # The sums themselves are checked across processes (the launcher test above).
+    from concurrent.futures import ThreadPoolExecutor
+
     with tf.Graph().as_default():
-        step = tf.compat.v1.placeholder(tf.int64, [])
-        values = [np.array([1.5, -2.0], np.float32), np.array([0.25, 4.0], np.float32)]
-        totals = []
-        for owner in range(2):
-            with tf.device(devices[owner]):
-                x = tf.constant(values[owner])
-            totals.append(step_sum([x], "sum_0", step, owner, 2, owner == 0, devices[owner], devices[2:],
-                                   Encoding(64, 32, 2.0**24), tf.float32, f"owner {owner}", "hint")[0])
+        step, values, totals, devices, config = _two_owners_in_one_process(timeout_secs=5.0)
         pending = []  # how many steps wait for contributions on each server
         for k, dtype, shape in ((0, tf.int32, totals[0].graph.get_operation_by_name(
                 "between_graph_mask_share/TfeMaskShare").outputs[1].shape), (1, tf.int64, [2])):
@@ -151,19 +163,46 @@ def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_a_second_
                 barrier = tf.raw_ops.Barrier(component_types=[dtype] * 2, shapes=[shape] * 2,
                                              shared_name=f"tfe_between_graph/sum_0/server{k}")
                 pending.append(tf.raw_ops.BarrierIncompleteSize(handle=barrier))
-        config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=20000)
-        with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(2) as pool:
-            for s in (3, 4):
-                runs = [pool.submit(sess.run, t, {step: s}) for t in totals]
-                for run in runs:
-                    np.testing.assert_allclose(run.result(timeout=30), values[0] + values[1], atol=1e-6)
-            # Owner 1 contributes twice to step 5 (a replayed or restarted owner): the servers refuse.
+        with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(1) as pool:
+            # worker:0 contributes twice to step 5 (a replayed step, or a second process as worker:0).
             waiting = pool.submit(sess.run, totals[1], {step: 5})
             deadline = time.monotonic() + 30
-            while sess.run(pending) != [1, 1]:  # owner 1's first contribution has arrived
+            while sess.run(pending) != [1, 1]:  # its first contribution has arrived
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            with pytest.raises(tf.errors.InvalidArgumentError, match="already has a value for component 1"):
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"sum_0.*: worker:0 already contributed to step.*5.*one process per owner"):
                 sess.run(totals[1], {step: 5})
-            np.testing.assert_allclose(sess.run(totals[0], {step: 5}), values[0] + values[1], atol=1e-6)
-            waiting.result(timeout=30)
+            with pytest.raises(tf.errors.InvalidArgumentError, match=r"worker:0 waited 5 s"):
+                waiting.result(timeout=60)  # the chief never came: bounded too
+
+
+def test_an_owner_whose_peer_never_contributes_stops_in_bounded_time_naming_the_peer():
+    with tf.Graph().as_default():
+        step, values, totals, _, config = _two_owners_in_one_process(timeout_secs=1.0)
+        with tf.compat.v1.Session(config=config) as sess:
+            start = time.monotonic()
+            # The chief (owner 0) at step 7; worker:0 never contributes (dead).
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"(?s)sum_0.*: chief:0 \(the chief\) waited 1 s for every owner.{1,2}s contribution "
+                                     r"to step.*7.*not contributed:.*worker:0 \(last contributed at step -1\).*"
+                                     r"restart it from the same checkpoint"):
+                sess.run(totals[0], {step: 7})
+            assert time.monotonic() - start < 20
+            # The worker at step 7 now finds the chief's contribution but nobody hands out the sum:
+            # its own wait is bounded too and names no missing owner.
+            start = time.monotonic()
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"(?s)worker:0 waited 1 s for server0.{1,2}s partial sum of step.*7.*"
+                                     r"none \(every owner contributed\).*the chief did not hand out the sum"):
+                sess.run(totals[1], {step: 7})
+            assert time.monotonic() - start < 20
+
+
+def test_step_timeout_is_validated_where_it_is_set(monkeypatch):
+    _as_task(monkeypatch, "worker")
+    for bad, error in ((0, ValueError), (float("inf"), ValueError), ("300", TypeError), (True, TypeError)):
+        with pytest.raises(error, match=r"step_timeout_secs.*step_timeout_secs=300"):
+            TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg", step_timeout_secs=bad)
+    config = TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg", step_timeout_secs=5)
+    assert config.train_distribute.extended._step_timeout_secs == 5.0

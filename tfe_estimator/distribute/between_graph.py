@@ -47,6 +47,7 @@ from tensorflow.python.distribute.cluster_resolver import cluster_resolver as cl
 from tfe_estimator.cluster.spec import TFE_JOB, TfeCluster
 from tfe_estimator.distribute import aggregation
 from tfe_estimator.distribute import step_sum
+from tfe_estimator.distribute import step_wait
 from tfe_estimator.secure import secure_sum
 
 __all__ = ["BetweenGraphStrategy", "check_between_graph_settings"]
@@ -75,9 +76,11 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
 
     _enable_check_health = False  # no collectives, no peer health checks between owners
 
-    def __init__(self, container_strategy, cluster: TfeCluster, precision: str, clip_norm: Optional[float]):
+    def __init__(self, container_strategy, cluster: TfeCluster, precision: str, clip_norm: Optional[float],
+                 step_timeout_secs: float):
         # pylint: disable=super-init-not-called,non-parent-init-called
         self._tfe_cluster = cluster
+        self._step_timeout_secs = step_timeout_secs
         self._aggregation = aggregation.SecureAggregation(
             protocol="pond", precision=precision, server_devices=cluster.server_devices(), clip_norm=clip_norm)
         self._cluster_resolver = cluster_resolver_lib.SimpleClusterResolver(
@@ -97,6 +100,7 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
         self._task_type, self._task_id = cluster.task_type, cluster.task_index
         owners = cluster.data_owners()
         self._id_in_cluster = owners.index((self._task_type, self._task_id))
+        self._owner_names = [f"{job}:{index}" for job, index in owners]
         self._num_workers = len(owners)
         self._is_chief = self._task_type == "chief"
         self._worker_device = f"/job:{self._task_type}/task:{self._task_id}"
@@ -180,8 +184,8 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
             totals = step_sum.step_sum(
                 vector, channel, step, owner=self._id_in_cluster, num_owners=num, is_chief=self._is_chief,
                 owner_device=device, servers=agg.server_devices, encoding=encoding, dtype=pack_dtype,
-                owner_name=f"{self._task_type}:{self._task_id}",
-                hint=agg._hint(kind, update, encoding), scale=scale)  # pylint: disable=protected-access
+                owner_names=self._owner_names, hint=agg._hint(kind, update, encoding), scale=scale,  # pylint: disable=protected-access
+                timeout_secs=self._step_timeout_secs)  # pylint: disable=protected-access
             return [aggregation._finish(t, d, kind, reduce_op, num) for t, d in zip(totals, dtypes)]  # pylint: disable=protected-access
 
     def _next_channel(self):
@@ -225,6 +229,8 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
       protocol: "pond" (others are refused: see `check_between_graph_settings`).
       precision: "low" or "high".
       clip_norm: optional L2 norm each owner clips its gradients to before sharing.
+      step_timeout_secs: how long an owner waits for the others' contributions to
+        one step before it stops naming the owners missing (see `step_wait`).
 
     Example::
 
@@ -232,12 +238,14 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
     """
 
     def __init__(self, cluster: TfeCluster, protocol: str = "pond", precision: str = "low",
-                 clip_norm: Optional[float] = None) -> None:
+                 clip_norm: Optional[float] = None,
+                 step_timeout_secs: float = step_wait.DEFAULT_STEP_TIMEOUT_SECS) -> None:
         check_between_graph_settings(protocol)
+        step_timeout_secs = step_wait.validate_step_timeout(step_timeout_secs)
         if cluster.task_type not in ("chief", "worker"):
             raise ValueError(f"BetweenGraphStrategy runs on data owners (chief, worker), not on "
                              f"{cluster.task_type}:{cluster.task_index} (TF_CONFIG).")
-        super().__init__(BetweenGraphExtended(self, cluster, precision, clip_norm))
+        super().__init__(BetweenGraphExtended(self, cluster, precision, clip_norm, step_timeout_secs))
 
 
 # Estimator picks its multi-worker training path (every owner saves checkpoints and runs its

@@ -30,6 +30,7 @@ from tensorflow_estimator.python.estimator import run_config as run_config_lib
 from tfe_estimator.cluster import peers
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute.between_graph import BetweenGraphStrategy, check_between_graph_settings
+from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS, validate_step_timeout
 from tfe_estimator.distribute.aggregation import validate_clip_norm
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
 from tfe_estimator.secure.precision import get_precision
@@ -42,7 +43,7 @@ __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_t
 LAUNCH_PROTOCOL_ENV = cluster_lib.LAUNCH_PROTOCOL_ENV
 
 _OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol", "dp", "update_ring_bits",
-         "cluster_mode")
+         "cluster_mode", "step_timeout_secs")
 
 
 def default_session_config() -> tf.compat.v1.ConfigProto:
@@ -109,8 +110,10 @@ class TfeSettings:
     dp: Optional[object] = None  # a tfe_estimator.DistributedDP (checked by SecureAggregation)
     update_ring_bits: int = 64  # 32: clipped updates on a 32-bit ring (checked by SecureAggregation)
     cluster_mode: Optional[str] = None  # None: between-graph on a TF_CONFIG cluster (see cluster.peers)
+    step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS  # between-graph: see distribute.step_wait
 
     def __post_init__(self):
+        validate_step_timeout(self.step_timeout_secs)
         validate_protocol(self.protocol)
         if self.cluster_mode is not None:
             peers.validate_mode(self.cluster_mode)
@@ -148,6 +151,9 @@ class TfeRunConfig(tf.estimator.RunConfig):
         needs `tf_random_seed`, Pond) or "in-graph" (one organisation on a
         trusted network: the chief runs ops on every task). Ignored without
         a cluster.
+      step_timeout_secs: between-graph mode: how long an owner waits for the
+        other owners' contributions to one step before it stops with an error
+        naming the step and the owners missing (default 300).
       **kwargs: any other `tf.estimator.RunConfig` argument except
         `train_distribute` and `eval_distribute`.
 
@@ -167,6 +173,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         dp=None,
         update_ring_bits: int = 64,
         cluster_mode: Optional[str] = None,
+        step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS,
         **kwargs,
     ) -> None:
         for name in ("train_distribute", "eval_distribute"):
@@ -178,7 +185,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
                 )
         settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
                                clip_norm=clip_norm, dp=dp, update_ring_bits=update_ring_bits,
-                               cluster_mode=cluster_mode)
+                               cluster_mode=cluster_mode, step_timeout_secs=step_timeout_secs)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         _check_seed(kwargs)
         super().__init__(protocol=grpc_protocol, **kwargs)
@@ -309,7 +316,8 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
         if _cluster_mode(settings.cluster_mode) == peers.BETWEEN_GRAPH:
             check_between_graph_settings(settings.protocol, settings.dp, settings.update_ring_bits)
             strategy = BetweenGraphStrategy(spec, protocol=settings.protocol, precision=settings.precision,
-                                            clip_norm=settings.clip_norm)
+                                            clip_norm=settings.clip_norm,
+                                            step_timeout_secs=settings.step_timeout_secs)
             return {"train_distribute": strategy, "eval_distribute": strategy,
                     "session_config": strategy.update_config_proto(session_config or default_session_config())}
     strategies = [

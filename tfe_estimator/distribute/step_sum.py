@@ -28,12 +28,14 @@ Example::
                       owner_device="/job:chief/task:0/device:CPU:0",
                       servers=("/job:tfe/task:0/device:CPU:0", "/job:tfe/task:1/device:CPU:0"),
                       encoding=Encoding(64, 32, 2.0**24), dtype=tf.float32,
-                      owner_name="chief:0", hint="clip gradients")
+                      owner_names=["chief:0", "worker:0"], hint="clip gradients",
+                      timeout_secs=300.0)
 """
 from typing import List, Sequence
 
 import tensorflow as tf
 
+from tfe_estimator.distribute import step_wait
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 
@@ -54,9 +56,10 @@ def step_sum(
     servers: Sequence[str],
     encoding: Encoding,
     dtype: tf.DType,
-    owner_name: str,
+    owner_names: Sequence[str],
     hint: str,
     scale: float = 1.0,
+    timeout_secs: float = step_wait.DEFAULT_STEP_TIMEOUT_SECS,
 ) -> List[tf.Tensor]:
     """This owner's contribution to the sum of `parts` over all owners, revealed on `owner_device`.
 
@@ -71,37 +74,75 @@ def step_sum(
       servers: Pond's server0 and server1 devices.
       encoding: ring, fraction bits and bound.
       dtype: the dtype to decode to.
-      owner_name: this owner, for error messages.
+      owner_names: every owner's name ("chief:0", ...) by index, for error messages.
       hint: how to fix a value out of range, for error messages.
       scale: multiplies the decoded floats (``1/N`` for a MEAN).
+      timeout_secs: how long to wait for the other owners' contributions before
+        stopping with an error that names the owners missing (see `step_wait`).
 
     Returns:
       The decoded sums, shaped like `parts`, on `owner_device`.
     """
     shapes = [p.shape for p in parts]
     num_elements = sum(s.num_elements() for s in shapes)
+    owner_name = owner_names[owner]
+    fix = ("If an owner died, restart it from the same checkpoint as the others (tfe-estimator launch "
+           "--max-restarts); if one is only slow, raise TfeRunConfig(step_timeout_secs=...).")
+    table = step_wait.presence_table(servers[0], f"{SHARED_NAME_PREFIX}/{channel}")
     with tf.device(owner_device), tf.name_scope("between_graph_mask_share"):
-        share, seed = ops.mask_share(list(parts), encoding.bound, encoding.ring_bits, encoding.fraction_bits,
-                                     owner_name, hint)
+        once = tf.debugging.Assert(
+            tf.not_equal(step_wait.last_steps(table, num_owners)[owner], step),
+            [f"Between-graph secure sum {channel!r}: {owner_name} already contributed to step", step,
+             "; a second contribution to one step is refused (a replayed step, or two processes running as "
+             f"{owner_name}). Run one process per owner and restart every owner from the same checkpoint."])
+        with tf.control_dependencies([once]):
+            share, seed = ops.mask_share(list(parts), encoding.bound, encoding.ring_bits, encoding.fraction_bits,
+                                         owner_name, hint)
         key = tf.strings.as_string(step)
-    revealed = []
+    inserts, barriers, queues = [], [], []
     for k, (contribution, server) in enumerate(zip((seed, share), servers[:2])):
         name = f"{SHARED_NAME_PREFIX}/{channel}/server{k}"
         with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
             if not contribution.shape.is_fully_defined():
                 raise ValueError(f"between-graph sum {channel!r}: the shape of {contribution.name} is "
                                  f"{contribution.shape}, but the servers' barriers need full shapes.")
-            barrier = tf.raw_ops.Barrier(component_types=[contribution.dtype] * num_owners,
-                                         shapes=[contribution.shape] * num_owners, shared_name=name)
-            insert = tf.raw_ops.BarrierInsertMany(handle=barrier, keys=tf.reshape(key, [1]),
-                                                  values=tf.expand_dims(contribution, 0), component_index=owner)
-            queues = [tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, tf.int64], shared_name=f"{name}/owner{o}")
-                      for o in range(num_owners)]
-            # The chief's session also runs the take, the server sum and every owner's enqueue.
-            handed_out = (_distribute(barrier, queues, key, step, k, contribution.dtype, num_owners, encoding,
-                                      num_elements) if is_chief else [])
-            with tf.control_dependencies([insert] + handed_out):
-                got_step, part = tf.raw_ops.QueueDequeueV2(handle=queues[owner], component_types=[tf.int64, tf.int64])
+            # A Barrier's handle is a ref, which a while loop cannot capture: each use makes its own handle op.
+            barriers.append(lambda c=contribution, n=name, d=server: _barrier(c, num_owners, n, d))
+            inserts.append(tf.raw_ops.BarrierInsertMany(handle=barriers[k](), keys=tf.reshape(key, [1]),
+                                                        values=tf.expand_dims(contribution, 0),
+                                                        component_index=owner))
+            queues.append([tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, tf.int64],
+                                                  shared_name=f"{name}/owner{o}") for o in range(num_owners)])
+    with tf.device(servers[0]), tf.control_dependencies(inserts):
+        present = step_wait.record_presence(table, owner, step)
+    revealed = []
+    for k, contribution in enumerate((seed, share)):
+        handed_out = []
+        if is_chief:  # the chief's session also runs the take, the server sum and every owner's enqueue
+            complete = step_wait.wait_until(
+                lambda b=barriers[k], d=servers[k]: _on(d, lambda: tf.raw_ops.BarrierReadySize(handle=b()) > 0),
+                timeout_secs, owner_device, after=[present])
+            with tf.device(owner_device), tf.control_dependencies([complete]):  # read who is missing after the wait
+                complete = tf.debugging.Assert(complete, [
+                    f"Between-graph secure sum {channel!r}: {owner_name} (the chief) waited {timeout_secs:g} s for "
+                    f"every owner's contribution to step", step, f"on server{k}; owners that had not contributed:",
+                    step_wait.missing_owners(table, owner_names, step), ". " + fix], summarize=num_owners)
+            with tf.device(servers[k]), tf.name_scope(f"between_graph_server{k}"), \
+                    tf.control_dependencies([complete]):
+                handed_out = _distribute(barriers[k](), queues[k], key, step, k, contribution.dtype, num_owners,
+                                         encoding, num_elements)
+        arrived = step_wait.wait_until(
+            lambda q=queues[k][owner], d=servers[k]: _on(d, lambda: tf.raw_ops.QueueSizeV2(handle=q) > 0),
+            timeout_secs, owner_device, after=[present] + handed_out)
+        with tf.device(owner_device), tf.control_dependencies([arrived]):
+            arrived = tf.debugging.Assert(arrived, [
+                f"Between-graph secure sum {channel!r}: {owner_name} waited {timeout_secs:g} s for server{k}'s "
+                "partial sum of step", step, "; owners that had not contributed:",
+                step_wait.missing_owners(table, owner_names, step),
+                "(if none is missing, the chief did not hand out the sum: it may have died). " + fix],
+                summarize=num_owners)
+        with tf.device(servers[k]), tf.name_scope(f"between_graph_server{k}"), tf.control_dependencies([arrived]):
+            got_step, part = tf.raw_ops.QueueDequeueV2(handle=queues[k][owner], component_types=[tf.int64, tf.int64])
         with tf.device(owner_device), tf.name_scope(f"between_graph_fetch{k}"):
             in_step = tf.debugging.Assert(
                 tf.equal(got_step, step),
@@ -113,6 +154,19 @@ def step_sum(
     with tf.device(owner_device), tf.name_scope("between_graph_reveal"):
         return ops.reveal_sum(revealed[0], revealed[1], dtype, encoding.ring_bits, encoding.fraction_bits,
                               scale, shapes)
+
+
+def _on(device, build):
+    """`build()`'s ops on `device` (a server), whatever device scope encloses the call."""
+    with tf.device(device):
+        return build()
+
+
+def _barrier(contribution, num_owners, name, device):
+    """A handle to the server's barrier `name` of one `contribution` per owner."""
+    with tf.device(device):
+        return tf.raw_ops.Barrier(component_types=[contribution.dtype] * num_owners,
+                                  shapes=[contribution.shape] * num_owners, shared_name=name)
 
 
 def _distribute(barrier, queues, key, step, k, dtype, num_owners, encoding, num_elements):
