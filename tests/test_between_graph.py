@@ -2,6 +2,7 @@
 import io
 import json
 import os
+import re
 import sys
 import time
 
@@ -91,14 +92,17 @@ def _weights(model_dir, steps):
     return np.append(weights, tf.train.load_variable(checkpoint, "linear/linear_model/bias_weights"))
 
 
-def _train(workdir, *flags):
+def _train(workdir, *flags, expect_status=0):
     out = io.StringIO()
     launcher = Launcher([sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), *flags], workers=1,
                         task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="between-graph")
     status = launcher.run()
     log = out.getvalue()
-    assert status == 0, log[-5000:]
     assert not [t.name for t in launcher.tasks if t.process.poll() is None or _alive(t.process.pid)]
+    if expect_status is None:
+        assert status != 0, log[-5000:]
+        return log
+    assert status == 0, log[-5000:]
     assert log.count(f"owner finished at step {STEPS}") == 2, log[-5000:]
     return {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in OWNERS}
 
@@ -125,6 +129,19 @@ def test_owners_train_in_their_own_graphs_to_the_plaintext_twin_each_with_its_ow
     bad = _train(mutated, "--mutate-reveal-x2")
     with pytest.raises(AssertionError):
         np.testing.assert_allclose(bad["chief-0"], twin, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_owners_whose_weights_diverge_stop_at_the_next_check_naming_the_owners(tmp_path):
+    # The clean run (check at step 0) is the test above; here worker:0's bias moves after step 1.
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    log = _train(workdir, "--check-every", "2", "--perturb-worker-after-step", "1", expect_status=None)
+    assert "owner finished" not in log, log[-5000:]
+    for owner, other in (("chief:0", "worker:0"), ("worker:0", "chief:0")):
+        assert re.search(rf"(?s)Between-graph model check at step.*\[2\].*the weights of.*\[{other}\].*"
+                         rf"differ from {owner}.{{1,2}}s.*weights diverged", log), log[-6000:]
 
 
 OWNER_NAMES = ["chief:0", "worker:0"]

@@ -1,9 +1,11 @@
 """One data owner of a between-graph test cluster: trains a LinearRegressor on ./data.csv into ./model.
 
 Run by `tfe-estimator launch` in each owner's own directory (tests/test_between_graph.py).
-Usage: between_graph_owner.py STEPS LEARNING_RATE [--mutate-reveal-x2]
+Usage: between_graph_owner.py STEPS LEARNING_RATE [--mutate-reveal-x2] [--check-every K]
+                               [--perturb-worker-after-step S]
 """
 import json
+import os
 import sys
 
 import numpy as np
@@ -32,6 +34,26 @@ class PartitionDevicesHook(tf.estimator.SessionRunHook):
             self.done = True
 
 
+class PerturbHook(tf.estimator.SessionRunHook):
+    """A planted divergence: after step `step`, worker:0 adds 0.5 to its bias (the chief does not)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def begin(self):
+        bias = [v for v in tf.compat.v1.global_variables() if v.name.startswith("linear/linear_model/bias_weights")]
+        self.op = bias[0].assign_add([0.5])
+        self.global_step = tf.compat.v1.train.get_global_step()
+
+    def after_run(self, run_context, run_values):
+        if run_context.session.run(self.global_step) == self.step + 1:
+            run_context.session.run(self.op)
+
+
+def _flag(argv, name, default):
+    return int(argv[argv.index(name) + 1]) if name in argv else default
+
+
 def main(argv):
     steps, learning_rate = int(argv[1]), float(argv[2])
     if "--mutate-reveal-x2" in argv:  # a planted bug: every revealed sum doubled
@@ -43,12 +65,16 @@ def main(argv):
     def input_fn():
         return tf.data.Dataset.from_tensors(({"x": x}, y)).repeat()
 
-    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps)
+    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps,
+                                        check_every_steps=_flag(argv, "--check-every", 100), step_timeout_secs=60)
+    hooks = [PartitionDevicesHook()]
+    if "--perturb-worker-after-step" in argv and json.loads(os.environ["TF_CONFIG"])["task"]["type"] == "worker":
+        hooks.append(PerturbHook(_flag(argv, "--perturb-worker-after-step", 0)))
     estimator = tf.compat.v1.estimator.LinearRegressor(
         feature_columns=[tf.feature_column.numeric_column("x", shape=[x.shape[1]])],
         optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
         loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE, config=config)
-    tf.estimator.train_and_evaluate(estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=[PartitionDevicesHook()]),
+    tf.estimator.train_and_evaluate(estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=hooks),
                                     tf.estimator.EvalSpec(input_fn, steps=1))
     print("owner finished at step", estimator.get_variable_value("global_step"))
 

@@ -48,6 +48,7 @@ from tfe_estimator.cluster.spec import TFE_JOB, TfeCluster
 from tfe_estimator.distribute import aggregation
 from tfe_estimator.distribute import step_sum
 from tfe_estimator.distribute import step_wait
+from tfe_estimator.distribute import weight_check
 from tfe_estimator.secure import secure_sum
 
 __all__ = ["BetweenGraphStrategy", "check_between_graph_settings"]
@@ -77,10 +78,11 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
     _enable_check_health = False  # no collectives, no peer health checks between owners
 
     def __init__(self, container_strategy, cluster: TfeCluster, precision: str, clip_norm: Optional[float],
-                 step_timeout_secs: float):
+                 step_timeout_secs: float, check_every_steps: int):
         # pylint: disable=super-init-not-called,non-parent-init-called
         self._tfe_cluster = cluster
         self._step_timeout_secs = step_timeout_secs
+        self._check_every_steps = check_every_steps
         self._aggregation = aggregation.SecureAggregation(
             protocol="pond", precision=precision, server_devices=cluster.server_devices(), clip_norm=clip_norm)
         self._cluster_resolver = cluster_resolver_lib.SimpleClusterResolver(
@@ -181,12 +183,23 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
             if agg.clip_norm is not None and kind == "float" and update:
                 vector = tf.clip_by_global_norm(vector, agg.clip_norm)[0]
             channel, step = self._next_channel()
+            if channel == "sum_0":  # the graph's first sum waits for the owners' model check
+                with tf.control_dependencies([self._model_check(step)]):
+                    vector = [tf.identity(v) for v in vector]
             totals = step_sum.step_sum(
                 vector, channel, step, owner=self._id_in_cluster, num_owners=num, is_chief=self._is_chief,
                 owner_device=device, servers=agg.server_devices, encoding=encoding, dtype=pack_dtype,
                 owner_names=self._owner_names, hint=agg._hint(kind, update, encoding), scale=scale,  # pylint: disable=protected-access
                 timeout_secs=self._step_timeout_secs)  # pylint: disable=protected-access
             return [aggregation._finish(t, d, kind, reduce_op, num) for t, d in zip(totals, dtypes)]  # pylint: disable=protected-access
+
+    def _model_check(self, step):
+        """The check that every owner runs the same settings, model, weights and step (`weight_check`)."""
+        agg = self._aggregation
+        return weight_check.check_identical(
+            tf.compat.v1.trainable_variables(), step, self._id_in_cluster, self._owner_names,
+            settings=f"pond/{agg.precision.name}/clip={agg.clip_norm}", server=agg.server_devices[0],
+            owner_device=self.worker_devices[0], every=self._check_every_steps, timeout_secs=self._step_timeout_secs)
 
     def _next_channel(self):
         """A name for the graph's next sum (equal on all owners: they build the same graph) and the step.
@@ -231,6 +244,9 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
       clip_norm: optional L2 norm each owner clips its gradients to before sharing.
       step_timeout_secs: how long an owner waits for the others' contributions to
         one step before it stops naming the owners missing (see `step_wait`).
+      check_every_steps: how often the owners check through server0 that their
+        settings, model, weights and step agree (and at each session's first
+        step); the servers learn only hashes (see `weight_check`).
 
     Example::
 
@@ -239,13 +255,16 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
 
     def __init__(self, cluster: TfeCluster, protocol: str = "pond", precision: str = "low",
                  clip_norm: Optional[float] = None,
-                 step_timeout_secs: float = step_wait.DEFAULT_STEP_TIMEOUT_SECS) -> None:
+                 step_timeout_secs: float = step_wait.DEFAULT_STEP_TIMEOUT_SECS,
+                 check_every_steps: int = weight_check.DEFAULT_CHECK_EVERY_STEPS) -> None:
         check_between_graph_settings(protocol)
         step_timeout_secs = step_wait.validate_step_timeout(step_timeout_secs)
+        check_every_steps = weight_check.validate_check_every(check_every_steps)
         if cluster.task_type not in ("chief", "worker"):
             raise ValueError(f"BetweenGraphStrategy runs on data owners (chief, worker), not on "
                              f"{cluster.task_type}:{cluster.task_index} (TF_CONFIG).")
-        super().__init__(BetweenGraphExtended(self, cluster, precision, clip_norm, step_timeout_secs))
+        super().__init__(BetweenGraphExtended(self, cluster, precision, clip_norm, step_timeout_secs,
+                                              check_every_steps))
 
 
 # Estimator picks its multi-worker training path (every owner saves checkpoints and runs its

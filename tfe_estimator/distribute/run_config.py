@@ -31,6 +31,7 @@ from tfe_estimator.cluster import peers
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute.between_graph import BetweenGraphStrategy, check_between_graph_settings
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS, validate_step_timeout
+from tfe_estimator.distribute.weight_check import DEFAULT_CHECK_EVERY_STEPS, validate_check_every
 from tfe_estimator.distribute.aggregation import validate_clip_norm
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
 from tfe_estimator.secure.precision import get_precision
@@ -43,7 +44,8 @@ __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_t
 LAUNCH_PROTOCOL_ENV = cluster_lib.LAUNCH_PROTOCOL_ENV
 
 _OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol", "dp", "update_ring_bits",
-         "cluster_mode", "step_timeout_secs")
+         "cluster_mode", "step_timeout_secs",
+         "check_every_steps")
 
 
 def default_session_config() -> tf.compat.v1.ConfigProto:
@@ -111,9 +113,11 @@ class TfeSettings:
     update_ring_bits: int = 64  # 32: clipped updates on a 32-bit ring (checked by SecureAggregation)
     cluster_mode: Optional[str] = None  # None: between-graph on a TF_CONFIG cluster (see cluster.peers)
     step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS  # between-graph: see distribute.step_wait
+    check_every_steps: int = DEFAULT_CHECK_EVERY_STEPS  # between-graph: see distribute.weight_check
 
     def __post_init__(self):
         validate_step_timeout(self.step_timeout_secs)
+        validate_check_every(self.check_every_steps)
         validate_protocol(self.protocol)
         if self.cluster_mode is not None:
             peers.validate_mode(self.cluster_mode)
@@ -154,6 +158,9 @@ class TfeRunConfig(tf.estimator.RunConfig):
       step_timeout_secs: between-graph mode: how long an owner waits for the
         other owners' contributions to one step before it stops with an error
         naming the step and the owners missing (default 300).
+      check_every_steps: between-graph mode: the owners check through server0
+        that their settings, model, weights and step agree at each session's
+        first step and every that many steps (default 100; servers see only hashes).
       **kwargs: any other `tf.estimator.RunConfig` argument except
         `train_distribute` and `eval_distribute`.
 
@@ -174,6 +181,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         update_ring_bits: int = 64,
         cluster_mode: Optional[str] = None,
         step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS,
+        check_every_steps: int = DEFAULT_CHECK_EVERY_STEPS,
         **kwargs,
     ) -> None:
         for name in ("train_distribute", "eval_distribute"):
@@ -185,7 +193,8 @@ class TfeRunConfig(tf.estimator.RunConfig):
                 )
         settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
                                clip_norm=clip_norm, dp=dp, update_ring_bits=update_ring_bits,
-                               cluster_mode=cluster_mode, step_timeout_secs=step_timeout_secs)
+                               cluster_mode=cluster_mode, step_timeout_secs=step_timeout_secs,
+                               check_every_steps=check_every_steps)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         _check_seed(kwargs)
         super().__init__(protocol=grpc_protocol, **kwargs)
@@ -317,7 +326,8 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
             check_between_graph_settings(settings.protocol, settings.dp, settings.update_ring_bits)
             strategy = BetweenGraphStrategy(spec, protocol=settings.protocol, precision=settings.precision,
                                             clip_norm=settings.clip_norm,
-                                            step_timeout_secs=settings.step_timeout_secs)
+                                            step_timeout_secs=settings.step_timeout_secs,
+                                            check_every_steps=settings.check_every_steps)
             return {"train_distribute": strategy, "eval_distribute": strategy,
                     "session_config": strategy.update_config_proto(session_config or default_session_config())}
     strategies = [
