@@ -144,6 +144,17 @@ def test_owners_whose_weights_diverge_stop_at_the_next_check_naming_the_owners(t
                          rf"differ from {owner}.{{1,2}}s.*weights diverged", log), log[-6000:]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_owners_with_different_models_stop_at_the_first_step_naming_the_field_and_owner(tmp_path):
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    log = _train(workdir, "--worker-extra-feature", expect_status=None)
+    assert "owner finished" not in log, log[-5000:]
+    assert re.search(r"(?s)Between-graph model check at step.*\[0\].*the model \(variable names, shapes, dtypes\) "
+                     r"of.*\[worker:0\].*differ from chief:0.{1,2}s.*same model script", log), log[-6000:]
+
+
 OWNER_NAMES = ["chief:0", "worker:0"]
 
 

@@ -2,7 +2,7 @@
 
 Run by `tfe-estimator launch` in each owner's own directory (tests/test_between_graph.py).
 Usage: between_graph_owner.py STEPS LEARNING_RATE [--mutate-reveal-x2] [--check-every K]
-                               [--perturb-worker-after-step S]
+                               [--perturb-worker-after-step S] [--worker-extra-feature]
 """
 import json
 import os
@@ -61,6 +61,8 @@ def main(argv):
         ops.reveal_sum = lambda *a, **k: [2 * t for t in reveal(*a, **k)]
     data = np.loadtxt("data.csv", delimiter=",", dtype=np.float32)  # this owner's file only
     x, y = data[:, :-1], data[:, -1:]
+    if "--worker-extra-feature" in argv and json.loads(os.environ["TF_CONFIG"])["task"]["type"] == "worker":
+        x = np.column_stack([x, x[:, :1] ** 2])  # a planted mismatch: this owner's model has 3 weights
 
     def input_fn():
         return tf.data.Dataset.from_tensors(({"x": x}, y)).repeat()

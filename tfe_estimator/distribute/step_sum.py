@@ -108,7 +108,9 @@ def step_sum(
                                  f"{contribution.shape}, but the servers' barriers need full shapes.")
             # A Barrier's handle is a ref, which a while loop cannot capture: each use makes its own handle op.
             barriers.append(lambda c=contribution, n=name, d=server: _barrier(c, num_owners, n, d))
-            inserts.append(tf.raw_ops.BarrierInsertMany(handle=barriers[k](), keys=tf.reshape(key, [1]),
+            with tf.control_dependencies([contribution]):  # after the owners' model check: it names a mismatch
+                handle = barriers[k]()
+            inserts.append(tf.raw_ops.BarrierInsertMany(handle=handle, keys=tf.reshape(key, [1]),
                                                         values=tf.expand_dims(contribution, 0),
                                                         component_index=owner))
             queues.append([tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, tf.int64],
