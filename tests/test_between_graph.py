@@ -155,6 +155,42 @@ def test_owners_with_different_models_stop_at_the_first_step_naming_the_field_an
                      r"of.*\[worker:0\].*differ from chief:0.{1,2}s.*same model script", log), log[-6000:]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["worker:0", "tfe:1"])
+def test_without_restarts_a_task_killed_mid_training_stops_the_run_naming_it(victim, tmp_path):
+    import signal
+    import threading
+
+    from test_launch import _assert_all_gone
+
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, SCRIPT, "400", str(LEARNING_RATE), "--step-seconds", "0.05",
+                         "--step-timeout", "20"], workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"),
+                        out=out, cluster_mode="between-graph", grace_seconds=5)
+    status = []
+    runner = threading.Thread(target=lambda: status.append(launcher.run()), daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120  # training has started: the first checkpoint, then a few steps
+        while not os.path.exists(os.path.join(workdir, "worker-0", "model", "model.ckpt-0.index")):
+            assert runner.is_alive() and time.monotonic() < deadline, out.getvalue()[-5000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        job, index = victim.split(":")
+        os.killpg(launcher.task(job, int(index)).process.pid, signal.SIGKILL)
+    finally:
+        runner.join(timeout=120)
+    log = out.getvalue()
+    assert not runner.is_alive(), log[-5000:]
+    assert status == [-9], log[-5000:]
+    assert f"{victim} died with status -9 (killed by SIGKILL)" in log, log[-5000:]
+    assert "owner finished" not in log
+    _assert_all_gone(launcher)
+
+
 OWNER_NAMES = ["chief:0", "worker:0"]
 
 

@@ -3,10 +3,12 @@
 Run by `tfe-estimator launch` in each owner's own directory (tests/test_between_graph.py).
 Usage: between_graph_owner.py STEPS LEARNING_RATE [--mutate-reveal-x2] [--check-every K]
                                [--perturb-worker-after-step S] [--worker-extra-feature]
+                               [--step-seconds T] [--step-timeout T]
 """
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -50,8 +52,18 @@ class PerturbHook(tf.estimator.SessionRunHook):
             run_context.session.run(self.op)
 
 
-def _flag(argv, name, default):
-    return int(argv[argv.index(name) + 1]) if name in argv else default
+class SlowHook(tf.estimator.SessionRunHook):
+    """Slows each step down so that a test can kill a task mid-training."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def after_run(self, run_context, run_values):
+        time.sleep(self.seconds)
+
+
+def _flag(argv, name, default, kind=int):
+    return kind(argv[argv.index(name) + 1]) if name in argv else default
 
 
 def main(argv):
@@ -68,8 +80,9 @@ def main(argv):
         return tf.data.Dataset.from_tensors(({"x": x}, y)).repeat()
 
     config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps,
-                                        check_every_steps=_flag(argv, "--check-every", 100), step_timeout_secs=60)
-    hooks = [PartitionDevicesHook()]
+                                        check_every_steps=_flag(argv, "--check-every", 100),
+                                        step_timeout_secs=_flag(argv, "--step-timeout", 60.0, float))
+    hooks = [PartitionDevicesHook(), SlowHook(_flag(argv, "--step-seconds", 0.0, float))]
     if "--perturb-worker-after-step" in argv and json.loads(os.environ["TF_CONFIG"])["task"]["type"] == "worker":
         hooks.append(PerturbHook(_flag(argv, "--perturb-worker-after-step", 0)))
     estimator = tf.compat.v1.estimator.LinearRegressor(
