@@ -93,8 +93,9 @@ def step_sum(
         once = tf.debugging.Assert(
             tf.not_equal(step_wait.last_steps(table, num_owners)[owner], step),
             [f"Between-graph secure sum {channel!r}: {owner_name} already contributed to step", step,
-             "; a second contribution to one step is refused (a replayed step, or two processes running as "
-             f"{owner_name}). Run one process per owner and restart every owner from the same checkpoint."])
+             "; a second contribution to one step is refused (a replayed step: the owner restarted from an "
+             f"older checkpoint than the others, or two processes run as {owner_name}). Run one process per "
+             "owner and restart every owner from the same checkpoint."])
         with tf.control_dependencies([once]):
             share, seed = ops.mask_share(list(parts), encoding.bound, encoding.ring_bits, encoding.fraction_bits,
                                          owner_name, hint)
