@@ -120,15 +120,16 @@ def check_identical(variables: Sequence[tf.Variable], step: tf.Tensor, owner: in
                 ". Restart every owner from the same checkpoint step (each restores its own latest checkpoint: "
                 "give them the same one), or raise TfeRunConfig(step_timeout_secs=...) if one is only slow."])
             checks = [in_step]
-            for index, field in enumerate(FIELDS[1:], start=1):
+            for index, field in enumerate(FIELDS[1:], start=1):  # in order: the first field that differs is named
                 differ = tf.not_equal(table_rows[:, index], mine[index])
-                checks.append(tf.debugging.Assert(tf.logical_not(tf.reduce_any(differ)), [
-                    f"Between-graph model check at step", step, f": the {field} of",
-                    tf.strings.reduce_join(tf.boolean_mask(names, differ), separator=", "),
-                    f"differ from {owner_names[owner]}'s. Every owner must run the same model script with the same "
-                    "TfeRunConfig (protocol, precision, tf_random_seed), cluster and checkpoint; "
-                    + ("owners' weights diverged: restart every owner from the same checkpoint."
-                       if index >= 4 else "fix the owner named.")]))
+                with tf.control_dependencies(checks[-1:]):
+                    checks.append(tf.debugging.Assert(tf.logical_not(tf.reduce_any(differ)), [
+                        "Between-graph model check at step", step, f": the {field} of",
+                        tf.strings.reduce_join(tf.boolean_mask(names, differ), separator=", "),
+                        f"differ from {owner_names[owner]}'s. Every owner must run the same model script with "
+                        "the same TfeRunConfig (protocol, precision, tf_random_seed), cluster and checkpoint; "
+                        + ("owners' weights diverged: restart every owner from the same checkpoint."
+                           if index >= 4 else "fix the owner named.")]))
             with tf.control_dependencies(checks):
                 done = first.assign(False, read_value=False)
             with tf.control_dependencies([done]):
