@@ -174,7 +174,7 @@ class Launcher:
         final_eval_timeout: float = 600.0,
         log_dir: Optional[str] = None,
         port_retries: int = 3,
-        cluster_mode: str = IN_GRAPH,
+        cluster_mode: str = BETWEEN_GRAPH,
     ) -> None:
         if not command:
             raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")

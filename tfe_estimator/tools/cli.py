@@ -53,8 +53,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="seconds the evaluator may take after the chief finished (default 600)")
     launch.add_argument("--log-dir", default=None,
                         help="write each task's output to LOG_DIR/<job>-<index>.log instead of the terminal")
-    launch.add_argument("--cluster-mode", default="in-graph",
-                        help="in-graph (workers serve the chief) or between-graph (every owner trains and finishes)")
+    launch.add_argument("--cluster-mode", default="between-graph",
+                        help="between-graph (the default: every owner runs only its own graph and finishes) or "
+                             "in-graph (the chief runs every task's graph; one organisation on a trusted network)")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
 
     demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")

@@ -28,7 +28,9 @@ class Workload:
       features: width of the one numeric feature column.
       hidden_units: for "dnn".
       replicas: local replicas, or data owners on the cluster.
-      cluster: run on a loopback cluster (chief + workers + 3 tfe servers).
+      cluster: run on a loopback cluster (chief + workers + 3 tfe servers), in-graph.
+      between_graph: run on a loopback cluster in between-graph mode, one process per owner
+        (`tfe_estimator.tools.bench.between_graph_case`).
     """
 
     name: str
@@ -37,10 +39,12 @@ class Workload:
     hidden_units: Tuple[int, ...] = ()
     replicas: int = 2
     cluster: bool = False
+    between_graph: bool = False
 
     def describe(self) -> str:
         model = "LinearRegressor" if self.model == "linear" else f"DNNRegressor{list(self.hidden_units)}"
-        where = f"loopback cluster, {self.replicas} owners" if self.cluster else f"{self.replicas} local replicas"
+        where = (f"between-graph loopback cluster, {self.replicas} owners" if self.between_graph else
+                 f"loopback cluster, {self.replicas} owners" if self.cluster else f"{self.replicas} local replicas")
         return f"{model}, {self.features:,} features, {where}"
 
 
