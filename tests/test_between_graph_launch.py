@@ -61,3 +61,16 @@ def _task_pids(log):
     pids = [int(p) for p in re.findall(r"^\[launch\] started \S+ \(pid (\d+)\)", log, re.MULTILINE)]
     assert len(pids) >= 6, log[-3000:]  # chief, worker, evaluator, three tfe tasks
     return pids
+
+
+def test_clipped_updates_on_the_32_bit_ring_train_to_the_same_twin(tmp_path):
+    # Gradients stay below the clipping bound (64) in these steps, so the twin need not clip;
+    # random rounding to 2**-22 moves the weights by far less than the tolerance.
+    workdir = str(tmp_path)
+    data = _owner_data(workdir)
+    twin = _plaintext_twin(data, STEPS)
+    status, log = _launch(workdir, "--update-ring-bits-32")
+    assert status == 0, log[-5000:]
+    weights = {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in OWNERS}
+    np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-6)
+    np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)

@@ -3,7 +3,7 @@
 Run by `tfe-estimator launch` in each owner's own directory (tests/test_between_graph.py). The
 evaluator belongs to the chief's organisation: it evaluates the chief's checkpoints (../chief-0/model)
 on the chief's data, and writes the final metrics to ../chief-0/eval_metrics.json.
-Usage: between_graph_owner.py STEPS LEARNING_RATE [--mutate-reveal-x2]
+Usage: between_graph_owner.py STEPS LEARNING_RATE [--mutate-reveal-x2] [--update-ring-bits-32]
 """
 import glob
 import json
@@ -15,13 +15,29 @@ import tensorflow as tf
 
 import tfe_estimator
 from tfe_estimator.secure.kernels import ops
+from tfe_estimator.tools.bench.traffic import cross_device_bytes
+
+
+#: With --update-ring-bits-32: a clipping bound these steps' gradients stay below (the twin does not clip).
+CLIP_NORM = 64.0
 
 
 class PartitionDevicesHook(tf.estimator.SessionRunHook):
-    """Writes the devices of every node of the first training step's partition graphs to ./partition_devices.json."""
+    """Writes the devices of the first training step's partition graphs (./partition_devices.json) and
+    the bytes this owner's graph moves to and from the servers per step (./traffic.json)."""
 
     def __init__(self):
         self.done = False
+
+    def begin(self):
+        # The bytes this owner's graph sends to the servers and receives from them per step.
+        task = json.loads(os.environ["TF_CONFIG"])["task"]
+        owner = [f"/job:{task['type']}/task:{task['index']}/device:CPU:0"]
+        servers = [f"/job:tfe/task:{k}/device:CPU:0" for k in range(3)]
+        graph = tf.compat.v1.get_default_graph()
+        with open("traffic.json", "w") as f:
+            json.dump({"up": cross_device_bytes(graph, owner, servers)[0],
+                       "down": cross_device_bytes(graph, servers, owner)[0]}, f)
 
     def before_run(self, run_context):
         if not self.done:
@@ -50,7 +66,8 @@ def main(argv):
     def input_fn():
         return tf.data.Dataset.from_tensors(({"x": x}, y)).repeat()
 
-    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps)
+    narrow = dict(update_ring_bits=32, clip_norm=CLIP_NORM) if "--update-ring-bits-32" in argv else {}
+    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps, **narrow)
     estimator = tf.compat.v1.estimator.LinearRegressor(
         feature_columns=[tf.feature_column.numeric_column("x", shape=[x.shape[1]])],
         optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),

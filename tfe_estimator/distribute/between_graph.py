@@ -14,8 +14,9 @@ task: the session's device filters name only the owner's task and the
 - Identical initial values come from one `tf_random_seed` that every owner
   passes (`TfeRunConfig` requires it in this mode); no initial value travels.
 - Every owner checkpoints its own copy into its own ``model_dir``.
-- Pond on tfe_estimator's fused kernels only; ABY3, DP and 32-bit updates
-  are refused in this mode (see `BetweenGraphStrategy`).
+- Pond on tfe_estimator's fused kernels only (64-bit ring, or clipped
+  updates on the 32-bit ring); ABY3 and DP are refused in this mode (see
+  `check_between_graph_settings`).
 
 Estimator chooses its multi-worker training path (hooks, checkpoint saving)
 by the strategy's class *name*, so the class is named like TensorFlow's
@@ -52,11 +53,11 @@ from tfe_estimator.secure import secure_sum
 __all__ = ["BetweenGraphStrategy", "check_between_graph_settings"]
 
 
-def check_between_graph_settings(protocol: str, dp=None, update_ring_bits: int = 64) -> None:
+def check_between_graph_settings(protocol: str, dp=None) -> None:
     """Refuses what between-graph mode cannot run yet, with the reason and the fix.
 
     Raises:
-      ValueError: for ABY3, DP or 32-bit updates.
+      ValueError: for ABY3 or DP.
     """
     if protocol != "pond":
         raise ValueError(
@@ -64,10 +65,11 @@ def check_between_graph_settings(protocol: str, dp=None, update_ring_bits: int =
             "owners runs on Pond's two servers with tfe_estimator's fused kernels only (ABY3's replicated "
             "sharing needs all three servers to exchange shares, not built yet). Use protocol='pond', or "
             "cluster_mode='in-graph' on a trusted network.")
-    if dp is not None or update_ring_bits != 64:
+    if dp is not None:
         raise ValueError(
-            f"dp={dp!r} / update_ring_bits={update_ring_bits!r} are not available in between-graph cluster "
-            "mode yet. Use cluster_mode='in-graph' on a trusted network, or leave them unset.")
+            f"dp={dp!r} is not available in between-graph cluster mode yet (each owner's noise share "
+            "would need the same per-owner accounting across separate graphs). Use cluster_mode='in-graph' "
+            "on a trusted network, or leave dp unset.")
 
 
 class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
@@ -75,11 +77,13 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
 
     _enable_check_health = False  # no collectives, no peer health checks between owners
 
-    def __init__(self, container_strategy, cluster: TfeCluster, precision: str, clip_norm: Optional[float]):
+    def __init__(self, container_strategy, cluster: TfeCluster, precision: str, clip_norm: Optional[float],
+                 update_ring_bits: int = 64):
         # pylint: disable=super-init-not-called,non-parent-init-called
         self._tfe_cluster = cluster
         self._aggregation = aggregation.SecureAggregation(
-            protocol="pond", precision=precision, server_devices=cluster.server_devices(), clip_norm=clip_norm)
+            protocol="pond", precision=precision, server_devices=cluster.server_devices(), clip_norm=clip_norm,
+            update_ring_bits=update_ring_bits)
         self._cluster_resolver = cluster_resolver_lib.SimpleClusterResolver(
             cluster.cluster_spec(), task_type=cluster.task_type, task_id=cluster.task_index, rpc_layer="grpc")
         distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
@@ -225,6 +229,8 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
       protocol: "pond" (others are refused: see `check_between_graph_settings`).
       precision: "low" or "high".
       clip_norm: optional L2 norm each owner clips its gradients to before sharing.
+      update_ring_bits: 64, or 32 for clipped updates on the 32-bit ring (needs `clip_norm`;
+        see `tfe_estimator.distribute.aggregation.narrow_update_encoding`).
 
     Example::
 
@@ -232,12 +238,12 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
     """
 
     def __init__(self, cluster: TfeCluster, protocol: str = "pond", precision: str = "low",
-                 clip_norm: Optional[float] = None) -> None:
+                 clip_norm: Optional[float] = None, update_ring_bits: int = 64) -> None:
         check_between_graph_settings(protocol)
         if cluster.task_type not in ("chief", "worker"):
             raise ValueError(f"BetweenGraphStrategy runs on data owners (chief, worker), not on "
                              f"{cluster.task_type}:{cluster.task_index} (TF_CONFIG).")
-        super().__init__(BetweenGraphExtended(self, cluster, precision, clip_norm))
+        super().__init__(BetweenGraphExtended(self, cluster, precision, clip_norm, update_ring_bits))
 
 
 # Estimator picks its multi-worker training path (every owner saves checkpoints and runs its

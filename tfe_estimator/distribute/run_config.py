@@ -307,9 +307,9 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
         spec.check_protocol(settings.protocol)
         replicas, servers = spec.replica_devices(), spec.server_devices()
         if _cluster_mode(settings.cluster_mode) == peers.BETWEEN_GRAPH:
-            check_between_graph_settings(settings.protocol, settings.dp, settings.update_ring_bits)
+            check_between_graph_settings(settings.protocol, settings.dp)
             strategy = BetweenGraphStrategy(spec, protocol=settings.protocol, precision=settings.precision,
-                                            clip_norm=settings.clip_norm)
+                                            clip_norm=settings.clip_norm, update_ring_bits=settings.update_ring_bits)
             return {"train_distribute": strategy, "eval_distribute": strategy,
                     "session_config": strategy.update_config_proto(session_config or default_session_config())}
     strategies = [

@@ -103,7 +103,7 @@ def step_sum(
             with tf.control_dependencies([insert] + handed_out):
                 got_step, part = tf.raw_ops.QueueDequeueV2(handle=queues[owner], component_types=[tf.int64, tf.int64])
                 got_step.set_shape([])  # what every enqueue puts in (raw queue ops carry no shapes)
-                part.set_shape([num_elements])
+                part.set_shape(share.shape)  # ring words, as every share (32-bit: two elements per word)
         with tf.device(owner_device), tf.name_scope(f"between_graph_fetch{k}"):
             in_step = tf.debugging.Assert(
                 tf.equal(got_step, step),
