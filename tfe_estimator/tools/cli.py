@@ -56,6 +56,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     launch.add_argument("--cluster-mode", default="between-graph",
                         help="between-graph (the default: every owner runs only its own graph and finishes) or "
                              "in-graph (the chief runs every task's graph; one organisation on a trusted network)")
+    launch.add_argument("--isolate", action="store_true",
+                        help="run every task in its own network namespace on a private bridge (root)")
+    launch.add_argument("--tls", action="store_true",
+                        help="with --isolate: mutual TLS sidecars (stunnel) on every link, certificates for the run, "
+                             "and a firewall that closes TensorFlow's ports to everything but their own namespace")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
 
     demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")
@@ -93,7 +98,8 @@ def _run(args: argparse.Namespace) -> int:
                         task_cwd=args.task_cwd, max_restarts=args.max_restarts,
                         restart_delay=args.restart_delay, evaluator_restarts=args.evaluator_restarts,
                         down_timeout=args.down_timeout, final_eval_timeout=args.final_eval_timeout,
-                        log_dir=args.log_dir, cluster_mode=args.cluster_mode).run()
+                        log_dir=args.log_dir, cluster_mode=args.cluster_mode, isolate=args.isolate,
+                        tls=args.tls).run()
     if args.command == "demo":
         return _demo(args)
     if args.command == "build-kernels":
