@@ -34,7 +34,7 @@ import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from tfe_estimator.cluster import certs, peers
-from tfe_estimator.cluster.netns import PrivateNetwork, missing_capabilities
+from tfe_estimator.cluster.netns import SUBNET, PrivateNetwork, missing_capabilities
 from tfe_estimator.cluster.sidecar import stunnel_config
 from tfe_estimator.cluster.spec import cluster_jobs
 
@@ -48,6 +48,8 @@ TLS_PORT = 8443
 TF_PORT_BASE = 7000
 #: The cluster name in the certificates' DNS names.
 CLUSTER_NAME = "launch"
+#: The host number on SUBNET an outside observer (`tfe-estimator attack`) takes: 10.213.0.200.
+OBSERVER_HOST = 199
 #: The stunnel executable (Debian's stunnel4 package installs it as `stunnel4`).
 STUNNEL = ("stunnel4", "stunnel")
 
@@ -163,6 +165,20 @@ class IsolatedCluster:
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                start_new_session=True)
         log.close()
+
+    def describe(self) -> Dict:
+        """Every namespace, address and port (and, with TLS, each task's certificate directory):
+        what `tfe-estimator attack` and a packet capture need to find the cluster."""
+        return {
+            "hub": self.network.hub, "cluster": CLUSTER_NAME, "mode": self.mode, "tls": self.tls,
+            "observer_address": str(list(SUBNET.hosts())[OBSERVER_HOST]),
+            "tasks": [{"name": self.host(t), "job": t[0], "index": t[1],
+                       "namespace": self.network.namespace(self.host(t)),
+                       "address": self.network.address(self.host(t)), "tf_port": self.tf_ports[t],
+                       "tls_port": TLS_PORT if self.tls else None,
+                       "cert_dir": os.path.join(self.cert_dir, self.host(t)) if self.tls else None}
+                      for t in self.tasks],
+        }
 
     def sidecar_log(self, task: Task) -> str:
         """The sidecar's log so far (for a failing run's diagnosis)."""

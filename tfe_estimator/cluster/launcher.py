@@ -37,6 +37,7 @@ Example::
     [chief:0] ...
 """
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -156,6 +157,9 @@ class Launcher:
       tls: with `isolate`, mutual TLS sidecars on every link, certificates for
         the run and a firewall that leaves TensorFlow's ports reachable only
         from their own namespace.
+      network_file: with `isolate`, write the namespaces, addresses and ports
+        there once they exist (`IsolatedCluster.describe`; read by
+        `tfe-estimator attack`).
 
     Example::
 
@@ -183,6 +187,7 @@ class Launcher:
         cluster_mode: str = BETWEEN_GRAPH,
         isolate: bool = False,
         tls: bool = False,
+        network_file: Optional[str] = None,
     ) -> None:
         if not command:
             raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")
@@ -206,6 +211,9 @@ class Launcher:
         if tls and not isolate:
             raise ValueError("--tls needs --isolate: the sidecars and the firewall that closes TensorFlow's ports "
                              "live in each task's own network namespace. Pass --isolate --tls.")
+        if network_file and not isolate:
+            raise ValueError("--network-file describes the namespaces of --isolate: pass --isolate too.")
+        self.network_file = network_file
         self.isolation: Optional[IsolatedCluster] = None
         if isolate:
             self.isolation = IsolatedCluster(cluster_tasks(workers, evaluator, NUM_TFE_TASKS), tls, self.cluster_mode)
@@ -265,6 +273,9 @@ class Launcher:
         try:
             if self.isolation is not None:
                 self.isolation.start()
+                if self.network_file:
+                    with open(self.network_file, "w", encoding="utf-8") as f:
+                        json.dump(self.isolation.describe(), f, indent=1)
                 tls = " with mutual TLS sidecars and a firewall" if self.isolation.tls else ""
                 self.say(f"each task in its own network namespace{tls}")
             for attempt in range(self.port_retries + 1):

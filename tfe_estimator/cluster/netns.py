@@ -26,12 +26,14 @@ import shutil
 import subprocess
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["PrivateNetwork", "missing_capabilities", "SUBNET"]
+__all__ = ["PrivateNetwork", "missing_capabilities", "join_network", "SUBNET", "HUB_BRIDGE"]
 
 #: The private subnet inside the namespaces (never routed: the hub has no link out).
 SUBNET = ipaddress.ip_network("10.213.0.0/24")
 _COUNTER = itertools.count()
 _HUB = "hub"
+#: The bridge's name inside the hub namespace.
+HUB_BRIDGE = "br0"
 
 
 def missing_capabilities(tools: Sequence[str] = ("ip",)) -> Optional[str]:
@@ -48,6 +50,27 @@ def missing_capabilities(tools: Sequence[str] = ("ip",)) -> Optional[str]:
             package = {"ip": "iproute2", "stunnel4": "stunnel4", "iptables": "iptables"}.get(tool, tool)
             missing.append(f"{tool} (Debian package {package}; scripts/system-deps.sh installs it as root)")
     return "; ".join(missing) if missing else None
+
+
+def join_network(hub: str, namespace: str, address: str, port_name: str) -> None:
+    """Creates `namespace` with one interface ``eth0`` at `address` on the bridge of namespace `hub`.
+
+    Args:
+      hub: the hub namespace of a `PrivateNetwork` (``PrivateNetwork.hub``).
+      namespace: the new namespace's name (delete it with ``ip netns del``).
+      address: a free address of `SUBNET`.
+      port_name: the bridge port's name in the hub (unique there, at most 15 characters).
+    """
+    _ip("netns", "add", namespace)
+    try:
+        _ip("-n", namespace, "link", "set", "lo", "up")
+        _ip("-n", hub, "link", "add", port_name, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+        _ip("-n", hub, "link", "set", port_name, "master", HUB_BRIDGE, "up")
+        _ip("-n", namespace, "addr", "add", f"{address}/{SUBNET.prefixlen}", "dev", "eth0")
+        _ip("-n", namespace, "link", "set", "eth0", "up")
+    except BaseException:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+        raise
 
 
 def _ip(*args: str) -> None:
@@ -95,6 +118,11 @@ class PrivateNetwork:
             raise KeyError(f"{host!r} is not a host of this network: {self.hosts}")
         return self._addresses[host]
 
+    @property
+    def hub(self) -> str:
+        """The namespace that holds the bridge."""
+        return self.namespace(_HUB)
+
     def exec_argv(self, host: str, argv: Sequence[str]) -> List[str]:
         """`argv` run inside `host`'s namespace (``ip netns exec``)."""
         return ["ip", "netns", "exec", self.namespace(host), *argv]
@@ -117,10 +145,11 @@ class PrivateNetwork:
         if missing:
             raise RuntimeError(f"cannot build a private network of namespaces: missing {missing}.")
         try:
-            hub = self.namespace(_HUB)
-            self._add_namespace(hub)
-            _ip("-n", hub, "link", "add", "br0", "type", "bridge")
-            _ip("-n", hub, "link", "set", "br0", "up")
+            hub = self.hub
+            _ip("netns", "add", hub)
+            self._created.append(hub)
+            _ip("-n", hub, "link", "add", HUB_BRIDGE, "type", "bridge")
+            _ip("-n", hub, "link", "set", HUB_BRIDGE, "up")
             for k, host in enumerate(self.hosts):
                 self._attach(host, k)
         except BaseException:
@@ -128,18 +157,9 @@ class PrivateNetwork:
             raise
         return self
 
-    def _add_namespace(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self._created.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
-
     def _attach(self, host: str, k: int) -> None:
-        hub, ns = self.namespace(_HUB), self.namespace(host)
-        self._add_namespace(ns)
-        _ip("-n", hub, "link", "add", f"h{k}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("-n", hub, "link", "set", f"h{k}", "master", "br0", "up")
-        _ip("-n", ns, "addr", "add", f"{self._addresses[host]}/{SUBNET.prefixlen}", "dev", "eth0")
-        _ip("-n", ns, "link", "set", "eth0", "up")
+        join_network(self.hub, self.namespace(host), self._addresses[host], f"h{k}")
+        self._created.append(self.namespace(host))
 
     def close(self) -> None:
         """Deletes every namespace this network created (links and rules go with them).

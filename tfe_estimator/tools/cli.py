@@ -61,7 +61,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     launch.add_argument("--tls", action="store_true",
                         help="with --isolate: mutual TLS sidecars (stunnel) on every link, certificates for the run, "
                              "and a firewall that closes TensorFlow's ports to everything but their own namespace")
+    launch.add_argument("--network-file", default=None,
+                        help="with --isolate: write the namespaces, addresses and ports to this JSON file "
+                             "(for `tfe-estimator attack`)")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
+    attack = sub.add_parser("attack", help="from outside the private network (and from each owner), try what "
+                                           "--isolate --tls must stop; exit 1 if anything got through")
+    attack.add_argument("--network", required=True, help="the file `launch --isolate --network-file` wrote")
+    attack.add_argument("--read-file", default="/etc/hostname", help="the file the readfile attack tries to read")
 
     demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")
     demo.add_argument("--cluster", action="store_true", help="on a loopback cluster (chief + workers + tfe)")
@@ -99,7 +106,11 @@ def _run(args: argparse.Namespace) -> int:
                         restart_delay=args.restart_delay, evaluator_restarts=args.evaluator_restarts,
                         down_timeout=args.down_timeout, final_eval_timeout=args.final_eval_timeout,
                         log_dir=args.log_dir, cluster_mode=args.cluster_mode, isolate=args.isolate,
-                        tls=args.tls).run()
+                        tls=args.tls, network_file=args.network_file).run()
+    if args.command == "attack":
+        from tfe_estimator.tools import attack  # pylint: disable=import-outside-toplevel
+
+        return attack.main(["--network", args.network, "--read-file", args.read_file])
     if args.command == "demo":
         return _demo(args)
     if args.command == "build-kernels":
