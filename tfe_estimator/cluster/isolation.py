@@ -175,6 +175,7 @@ class IsolatedCluster:
             "tasks": [{"name": self.host(t), "job": t[0], "index": t[1],
                        "namespace": self.network.namespace(self.host(t)),
                        "address": self.network.address(self.host(t)), "tf_port": self.tf_ports[t],
+                       "hub_port": self.network.port(self.host(t)),
                        "tls_port": TLS_PORT if self.tls else None,
                        "cert_dir": os.path.join(self.cert_dir, self.host(t)) if self.tls else None}
                       for t in self.tasks],

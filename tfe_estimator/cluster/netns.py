@@ -118,6 +118,10 @@ class PrivateNetwork:
             raise KeyError(f"{host!r} is not a host of this network: {self.hosts}")
         return self._addresses[host]
 
+    def port(self, host: str) -> str:
+        """`host`'s link on the hub's bridge (where a capture of that host's traffic listens)."""
+        return f"h{self.hosts.index(host)}"
+
     @property
     def hub(self) -> str:
         """The namespace that holds the bridge."""
@@ -134,7 +138,7 @@ class PrivateNetwork:
         self.hosts.append(host)
         self._addresses[host] = str(list(SUBNET.hosts())[len(self.hosts)])
         if self._created:  # the hub exists: join it now
-            self._attach(host, len(self.hosts) - 1)
+            self._attach(host)
         return self._addresses[host]
 
     # ------------------------------------------------------------------ life cycle
@@ -150,15 +154,15 @@ class PrivateNetwork:
             self._created.append(hub)
             _ip("-n", hub, "link", "add", HUB_BRIDGE, "type", "bridge")
             _ip("-n", hub, "link", "set", HUB_BRIDGE, "up")
-            for k, host in enumerate(self.hosts):
-                self._attach(host, k)
+            for host in self.hosts:
+                self._attach(host)
         except BaseException:
             self.close()
             raise
         return self
 
-    def _attach(self, host: str, k: int) -> None:
-        join_network(self.hub, self.namespace(host), self._addresses[host], f"h{k}")
+    def _attach(self, host: str) -> None:
+        join_network(self.hub, self.namespace(host), self._addresses[host], self.port(host))
         self._created.append(self.namespace(host))
 
     def close(self) -> None:

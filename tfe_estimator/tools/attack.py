@@ -38,6 +38,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["main", "parse_args", "ATTACKS"]
@@ -118,24 +119,30 @@ def _result(origin, task, attack, target, succeeded, detail):
 
 def _probe_outside(network: Dict, read_file: str) -> List[Dict]:
     foreign = _foreign_identity(network)
+    with ThreadPoolExecutor(len(network["tasks"])) as pool:  # every task at once: refusals are timeouts
+        per_task = list(pool.map(lambda task: _attack_task(task, read_file, foreign), network["tasks"]))
+    return [result for results in per_task for result in results]
+
+
+def _attack_task(task: Dict, read_file: str, foreign) -> List[Dict]:
+    """Every outside attempt against one task, in order."""
     results = []
-    for task in network["tasks"]:
-        tf_target = f"{task['address']}:{task['tf_port']}"
-        connected, detail = _tcp(task["address"], task["tf_port"])
-        results.append(_result("outside", task, "tcp", tf_target, connected, detail))
-        targets = [tf_target] + ([f"{task['address']}:{task['tls_port']}"] if task.get("tls_port") else [])
+    tf_target = f"{task['address']}:{task['tf_port']}"
+    connected, detail = _tcp(task["address"], task["tf_port"])
+    results.append(_result("outside", task, "tcp", tf_target, connected, detail))
+    targets = [tf_target] + ([f"{task['address']}:{task['tls_port']}"] if task.get("tls_port") else [])
+    for target in targets:
+        host, port = target.rsplit(":", 1)
+        results.append(_result("outside", task, "grpc", target, *_grpc_answers(host, int(port))))
+    if task["job"] in ("chief", "worker"):
         for target in targets:
-            host, port = target.rsplit(":", 1)
-            results.append(_result("outside", task, "grpc", target, *_grpc_answers(host, int(port))))
-        if task["job"] in ("chief", "worker"):
-            for target in targets:
-                results.append(_result("outside", task, "readfile", target, *_read_file(task, target, read_file)))
-        if task.get("tls_port"):
-            target = f"{task['address']}:{task['tls_port']}"
-            results.append(_result("outside", task, "no-cert", target,
-                                   *_grpc_answers(task["address"], task["tls_port"], tls=(None, None))))
-            results.append(_result("outside", task, "foreign-ca", target,
-                                   *_grpc_answers(task["address"], task["tls_port"], tls=foreign)))
+            results.append(_result("outside", task, "readfile", target, *_read_file(task, target, read_file)))
+    if task.get("tls_port"):
+        target = f"{task['address']}:{task['tls_port']}"
+        results.append(_result("outside", task, "no-cert", target,
+                               *_grpc_answers(task["address"], task["tls_port"], tls=(None, None))))
+        results.append(_result("outside", task, "foreign-ca", target,
+                               *_grpc_answers(task["address"], task["tls_port"], tls=foreign)))
     return results
 
 
