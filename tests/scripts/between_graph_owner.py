@@ -20,6 +20,7 @@ from tfe_estimator.tools.bench.traffic import cross_device_bytes
 
 #: With --update-ring-bits-32: a clipping bound these steps' gradients stay below (the twin does not clip).
 CLIP_NORM = 64.0
+HOOKS = []
 
 
 class PartitionDevicesHook(tf.estimator.SessionRunHook):
@@ -67,13 +68,23 @@ def main(argv):
         return tf.data.Dataset.from_tensors(({"x": x}, y)).repeat()
 
     narrow = dict(update_ring_bits=32, clip_norm=CLIP_NORM) if "--update-ring-bits-32" in argv else {}
+    if "--timeout-test" in argv:
+        narrow["session_config"] = tf.compat.v1.ConfigProto(operation_timeout_in_ms=10000)
+        if json.loads(os.environ["TF_CONFIG"])["task"]["type"] == "worker":
+            class Die(tf.estimator.SessionRunHook):
+                n = 0
+                def after_run(self, *a):
+                    Die.n += 1
+                    if Die.n == 2:
+                        os._exit(3)
+            HOOKS.append(Die())
     config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps, **narrow)
     estimator = tf.compat.v1.estimator.LinearRegressor(
         feature_columns=[tf.feature_column.numeric_column("x", shape=[x.shape[1]])],
         optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
         loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE, config=config)
     tf.estimator.train_and_evaluate(
-        estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=[PartitionDevicesHook()]),
+        estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=[PartitionDevicesHook()] + HOOKS),
         tf.estimator.EvalSpec(input_fn, steps=1, throttle_secs=0, start_delay_secs=0))
     if task_type == "evaluator":  # train_and_evaluate returns nothing here: read the evaluator's events
         metrics = {}

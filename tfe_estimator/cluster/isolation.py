@@ -65,13 +65,14 @@ class IsolatedCluster:
       tasks: every task, ``(job, index)`` (`spec.cluster_tasks`).
       tls: add mutual TLS sidecars, certificates and the firewall.
       mode: the cluster mode, whose peer table (`cluster.peers`) decides who may call whom.
+      link_rate: each task's link rate limit (`PrivateNetwork`), e.g. ``"1gbit"``.
     """
 
-    def __init__(self, tasks: Sequence[Task], tls: bool, mode: str) -> None:
+    def __init__(self, tasks: Sequence[Task], tls: bool, mode: str, link_rate: Optional[str] = None) -> None:
         self.tasks = list(tasks)
         self.tls = tls
         self.mode = peers.validate_mode(mode)
-        self.network = PrivateNetwork([certs.task_name(*t) for t in self.tasks])
+        self.network = PrivateNetwork([certs.task_name(*t) for t in self.tasks], link_rate=link_rate)
         self.tf_ports: Dict[Task, int] = {t: TF_PORT_BASE + k for k, t in enumerate(self.tasks)}
         self.cert_dir: Optional[str] = None
         self.sidecars: Dict[Task, subprocess.Popen] = {}

@@ -157,6 +157,8 @@ class Launcher:
       tls: with `isolate`, mutual TLS sidecars on every link, certificates for
         the run and a firewall that leaves TensorFlow's ports reachable only
         from their own namespace.
+      link_rate: with `isolate`, each task's link sends at most this rate
+        (tc's notation, e.g. ``"1gbit"``).
       network_file: with `isolate`, write the namespaces, addresses and ports
         there once they exist (`IsolatedCluster.describe`; read by
         `tfe-estimator attack`).
@@ -188,6 +190,7 @@ class Launcher:
         isolate: bool = False,
         tls: bool = False,
         network_file: Optional[str] = None,
+        link_rate: Optional[str] = None,
     ) -> None:
         if not command:
             raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")
@@ -211,12 +214,14 @@ class Launcher:
         if tls and not isolate:
             raise ValueError("--tls needs --isolate: the sidecars and the firewall that closes TensorFlow's ports "
                              "live in each task's own network namespace. Pass --isolate --tls.")
-        if network_file and not isolate:
-            raise ValueError("--network-file describes the namespaces of --isolate: pass --isolate too.")
+        for flag, value in (("--network-file", network_file), ("--link-rate", link_rate)):
+            if value and not isolate:
+                raise ValueError(f"{flag} applies to the namespaces of --isolate: pass --isolate too.")
         self.network_file = network_file
         self.isolation: Optional[IsolatedCluster] = None
         if isolate:
-            self.isolation = IsolatedCluster(cluster_tasks(workers, evaluator, NUM_TFE_TASKS), tls, self.cluster_mode)
+            self.isolation = IsolatedCluster(cluster_tasks(workers, evaluator, NUM_TFE_TASKS), tls, self.cluster_mode,
+                                             link_rate)
         self._out = out
         self._lock = threading.Lock()
         self._stop = threading.Event()

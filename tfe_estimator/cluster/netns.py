@@ -73,6 +73,16 @@ def join_network(hub: str, namespace: str, address: str, port_name: str) -> None
         raise
 
 
+def _tc(namespace: str, device: str, rate: str) -> None:
+    """Limits `device`'s sending rate to `rate` (a token bucket; this kernel may lack netem for delay)."""
+    argv = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
+            "burst", "256kb", "latency", "50ms"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed: {result.stderr.strip()} (link_rate={rate!r}: use tc's "
+                           "notation, e.g. '1gbit' or '100mbit')")
+
+
 def _ip(*args: str) -> None:
     result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
     if result.returncode != 0:
@@ -86,13 +96,15 @@ class PrivateNetwork:
       hosts: one name per namespace (e.g. ``"worker-0"``); letters, digits and '-'.
       run_id: distinguishes this network's namespaces from any other run's
         (default: this process's pid and a counter).
+      link_rate: if set (tc's notation, e.g. ``"1gbit"``), every host's link sends at most this
+        rate (a token bucket, ``tc qdisc ... tbf``), as a network between hosts would.
 
     Raises:
       RuntimeError: naming what is missing (see `missing_capabilities`) or the
         ``ip`` command that failed; nothing is left behind.
     """
 
-    def __init__(self, hosts: Sequence[str], run_id: Optional[str] = None) -> None:
+    def __init__(self, hosts: Sequence[str], run_id: Optional[str] = None, link_rate: Optional[str] = None) -> None:
         hosts = list(hosts)
         if len(set(hosts)) != len(hosts) or not hosts:
             raise ValueError(f"hosts must be distinct names, got {hosts!r}.")
@@ -103,6 +115,7 @@ class PrivateNetwork:
         addresses = list(SUBNET.hosts())[1:]  # .1 stays free (no gateway: nothing is routed)
         self._addresses: Dict[str, str] = {h: str(a) for h, a in zip(hosts, addresses)}
         self._created: List[str] = []
+        self.link_rate = link_rate
 
     # ------------------------------------------------------------------ names
 
@@ -164,6 +177,9 @@ class PrivateNetwork:
     def _attach(self, host: str) -> None:
         join_network(self.hub, self.namespace(host), self._addresses[host], self.port(host))
         self._created.append(self.namespace(host))
+        if self.link_rate:  # both directions: the host's side and its port on the bridge
+            for namespace, device in ((self.namespace(host), "eth0"), (self.hub, self.port(host))):
+                _tc(namespace, device, self.link_rate)
 
     def close(self) -> None:
         """Deletes every namespace this network created (links and rules go with them).

@@ -61,6 +61,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     launch.add_argument("--tls", action="store_true",
                         help="with --isolate: mutual TLS sidecars (stunnel) on every link, certificates for the run, "
                              "and a firewall that closes TensorFlow's ports to everything but their own namespace")
+    launch.add_argument("--link-rate", default=None,
+                        help="with --isolate: limit every task's link to this rate (tc notation, e.g. 1gbit)")
     launch.add_argument("--network-file", default=None,
                         help="with --isolate: write the namespaces, addresses and ports to this JSON file "
                              "(for `tfe-estimator attack`)")
@@ -106,7 +108,7 @@ def _run(args: argparse.Namespace) -> int:
                         restart_delay=args.restart_delay, evaluator_restarts=args.evaluator_restarts,
                         down_timeout=args.down_timeout, final_eval_timeout=args.final_eval_timeout,
                         log_dir=args.log_dir, cluster_mode=args.cluster_mode, isolate=args.isolate,
-                        tls=args.tls, network_file=args.network_file).run()
+                        tls=args.tls, network_file=args.network_file, link_rate=args.link_rate).run()
     if args.command == "attack":
         from tfe_estimator.tools import attack  # pylint: disable=import-outside-toplevel
 

@@ -58,6 +58,8 @@ def default_cases() -> List[Workload]:
         Workload("cluster-linear-1e5", "linear", 100_000, cluster=True),
         Workload("bg-linear-1e5", "linear", 100_000, between_graph=True),
         Workload("bg-dnn-256", "dnn", 256, hidden_units=(512, 256, 128), between_graph=True),
+        Workload("bg-linear-1e5-tls", "linear", 100_000, between_graph=True, transport="tls"),
+        Workload("bg-linear-1e5-1gbit", "linear", 100_000, between_graph=True, transport="1gbit"),
     ])
 
 
@@ -120,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     from tfe_estimator.tools.bench import report  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.tools.bench.between_graph_case import run_between_graph_case  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.tools.bench.between_graph_case import run_between_graph_case, transport_missing  # pylint: disable=import-outside-toplevel
     from tfe_estimator.tools.bench.cases import run_cluster_case, run_local_case  # pylint: disable=import-outside-toplevel
     from tfe_estimator.tools.bench.secure_sum_micro import run_secure_sum  # pylint: disable=import-outside-toplevel
 
@@ -137,6 +139,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cases = [c for c in cases if c.name in wanted]
     if args.no_cluster:
         cases = [c for c in cases if not (c.cluster or c.between_graph)]
+    for case in [c for c in cases if transport_missing(c)]:
+        print(f"[bench] {case.name} is skipped: it needs {transport_missing(case)}", flush=True)
+        cases.remove(case)
     results = {"machine": report.machine(), "settings": settings, "cases": [], "secure_sum": []}
     workdir = tempfile.mkdtemp(prefix="tfe-estimator-bench-")
     try:
@@ -145,7 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    run_cluster_case if case.cluster else run_local_case)
             row = run(case, settings, os.path.join(workdir, case.name))
             results["cases"].append(row)
-            anchor = "MultiWorkerMirroredStrategy" if case.between_graph else "plaintext"
+            anchor = ("no TLS" if case.transport == "tls" else "MultiWorkerMirroredStrategy" if case.between_graph
+                      else "plaintext")
             print(f"[bench] {case.name:>20}: {case.describe()}: secure {row['secure_ms_per_step']:.2f} ms/step, "
                   f"{anchor} {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "
                   f"(target <= {report.target_of(row):.2f}), upload "

@@ -42,25 +42,28 @@ import tensorflow as tf
 from tfe_estimator.tools.bench import traffic
 from tfe_estimator.tools.bench.workloads import Workload, estimator_settings, input_fn, make_estimator
 
-__all__ = ["run_between_graph_case", "run_owner_task", "TWINS"]
+__all__ = ["run_between_graph_case", "run_owner_task", "transport_missing", "TWINS", "TLS_TWINS"]
 
-#: The secure twin and its plaintext anchor, in the order of even rounds.
+#: The secure twin and its plaintext anchor, in the order of even rounds; with transport "tls",
+#: the secure twin through TLS sidecars and the same without.
 TWINS = ("secure", "mwms")
+TLS_TWINS = ("tls", "isolated")
 #: Bytes of one float32 value.
 _FLOAT_BYTES = 4
 
 
 def run_between_graph_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
     """Launches each twin once per round on a loopback cluster of `workload.replicas` owners."""
+    twins = TLS_TWINS if workload.transport == "tls" else TWINS
     rounds = max(1, settings["rounds"] // 3)  # a launch costs seconds: fewer, longer rounds
     timed = settings["steps"] * 3
-    launches: Dict[str, List[Dict]] = {twin: [] for twin in TWINS}
+    launches: Dict[str, List[Dict]] = {twin: [] for twin in twins}
     for k in range(rounds):
-        for twin in (TWINS if k % 2 == 0 else tuple(reversed(TWINS))):
+        for twin in (twins if k % 2 == 0 else tuple(reversed(twins))):
             launches[twin].append(_launch(workload, settings, twin, timed, os.path.join(workdir, f"{twin}-{k}")))
-    secure_ms = [r["chief"]["ms_per_step"] for r in launches["secure"]]
-    plain_ms = [r["chief"]["ms_per_step"] for r in launches["mwms"]]
-    traffic = launches["secure"][0]["chief"]
+    secure_ms = [r["chief"]["ms_per_step"] for r in launches[twins[0]]]
+    plain_ms = [r["chief"]["ms_per_step"] for r in launches[twins[1]]]
+    traffic = launches[twins[0]][0]["chief"]
     owners, params = workload.replicas, traffic["params"]
     ring = 2 * (owners - 1) / owners * _FLOAT_BYTES
     row = dict(dataclasses.asdict(workload), description=workload.describe())
@@ -70,7 +73,8 @@ def run_between_graph_case(workload: Workload, settings: Dict, workdir: str) -> 
         ratio=statistics.median(s / p for s, p in zip(secure_ms, plain_ms)),
         round_ratios=[s / p for s, p in zip(secure_ms, plain_ms)],
         secure_round_ms=secure_ms, plaintext_round_ms=plain_ms,
-        plaintext_anchor="MultiWorkerMirroredStrategy (collective ring all-reduce)",
+        plaintext_anchor=("the same secure run without TLS (--isolate)" if workload.transport == "tls" else
+                          "MultiWorkerMirroredStrategy (collective ring all-reduce)"),
         timed_steps={"secure": timed * rounds, "plaintext": timed * rounds},
         params=params,
         upload_bytes_per_step=traffic["upload"], upload_edges=traffic["upload_edges"],
@@ -78,7 +82,7 @@ def run_between_graph_case(workload: Workload, settings: Dict, workdir: str) -> 
         upload_bytes_per_param_per_replica_per_step=traffic["upload"] / params,
         download_bytes_per_param_per_replica_per_step=traffic["download"] / params,
         plaintext_bytes_per_param_per_owner_per_step={"up": ring, "down": ring},
-        owner_ms_per_step={twin: [{o: r[o]["ms_per_step"] for o in r} for r in launches[twin]] for twin in TWINS},
+        owner_ms_per_step={twin: [{o: r[o]["ms_per_step"] for o in r} for r in launches[twin]] for twin in twins},
     )
     return row
 
@@ -94,7 +98,7 @@ def _launch(workload: Workload, settings: Dict, twin: str, timed: int, workdir: 
     with open(log_path, "w") as log:
         status = Launcher(command, workers=workload.replicas - 1, evaluator=False, protocol=settings["protocol"],
                           task_cwd=os.path.join(workdir, "{job}-{index}"), out=log,
-                          cluster_mode="between-graph").run()
+                          cluster_mode="between-graph", **_transport(workload, twin)).run()
     results = {}
     for entry in sorted(os.listdir(workdir)):
         path = os.path.join(workdir, entry, "result.json")
@@ -108,6 +112,24 @@ def _launch(workload: Workload, settings: Dict, twin: str, timed: int, workdir: 
     return results
 
 
+def _transport(workload: Workload, twin: str) -> Dict:
+    """The launcher's isolation flags for `twin` of `workload`."""
+    if workload.transport == "tls":
+        return {"isolate": True, "tls": twin == "tls"}
+    if workload.transport:
+        return {"isolate": True, "link_rate": workload.transport}
+    return {}
+
+
+def transport_missing(workload: Workload) -> Optional[str]:
+    """What this machine lacks to run `workload`'s transport, or None."""
+    if not workload.transport:
+        return None
+    from tfe_estimator.cluster.isolation import IsolatedCluster  # pylint: disable=import-outside-toplevel
+
+    return IsolatedCluster.missing(tls=workload.transport == "tls")
+
+
 def run_owner_task(task: Dict) -> int:
     """One owner of a `_launch`: trains its twin in the cwd and writes ``result.json``."""
     from tfe_estimator.cluster.spec import TFE_JOB, TfeCluster  # pylint: disable=import-outside-toplevel
@@ -118,7 +140,7 @@ def run_owner_task(task: Dict) -> int:
     cluster = TfeCluster.from_environment()
     owner_device = f"/job:{cluster.task_type}/task:{cluster.task_index}/device:CPU:0"
     kwargs = estimator_settings(os.path.abspath("model"))
-    if twin == "secure":
+    if twin != "mwms":  # secure: on loopback, isolated, or through TLS
         from tfe_estimator.distribute.run_config import TfeRunConfig  # pylint: disable=import-outside-toplevel
 
         config = TfeRunConfig(protocol=settings["protocol"], **kwargs)
@@ -128,7 +150,7 @@ def run_owner_task(task: Dict) -> int:
         os.environ["TF_CONFIG"] = json.dumps(tf_config)
         strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
         config = tf.estimator.RunConfig(train_distribute=strategy, **kwargs)
-    timer = _StepTimes(owner_device, cluster.server_devices()[:2] if twin == "secure" else None, settings["warmup"])
+    timer = _StepTimes(owner_device, cluster.server_devices()[:2] if twin != "mwms" else None, settings["warmup"])
     estimator = make_estimator(workload, config)
     data = input_fn(workload.features, settings["batch_size"])
     tf.estimator.train_and_evaluate(

@@ -11,6 +11,8 @@ __all__ = ["machine", "write_json", "write_plot", "markdown"]
 #: Step-time ratio targets (secure / plaintext) per model kind, the cluster's,
 #: the upload per parameter, and the secure sum's extra ns per parameter per replica.
 TARGET_LINEAR, TARGET_DNN, TARGET_CLUSTER, TARGET_UPLOAD, TARGET_EXTRA_NS = 1.15, 1.60, 1.30, 8.0, 3.0
+#: The cost of the TLS sidecars: secure through TLS / the same without, at 1e5 parameters.
+TARGET_TLS = 1.20
 
 
 def machine() -> Dict:
@@ -40,6 +42,8 @@ def write_json(path: str, results: Dict) -> None:
 
 
 def target_of(case: Dict) -> float:
+    if case.get("transport") == "tls":
+        return TARGET_TLS
     if case["cluster"] or case.get("between_graph"):
         return TARGET_CLUSTER
     return TARGET_DNN if case["model"] == "dnn" else TARGET_LINEAR
@@ -121,7 +125,10 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
         "the same loopback cluster is launched once per twin and round (order alternating); the plaintext "
         "anchor there is Estimator with `MultiWorkerMirroredStrategy` (collective ring all-reduce, whose "
         "volume is 2(N-1)/N x 4 bytes per parameter each way); ms/step is the chief's median over the timed "
-        "steps of a launch; upload and download are per owner, counted from the owner's graph.",
+        "steps of a launch; upload and download are per owner, counted from the owner's graph. `-tls`: the "
+        "secure run with `launch --isolate --tls` against the same with `--isolate` alone (each task in its own "
+        "network namespace), the cost of the TLS sidecars; `-1gbit`: both twins with every task's link limited "
+        "to 1 Gbit/s (a token bucket; this kernel has no netem, so no added latency).",
         "",
         "| case | workload | params | secure ms/step | plaintext ms/step | ratio | target | upload B/param/replica/step | download |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
