@@ -167,3 +167,17 @@ def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_a_second_
                 sess.run(totals[1], {step: 5})
             np.testing.assert_allclose(sess.run(totals[0], {step: 5}), values[0] + values[1], atol=1e-6)
             waiting.result(timeout=30)
+
+
+def test_a_step_waits_at_most_step_timeout_secs_and_a_bad_timeout_is_refused(monkeypatch):
+    _as_task(monkeypatch, "chief")
+    config = TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg")
+    assert config.session_config.operation_timeout_in_ms == 300_000  # never forever
+    assert TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg",
+                        step_timeout_secs=15).session_config.operation_timeout_in_ms == 15_000
+    own = tf.compat.v1.ConfigProto(operation_timeout_in_ms=1234)
+    assert TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg",
+                        session_config=own).session_config.operation_timeout_in_ms == 1234
+    for bad in (0, -1, "60", True, float("inf")):
+        with pytest.raises(ValueError, match=rf"step_timeout_secs={bad!r} must be a number of seconds > 0"):
+            TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg", step_timeout_secs=bad)

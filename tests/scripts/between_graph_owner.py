@@ -4,11 +4,13 @@ Run by `tfe-estimator launch` in each owner's own directory (tests/test_between_
 evaluator belongs to the chief's organisation: it evaluates the chief's checkpoints (../chief-0/model)
 on the chief's data, and writes the final metrics to ../chief-0/eval_metrics.json.
 Usage: between_graph_owner.py STEPS LEARNING_RATE [--mutate-reveal-x2] [--update-ring-bits-32]
+       [--step-timeout-secs S] [--step-seconds S]
 """
 import glob
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -21,6 +23,19 @@ from tfe_estimator.tools.bench.traffic import cross_device_bytes
 #: With --update-ring-bits-32: a clipping bound these steps' gradients stay below (the twin does not clip).
 CLIP_NORM = 64.0
 HOOKS = []
+
+
+class SlowSteps(tf.estimator.SessionRunHook):
+    """Sleeps after every step, and writes how many steps this process ran to ./progress."""
+
+    def __init__(self, seconds):
+        self.seconds, self.steps = seconds, 0
+
+    def after_run(self, run_context, run_values):
+        self.steps += 1
+        with open("progress", "w") as f:
+            f.write(str(self.steps))
+        time.sleep(self.seconds)
 
 
 class PartitionDevicesHook(tf.estimator.SessionRunHook):
@@ -67,18 +82,13 @@ def main(argv):
     def input_fn():
         return tf.data.Dataset.from_tensors(({"x": x}, y)).repeat()
 
-    narrow = dict(update_ring_bits=32, clip_norm=CLIP_NORM) if "--update-ring-bits-32" in argv else {}
-    if "--timeout-test" in argv:
-        narrow["session_config"] = tf.compat.v1.ConfigProto(operation_timeout_in_ms=10000)
-        if json.loads(os.environ["TF_CONFIG"])["task"]["type"] == "worker":
-            class Die(tf.estimator.SessionRunHook):
-                n = 0
-                def after_run(self, *a):
-                    Die.n += 1
-                    if Die.n == 2:
-                        os._exit(3)
-            HOOKS.append(Die())
-    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps, **narrow)
+    options = dict(update_ring_bits=32, clip_norm=CLIP_NORM) if "--update-ring-bits-32" in argv else {}
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--step-timeout-secs":
+            options["step_timeout_secs"] = float(value)
+        if flag == "--step-seconds":  # slow steps, so a test can kill a task mid-training
+            HOOKS.append(SlowSteps(float(value)))
+    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps, **options)
     estimator = tf.compat.v1.estimator.LinearRegressor(
         feature_columns=[tf.feature_column.numeric_column("x", shape=[x.shape[1]])],
         optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
