@@ -17,8 +17,8 @@ import tensorflow as tf
 from tfe_estimator.distribute.aggregation import narrow_update_encoding
 from tfe_estimator.distribute.step_sum import step_sum
 from tfe_estimator.secure.fused_sum import Encoding
-from tfe_estimator.secure.kernels import ops as kernel_ops
 from tfe_estimator.tools.bench.traffic import cross_device_bytes
+from test_wire import plant_unblinded_server0
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
 OWNERS, SERVERS = DEVICES[:2], DEVICES[2:]
@@ -98,15 +98,6 @@ def test_server1_cannot_add_up_the_sum_from_what_it_receives():
 
 def test_server1_could_add_up_the_sum_if_server0_sent_its_part_unblinded(monkeypatch):
     """Mutation: server0 hands its part over in the clear; the check above must then fail."""
-    def unblinded(seeds, shares, ring_bits, num_elements):
-        return kernel_ops.server_sum(seeds, shares, ring_bits, num_elements), tf.zeros([4], tf.int32)
-
-    real_reveal = kernel_ops.reveal_sum
-
-    def reveal(share0, share1, *args, key=None, **kwargs):  # nothing to unblind: the second part is 0
-        return real_reveal(share0, tf.zeros_like(share0), *args, **kwargs)
-
-    monkeypatch.setattr(kernel_ops, "blinded_server_sum", unblinded)
-    monkeypatch.setattr(kernel_ops, "reveal_sum", reveal)
+    plant_unblinded_server0(monkeypatch)
     with pytest.raises(AssertionError):
         test_server1_cannot_add_up_the_sum_from_what_it_receives()
