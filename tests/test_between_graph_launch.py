@@ -74,3 +74,13 @@ def test_clipped_updates_on_the_32_bit_ring_train_to_the_same_twin(tmp_path):
     weights = {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in OWNERS}
     np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-6)
     np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
+
+
+def test_owners_whose_models_diverge_are_stopped_naming_it(tmp_path):
+    # A planted divergence: the worker changes its own copy of the bias after its first step.
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    status, log = _launch(workdir, "--diverge-worker")
+    assert status != 0, log[-5000:]
+    assert "Between-graph: the models of the data owners differ at step" in log, log[-5000:]
+    assert "owner finished" not in log

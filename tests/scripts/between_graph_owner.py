@@ -4,7 +4,7 @@ Run by `tfe-estimator launch` in each owner's own directory (tests/test_between_
 evaluator belongs to the chief's organisation: it evaluates the chief's checkpoints (../chief-0/model)
 on the chief's data, and writes the final metrics to ../chief-0/eval_metrics.json.
 Usage: between_graph_owner.py STEPS LEARNING_RATE [--mutate-reveal-x2] [--update-ring-bits-32]
-       [--step-timeout-secs S] [--step-seconds S]
+       [--step-timeout-secs S] [--step-seconds S] [--diverge-worker]
 """
 import glob
 import json
@@ -36,6 +36,20 @@ class SlowSteps(tf.estimator.SessionRunHook):
         with open("progress", "w") as f:
             f.write(str(self.steps))
         time.sleep(self.seconds)
+
+
+class Diverge(tf.estimator.SessionRunHook):
+    """A planted divergence: after its first step, this owner adds 0.5 to its own copy of the bias."""
+
+    def begin(self):
+        bias = next(v for v in tf.compat.v1.global_variables() if v.name.startswith("linear/linear_model/bias"))
+        self.bump = bias.assign_add([0.5])
+        self.done = False
+
+    def after_run(self, run_context, run_values):
+        if not self.done:
+            run_context.session.run(self.bump)
+            self.done = True
 
 
 class PartitionDevicesHook(tf.estimator.SessionRunHook):
@@ -88,6 +102,8 @@ def main(argv):
             options["step_timeout_secs"] = float(value)
         if flag == "--step-seconds":  # slow steps, so a test can kill a task mid-training
             HOOKS.append(SlowSteps(float(value)))
+    if "--diverge-worker" in argv and json.loads(os.environ["TF_CONFIG"])["task"]["type"] == "worker":
+        HOOKS.append(Diverge())
     config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps, **options)
     estimator = tf.compat.v1.estimator.LinearRegressor(
         feature_columns=[tf.feature_column.numeric_column("x", shape=[x.shape[1]])],

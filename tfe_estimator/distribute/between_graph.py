@@ -13,7 +13,9 @@ task: the session's device filters name only the owner's task and the
 
 - Identical initial values come from one `tf_random_seed` that every owner
   passes (`TfeRunConfig` requires it in this mode); no initial value travels.
-- Every owner checkpoints its own copy into its own ``model_dir``.
+- Every owner checkpoints its own copy into its own ``model_dir``, and every
+  step the owners check through the servers that their copies are equal
+  (`tfe_estimator.distribute.weight_check`, riding on the reported loss's sum).
 - Pond on tfe_estimator's fused kernels only (64-bit ring, or clipped
   updates on the 32-bit ring); ABY3 and DP are refused in this mode (see
   `check_between_graph_settings`).
@@ -48,6 +50,7 @@ from tensorflow.python.distribute.cluster_resolver import cluster_resolver as cl
 from tfe_estimator.cluster.spec import TFE_JOB, TfeCluster
 from tfe_estimator.distribute import aggregation
 from tfe_estimator.distribute import step_sum
+from tfe_estimator.distribute import weight_check
 from tfe_estimator.secure import secure_sum
 
 __all__ = ["BetweenGraphStrategy", "check_between_graph_settings"]
@@ -175,17 +178,31 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
         encoding = agg._encoding(kind, update, num)  # pylint: disable=protected-access
         scale = 1.0 / num if kind == "float" and reduce_op == tf.distribute.ReduceOp.MEAN else 1.0
         device = self.worker_devices[0]
+        owner = f"{self._task_type}:{self._task_id}"
         with tf.device(device), tf.name_scope("between_graph_sum"):
             dense = [aggregation._densify(v) for v in local_values]  # pylint: disable=protected-access
             vector, _ = secure_sum.parts(dense, pack_dtype)
             if agg.clip_norm is not None and kind == "float" and update:
                 vector = tf.clip_by_global_norm(vector, agg.clip_norm)[0]
             channel, step = self._next_channel()
+            state = self._channels[tf.compat.v1.get_default_graph()]
+            if kind == "float" and update and state[2] is None:
+                # The weights as this step found them: read before the update this sum feeds.
+                state[2] = weight_check.fingerprint(_local_weights())
+                with tf.control_dependencies([state[2]]):
+                    vector = [tf.identity(v) for v in vector]
+            carries_fingerprint = kind == "float" and not update and state[2] is not None and not state[3]
+            if carries_fingerprint:  # rides along with the reported loss: two more elements
+                state[3] = True
+                vector = list(vector) + [weight_check.fingerprint_pair(state[2], pack_dtype)]
             totals = step_sum.step_sum(
                 vector, channel, step, owner=self._id_in_cluster, num_owners=num, is_chief=self._is_chief,
                 owner_device=device, servers=agg.server_devices, encoding=encoding, dtype=pack_dtype,
-                owner_name=f"{self._task_type}:{self._task_id}",
-                hint=agg._hint(kind, update, encoding), scale=scale)  # pylint: disable=protected-access
+                owner_name=owner, hint=agg._hint(kind, update, encoding), scale=scale)  # pylint: disable=protected-access
+            if carries_fingerprint:
+                check = weight_check.assert_identical(totals[-1], num, scale, step, owner)
+                with tf.control_dependencies([check]):
+                    totals = [tf.identity(t) for t in totals[:-1]]
             return [aggregation._finish(t, d, kind, reduce_op, num) for t, d in zip(totals, dtypes)]  # pylint: disable=protected-access
 
     def _next_channel(self):
@@ -205,7 +222,8 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
             with tf.device(self.worker_devices[0]):
                 step = tf.cast(tf.identity(global_step.read_value() if hasattr(global_step, "read_value")
                                            else global_step), tf.int64, name="between_graph_step")
-            state = self._channels[graph] = [0, step]
+            # [sums built, the step, this step's weight fingerprint, whether a sum carries it]
+            state = self._channels[graph] = [0, step, None, False]
         state[0] += 1
         return f"sum_{state[0] - 1}", state[1]
 
@@ -219,6 +237,15 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
 
     def _in_multi_worker_mode(self):
         return True
+
+
+def _local_weights():
+    """This owner's copy of every trainable variable of the default graph."""
+    values = []
+    for variable in tf.compat.v1.trainable_variables():
+        local = variable.values[0] if isinstance(variable, value_lib.DistributedValues) else variable
+        values.append(local.read_value() if hasattr(local, "read_value") else tf.identity(local))
+    return values
 
 
 class BetweenGraphStrategy(distribute_lib.StrategyV1):
