@@ -558,11 +558,29 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"the TLS sidecar's image (default {DEFAULT_SIDECAR_IMAGE}; deploy/sidecar/Dockerfile)")
     parser.add_argument("--tls-secret", default=DEFAULT_TLS_SECRET,
                         help=f"Secret per task with ca.crt and <job>-<index>.crt/.key (default {DEFAULT_TLS_SECRET!r})")
+    parser.add_argument("--tfjob", action="store_true",
+                        help="render one Kubeflow TFJob (kubeflow.org/v1) and a NetworkPolicy per replica type "
+                        "instead (no --tls, no claims: see tfe_estimator.cluster.tfjob)")
     parser.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help=f"training command after '--' (default: {' '.join(DEFAULT_COMMAND)})"
     )
     return parser
+
+
+def _tfjob(args, command) -> List[Dict[str, Any]]:
+    """`--tfjob`: the TFJob rendering (`tfe_estimator.cluster.tfjob`), refusing what it cannot do."""
+    unsupported = [flag for flag, value in (("--tls", args.tls), ("--data-claim", args.data_claim),
+                                             ("--model-claim", args.model_claim)) if value]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)} cannot be used with --tfjob: every worker of a TFJob shares one "
+                         "pod template, so per-task certificates and claims cannot be mounted (and the operator "
+                         "writes TF_CONFIG from Service addresses). Render plain manifests instead (drop --tfjob).")
+    from tfe_estimator.cluster.tfjob import render_tfjob  # pylint: disable=import-outside-toplevel
+
+    return render_tfjob(args.name, args.image, args.workers, evaluator=args.evaluator,
+                        command=command or DEFAULT_COMMAND, namespace=args.namespace, port=args.port,
+                        cluster_mode=args.cluster_mode, active_deadline_seconds=args.active_deadline_seconds)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -581,26 +599,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command and command[0] == "--":
         command = command[1:]
     try:
-        text = to_yaml(
-            render_manifests(
-                args.name,
-                args.image,
-                args.workers,
-                evaluator=args.evaluator,
-                command=command or DEFAULT_COMMAND,
-                namespace=args.namespace,
-                port=args.port,
-                data_claim=args.data_claim,
-                data_mount_path=args.data_mount_path,
-                model_claim=args.model_claim,
-                model_mount_path=args.model_mount_path,
-                active_deadline_seconds=args.active_deadline_seconds,
-                cluster_mode=args.cluster_mode,
-                tls=args.tls,
-                sidecar_image=args.sidecar_image,
-                tls_secret=args.tls_secret,
-            )
-        )
+        text = to_yaml(_tfjob(args, command) if args.tfjob else render_manifests(
+            args.name,
+            args.image,
+            args.workers,
+            evaluator=args.evaluator,
+            command=command or DEFAULT_COMMAND,
+            namespace=args.namespace,
+            port=args.port,
+            data_claim=args.data_claim,
+            data_mount_path=args.data_mount_path,
+            model_claim=args.model_claim,
+            model_mount_path=args.model_mount_path,
+            active_deadline_seconds=args.active_deadline_seconds,
+            cluster_mode=args.cluster_mode,
+            tls=args.tls,
+            sidecar_image=args.sidecar_image,
+            tls_secret=args.tls_secret,
+        ))
     except ValueError as e:
         parser.error(str(e))
     if args.output:
