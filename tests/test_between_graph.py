@@ -2,7 +2,6 @@
 import io
 import json
 import os
-import re
 import sys
 import time
 
@@ -92,17 +91,14 @@ def _weights(model_dir, steps):
     return np.append(weights, tf.train.load_variable(checkpoint, "linear/linear_model/bias_weights"))
 
 
-def _train(workdir, *flags, expect_status=0):
+def _train(workdir, *flags):
     out = io.StringIO()
     launcher = Launcher([sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), *flags], workers=1,
                         task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="between-graph")
     status = launcher.run()
     log = out.getvalue()
-    assert not [t.name for t in launcher.tasks if t.process.poll() is None or _alive(t.process.pid)]
-    if expect_status is None:
-        assert status != 0, log[-5000:]
-        return log
     assert status == 0, log[-5000:]
+    assert not [t.name for t in launcher.tasks if t.process.poll() is None or _alive(t.process.pid)]
     assert log.count(f"owner finished at step {STEPS}") == 2, log[-5000:]
     return {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in OWNERS}
 
@@ -121,112 +117,34 @@ def test_owners_train_in_their_own_graphs_to_the_plaintext_twin_each_with_its_ow
         assert not [d for d in devices if other in d], f"{owner} placed ops on another owner's task: {devices}"
     np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
     assert not np.allclose(twin, 0.0, atol=0.1)  # it learned from the data
-    # Mutation: a reveal that doubles each sum must fail the comparison with the twin.
+    # Mutation: a reveal that doubles each sum must fail the comparison with the twin (or be stopped:
+    # it also doubles the weight fingerprints' sums, which the owners' model check refuses).
     mutated = os.path.join(workdir, "mutated")
     os.makedirs(mutated)
     data = _owner_data(mutated)
     assert np.allclose(_plaintext_twin(data, STEPS), twin)
-    bad = _train(mutated, "--mutate-reveal-x2")
     with pytest.raises(AssertionError):
+        bad = _train(mutated, "--mutate-reveal-x2")
         np.testing.assert_allclose(bad["chief-0"], twin, atol=1e-5)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_owners_whose_weights_diverge_stop_at_the_next_check_naming_the_owners(tmp_path):
-    # The clean run (check at step 0) is the test above; here worker:0's bias moves after step 1.
-    workdir = str(tmp_path)
-    _owner_data(workdir)
-    log = _train(workdir, "--check-every", "2", "--perturb-worker-after-step", "1", expect_status=None)
-    assert "owner finished" not in log, log[-5000:]
-    for owner, other in (("chief:0", "worker:0"), ("worker:0", "chief:0")):
-        assert re.search(rf"(?s)Between-graph model check at step.*\[2\].*the weights of.*\[{other}\].*"
-                         rf"differ from {owner}.{{1,2}}s.*weights diverged", log), log[-6000:]
+def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_a_second_one():
+    # Two owners' graphs in one process: devices stand for tasks, threads for the owners' sessions.
+    from concurrent.futures import ThreadPoolExecutor
 
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_owners_with_different_models_stop_at_the_first_step_naming_the_field_and_owner(tmp_path):
-    workdir = str(tmp_path)
-    _owner_data(workdir)
-    log = _train(workdir, "--worker-extra-feature", expect_status=None)
-    assert "owner finished" not in log, log[-5000:]
-    assert re.search(r"(?s)Between-graph model check at step.*\[0\].*the model \(variable names, shapes, dtypes\) "
-                     r"of.*\[worker:0\].*differ from chief:0.{1,2}s.*same model script", log), log[-6000:]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.parametrize("victim,restarts", [("worker:0", 0), ("tfe:1", 0), ("worker:0", 1)])
-def test_a_task_killed_mid_training_stops_the_run_in_bounded_time_naming_it(victim, restarts, tmp_path):
-    # With a restart, worker:0 resumes from its step-0 checkpoint while the chief is further on: its
-    # replayed step is refused naming it (resuming every owner at one step is not built yet).
-    import signal
-    import threading
-
-    from test_launch import _assert_all_gone
-
-    workdir = str(tmp_path)
-    _owner_data(workdir)
-    out = io.StringIO()
-    launcher = Launcher([sys.executable, SCRIPT, "400", str(LEARNING_RATE), "--step-seconds", "0.05",
-                         "--step-timeout", "20"], workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"),
-                        out=out, cluster_mode="between-graph", grace_seconds=5, max_restarts=restarts)
-    status = []
-    runner = threading.Thread(target=lambda: status.append(launcher.run()), daemon=True)
-    runner.start()
-    try:
-        deadline = time.monotonic() + 120  # training has started: the first checkpoint, then a few steps
-        while not os.path.exists(os.path.join(workdir, "worker-0", "model", "model.ckpt-0.index")):
-            assert runner.is_alive() and time.monotonic() < deadline, out.getvalue()[-5000:]
-            time.sleep(0.1)
-        time.sleep(1.0)
-        job, index = victim.split(":")
-        os.killpg(launcher.task(job, int(index)).process.pid, signal.SIGKILL)
-    finally:
-        runner.join(timeout=120)
-    log = out.getvalue()
-    assert not runner.is_alive(), log[-5000:]
-    assert f"{victim} died with status -9 (killed by SIGKILL)" in log, log[-5000:]
-    if restarts:
-        assert status == [1], log[-5000:]
-        assert re.search(r"worker:0 already contributed to step.*restarted from an\s+older checkpoint", log), log[-5000:]
-        assert "worker:0 died with status 1 while the chief was training; stopping the cluster" in log, log[-5000:]
-    else:
-        assert status == [-9], log[-5000:]
-    assert "owner finished" not in log
-    _assert_all_gone(launcher)
-
-
-OWNER_NAMES = ["chief:0", "worker:0"]
-
-
-def _two_owners_in_one_process(timeout_secs=30.0):
-    """Two owners' graphs in one process: devices stand for tasks, threads for the owners' sessions."""
     from tfe_estimator.distribute.step_sum import step_sum
     from tfe_estimator.secure.fused_sum import Encoding
 
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
-    step = tf.compat.v1.placeholder(tf.int64, [])
-    values = [np.array([1.5, -2.0], np.float32), np.array([0.25, 4.0], np.float32)]
-    totals = []
-    for owner in range(2):
-        with tf.device(devices[owner]):
-            x = tf.constant(values[owner])
-        totals.append(step_sum([x], "sum_0", step, owner, 2, owner == 0, devices[owner], devices[2:],
-                               Encoding(64, 32, 2.0**24), tf.float32, OWNER_NAMES, "hint",
-                               timeout_secs=timeout_secs)[0])
-    config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=60000,
-                                      inter_op_parallelism_threads=16)
-    return step, values, totals, devices, config
-
-
-def test_a_second_contribution_of_an_owner_to_one_step_is_refused_naming_the_owner():
-    # The sums themselves are checked across processes (the launcher test above).
-    from concurrent.futures import ThreadPoolExecutor
-
     with tf.Graph().as_default():
-        step, values, totals, devices, config = _two_owners_in_one_process(timeout_secs=5.0)
+        step = tf.compat.v1.placeholder(tf.int64, [])
+        values = [np.array([1.5, -2.0], np.float32), np.array([0.25, 4.0], np.float32)]
+        totals = []
+        for owner in range(2):
+            with tf.device(devices[owner]):
+                x = tf.constant(values[owner])
+            totals.append(step_sum([x], "sum_0", step, owner, 2, owner == 0, devices[owner], devices[2:],
+                                   Encoding(64, 32, 2.0**24), tf.float32, f"owner {owner}", "hint")[0])
         pending = []  # how many steps wait for contributions on each server
         for k, dtype, shape in ((0, tf.int32, totals[0].graph.get_operation_by_name(
                 "between_graph_mask_share/TfeMaskShare").outputs[1].shape), (1, tf.int64, [2])):
@@ -234,46 +152,75 @@ def test_a_second_contribution_of_an_owner_to_one_step_is_refused_naming_the_own
                 barrier = tf.raw_ops.Barrier(component_types=[dtype] * 2, shapes=[shape] * 2,
                                              shared_name=f"tfe_between_graph/sum_0/server{k}")
                 pending.append(tf.raw_ops.BarrierIncompleteSize(handle=barrier))
-        with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(1) as pool:
-            # worker:0 contributes twice to step 5 (a replayed step, or a second process as worker:0).
+        config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=20000)
+        with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(2) as pool:
+            for s in (3, 4):
+                runs = [pool.submit(sess.run, t, {step: s}) for t in totals]
+                for run in runs:
+                    np.testing.assert_allclose(run.result(timeout=30), values[0] + values[1], atol=1e-6)
+            # Owner 1 contributes twice to step 5 (a replayed or restarted owner): the servers refuse.
             waiting = pool.submit(sess.run, totals[1], {step: 5})
             deadline = time.monotonic() + 30
-            while sess.run(pending) != [1, 1]:  # its first contribution has arrived
+            while sess.run(pending) != [1, 1]:  # owner 1's first contribution has arrived
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            with pytest.raises(tf.errors.InvalidArgumentError,
-                               match=r"sum_0.*: worker:0 already contributed to step.*5.*one process per owner"):
+            with pytest.raises(tf.errors.InvalidArgumentError, match="already has a value for component 1"):
                 sess.run(totals[1], {step: 5})
-            with pytest.raises(tf.errors.InvalidArgumentError, match=r"worker:0 waited 5 s"):
-                waiting.result(timeout=60)  # the chief never came: bounded too
+            np.testing.assert_allclose(sess.run(totals[0], {step: 5}), values[0] + values[1], atol=1e-6)
+            waiting.result(timeout=30)
 
 
-def test_an_owner_whose_peer_never_contributes_stops_in_bounded_time_naming_the_peer():
-    with tf.Graph().as_default():
-        step, values, totals, _, config = _two_owners_in_one_process(timeout_secs=1.0)
-        with tf.compat.v1.Session(config=config) as sess:
-            start = time.monotonic()
-            # The chief (owner 0) at step 7; worker:0 never contributes (dead).
-            with pytest.raises(tf.errors.InvalidArgumentError,
-                               match=r"(?s)sum_0.*: chief:0 \(the chief\) waited 1 s for every owner.{1,2}s contribution "
-                                     r"to step.*7.*not contributed:.*worker:0 \(last contributed at step -1\).*"
-                                     r"restart it from the same checkpoint"):
-                sess.run(totals[0], {step: 7})
-            assert time.monotonic() - start < 20
-            # The worker at step 7 now finds the chief's contribution but nobody hands out the sum:
-            # its own wait is bounded too and names no missing owner.
-            start = time.monotonic()
-            with pytest.raises(tf.errors.InvalidArgumentError,
-                               match=r"(?s)worker:0 waited 1 s for server0.{1,2}s partial sum of step.*7.*"
-                                     r"none \(every owner contributed\).*the chief did not hand out the sum"):
-                sess.run(totals[1], {step: 7})
-            assert time.monotonic() - start < 20
-
-
-def test_step_timeout_is_validated_where_it_is_set(monkeypatch):
-    _as_task(monkeypatch, "worker")
-    for bad, error in ((0, ValueError), (float("inf"), ValueError), ("300", TypeError), (True, TypeError)):
-        with pytest.raises(error, match=r"step_timeout_secs.*step_timeout_secs=300"):
+def test_a_step_waits_at_most_step_timeout_secs_and_a_bad_timeout_is_refused(monkeypatch):
+    _as_task(monkeypatch, "chief")
+    config = TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg")
+    assert config.session_config.operation_timeout_in_ms == 300_000  # never forever
+    assert TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg",
+                        step_timeout_secs=15).session_config.operation_timeout_in_ms == 15_000
+    own = tf.compat.v1.ConfigProto(operation_timeout_in_ms=1234)
+    assert TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg",
+                        session_config=own).session_config.operation_timeout_in_ms == 1234
+    for bad in (0, -1, "60", True, float("inf")):
+        with pytest.raises(ValueError, match=rf"step_timeout_secs={bad!r} must be a number of seconds > 0"):
             TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg", step_timeout_secs=bad)
-    config = TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg", step_timeout_secs=5)
-    assert config.train_distribute.extended._step_timeout_secs == 5.0
+
+
+def test_the_weight_fingerprint_check_passes_equal_copies_and_stops_different_ones():
+    from tfe_estimator.distribute import weight_check
+
+    weights = [np.arange(12, dtype=np.float32).reshape(3, 4) / 7, np.array([0.25], np.float32)]
+    nudged = [weights[0].copy(), weights[1]]
+    nudged[0][1, 2] = np.nextafter(nudged[0][1, 2], np.float32(1))  # one ulp
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        f = [sess.run(weight_check.fingerprint([tf.constant(w) for w in ws])) for ws in (weights, nudged)]
+        assert f[0] != f[1] and 0 <= min(f) and max(f) < weight_check.FINGERPRINT_MODULUS
+        step = tf.constant(3, tf.int64)
+        for fs, ok in (([f[0], f[0], f[0]], True), ([f[0], f[1], f[0]], False)):
+            pairs = [weight_check.fingerprint_pair(tf.constant(x, tf.int64), tf.float32) for x in fs]
+            mean = tf.add_n(pairs) / 3.0  # a MEAN reveal: scale 1/3
+            check = weight_check.assert_identical(mean, 3, 1.0 / 3, step, "worker:1")
+            if ok:
+                sess.run(check)
+            else:
+                with pytest.raises(tf.errors.InvalidArgumentError, match="models of the data owners differ"):
+                    sess.run(check)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_owners_with_different_models_stop_at_the_first_step_naming_the_field_and_owner(tmp_path):
+    import re
+
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), "--worker-extra-feature"],
+                        workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"), out=out,
+                        cluster_mode="between-graph")
+    status = launcher.run()
+    log = out.getvalue()
+    assert status != 0 and "owner finished" not in log, log[-5000:]
+    assert not [t.name for t in launcher.tasks if t.process.poll() is None or _alive(t.process.pid)]
+    # Both owners name the other and the field, instead of TensorFlow's shape error of a shared Barrier.
+    for owner, other in (("chief:0", "worker:0"), ("worker:0", "chief:0")):
+        assert re.search(rf"(?s)Between-graph handshake at step.*\[0\].*the model \(variable names, shapes, "
+                         rf"dtypes\) of.*\[{other}\].*differ from {owner}.{{1,2}}s", log), log[-6000:]

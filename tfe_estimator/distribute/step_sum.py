@@ -9,17 +9,23 @@ every owner's graph names alike (TensorFlow's ``shared_name``):
     server1:               Barrier "<channel>/server1", N components (masked shares)
     owner r:               inserts seed_r into server0's barrier, share_r into server1's,
                            both as component r under the key ``str(step)``
-    chief (its session, on each server k): takes the step's complete element (it blocks
-                           until all N owners contributed), checks its key is the
-                           chief's step, ``part_k = server_sum(...)`` and enqueues
-                           ``(step, part_k)`` into each owner's queue "<channel>/server<k>/owner<o>"
-    owner r (own device):  dequeues its two queues, checks the step, ``reveal_sum``
+    chief (its session):   takes each server's complete element for the step (it blocks
+                           until all N owners contributed) and checks its key is the
+                           chief's step; on server0 ``b, blind = blinded_server_sum(seeds)``
+                           (the owners' masks minus the keystream of a fresh blind key),
+                           on server1 ``w = server_sum(shares + [b])``; enqueues
+                           ``(step, blind)`` on server0 and ``(step, w)`` on server1 into
+                           each owner's queue "<channel>/server<k>/owner<o>"
+    owner r (own device):  dequeues its two queues, checks the step, ``reveal_sum(w, key=blind)``
 
 A second contribution of an owner for the same step is refused by the
 Barrier ("already has a value for component"); a chief that receives a
 complete element of another step (an owner out of step) stops with an error
 naming the steps. The servers only ever hold a fresh key or a masked ring
-vector per owner, and the ring sums of those; only owners reveal.
+vector per owner, and the ring sums of those; server1 receives server0's part
+blinded by a keystream whose key goes only to the owners (server1's
+``RecvTensor`` to server0 is the one server-to-server link); only owners
+reveal. Each owner downloads one ring vector and a 16-byte key per sum.
 
 Example::
 
@@ -28,14 +34,12 @@ Example::
                       owner_device="/job:chief/task:0/device:CPU:0",
                       servers=("/job:tfe/task:0/device:CPU:0", "/job:tfe/task:1/device:CPU:0"),
                       encoding=Encoding(64, 32, 2.0**24), dtype=tf.float32,
-                      owner_names=["chief:0", "worker:0"], hint="clip gradients",
-                      timeout_secs=300.0)
+                      owner_name="chief:0", hint="clip gradients")
 """
 from typing import List, Sequence
 
 import tensorflow as tf
 
-from tfe_estimator.distribute import step_wait
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 
@@ -56,10 +60,9 @@ def step_sum(
     servers: Sequence[str],
     encoding: Encoding,
     dtype: tf.DType,
-    owner_names: Sequence[str],
+    owner_name: str,
     hint: str,
     scale: float = 1.0,
-    timeout_secs: float = step_wait.DEFAULT_STEP_TIMEOUT_SECS,
 ) -> List[tf.Tensor]:
     """This owner's contribution to the sum of `parts` over all owners, revealed on `owner_device`.
 
@@ -74,116 +77,88 @@ def step_sum(
       servers: Pond's server0 and server1 devices.
       encoding: ring, fraction bits and bound.
       dtype: the dtype to decode to.
-      owner_names: every owner's name ("chief:0", ...) by index, for error messages.
+      owner_name: this owner, for error messages.
       hint: how to fix a value out of range, for error messages.
       scale: multiplies the decoded floats (``1/N`` for a MEAN).
-      timeout_secs: how long to wait for the other owners' contributions before
-        stopping with an error that names the owners missing (see `step_wait`).
 
     Returns:
       The decoded sums, shaped like `parts`, on `owner_device`.
     """
     shapes = [p.shape for p in parts]
     num_elements = sum(s.num_elements() for s in shapes)
-    owner_name = owner_names[owner]
-    fix = ("If an owner died, restart it from the same checkpoint as the others (tfe-estimator launch "
-           "--max-restarts); if one is only slow, raise TfeRunConfig(step_timeout_secs=...).")
-    table = step_wait.presence_table(servers[0], f"{SHARED_NAME_PREFIX}/{channel}")
     with tf.device(owner_device), tf.name_scope("between_graph_mask_share"):
-        once = tf.debugging.Assert(
-            tf.not_equal(step_wait.last_steps(table, num_owners)[owner], step),
-            [f"Between-graph secure sum {channel!r}: {owner_name} already contributed to step", step,
-             "; a second contribution to one step is refused (a replayed step: the owner restarted from an "
-             f"older checkpoint than the others, or two processes run as {owner_name}). Run one process per "
-             "owner and restart every owner from the same checkpoint."])
-        with tf.control_dependencies([once]):
-            share, seed = ops.mask_share(list(parts), encoding.bound, encoding.ring_bits, encoding.fraction_bits,
-                                         owner_name, hint)
+        share, seed = ops.mask_share(list(parts), encoding.bound, encoding.ring_bits, encoding.fraction_bits,
+                                     owner_name, hint)
         key = tf.strings.as_string(step)
-    inserts, barriers, queues = [], [], []
+    barriers, inserts, queues = [], [], []
     for k, (contribution, server) in enumerate(zip((seed, share), servers[:2])):
         name = f"{SHARED_NAME_PREFIX}/{channel}/server{k}"
         with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
             if not contribution.shape.is_fully_defined():
                 raise ValueError(f"between-graph sum {channel!r}: the shape of {contribution.name} is "
                                  f"{contribution.shape}, but the servers' barriers need full shapes.")
-            # A Barrier's handle is a ref, which a while loop cannot capture: each use makes its own handle op.
-            barriers.append(lambda c=contribution, n=name, d=server: _barrier(c, num_owners, n, d))
-            with tf.control_dependencies([contribution]):  # after the owners' model check: it names a mismatch
-                handle = barriers[k]()
-            inserts.append(tf.raw_ops.BarrierInsertMany(handle=handle, keys=tf.reshape(key, [1]),
+            with tf.control_dependencies([contribution]):  # after the owners' handshake, which names a mismatch
+                barriers.append(tf.raw_ops.Barrier(component_types=[contribution.dtype] * num_owners,
+                                                   shapes=[contribution.shape] * num_owners, shared_name=name))
+            inserts.append(tf.raw_ops.BarrierInsertMany(handle=barriers[k], keys=tf.reshape(key, [1]),
                                                         values=tf.expand_dims(contribution, 0),
                                                         component_index=owner))
-            queues.append([tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, tf.int64],
+            # What each owner fetches from server k: (step, blind key) from server0, (step, part) from server1.
+            queues.append([tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, _HANDED_OUT[k]],
                                                   shared_name=f"{name}/owner{o}") for o in range(num_owners)])
-    with tf.device(servers[0]), tf.control_dependencies(inserts):
-        present = step_wait.record_presence(table, owner, step)
-    revealed = []
-    for k, contribution in enumerate((seed, share)):
-        handed_out = []
-        if is_chief:  # the chief's session also runs the take, the server sum and every owner's enqueue
-            complete = step_wait.wait_until(
-                lambda b=barriers[k], d=servers[k]: _on(d, lambda: tf.raw_ops.BarrierReadySize(handle=b()) > 0),
-                timeout_secs, owner_device, after=[present])
-            with tf.device(owner_device), tf.control_dependencies([complete]):  # read who is missing after the wait
-                complete = tf.debugging.Assert(complete, [
-                    f"Between-graph secure sum {channel!r}: {owner_name} (the chief) waited {timeout_secs:g} s for "
-                    f"every owner's contribution to step", step, f"on server{k}; owners that had not contributed:",
-                    step_wait.missing_owners(table, owner_names, step), ". " + fix], summarize=num_owners)
-            with tf.device(servers[k]), tf.name_scope(f"between_graph_server{k}"), \
-                    tf.control_dependencies([complete]):
-                handed_out = _distribute(barriers[k](), queues[k], key, step, k, contribution.dtype, num_owners,
-                                         encoding, num_elements)
-        arrived = step_wait.wait_until(
-            lambda q=queues[k][owner], d=servers[k]: _on(d, lambda: tf.raw_ops.QueueSizeV2(handle=q) > 0),
-            timeout_secs, owner_device, after=[present] + handed_out)
-        with tf.device(owner_device), tf.control_dependencies([arrived]):
-            arrived = tf.debugging.Assert(arrived, [
-                f"Between-graph secure sum {channel!r}: {owner_name} waited {timeout_secs:g} s for server{k}'s "
-                "partial sum of step", step, "; owners that had not contributed:",
-                step_wait.missing_owners(table, owner_names, step),
-                "(if none is missing, the chief did not hand out the sum: it may have died). " + fix],
-                summarize=num_owners)
-        with tf.device(servers[k]), tf.name_scope(f"between_graph_server{k}"), tf.control_dependencies([arrived]):
-            got_step, part = tf.raw_ops.QueueDequeueV2(handle=queues[k][owner], component_types=[tf.int64, tf.int64])
+    # The chief's session also runs the takes, the server sums and every owner's enqueues.
+    handed_out = (_distribute(barriers, queues, key, step, (seed.dtype, share.dtype), num_owners, encoding,
+                              num_elements, servers) if is_chief else [])
+    fetched = []
+    for k, (server, like) in enumerate(zip(servers[:2], (seed, share))):
+        with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
+            with tf.control_dependencies(inserts + handed_out):
+                got_step, value = tf.raw_ops.QueueDequeueV2(handle=queues[k][owner],
+                                                            component_types=[tf.int64, _HANDED_OUT[k]])
+                got_step.set_shape([])  # what every enqueue puts in (raw queue ops carry no shapes)
+                value.set_shape(like.shape)  # a key, or ring words as every share (32-bit: two elements per word)
         with tf.device(owner_device), tf.name_scope(f"between_graph_fetch{k}"):
             in_step = tf.debugging.Assert(
                 tf.equal(got_step, step),
                 [f"Between-graph secure sum {channel!r}: {owner_name} at step", step,
-                 f"received server{k}'s partial sum of step", got_step,
+                 f"received server{k}'s part of step", got_step,
                  "; the owners are out of step (restart every owner from the same checkpoint)."])
             with tf.control_dependencies([in_step]):
-                revealed.append(tf.identity(part))
+                fetched.append(tf.identity(value))
     with tf.device(owner_device), tf.name_scope("between_graph_reveal"):
-        return ops.reveal_sum(revealed[0], revealed[1], dtype, encoding.ring_bits, encoding.fraction_bits,
-                              scale, shapes)
+        return ops.reveal_sum(fetched[1], None, dtype, encoding.ring_bits, encoding.fraction_bits,
+                              scale, shapes, key=fetched[0])
 
 
-def _on(device, build):
-    """`build()`'s ops on `device` (a server), whatever device scope encloses the call."""
-    with tf.device(device):
-        return build()
+#: The dtype each owner fetches from server k: server0's blind key, server1's blinded sum.
+_HANDED_OUT = (tf.int32, tf.int64)
 
 
-def _barrier(contribution, num_owners, name, device):
-    """A handle to the server's barrier `name` of one `contribution` per owner."""
-    with tf.device(device):
-        return tf.raw_ops.Barrier(component_types=[contribution.dtype] * num_owners,
-                                  shapes=[contribution.shape] * num_owners, shared_name=name)
+def _distribute(barriers, queues, key, step, dtypes, num_owners, encoding, num_elements, servers):
+    """The chief's ops on the servers: take the step's complete elements, sum, hand out to every owner.
 
-
-def _distribute(barrier, queues, key, step, k, dtype, num_owners, encoding, num_elements):
-    """The chief's ops on server k: take the step's complete element, sum, hand out to every owner."""
-    _, keys, values = tf.raw_ops.BarrierTakeMany(handle=barrier, num_elements=1,
-                                                 component_types=[dtype] * num_owners)
-    same = tf.debugging.Assert(
-        tf.equal(keys[0], key),
-        ["Between-graph secure sum: the chief at step", key, f"took server{k}'s contributions of step", keys[0],
-         "; the owners are out of step (restart every owner from the same checkpoint)."])
-    with tf.control_dependencies([same]):
-        contributions = [tf.squeeze(v, 0) for v in values]
-        if k == 0:
-            part = ops.server_sum(contributions, [], encoding.ring_bits, num_elements)
-        else:
-            part = ops.server_sum([], contributions, encoding.ring_bits, num_elements)
-    return [tf.raw_ops.QueueEnqueueV2(handle=queue, components=[step, part]) for queue in queues]
+    Server0 expands the owners' keys and subtracts the keystream of a fresh
+    blind key; server1 adds that blinded part to the owners' masked shares.
+    Each owner fetches the blind key from server0 and the blinded sum from
+    server1: one ring vector per owner and step instead of both parts.
+    """
+    contributions = []
+    for k, (barrier, dtype) in enumerate(zip(barriers, dtypes)):
+        with tf.device(servers[k]), tf.name_scope(f"between_graph_server{k}"):
+            _, keys, values = tf.raw_ops.BarrierTakeMany(handle=barrier, num_elements=1,
+                                                         component_types=[dtype] * num_owners)
+            same = tf.debugging.Assert(
+                tf.equal(keys[0], key),
+                ["Between-graph secure sum: the chief at step", key, f"took server{k}'s contributions of step",
+                 keys[0], "; the owners are out of step (restart every owner from the same checkpoint)."])
+            with tf.control_dependencies([same]):
+                contributions.append([tf.squeeze(v, 0) for v in values])
+    with tf.device(servers[0]), tf.name_scope("between_graph_server0"):
+        blinded, blind_key = ops.blinded_server_sum(contributions[0], [], encoding.ring_bits, num_elements)
+    with tf.device(servers[1]), tf.name_scope("between_graph_server1"):
+        part = ops.server_sum([], contributions[1] + [blinded], encoding.ring_bits, num_elements)
+    enqueues = []
+    for k, value in enumerate((blind_key, part)):
+        with tf.device(servers[k]), tf.name_scope(f"between_graph_server{k}"):
+            enqueues += [tf.raw_ops.QueueEnqueueV2(handle=queue, components=[step, value]) for queue in queues[k]]
+    return enqueues
