@@ -117,13 +117,14 @@ def test_owners_train_in_their_own_graphs_to_the_plaintext_twin_each_with_its_ow
         assert not [d for d in devices if other in d], f"{owner} placed ops on another owner's task: {devices}"
     np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
     assert not np.allclose(twin, 0.0, atol=0.1)  # it learned from the data
-    # Mutation: a reveal that doubles each sum must fail the comparison with the twin.
+    # Mutation: a reveal that doubles each sum must fail the comparison with the twin (or be stopped:
+    # it also doubles the weight fingerprints' sums, which the owners' model check refuses).
     mutated = os.path.join(workdir, "mutated")
     os.makedirs(mutated)
     data = _owner_data(mutated)
     assert np.allclose(_plaintext_twin(data, STEPS), twin)
-    bad = _train(mutated, "--mutate-reveal-x2")
     with pytest.raises(AssertionError):
+        bad = _train(mutated, "--mutate-reveal-x2")
         np.testing.assert_allclose(bad["chief-0"], twin, atol=1e-5)
 
 
@@ -167,3 +168,59 @@ def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_a_second_
                 sess.run(totals[1], {step: 5})
             np.testing.assert_allclose(sess.run(totals[0], {step: 5}), values[0] + values[1], atol=1e-6)
             waiting.result(timeout=30)
+
+
+def test_a_step_waits_at_most_step_timeout_secs_and_a_bad_timeout_is_refused(monkeypatch):
+    _as_task(monkeypatch, "chief")
+    config = TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg")
+    assert config.session_config.operation_timeout_in_ms == 300_000  # never forever
+    assert TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg",
+                        step_timeout_secs=15).session_config.operation_timeout_in_ms == 15_000
+    own = tf.compat.v1.ConfigProto(operation_timeout_in_ms=1234)
+    assert TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg",
+                        session_config=own).session_config.operation_timeout_in_ms == 1234
+    for bad in (0, -1, "60", True, float("inf")):
+        with pytest.raises(ValueError, match=rf"step_timeout_secs={bad!r} must be a number of seconds > 0"):
+            TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg", step_timeout_secs=bad)
+
+
+def test_the_weight_fingerprint_check_passes_equal_copies_and_stops_different_ones():
+    from tfe_estimator.distribute import weight_check
+
+    weights = [np.arange(12, dtype=np.float32).reshape(3, 4) / 7, np.array([0.25], np.float32)]
+    nudged = [weights[0].copy(), weights[1]]
+    nudged[0][1, 2] = np.nextafter(nudged[0][1, 2], np.float32(1))  # one ulp
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        f = [sess.run(weight_check.fingerprint([tf.constant(w) for w in ws])) for ws in (weights, nudged)]
+        assert f[0] != f[1] and 0 <= min(f) and max(f) < weight_check.FINGERPRINT_MODULUS
+        step = tf.constant(3, tf.int64)
+        for fs, ok in (([f[0], f[0], f[0]], True), ([f[0], f[1], f[0]], False)):
+            pairs = [weight_check.fingerprint_pair(tf.constant(x, tf.int64), tf.float32) for x in fs]
+            mean = tf.add_n(pairs) / 3.0  # a MEAN reveal: scale 1/3
+            check = weight_check.assert_identical(mean, 3, 1.0 / 3, step, "worker:1")
+            if ok:
+                sess.run(check)
+            else:
+                with pytest.raises(tf.errors.InvalidArgumentError, match="models of the data owners differ"):
+                    sess.run(check)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_owners_with_different_models_stop_at_the_first_step_naming_the_field_and_owner(tmp_path):
+    import re
+
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), "--worker-extra-feature"],
+                        workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"), out=out,
+                        cluster_mode="between-graph")
+    status = launcher.run()
+    log = out.getvalue()
+    assert status != 0 and "owner finished" not in log, log[-5000:]
+    assert not [t.name for t in launcher.tasks if t.process.poll() is None or _alive(t.process.pid)]
+    # Both owners name the other and the field, instead of TensorFlow's shape error of a shared Barrier.
+    for owner, other in (("chief:0", "worker:0"), ("worker:0", "chief:0")):
+        assert re.search(rf"(?s)Between-graph handshake at step.*\[0\].*the model \(variable names, shapes, "
+                         rf"dtypes\) of.*\[{other}\].*differ from {owner}.{{1,2}}s", log), log[-6000:]

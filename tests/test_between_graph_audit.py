@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from tfe_estimator.audit.party_audit import PartyAuditError, audit_party_inputs
+from tfe_estimator.distribute.step_sum import SHARED_NAME_PREFIX
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
 SERVERS = DEVICES[2:]
@@ -44,12 +45,13 @@ def owner_runs():
     return [list(m.partition_graphs) for m in metadata]
 
 
-def _node(graphs, device_suffix, name):
+def _node(graphs, device, op, input_suffix=None):
+    """The first node of type `op` on `device` (whose first input ends with `input_suffix`, if given)."""
     for graph in graphs:
         for node in graph.node:
-            if node.name == name and node.device.endswith(device_suffix):
+            if node.op == op and node.device == device and (input_suffix is None or node.input[0].endswith(input_suffix)):
                 return graph, node
-    raise KeyError(name)
+    raise KeyError(op)
 
 
 def _send_of(graphs, producer):
@@ -74,9 +76,8 @@ def test_every_owners_partition_graphs_of_a_between_graph_step_pass_the_audit(ow
 
 def test_an_owner_inserting_its_unmasked_gradient_into_a_barrier_fails(owner_runs):
     graphs = copy.deepcopy(owner_runs[1])
-    share = "between_graph_mask_share_1/TfeMaskShare"
-    send = _send_of(graphs, share)
-    graph, _ = _node(graphs, DEVICES[1][-5:], share)
+    graph, share = _node(graphs, DEVICES[1], "TfeMaskShare")
+    send = _send_of(graphs, share.name)
     raw = graph.node.add(name="raw_gradient", op="Const", device=DEVICES[1])  # the fixed-point gradient, no mask
     raw.attr["dtype"].type = tf.int64.as_datatype_enum
     raw.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.array([3, -4], np.int64)))
@@ -87,24 +88,26 @@ def test_an_owner_inserting_its_unmasked_gradient_into_a_barrier_fails(owner_run
 
 def test_an_owners_key_inserted_into_server1s_barrier_beside_its_share_fails(owner_runs):
     graphs = copy.deepcopy(owner_runs[1])
-    send = _send_of(graphs, "between_graph_mask_share_1/TfeMaskShare")
-    send.input[0] = "between_graph_mask_share_1/TfeMaskShare:1"  # the key goes where the share went
+    _, share = _node(graphs, DEVICES[1], "TfeMaskShare")
+    send = _send_of(graphs, share.name)
+    send.input[0] = share.name + ":1"  # the key goes where the share went
     with pytest.raises(PartyAuditError, match="into server1's barrier, which holds the masked shares"):
         audit_party_inputs(graphs, SERVERS)
 
 
 def test_the_chief_handing_one_owners_share_to_an_owner_fails(owner_runs):
     graphs = copy.deepcopy(owner_runs[0])
-    _, enqueue = _node(graphs, "CPU:3", "between_graph_server1/QueueEnqueueV2_1")
-    enqueue.input[2] = "between_graph_server1/Squeeze_1"  # owner 1's share instead of the partial sum
+    _, enqueue = _node(graphs, SERVERS[1], "QueueEnqueueV2")
+    _, squeeze = _node(graphs, SERVERS[1], "Squeeze", ":3")
+    enqueue.input[2] = squeeze.name  # owner 1's share instead of the partial sum
     with pytest.raises(PartyAuditError, match="may only reach this server's TfeServerSum"):
         audit_party_inputs(graphs, SERVERS)
 
 
 def test_a_take_whose_component_is_sent_to_an_owner_device_fails(owner_runs):
     graphs = copy.deepcopy(owner_runs[0])
-    graph, take = _node(graphs, "CPU:3", "between_graph_server1/BarrierTakeMany")
-    send = graph.node.add(name="leak_send", op="_Send", device=take.device, input=["between_graph_server1/BarrierTakeMany:3"])
+    graph, take = _node(graphs, SERVERS[1], "BarrierTakeMany")
+    send = graph.node.add(name="leak_send", op="_Send", device=take.device, input=[take.name + ":3"])
     send.attr["T"].type = tf.int64.as_datatype_enum
     send.attr["tensor_name"].s = b"leak_edge"
     send.attr["send_device"].s = take.device.encode()
@@ -113,10 +116,10 @@ def test_a_take_whose_component_is_sent_to_an_owner_device_fails(owner_runs):
         audit_party_inputs(graphs, SERVERS)
 
 
-@pytest.mark.parametrize("shared_name", ["my_barrier", "tfe_between_graph/sum_0/server1"])
+@pytest.mark.parametrize("shared_name", ["my_barrier", f"{SHARED_NAME_PREFIX}/sum_0/server1"])
 def test_a_barrier_outside_step_sums_scheme_or_on_the_wrong_server_fails(owner_runs, shared_name):
     graphs = copy.deepcopy(owner_runs[1])
-    _, barrier = _node(graphs, "CPU:2", "between_graph_server0_1/Barrier")
+    _, barrier = _node(graphs, SERVERS[0], "Barrier")
     barrier.attr["shared_name"].s = shared_name.encode()
     with pytest.raises(PartyAuditError, match=r"between-graph sums use only barriers named"):
         audit_party_inputs(graphs, SERVERS)

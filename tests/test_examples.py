@@ -64,6 +64,7 @@ def test_linear_regressor_cluster_example_runs_under_launch(tmp_path):
     out = io.StringIO()
     launcher = Launcher([sys.executable, str(EXAMPLES / "linear_regressor_cluster.py"),
                          "--model-dir", str(tmp_path / "model"), "--steps", "30"],
-                        workers=1, evaluator=True, task_cwd=str(tmp_path / "{job}-{index}"), out=out)
+                        workers=1, evaluator=True, task_cwd=str(tmp_path / "{job}-{index}"), out=out,
+                        cluster_mode="in-graph")
     assert launcher.run() == 0, out.getvalue()[-5000:]
     assert "Saving dict for global step 30" in out.getvalue()

@@ -37,7 +37,7 @@ def _cluster(workdir, steps, step_seconds, **kwargs):
                "--model-dir", os.path.join(workdir, "model"), "--steps", str(steps), "--learning-rate", "0.1",
                "--save-checkpoints-steps", "50", "--step-seconds", str(step_seconds)]
     return Launcher(command, workers=1, evaluator=True, task_cwd=os.path.join(workdir, "{job}-{index}"),
-                    out=io.StringIO(), grace_seconds=5, **kwargs)
+                    out=io.StringIO(), grace_seconds=5, cluster_mode="in-graph", **kwargs)
 
 
 def _checkpoint(model_dir, step):

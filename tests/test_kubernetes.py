@@ -6,7 +6,7 @@ import shlex
 import pytest
 import yaml
 
-from tfe_estimator.cluster import kubernetes
+from tfe_estimator.cluster import kubernetes, peers
 from tfe_estimator.cluster.spec import TfeCluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -78,8 +78,8 @@ def test_one_service_and_one_workload_per_task(workers, evaluator):
     for m in manifests:
         assert m["metadata"]["namespace"] == "ml"
         assert m["metadata"]["labels"][kubernetes.CLUSTER_LABEL] == "demo"
-    assert len(kinds["NetworkPolicy"]) == 1
-    assert len(manifests) == 2 * len(expected) + 1
+    assert sorted(_task_of(p) for p in kinds["NetworkPolicy"]) == sorted(expected)  # one per task
+    assert len(manifests) == 3 * len(expected)
 
 
 @pytest.mark.parametrize("workers,evaluator", SHAPES)
@@ -153,11 +153,25 @@ def test_tfe_pods_run_the_server_and_others_the_training_command():
             model = {"claimName": "demo-model", "readOnly": False}
             volumes = {v["name"]: v["persistentVolumeClaim"] for v in spec["volumes"]}
             mounts = {m["name"]: (m["mountPath"], m["readOnly"]) for m in container["volumeMounts"]}
-            if job == "worker":  # only the chief writes checkpoints; only the evaluator reads them
-                assert volumes == {"data": data} and mounts == {"data": ("/data", True)}
-            else:
-                assert volumes == {"data": data, "model": model}
-                assert mounts == {"data": ("/data", True), "model": ("/model", False)}
+            # Between-graph (the default) every owner checkpoints its own copy; the evaluator reads the chief's.
+            assert volumes == {"data": data, "model": model}
+            assert mounts == {"data": ("/data", True), "model": ("/model", False)}
+
+
+def test_in_graph_mounts_the_model_in_the_chief_and_evaluator_only_and_between_graph_per_owner():
+    in_graph = _render(1, True, model_claim="{name}-model", cluster_mode="in-graph")
+    (worker,) = [w for w in in_graph if w["kind"] == "Job" and _task_of(w) == ("worker", 0)]
+    assert "model" not in {v["name"] for v in _pod_template(worker)["spec"].get("volumes", [])}
+    own = _render(1, True, model_claim="{name}-model-{job}-{index}")
+    claims = {_task_of(w): {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in _pod_template(w)["spec"]["volumes"]}
+              for w in own if w["kind"] == "Job"}
+    assert claims[("chief", 0)]["model"] == "demo-model-chief-0"
+    assert claims[("worker", 0)]["model"] == "demo-model-worker-0"
+    assert claims[("evaluator", 0)]["model"] == "demo-model-chief-0"  # its organisation's checkpoints
+    for w in own + in_graph:
+        if w["kind"] in ("Job", "Deployment"):
+            env = {e["name"]: e["value"] for e in _container(w)["env"]}
+            assert env["TFE_ESTIMATOR_CLUSTER_MODE"] in ("between-graph", "in-graph")
 
 
 def test_no_volumes_without_claims():
@@ -167,23 +181,89 @@ def test_no_volumes_without_claims():
             assert "volumeMounts" not in _container(w)
 
 
-@pytest.mark.parametrize("workers,evaluator", SHAPES)
-def test_network_policy_admits_only_the_clusters_pods(workers, evaluator):
-    manifests = _render(workers, evaluator)
-    (policy,) = [m for m in manifests if m["kind"] == "NetworkPolicy"]
-    spec = policy["spec"]
-    assert spec["policyTypes"] == ["Ingress"]
-    selector = spec["podSelector"]
-    assert set(selector) == {"matchLabels"}
-    pods = [_pod_template(w)["metadata"]["labels"] for w in manifests if w["kind"] in ("Job", "Deployment")]
-    assert all(_matches(selector["matchLabels"], labels) for labels in pods)
-    other_cluster = _render(workers, evaluator)[0]["metadata"]["labels"] | {kubernetes.CLUSTER_LABEL: "other"}
-    assert not _matches(selector["matchLabels"], other_cluster)
-    assert not _matches(selector["matchLabels"], {})
-    (rule,) = spec["ingress"]
-    (peer,) = rule["from"]
-    assert peer == {"podSelector": selector}  # no namespaceSelector, no ipBlock: same namespace, same cluster
-    assert rule["ports"] == [{"protocol": "TCP", "port": 2222}]
+def _pod_labels(manifests):
+    return {_task_of(w): _pod_template(w)["metadata"]["labels"] for w in manifests if w["kind"] in ("Job", "Deployment")}
+
+
+def _selects(selector, labels):
+    """Whether a Kubernetes label selector (matchLabels and In expressions) picks `labels`."""
+    ok = _matches(selector.get("matchLabels", {}), labels)
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In", expression
+        ok = ok and labels.get(expression["key"]) in expression["values"]
+    return ok
+
+
+def _reachable(manifests, port):
+    """(caller, callee) pairs the NetworkPolicies let connect on `port`, as Kubernetes evaluates them."""
+    pods = _pod_labels(manifests)
+    policies = [m for m in manifests if m["kind"] == "NetworkPolicy"]
+    pairs = set()
+    for callee, callee_labels in pods.items():
+        mine = [p["spec"] for p in policies if _selects(p["spec"]["podSelector"], callee_labels)]
+        assert mine, f"no policy isolates {callee}: every pod could reach it"
+        for caller, caller_labels in pods.items():
+            if caller != callee and any(
+                    any(_selects(peer["podSelector"], caller_labels) for peer in rule.get("from", []))
+                    and any(p["port"] == port for p in rule.get("ports", []))
+                    for spec in mine for rule in spec["ingress"]):
+                pairs.add((caller, callee))
+    return pairs
+
+
+def _table(tasks, mode):
+    return {(a, b) for a in tasks for b in tasks if a != b and a[0] in peers.allowed_callers(mode, b[0])}
+
+
+@pytest.mark.parametrize("mode", ["between-graph", "in-graph"])
+@pytest.mark.parametrize("tls", [False, True])
+@pytest.mark.parametrize("workers,evaluator", [(1, True), (3, False)])
+def test_network_policies_let_through_exactly_the_peer_table(mode, tls, workers, evaluator):
+    manifests = _render(workers, evaluator, cluster_mode=mode, tls=tls)
+    port = kubernetes.TLS_PORT if tls else 2222
+    assert _reachable(manifests, port) == _table(_expected_tasks(workers, evaluator), mode)
+    if mode == "between-graph":
+        assert (("worker", 0), ("chief", 0)) not in _reachable(manifests, port)  # owners never reach each other
+
+
+def test_the_policy_check_catches_a_policy_that_lets_owners_reach_each_other():
+    """Mutation: the chief's policy also admits workers; the comparison with the peer table must fail."""
+    manifests = _render(1, True, tls=True)
+    (chief,) = [m for m in manifests if m["kind"] == "NetworkPolicy" and _task_of(m) == ("chief", 0)]
+    chief["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"].append("worker")
+    with pytest.raises(AssertionError):
+        assert _reachable(manifests, kubernetes.TLS_PORT) == _table(_expected_tasks(1, True), "between-graph")
+
+
+def test_with_tls_tensorflow_ports_are_exposed_nowhere_and_every_pod_has_its_sidecar():
+    from tfe_estimator.cluster.sidecar import stunnel_config
+
+    manifests = _render(1, True, tls=True, tls_secret="{name}-{job}-{index}-certs")
+    tf_ports = set()
+    for w in manifests:
+        if w["kind"] not in ("Job", "Deployment"):
+            continue
+        job, index = _task_of(w)
+        spec = _pod_template(w)["spec"]
+        (sidecar,) = spec["initContainers"]
+        assert sidecar["restartPolicy"] == "Always"  # a native sidecar: the Job still completes
+        assert sidecar["command"][0] == "stunnel4"
+        secret = {v["name"]: v for v in spec["volumes"]}["tls-certs"]["secret"]["secretName"]
+        assert secret == f"demo-{job}-{index}-certs"
+        tf_ports |= {p["containerPort"] for p in _container(w)["ports"]}
+        cluster = json.loads(_tf_config(w))["cluster"]
+        assert all(a.startswith("localhost:") for addresses in cluster.values() for a in addresses)
+    assert len(tf_ports) == len(_expected_tasks(1, True))  # task k at port + k
+    for m in manifests:
+        if m["kind"] == "Service":
+            assert [p["port"] for p in m["spec"]["ports"]] == [kubernetes.TLS_PORT]
+        if m["kind"] == "NetworkPolicy":
+            ports = {p["port"] for rule in m["spec"]["ingress"] for p in rule["ports"]}
+            assert not ports & tf_ports and ports <= {kubernetes.TLS_PORT}
+    configs = {_task_of(m): m["data"]["stunnel.conf"] for m in manifests if m["kind"] == "ConfigMap"}
+    assert sorted(configs) == sorted(_expected_tasks(1, True))
+    assert "checkHost = worker-0.demo" not in configs[("chief", 0)]  # between-graph: owners refuse each other
+    assert "checkHost = tfe-0.demo" in configs[("chief", 0)]
 
 
 @pytest.mark.parametrize("workers,evaluator", SHAPES)
@@ -207,9 +287,11 @@ def _schema_validator():
 @pytest.mark.parametrize("workers,evaluator", SHAPES)
 def test_every_manifest_is_valid_against_the_kubernetes_schemas(workers, evaluator):
     utils = _schema_validator()
-    manifests = _render(workers, evaluator, data_claim="{name}-data-{job}-{index}", model_claim="{name}-model")
-    for manifest in yaml.safe_load_all(kubernetes.to_yaml(manifests)):
-        utils.validate(manifest, utils.latest_version(), strict=True)  # strict: unknown fields fail too
+    for mode, tls in (("between-graph", False), ("in-graph", False), ("between-graph", True), ("in-graph", True)):
+        manifests = _render(workers, evaluator, data_claim="{name}-data-{job}-{index}", model_claim="{name}-model",
+                            cluster_mode=mode, tls=tls)
+        for manifest in yaml.safe_load_all(kubernetes.to_yaml(manifests)):
+            utils.validate(manifest, utils.latest_version(), strict=True)  # strict: unknown fields fail too
 
 
 def test_the_schema_check_catches_a_broken_manifest():

@@ -51,7 +51,7 @@ def _launcher(workdir, mode, steps, **kwargs):
                "--model-dir", os.path.join(workdir, f"model-{mode}"), "--steps", str(steps),
                "--learning-rate", "0.1"] + (["--audit"] if mode == "secure" else [])
     return Launcher(command, workers=1, evaluator=True, task_cwd=os.path.join(workdir, "{job}-{index}"),
-                    out=kwargs.pop("out", io.StringIO()), **kwargs)
+                    out=kwargs.pop("out", io.StringIO()), cluster_mode="in-graph", **kwargs)
 
 
 def _assert_all_gone(launcher):
@@ -142,7 +142,8 @@ def test_evaluator_survives_checkpoint_rotation_and_a_chief_that_finishes_first(
                "--steps", "300", "--save-checkpoints-steps", "50", "--keep-checkpoint-max", "5",
                "--start-delay-secs", "1", "--learning-rate", "0.1"]
     out = io.StringIO()
-    launcher = Launcher(command, workers=1, evaluator=True, task_cwd=os.path.join(workdir, "{job}-{index}"), out=out)
+    launcher = Launcher(command, workers=1, evaluator=True, task_cwd=os.path.join(workdir, "{job}-{index}"), out=out,
+                        cluster_mode="in-graph")
     status = launcher.run()
     log = out.getvalue()
     assert status == 0, log[-6000:]

@@ -102,18 +102,23 @@ def test_server1_cannot_add_up_the_sum_from_what_it_receives():
         assert np.mean(held == total) < 0.01  # uniform words: a match is chance (2**-64 each)
 
 
-def test_server1_could_add_up_the_sum_if_server0_sent_its_part_unblinded(monkeypatch):
-    """Mutation: server0 hands its part over in the clear; the check above must then fail."""
+def plant_unblinded_server0(monkeypatch):
+    """Mutation: server0 hands its part over in the clear (and the reveal has nothing to unblind)."""
     def unblinded(seeds, shares, ring_bits, num_elements):
         return kernel_ops.server_sum(seeds, shares, ring_bits, num_elements), tf.zeros([4], tf.int32)
 
     real_reveal = kernel_ops.reveal_sum
 
-    def reveal(share0, share1, *args, key=None, **kwargs):  # nothing to unblind: the second part is 0
+    def reveal(share0, share1, *args, key=None, **kwargs):  # the second part is 0
         return real_reveal(share0, tf.zeros_like(share0), *args, **kwargs)
 
     monkeypatch.setattr(kernel_ops, "blinded_server_sum", unblinded)
     monkeypatch.setattr(kernel_ops, "reveal_sum", reveal)
+
+
+def test_server1_could_add_up_the_sum_if_server0_sent_its_part_unblinded(monkeypatch):
+    """Mutation: server0 hands its part over in the clear; the check above must then fail."""
+    plant_unblinded_server0(monkeypatch)
     with pytest.raises(AssertionError):
         test_server1_cannot_add_up_the_sum_from_what_it_receives()
 

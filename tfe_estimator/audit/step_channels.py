@@ -19,8 +19,9 @@ fixed meaning, checked in every graph that touches them:
   ``Squeeze``); component ``r`` of server0's take is owner r's key, of
   server1's take owner r's share masked by that key, so the server sums get
   the same forms as in-graph;
-- ``QueueEnqueueV2`` enqueues ``(step, TfeServerSum:0 of its own party)`` into
-  a queue of the scheme; ``QueueDequeueV2`` therefore yields a partial sum;
+- ``QueueEnqueueV2`` enqueues ``(step, TfeServerSum:0 or :1 of its own
+  party)`` into a queue of the scheme: a partial sum or server0's fresh blind
+  key, which only owners receive; ``QueueDequeueV2`` therefore yields one;
 - the step itself (an integer scalar, or its string key from ``AsString``)
   may reach a party only as a queue's step component, a barrier key or an
   out-of-step check (``Equal``/``Assert``/``Switch`` predicate).
@@ -121,10 +122,10 @@ class StepChannels:
             elif node.op == "QueueEnqueueV2":
                 self._scheme(device, node.input[0], _QUEUE, "queue", node)
                 value_device, value, index = self._graphs.resolve(device, node.input[2])
-                if value.op != "TfeServerSum" or index != 0 or value_device != device:
+                if value.op != "TfeServerSum" or index not in (0, 1) or value_device != device:
                     self._fail(f"{node.name!r} on {device} enqueues {value.op} {value.name!r}:{index} from "
                                f"{value_device}: an owner's queue may only receive its server's partial sum "
-                               "(TfeServerSum:0 on the queue's party).")
+                               "or blind key (TfeServerSum:0 or :1 on the queue's party).")
             elif node.op == "QueueDequeueV2":
                 self._scheme(device, node.input[0], _QUEUE, "queue", node)
 

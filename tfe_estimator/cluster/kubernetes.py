@@ -37,7 +37,10 @@ import re
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from tfe_estimator.cluster.spec import NUM_TFE_TASKS, TFE_JOB, cluster_jobs, cluster_tasks, tf_config_json
+from tfe_estimator.cluster import certs, peers
+from tfe_estimator.cluster.sidecar import stunnel_config
+from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, NUM_TFE_TASKS, TFE_JOB, cluster_jobs, cluster_tasks,
+                                        tf_config_json)
 from tfe_estimator.cluster.server import server_command
 
 __all__ = [
@@ -45,6 +48,9 @@ __all__ = [
     "JOB_LABEL",
     "INDEX_LABEL",
     "DEFAULT_PORT",
+    "TLS_PORT",
+    "DEFAULT_SIDECAR_IMAGE",
+    "DEFAULT_TLS_SECRET",
     "DEFAULT_COMMAND",
     "SERVER_COMMAND",
     "NUM_TFE_TASKS",
@@ -61,6 +67,13 @@ JOB_LABEL = "tfe-estimator/job"
 INDEX_LABEL = "tfe-estimator/task-index"
 
 DEFAULT_PORT = 2222
+#: With --tls: where each pod's sidecar accepts mutual TLS (the only port a Service exposes).
+TLS_PORT = 8443
+#: With --tls: the sidecar container's image (Debian's stunnel4; deploy/sidecar/Dockerfile builds it).
+DEFAULT_SIDECAR_IMAGE = "tfe-estimator-tls-sidecar:1"
+#: With --tls: the Secret per task holding ca.crt and the task's <job>-<index>.crt/.key (`tfe-estimator certs`).
+DEFAULT_TLS_SECRET = "{name}-{job}-{index}-tls"
+_TLS_DIR = "/etc/tfe-tls"
 DEFAULT_COMMAND: Tuple[str, ...] = ("python", "train.py")
 #: What a ``tfe`` pod runs: a TensorFlow server configured by TF_CONFIG (the one server command).
 SERVER_COMMAND: Tuple[str, ...] = server_command()
@@ -139,6 +152,26 @@ def _check_arguments(
         raise ValueError(f"data_mount_path and model_mount_path are both {data_path!r}: use two paths.")
 
 
+def _check_tls(name: str, tasks, port: int, sidecar_image: str, tls_secret: str) -> None:
+    """Raises ValueError naming a bad TLS argument and the fix."""
+    if port + len(tasks) - 1 > 65535 or TLS_PORT in range(port, port + len(tasks)):
+        raise ValueError(f"port={port} with --tls: task k's TensorFlow port is port + k (up to "
+                         f"{port + len(tasks) - 1}), which must stay below 65536 and clear of the TLS port "
+                         f"{TLS_PORT}. Use e.g. --port {DEFAULT_PORT}.")
+    if not isinstance(sidecar_image, str) or not sidecar_image.strip() or any(c.isspace() for c in sidecar_image):
+        raise ValueError(f"sidecar_image={sidecar_image!r} must be a container image reference without spaces "
+                         "(build one from deploy/sidecar/Dockerfile).")
+    for job, index in tasks:
+        try:
+            secret = tls_secret.format(name=name, job=job, index=index)
+        except (KeyError, IndexError, AttributeError) as e:
+            raise ValueError(f"tls_secret={tls_secret!r}: only the placeholders {{name}}, {{job}} and {{index}} "
+                             f"are available ({e!r}).") from None
+        if len(secret) > 253 or not _DNS_1123_SUBDOMAIN.match(secret):
+            raise ValueError(f"tls_secret={tls_secret!r} gives {secret!r}, not a valid Secret name (lowercase "
+                             "letters, digits, '-' and '.').")
+
+
 def _tasks(workers: int, evaluator: bool) -> List[Tuple[str, int]]:
     """`(job, index)` of every task, in TF_CONFIG order (the one layout, `cluster_tasks`)."""
     return cluster_tasks(workers, evaluator, NUM_TFE_TASKS)
@@ -170,13 +203,15 @@ def _pod_spec(
     port: int,
     restart_policy: str,
     mounts: Sequence[Tuple[str, str, str, bool]] = (),
+    mode: str = peers.BETWEEN_GRAPH,
+    sidecar: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
-    """A pod spec; `mounts` are (volume name, claim name, mount path, read-only)."""
+    """A pod spec; `mounts` are (volume name, claim name, mount path, read-only); `sidecar` adds the TLS sidecar."""
     container: Dict[str, Any] = {
         "name": "tensorflow" if job != TFE_JOB else "tfe-server",
         "image": image,
         "command": list(command),
-        "env": [{"name": "TF_CONFIG", "value": tf_config}],
+        "env": [{"name": "TF_CONFIG", "value": tf_config}, {"name": LAUNCH_CLUSTER_MODE_ENV, "value": mode}],
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
     }
     spec: Dict[str, Any] = {
@@ -186,15 +221,70 @@ def _pod_spec(
         "enableServiceLinks": False,
         "containers": [container],
     }
+    if sidecar is not None:
+        # A native sidecar (an init container that keeps running, Kubernetes >= 1.29): it starts before
+        # TensorFlow and is stopped once the training container exits, so a Job still completes.
+        spec["initContainers"] = [sidecar["container"]]
+        spec["volumes"] = list(sidecar["volumes"])
     if mounts:
         container["volumeMounts"] = [
             {"name": volume, "mountPath": path, "readOnly": read_only} for volume, _, path, read_only in mounts
         ]
-        spec["volumes"] = [
+        spec["volumes"] = spec.get("volumes", []) + [
             {"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}}
             for volume, claim, _, read_only in mounts
         ]
     return spec
+
+
+def _sidecar(name: str, task: Tuple[str, int], image: str, secret: str) -> Dict[str, Any]:
+    """The TLS sidecar container of `task`'s pod and its volumes (its stunnel config, its Secret)."""
+    return {
+        "container": {
+            "name": "tls-sidecar",
+            "image": image,
+            "restartPolicy": "Always",
+            "command": ["stunnel4", f"{_TLS_DIR}/config/stunnel.conf"],
+            "ports": [{"name": "tls", "containerPort": TLS_PORT, "protocol": "TCP"}],
+            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]}},
+            "volumeMounts": [{"name": "tls-config", "mountPath": f"{_TLS_DIR}/config", "readOnly": True},
+                             {"name": "tls-certs", "mountPath": f"{_TLS_DIR}/certs", "readOnly": True}],
+        },
+        "volumes": [{"name": "tls-config", "configMap": {"name": f"{name}-{certs.task_name(*task)}-stunnel"}},
+                    {"name": "tls-certs", "secret": {"secretName": secret, "defaultMode": 0o400}}],
+    }
+
+
+def _network_policy(name: str, namespace: str, task: Tuple[str, int], tasks, mode: str, port: int,
+                    tls: bool) -> Dict[str, Any]:
+    """Ingress to `task`'s pod only from the tasks the peer table lets call it, on its one port
+    (the TLS port with `tls`, else TensorFlow's); with `tls` also egress only to the tasks it may call
+    (and DNS)."""
+    job, index = task
+
+    def pods(jobs):
+        return [{"podSelector": {"matchLabels": {CLUSTER_LABEL: name},
+                                 "matchExpressions": [{"key": JOB_LABEL, "operator": "In", "values": sorted(jobs)}]}}]
+
+    callers = [j for j in peers.allowed_callers(mode, job) if any(t[0] == j for t in tasks)]
+    spec: Dict[str, Any] = {"podSelector": {"matchLabels": _selector(name, job, index)},
+                            "policyTypes": ["Ingress"],
+                            "ingress": ([{"from": pods(callers), "ports": [{"protocol": "TCP", "port": port}]}]
+                                        if callers else [])}
+    if tls:
+        callees = [j for j in peers.allowed_callees(mode, job) if any(t[0] == j for t in tasks)]
+        spec["policyTypes"].append("Egress")
+        spec["egress"] = [{"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}]
+        if callees:
+            spec["egress"].insert(0, {"to": pods(callees), "ports": [{"protocol": "TCP", "port": TLS_PORT}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": f"{name}-{job}-{index}-peers", "namespace": namespace,
+                     "labels": _labels(name, job, index)},
+        "spec": spec,
+    }
 
 
 def render_manifests(
@@ -210,6 +300,10 @@ def render_manifests(
     model_claim: Optional[str] = None,
     model_mount_path: str = "/model",
     active_deadline_seconds: Optional[int] = None,
+    cluster_mode: str = peers.BETWEEN_GRAPH,
+    tls: bool = False,
+    sidecar_image: str = DEFAULT_SIDECAR_IMAGE,
+    tls_secret: str = DEFAULT_TLS_SECRET,
 ) -> List[Dict[str, Any]]:
     """Renders the Kubernetes objects of one secure-aggregation cluster.
 
@@ -252,6 +346,23 @@ def render_manifests(
         (``activeDeadlineSeconds``): a chief waiting for a task that never
         comes back (TensorFlow has no timeout for a missing in-graph worker)
         then fails after that long instead of waiting indefinitely.
+      cluster_mode: "between-graph" (default: every owner runs only its own
+        graph; `model_claim` is mounted in every owner's pod, and the
+        evaluator gets the chief's) or "in-graph"; exported to the pods as
+        ``TFE_ESTIMATOR_CLUSTER_MODE`` and deciding the NetworkPolicies: one
+        per task, admitting only the tasks `tfe_estimator.cluster.peers` lets
+        call it.
+      tls: mutual TLS on every link (`tfe_estimator.cluster.sidecar`): a
+        ``tls-sidecar`` container (stunnel) per pod with its config in a
+        ConfigMap per task and its key and certificates from the Secret
+        `tls_secret`; TF_CONFIG names every task at ``localhost:<port + k>``
+        (its sidecar's listener); Services and NetworkPolicies expose only
+        the TLS port (8443), so TensorFlow's own port is reachable from its
+        pod only, and each pod may connect out only to the tasks it may call.
+      sidecar_image: the sidecar's image (``deploy/sidecar/Dockerfile``).
+      tls_secret: the Secret name per task, with ``{name}``, ``{job}`` and
+        ``{index}``; it must hold ``ca.crt`` and ``<job>-<index>.crt/.key``
+        made for cluster `name` (``tfe-estimator certs --cluster NAME``).
 
     Returns:
       The manifests as JSON-compatible dicts: Services and workloads task by
@@ -282,19 +393,28 @@ def render_manifests(
         or active_deadline_seconds < 1
     ):
         raise ValueError(f"active_deadline_seconds={active_deadline_seconds!r} must be an integer >= 1 (seconds).")
+    peers.validate_mode(cluster_mode, "cluster_mode")
     command = tuple(command)
     tasks = _tasks(workers, evaluator)
+    tf_ports = {t: (port + k if tls else port) for k, t in enumerate(tasks)}
+    if tls:
+        _check_tls(name, tasks, port, sidecar_image, tls_secret)
 
     def address(job: str, index: int) -> str:
+        if tls:  # the caller's own sidecar listens there for this task
+            return f"localhost:{tf_ports[(job, index)]}"
         return f"{name}-{job}-{index}.{namespace}.svc:{port}"
 
     cluster = cluster_jobs(tasks, address)
+    tls_addresses = {t: f"{name}-{certs.task_name(*t)}.{namespace}.svc:{TLS_PORT}" for t in tasks}
 
     manifests: List[Dict[str, Any]] = []
     for job, index in tasks:
         task_name = f"{name}-{job}-{index}"
         labels = _labels(name, job, index)
         tf_config = tf_config_json(cluster, job, index)
+        exposed = ({"name": "tls", "port": TLS_PORT, "targetPort": TLS_PORT, "protocol": "TCP"} if tls else
+                   {"name": "grpc", "port": port, "targetPort": port, "protocol": "TCP"})
         manifests.append(
             {
                 "apiVersion": "v1",
@@ -305,13 +425,24 @@ def render_manifests(
                     # TF servers dial each other while starting; resolve before readiness.
                     "publishNotReadyAddresses": True,
                     "selector": _selector(name, job, index),
-                    "ports": [{"name": "grpc", "port": port, "targetPort": port, "protocol": "TCP"}],
+                    "ports": [exposed],
                 },
             }
         )
+        sidecar = None
+        if tls:
+            config = stunnel_config((job, index), tasks, cluster_mode, f"{_TLS_DIR}/certs", name, tf_ports,
+                                    tls_addresses)
+            manifests.append({"apiVersion": "v1", "kind": "ConfigMap",
+                              "metadata": {"name": f"{task_name}-stunnel", "namespace": namespace,
+                                           "labels": dict(labels)},
+                              "data": {"stunnel.conf": config}})
+            sidecar = _sidecar(name, (job, index), sidecar_image, tls_secret.format(name=name, job=job, index=index))
+        tf_port = tf_ports[(job, index)]
         if job == TFE_JOB:
             # The TFE parties never see data or the model: no volumes.
-            pod_spec = _pod_spec(job, image, SERVER_COMMAND, tf_config, port, "Always")
+            pod_spec = _pod_spec(job, image, SERVER_COMMAND, tf_config, tf_port, "Always", mode=cluster_mode,
+                                 sidecar=sidecar)
             manifests.append(
                 {
                     "apiVersion": "apps/v1",
@@ -330,11 +461,15 @@ def render_manifests(
             mounts = []
             if data_claim is not None:
                 mounts.append(("data", data_claim.format(name=name, job=job, index=index), data_mount_path, True))
-            if model_claim is not None and job in ("chief", "evaluator"):
-                claim = model_claim.format(name=name, job=job, index=index)
-                # Read-write for both: the chief writes checkpoints, the evaluator model_dir/eval.
+            owners_dir = cluster_mode == peers.BETWEEN_GRAPH  # every owner checkpoints its own copy
+            if model_claim is not None and (job in ("chief", "evaluator") or owners_dir):
+                # The evaluator evaluates the chief's organisation's checkpoints (between-graph: the chief's claim).
+                of = ("chief", 0) if job == "evaluator" and owners_dir else (job, index)
+                claim = model_claim.format(name=name, job=of[0], index=of[1])
+                # Read-write for all: owners write checkpoints, the evaluator model_dir/eval.
                 mounts.append(("model", claim, model_mount_path, False))
-            pod_spec = _pod_spec(job, image, command, tf_config, port, "OnFailure", mounts)
+            pod_spec = _pod_spec(job, image, command, tf_config, tf_port, "OnFailure", mounts, mode=cluster_mode,
+                                 sidecar=sidecar)
             manifests.append(
                 {
                     "apiVersion": "batch/v1",
@@ -349,26 +484,10 @@ def render_manifests(
             if active_deadline_seconds is not None:
                 manifests[-1]["spec"]["activeDeadlineSeconds"] = active_deadline_seconds
 
-    cluster_pods = {"matchLabels": {CLUSTER_LABEL: name}}
-    manifests.append(
-        {
-            "apiVersion": "networking.k8s.io/v1",
-            "kind": "NetworkPolicy",
-            "metadata": {"name": f"{name}-cluster-only", "namespace": namespace, "labels": _labels(name)},
-            "spec": {
-                # TensorFlow's gRPC has no TLS or authentication: only the cluster's own
-                # pods (same namespace, same label) may connect to the cluster's pods.
-                "podSelector": cluster_pods,
-                "policyTypes": ["Ingress"],
-                "ingress": [
-                    {
-                        "from": [{"podSelector": cluster_pods}],
-                        "ports": [{"protocol": "TCP", "port": port}],
-                    }
-                ],
-            },
-        }
-    )
+    # One NetworkPolicy per task: only the peers the cluster mode's table allows (cluster.peers).
+    for task in tasks:
+        manifests.append(_network_policy(name, namespace, task, tasks, cluster_mode,
+                                         TLS_PORT if tls else port, tls))
     return manifests
 
 
@@ -429,11 +548,39 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--active-deadline-seconds", type=int, default=None,
                         help="bound every Job's run time (a chief waiting for a task that never comes back fails "
                         "after this long)")
+    parser.add_argument("--cluster-mode", default=peers.BETWEEN_GRAPH,
+                        help="between-graph (default: each owner runs only its own graph) or in-graph; decides "
+                        "who may reach whom (one NetworkPolicy per task)")
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS on every link: a stunnel sidecar per pod, certificates from a Secret per "
+                        "task, only the TLS port exposed")
+    parser.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE,
+                        help=f"the TLS sidecar's image (default {DEFAULT_SIDECAR_IMAGE}; deploy/sidecar/Dockerfile)")
+    parser.add_argument("--tls-secret", default=DEFAULT_TLS_SECRET,
+                        help=f"Secret per task with ca.crt and <job>-<index>.crt/.key (default {DEFAULT_TLS_SECRET!r})")
+    parser.add_argument("--tfjob", action="store_true",
+                        help="render one Kubeflow TFJob (kubeflow.org/v1) and a NetworkPolicy per replica type "
+                        "instead (no --tls, no claims: see tfe_estimator.cluster.tfjob)")
     parser.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help=f"training command after '--' (default: {' '.join(DEFAULT_COMMAND)})"
     )
     return parser
+
+
+def _tfjob(args, command) -> List[Dict[str, Any]]:
+    """`--tfjob`: the TFJob rendering (`tfe_estimator.cluster.tfjob`), refusing what it cannot do."""
+    unsupported = [flag for flag, value in (("--tls", args.tls), ("--data-claim", args.data_claim),
+                                             ("--model-claim", args.model_claim)) if value]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)} cannot be used with --tfjob: every worker of a TFJob shares one "
+                         "pod template, so per-task certificates and claims cannot be mounted (and the operator "
+                         "writes TF_CONFIG from Service addresses). Render plain manifests instead (drop --tfjob).")
+    from tfe_estimator.cluster.tfjob import render_tfjob  # pylint: disable=import-outside-toplevel
+
+    return render_tfjob(args.name, args.image, args.workers, evaluator=args.evaluator,
+                        command=command or DEFAULT_COMMAND, namespace=args.namespace, port=args.port,
+                        cluster_mode=args.cluster_mode, active_deadline_seconds=args.active_deadline_seconds)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -452,22 +599,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command and command[0] == "--":
         command = command[1:]
     try:
-        text = to_yaml(
-            render_manifests(
-                args.name,
-                args.image,
-                args.workers,
-                evaluator=args.evaluator,
-                command=command or DEFAULT_COMMAND,
-                namespace=args.namespace,
-                port=args.port,
-                data_claim=args.data_claim,
-                data_mount_path=args.data_mount_path,
-                model_claim=args.model_claim,
-                model_mount_path=args.model_mount_path,
-                active_deadline_seconds=args.active_deadline_seconds,
-            )
-        )
+        text = to_yaml(_tfjob(args, command) if args.tfjob else render_manifests(
+            args.name,
+            args.image,
+            args.workers,
+            evaluator=args.evaluator,
+            command=command or DEFAULT_COMMAND,
+            namespace=args.namespace,
+            port=args.port,
+            data_claim=args.data_claim,
+            data_mount_path=args.data_mount_path,
+            model_claim=args.model_claim,
+            model_mount_path=args.model_mount_path,
+            active_deadline_seconds=args.active_deadline_seconds,
+            cluster_mode=args.cluster_mode,
+            tls=args.tls,
+            sidecar_image=args.sidecar_image,
+            tls_secret=args.tls_secret,
+        ))
     except ValueError as e:
         parser.error(str(e))
     if args.output:

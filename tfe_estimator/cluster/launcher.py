@@ -37,6 +37,7 @@ Example::
     [chief:0] ...
 """
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -46,6 +47,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, TextIO
 
+from tfe_estimator.cluster.isolation import IsolatedCluster
 from tfe_estimator.cluster.peers import BETWEEN_GRAPH, IN_GRAPH, validate_mode
 from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB, TfeCluster, cluster_jobs, cluster_tasks
 from tfe_estimator.secure.protocols import validate_protocol
@@ -150,6 +152,16 @@ class Launcher:
         finishes on its own; a worker that exits with status 0 has finished, and
         the run ends when the chief and every worker have finished, within
         `final_eval_timeout` s of the chief).
+      isolate: run every task in its own network namespace on a private bridge
+        (`tfe_estimator.cluster.isolation`; root).
+      tls: with `isolate`, mutual TLS sidecars on every link, certificates for
+        the run and a firewall that leaves TensorFlow's ports reachable only
+        from their own namespace.
+      link_rate: with `isolate`, each task's link sends at most this rate
+        (tc's notation, e.g. ``"1gbit"``).
+      network_file: with `isolate`, write the namespaces, addresses and ports
+        there once they exist (`IsolatedCluster.describe`; read by
+        `tfe-estimator attack`).
 
     Example::
 
@@ -174,7 +186,11 @@ class Launcher:
         final_eval_timeout: float = 600.0,
         log_dir: Optional[str] = None,
         port_retries: int = 3,
-        cluster_mode: str = IN_GRAPH,
+        cluster_mode: str = BETWEEN_GRAPH,
+        isolate: bool = False,
+        tls: bool = False,
+        network_file: Optional[str] = None,
+        link_rate: Optional[str] = None,
     ) -> None:
         if not command:
             raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")
@@ -195,6 +211,17 @@ class Launcher:
         self.grace_seconds = grace_seconds
         self.log_dir = os.path.abspath(log_dir) if log_dir else None
         self.port_retries = port_retries
+        if tls and not isolate:
+            raise ValueError("--tls needs --isolate: the sidecars and the firewall that closes TensorFlow's ports "
+                             "live in each task's own network namespace. Pass --isolate --tls.")
+        for flag, value in (("--network-file", network_file), ("--link-rate", link_rate)):
+            if value and not isolate:
+                raise ValueError(f"{flag} applies to the namespaces of --isolate: pass --isolate too.")
+        self.network_file = network_file
+        self.isolation: Optional[IsolatedCluster] = None
+        if isolate:
+            self.isolation = IsolatedCluster(cluster_tasks(workers, evaluator, NUM_TFE_TASKS), tls, self.cluster_mode,
+                                             link_rate)
         self._out = out
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -202,7 +229,11 @@ class Launcher:
         self._plan()
 
     def _plan(self) -> None:
-        self.cluster = plan_cluster(self.workers, self.evaluator, self.protocol, self.host)
+        if self.isolation is not None:  # every task has its own namespace: fixed ports cannot be taken
+            validate_protocol(self.protocol)
+            self.cluster = TfeCluster(jobs=self.isolation.jobs(), task_type="chief", task_index=0)
+        else:
+            self.cluster = plan_cluster(self.workers, self.evaluator, self.protocol, self.host)
         self.tasks = []
         for job, addresses in self.cluster.jobs.items():
             for index in range(len(addresses)):
@@ -217,6 +248,8 @@ class Launcher:
                     cwd = self.task_cwd.format(job=job, index=index) if self.task_cwd else None
                     if cwd:
                         os.makedirs(cwd, exist_ok=True)
+                if self.isolation is not None:
+                    argv = self.isolation.exec_argv((job, index), argv)
                 task = _Task(job, index, argv, env, cwd)
                 if self.log_dir:
                     task.log_path = os.path.join(self.log_dir, f"{job}-{index}.log")
@@ -243,6 +276,13 @@ class Launcher:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, lambda signum, frame: self._stop.set())
         try:
+            if self.isolation is not None:
+                self.isolation.start()
+                if self.network_file:
+                    with open(self.network_file, "w", encoding="utf-8") as f:
+                        json.dump(self.isolation.describe(), f, indent=1)
+                tls = " with mutual TLS sidecars and a firewall" if self.isolation.tls else ""
+                self.say(f"each task in its own network namespace{tls}")
             for attempt in range(self.port_retries + 1):
                 try:
                     return self._run_once()
@@ -257,6 +297,8 @@ class Launcher:
             return 1  # not reached
         finally:
             self._terminate_all()
+            if self.isolation is not None:
+                self.isolation.close()
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
 
@@ -301,6 +343,10 @@ class Launcher:
                 sink.close()
 
     def _serving(self, task: _Task) -> bool:
+        if self.isolation is not None:  # only reachable from inside its namespace
+            probe = subprocess.run(self.isolation.probe_argv((task.job, task.index)), capture_output=True,
+                                   timeout=10, check=False)
+            return probe.returncode == 0
         host, port = self.cluster.jobs[task.job][task.index].rsplit(":", 1)
         try:
             with socket.create_connection((host, int(port)), timeout=0.2):

@@ -15,7 +15,8 @@ owner        ``tfe`` task: CreateWorkerSession, RegisterGraph,     the owner's s
 ``tfe``      owner: RecvTensor only                                the server pulls the
                                                                    owner's share / key
 owner        another owner: never                                  --
-``tfe``      another ``tfe`` task: never                           passive accumulators
+``tfe``      another ``tfe`` task: RecvTensor only                 server1 pulls server0's
+                                                                   blinded part
 evaluator    nobody; nobody calls it                               evaluates locally
 ===========  ====================================================  =====================
 
@@ -29,7 +30,7 @@ Example::
     >>> allowed_callers("between-graph", "worker")
     ('tfe',)
     >>> allowed_callers("between-graph", "tfe")
-    ('chief', 'worker')
+    ('chief', 'worker', 'tfe')
 """
 from typing import Dict, Tuple
 
@@ -47,7 +48,8 @@ _TRAINING_JOBS = DATA_OWNER_JOBS + (TFE_JOB,)
 _CALLERS: Dict[str, Dict[str, Tuple[str, ...]]] = {
     BETWEEN_GRAPH: {
         **{owner: (TFE_JOB,) for owner in DATA_OWNER_JOBS},
-        TFE_JOB: DATA_OWNER_JOBS,
+        # Server1 pulls server0's blinded part of each sum (`distribute.step_sum`).
+        TFE_JOB: DATA_OWNER_JOBS + (TFE_JOB,),
         "evaluator": (),
     },
     IN_GRAPH: {

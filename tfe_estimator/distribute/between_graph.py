@@ -13,9 +13,12 @@ task: the session's device filters name only the owner's task and the
 
 - Identical initial values come from one `tf_random_seed` that every owner
   passes (`TfeRunConfig` requires it in this mode); no initial value travels.
-- Every owner checkpoints its own copy into its own ``model_dir``.
-- Pond on tfe_estimator's fused kernels only; ABY3, DP and 32-bit updates
-  are refused in this mode (see `BetweenGraphStrategy`).
+- Every owner checkpoints its own copy into its own ``model_dir``, and every
+  step the owners check through the servers that their copies are equal
+  (`tfe_estimator.distribute.weight_check`, riding on the reported loss's sum).
+- Pond on tfe_estimator's fused kernels only (64-bit ring, or clipped
+  updates on the 32-bit ring); ABY3 and DP are refused in this mode (see
+  `check_between_graph_settings`).
 
 Estimator chooses its multi-worker training path (hooks, checkpoint saving)
 by the strategy's class *name*, so the class is named like TensorFlow's
@@ -47,16 +50,19 @@ from tensorflow.python.distribute.cluster_resolver import cluster_resolver as cl
 from tfe_estimator.cluster.spec import TFE_JOB, TfeCluster
 from tfe_estimator.distribute import aggregation
 from tfe_estimator.distribute import step_sum
+from tfe_estimator.distribute import step_wait
+from tfe_estimator.distribute import weight_check
+from tfe_estimator.distribute import weight_check_handshake
 from tfe_estimator.secure import secure_sum
 
 __all__ = ["BetweenGraphStrategy", "check_between_graph_settings"]
 
 
-def check_between_graph_settings(protocol: str, dp=None, update_ring_bits: int = 64) -> None:
+def check_between_graph_settings(protocol: str, dp=None) -> None:
     """Refuses what between-graph mode cannot run yet, with the reason and the fix.
 
     Raises:
-      ValueError: for ABY3, DP or 32-bit updates.
+      ValueError: for ABY3 or DP.
     """
     if protocol != "pond":
         raise ValueError(
@@ -64,10 +70,11 @@ def check_between_graph_settings(protocol: str, dp=None, update_ring_bits: int =
             "owners runs on Pond's two servers with tfe_estimator's fused kernels only (ABY3's replicated "
             "sharing needs all three servers to exchange shares, not built yet). Use protocol='pond', or "
             "cluster_mode='in-graph' on a trusted network.")
-    if dp is not None or update_ring_bits != 64:
+    if dp is not None:
         raise ValueError(
-            f"dp={dp!r} / update_ring_bits={update_ring_bits!r} are not available in between-graph cluster "
-            "mode yet. Use cluster_mode='in-graph' on a trusted network, or leave them unset.")
+            f"dp={dp!r} is not available in between-graph cluster mode yet (each owner's noise share "
+            "would need the same per-owner accounting across separate graphs). Use cluster_mode='in-graph' "
+            "on a trusted network, or leave dp unset.")
 
 
 class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
@@ -75,11 +82,14 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
 
     _enable_check_health = False  # no collectives, no peer health checks between owners
 
-    def __init__(self, container_strategy, cluster: TfeCluster, precision: str, clip_norm: Optional[float]):
+    def __init__(self, container_strategy, cluster: TfeCluster, precision: str, clip_norm: Optional[float],
+                 update_ring_bits: int = 64, handshake_timeout_secs: float = 0.9 * step_wait.DEFAULT_STEP_TIMEOUT_SECS):
         # pylint: disable=super-init-not-called,non-parent-init-called
         self._tfe_cluster = cluster
+        self._handshake_timeout_secs = handshake_timeout_secs
         self._aggregation = aggregation.SecureAggregation(
-            protocol="pond", precision=precision, server_devices=cluster.server_devices(), clip_norm=clip_norm)
+            protocol="pond", precision=precision, server_devices=cluster.server_devices(), clip_norm=clip_norm,
+            update_ring_bits=update_ring_bits)
         self._cluster_resolver = cluster_resolver_lib.SimpleClusterResolver(
             cluster.cluster_spec(), task_type=cluster.task_type, task_id=cluster.task_index, rpc_layer="grpc")
         distribute_lib.StrategyExtendedV1.__init__(self, container_strategy)
@@ -97,6 +107,7 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
         self._task_type, self._task_id = cluster.task_type, cluster.task_index
         owners = cluster.data_owners()
         self._id_in_cluster = owners.index((self._task_type, self._task_id))
+        self._owner_names = [f"{job}:{index}" for job, index in owners]
         self._num_workers = len(owners)
         self._is_chief = self._task_type == "chief"
         self._worker_device = f"/job:{self._task_type}/task:{self._task_id}"
@@ -171,18 +182,44 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
         encoding = agg._encoding(kind, update, num)  # pylint: disable=protected-access
         scale = 1.0 / num if kind == "float" and reduce_op == tf.distribute.ReduceOp.MEAN else 1.0
         device = self.worker_devices[0]
+        owner = f"{self._task_type}:{self._task_id}"
         with tf.device(device), tf.name_scope("between_graph_sum"):
             dense = [aggregation._densify(v) for v in local_values]  # pylint: disable=protected-access
             vector, _ = secure_sum.parts(dense, pack_dtype)
             if agg.clip_norm is not None and kind == "float" and update:
                 vector = tf.clip_by_global_norm(vector, agg.clip_norm)[0]
             channel, step = self._next_channel()
+            if channel == "sum_0":  # the session's first contribution waits for the owners' handshake
+                with tf.control_dependencies([self._handshake(step)]):
+                    vector = [tf.identity(v) for v in vector]
+            state = self._channels[tf.compat.v1.get_default_graph()]
+            if kind == "float" and update and state[2] is None:
+                # The weights as this step found them: read before the update this sum feeds.
+                state[2] = weight_check.fingerprint(_local_weights())
+                with tf.control_dependencies([state[2]]):
+                    vector = [tf.identity(v) for v in vector]
+            carries_fingerprint = kind == "float" and not update and state[2] is not None and not state[3]
+            if carries_fingerprint:  # rides along with the reported loss: two more elements
+                state[3] = True
+                vector = list(vector) + [weight_check.fingerprint_pair(state[2], pack_dtype)]
             totals = step_sum.step_sum(
                 vector, channel, step, owner=self._id_in_cluster, num_owners=num, is_chief=self._is_chief,
                 owner_device=device, servers=agg.server_devices, encoding=encoding, dtype=pack_dtype,
-                owner_name=f"{self._task_type}:{self._task_id}",
-                hint=agg._hint(kind, update, encoding), scale=scale)  # pylint: disable=protected-access
+                owner_name=owner, hint=agg._hint(kind, update, encoding), scale=scale)  # pylint: disable=protected-access
+            if carries_fingerprint:
+                check = weight_check.assert_identical(totals[-1], num, scale, step, owner)
+                with tf.control_dependencies([check]):
+                    totals = [tf.identity(t) for t in totals[:-1]]
             return [aggregation._finish(t, d, kind, reduce_op, num) for t, d in zip(totals, dtypes)]  # pylint: disable=protected-access
+
+    def _handshake(self, step):
+        """The check that every owner starts at this step with the same settings and model."""
+        agg = self._aggregation
+        return weight_check_handshake.handshake(
+            tf.compat.v1.trainable_variables(), step, self._id_in_cluster, self._owner_names,
+            settings=f"pond/{agg.precision.name}/clip={agg.clip_norm}/ring={agg.update_ring_bits}",
+            server=agg.server_devices[0], owner_device=self.worker_devices[0],
+            timeout_secs=self._handshake_timeout_secs)
 
     def _next_channel(self):
         """A name for the graph's next sum (equal on all owners: they build the same graph) and the step.
@@ -201,7 +238,8 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
             with tf.device(self.worker_devices[0]):
                 step = tf.cast(tf.identity(global_step.read_value() if hasattr(global_step, "read_value")
                                            else global_step), tf.int64, name="between_graph_step")
-            state = self._channels[graph] = [0, step]
+            # [sums built, the step, this step's weight fingerprint, whether a sum carries it]
+            state = self._channels[graph] = [0, step, None, False]
         state[0] += 1
         return f"sum_{state[0] - 1}", state[1]
 
@@ -217,6 +255,15 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
         return True
 
 
+def _local_weights():
+    """This owner's copy of every trainable variable of the default graph."""
+    values = []
+    for variable in tf.compat.v1.trainable_variables():
+        local = variable.values[0] if isinstance(variable, value_lib.DistributedValues) else variable
+        values.append(local.read_value() if hasattr(local, "read_value") else tf.identity(local))
+    return values
+
+
 class BetweenGraphStrategy(distribute_lib.StrategyV1):
     """Between-graph secure aggregation: this data owner's strategy on a TF_CONFIG cluster.
 
@@ -225,6 +272,11 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
       protocol: "pond" (others are refused: see `check_between_graph_settings`).
       precision: "low" or "high".
       clip_norm: optional L2 norm each owner clips its gradients to before sharing.
+      update_ring_bits: 64, or 32 for clipped updates on the 32-bit ring (needs `clip_norm`;
+        see `tfe_estimator.distribute.aggregation.narrow_update_encoding`).
+      step_timeout_secs: the session's bound on one step (`TfeRunConfig` sets it); the
+        owners' handshake at a session's first step gives up at 90% of it with an
+        error naming the owners not at this step (`weight_check_handshake`).
 
     Example::
 
@@ -232,12 +284,14 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
     """
 
     def __init__(self, cluster: TfeCluster, protocol: str = "pond", precision: str = "low",
-                 clip_norm: Optional[float] = None) -> None:
+                 clip_norm: Optional[float] = None, update_ring_bits: int = 64,
+                 step_timeout_secs: float = step_wait.DEFAULT_STEP_TIMEOUT_SECS) -> None:
         check_between_graph_settings(protocol)
         if cluster.task_type not in ("chief", "worker"):
             raise ValueError(f"BetweenGraphStrategy runs on data owners (chief, worker), not on "
                              f"{cluster.task_type}:{cluster.task_index} (TF_CONFIG).")
-        super().__init__(BetweenGraphExtended(self, cluster, precision, clip_norm))
+        super().__init__(BetweenGraphExtended(self, cluster, precision, clip_norm, update_ring_bits,
+                                              handshake_timeout_secs=0.9 * step_timeout_secs))
 
 
 # Estimator picks its multi-worker training path (every owner saves checkpoints and runs its

@@ -29,6 +29,7 @@ from tensorflow_estimator.python.estimator import run_config as run_config_lib
 
 from tfe_estimator.cluster import peers
 from tfe_estimator.cluster import spec as cluster_lib
+from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 from tfe_estimator.distribute.between_graph import BetweenGraphStrategy, check_between_graph_settings
 from tfe_estimator.distribute.aggregation import validate_clip_norm
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
@@ -42,7 +43,7 @@ __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_t
 LAUNCH_PROTOCOL_ENV = cluster_lib.LAUNCH_PROTOCOL_ENV
 
 _OURS = ("protocol", "precision", "num_replicas", "clip_norm", "grpc_protocol", "dp", "update_ring_bits",
-         "cluster_mode")
+         "cluster_mode", "step_timeout_secs")
 
 
 def default_session_config() -> tf.compat.v1.ConfigProto:
@@ -109,8 +110,14 @@ class TfeSettings:
     dp: Optional[object] = None  # a tfe_estimator.DistributedDP (checked by SecureAggregation)
     update_ring_bits: int = 64  # 32: clipped updates on a 32-bit ring (checked by SecureAggregation)
     cluster_mode: Optional[str] = None  # None: between-graph on a TF_CONFIG cluster (see cluster.peers)
+    step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS  # between-graph: longest wait of one session run
 
     def __post_init__(self):
+        value = self.step_timeout_secs
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 2**31 / 1000:
+            raise ValueError(
+                f"step_timeout_secs={value!r} must be a number of seconds > 0 (and below 2**31 ms): how long one "
+                "between-graph training step may wait for the other owners and the servers before it fails.")
         validate_protocol(self.protocol)
         if self.cluster_mode is not None:
             peers.validate_mode(self.cluster_mode)
@@ -148,6 +155,14 @@ class TfeRunConfig(tf.estimator.RunConfig):
         needs `tf_random_seed`, Pond) or "in-graph" (one organisation on a
         trusted network: the chief runs ops on every task). Ignored without
         a cluster.
+      step_timeout_secs: between-graph mode: how long one session run (a
+        training step, whose sums wait for every other owner and both servers)
+        may take before it fails with ``DeadlineExceededError: Operation timed
+        out`` and the owner's process exits, instead of waiting forever for an
+        owner or a server that died or is out of step (default 300; keep it
+        above the slowest step, including the first, which registers the
+        graphs). A `session_config` with its own `operation_timeout_in_ms`
+        keeps it.
       **kwargs: any other `tf.estimator.RunConfig` argument except
         `train_distribute` and `eval_distribute`.
 
@@ -167,6 +182,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         dp=None,
         update_ring_bits: int = 64,
         cluster_mode: Optional[str] = None,
+        step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS,
         **kwargs,
     ) -> None:
         for name in ("train_distribute", "eval_distribute"):
@@ -178,7 +194,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
                 )
         settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
                                clip_norm=clip_norm, dp=dp, update_ring_bits=update_ring_bits,
-                               cluster_mode=cluster_mode)
+                               cluster_mode=cluster_mode, step_timeout_secs=step_timeout_secs)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         _check_seed(kwargs)
         super().__init__(protocol=grpc_protocol, **kwargs)
@@ -307,11 +323,14 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
         spec.check_protocol(settings.protocol)
         replicas, servers = spec.replica_devices(), spec.server_devices()
         if _cluster_mode(settings.cluster_mode) == peers.BETWEEN_GRAPH:
-            check_between_graph_settings(settings.protocol, settings.dp, settings.update_ring_bits)
+            check_between_graph_settings(settings.protocol, settings.dp)
             strategy = BetweenGraphStrategy(spec, protocol=settings.protocol, precision=settings.precision,
-                                            clip_norm=settings.clip_norm)
-            return {"train_distribute": strategy, "eval_distribute": strategy,
-                    "session_config": strategy.update_config_proto(session_config or default_session_config())}
+                                            clip_norm=settings.clip_norm, update_ring_bits=settings.update_ring_bits,
+                                            step_timeout_secs=settings.step_timeout_secs)
+            session_config = strategy.update_config_proto(session_config or default_session_config())
+            if not session_config.operation_timeout_in_ms:  # a step never waits forever for a dead peer
+                session_config.operation_timeout_in_ms = int(settings.step_timeout_secs * 1000)
+            return {"train_distribute": strategy, "eval_distribute": strategy, "session_config": session_config}
     strategies = [
         TfeStrategy(devices=replicas, protocol=settings.protocol, precision=settings.precision,
                     server_devices=servers, clip_norm=settings.clip_norm,

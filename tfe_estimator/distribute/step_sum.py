@@ -9,17 +9,23 @@ every owner's graph names alike (TensorFlow's ``shared_name``):
     server1:               Barrier "<channel>/server1", N components (masked shares)
     owner r:               inserts seed_r into server0's barrier, share_r into server1's,
                            both as component r under the key ``str(step)``
-    chief (its session, on each server k): takes the step's complete element (it blocks
-                           until all N owners contributed), checks its key is the
-                           chief's step, ``part_k = server_sum(...)`` and enqueues
-                           ``(step, part_k)`` into each owner's queue "<channel>/server<k>/owner<o>"
-    owner r (own device):  dequeues its two queues, checks the step, ``reveal_sum``
+    chief (its session):   takes each server's complete element for the step (it blocks
+                           until all N owners contributed) and checks its key is the
+                           chief's step; on server0 ``b, blind = blinded_server_sum(seeds)``
+                           (the owners' masks minus the keystream of a fresh blind key),
+                           on server1 ``w = server_sum(shares + [b])``; enqueues
+                           ``(step, blind)`` on server0 and ``(step, w)`` on server1 into
+                           each owner's queue "<channel>/server<k>/owner<o>"
+    owner r (own device):  dequeues its two queues, checks the step, ``reveal_sum(w, key=blind)``
 
 A second contribution of an owner for the same step is refused by the
 Barrier ("already has a value for component"); a chief that receives a
 complete element of another step (an owner out of step) stops with an error
 naming the steps. The servers only ever hold a fresh key or a masked ring
-vector per owner, and the ring sums of those; only owners reveal.
+vector per owner, and the ring sums of those; server1 receives server0's part
+blinded by a keystream whose key goes only to the owners (server1's
+``RecvTensor`` to server0 is the one server-to-server link); only owners
+reveal. Each owner downloads one ring vector and a 16-byte key per sum.
 
 Example::
 
@@ -84,49 +90,75 @@ def step_sum(
         share, seed = ops.mask_share(list(parts), encoding.bound, encoding.ring_bits, encoding.fraction_bits,
                                      owner_name, hint)
         key = tf.strings.as_string(step)
-    revealed = []
+    barriers, inserts, queues = [], [], []
     for k, (contribution, server) in enumerate(zip((seed, share), servers[:2])):
         name = f"{SHARED_NAME_PREFIX}/{channel}/server{k}"
         with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
             if not contribution.shape.is_fully_defined():
                 raise ValueError(f"between-graph sum {channel!r}: the shape of {contribution.name} is "
                                  f"{contribution.shape}, but the servers' barriers need full shapes.")
-            barrier = tf.raw_ops.Barrier(component_types=[contribution.dtype] * num_owners,
-                                         shapes=[contribution.shape] * num_owners, shared_name=name)
-            insert = tf.raw_ops.BarrierInsertMany(handle=barrier, keys=tf.reshape(key, [1]),
-                                                  values=tf.expand_dims(contribution, 0), component_index=owner)
-            queues = [tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, tf.int64], shared_name=f"{name}/owner{o}")
-                      for o in range(num_owners)]
-            # The chief's session also runs the take, the server sum and every owner's enqueue.
-            handed_out = (_distribute(barrier, queues, key, step, k, contribution.dtype, num_owners, encoding,
-                                      num_elements) if is_chief else [])
-            with tf.control_dependencies([insert] + handed_out):
-                got_step, part = tf.raw_ops.QueueDequeueV2(handle=queues[owner], component_types=[tf.int64, tf.int64])
+            with tf.control_dependencies([contribution]):  # after the owners' handshake, which names a mismatch
+                barriers.append(tf.raw_ops.Barrier(component_types=[contribution.dtype] * num_owners,
+                                                   shapes=[contribution.shape] * num_owners, shared_name=name))
+            inserts.append(tf.raw_ops.BarrierInsertMany(handle=barriers[k], keys=tf.reshape(key, [1]),
+                                                        values=tf.expand_dims(contribution, 0),
+                                                        component_index=owner))
+            # What each owner fetches from server k: (step, blind key) from server0, (step, part) from server1.
+            queues.append([tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, _HANDED_OUT[k]],
+                                                  shared_name=f"{name}/owner{o}") for o in range(num_owners)])
+    # The chief's session also runs the takes, the server sums and every owner's enqueues.
+    handed_out = (_distribute(barriers, queues, key, step, (seed.dtype, share.dtype), num_owners, encoding,
+                              num_elements, servers) if is_chief else [])
+    fetched = []
+    for k, (server, like) in enumerate(zip(servers[:2], (seed, share))):
+        with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
+            with tf.control_dependencies(inserts + handed_out):
+                got_step, value = tf.raw_ops.QueueDequeueV2(handle=queues[k][owner],
+                                                            component_types=[tf.int64, _HANDED_OUT[k]])
+                got_step.set_shape([])  # what every enqueue puts in (raw queue ops carry no shapes)
+                value.set_shape(like.shape)  # a key, or ring words as every share (32-bit: two elements per word)
         with tf.device(owner_device), tf.name_scope(f"between_graph_fetch{k}"):
             in_step = tf.debugging.Assert(
                 tf.equal(got_step, step),
                 [f"Between-graph secure sum {channel!r}: {owner_name} at step", step,
-                 f"received server{k}'s partial sum of step", got_step,
+                 f"received server{k}'s part of step", got_step,
                  "; the owners are out of step (restart every owner from the same checkpoint)."])
             with tf.control_dependencies([in_step]):
-                revealed.append(tf.identity(part))
+                fetched.append(tf.identity(value))
     with tf.device(owner_device), tf.name_scope("between_graph_reveal"):
-        return ops.reveal_sum(revealed[0], revealed[1], dtype, encoding.ring_bits, encoding.fraction_bits,
-                              scale, shapes)
+        return ops.reveal_sum(fetched[1], None, dtype, encoding.ring_bits, encoding.fraction_bits,
+                              scale, shapes, key=fetched[0])
 
 
-def _distribute(barrier, queues, key, step, k, dtype, num_owners, encoding, num_elements):
-    """The chief's ops on server k: take the step's complete element, sum, hand out to every owner."""
-    _, keys, values = tf.raw_ops.BarrierTakeMany(handle=barrier, num_elements=1,
-                                                 component_types=[dtype] * num_owners)
-    same = tf.debugging.Assert(
-        tf.equal(keys[0], key),
-        ["Between-graph secure sum: the chief at step", key, f"took server{k}'s contributions of step", keys[0],
-         "; the owners are out of step (restart every owner from the same checkpoint)."])
-    with tf.control_dependencies([same]):
-        contributions = [tf.squeeze(v, 0) for v in values]
-        if k == 0:
-            part = ops.server_sum(contributions, [], encoding.ring_bits, num_elements)
-        else:
-            part = ops.server_sum([], contributions, encoding.ring_bits, num_elements)
-    return [tf.raw_ops.QueueEnqueueV2(handle=queue, components=[step, part]) for queue in queues]
+#: The dtype each owner fetches from server k: server0's blind key, server1's blinded sum.
+_HANDED_OUT = (tf.int32, tf.int64)
+
+
+def _distribute(barriers, queues, key, step, dtypes, num_owners, encoding, num_elements, servers):
+    """The chief's ops on the servers: take the step's complete elements, sum, hand out to every owner.
+
+    Server0 expands the owners' keys and subtracts the keystream of a fresh
+    blind key; server1 adds that blinded part to the owners' masked shares.
+    Each owner fetches the blind key from server0 and the blinded sum from
+    server1: one ring vector per owner and step instead of both parts.
+    """
+    contributions = []
+    for k, (barrier, dtype) in enumerate(zip(barriers, dtypes)):
+        with tf.device(servers[k]), tf.name_scope(f"between_graph_server{k}"):
+            _, keys, values = tf.raw_ops.BarrierTakeMany(handle=barrier, num_elements=1,
+                                                         component_types=[dtype] * num_owners)
+            same = tf.debugging.Assert(
+                tf.equal(keys[0], key),
+                ["Between-graph secure sum: the chief at step", key, f"took server{k}'s contributions of step",
+                 keys[0], "; the owners are out of step (restart every owner from the same checkpoint)."])
+            with tf.control_dependencies([same]):
+                contributions.append([tf.squeeze(v, 0) for v in values])
+    with tf.device(servers[0]), tf.name_scope("between_graph_server0"):
+        blinded, blind_key = ops.blinded_server_sum(contributions[0], [], encoding.ring_bits, num_elements)
+    with tf.device(servers[1]), tf.name_scope("between_graph_server1"):
+        part = ops.server_sum([], contributions[1] + [blinded], encoding.ring_bits, num_elements)
+    enqueues = []
+    for k, value in enumerate((blind_key, part)):
+        with tf.device(servers[k]), tf.name_scope(f"between_graph_server{k}"):
+            enqueues += [tf.raw_ops.QueueEnqueueV2(handle=queue, components=[step, value]) for queue in queues[k]]
+    return enqueues

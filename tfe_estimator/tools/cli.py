@@ -53,9 +53,24 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="seconds the evaluator may take after the chief finished (default 600)")
     launch.add_argument("--log-dir", default=None,
                         help="write each task's output to LOG_DIR/<job>-<index>.log instead of the terminal")
-    launch.add_argument("--cluster-mode", default="in-graph",
-                        help="in-graph (workers serve the chief) or between-graph (every owner trains and finishes)")
+    launch.add_argument("--cluster-mode", default="between-graph",
+                        help="between-graph (the default: every owner runs only its own graph and finishes) or "
+                             "in-graph (the chief runs every task's graph; one organisation on a trusted network)")
+    launch.add_argument("--isolate", action="store_true",
+                        help="run every task in its own network namespace on a private bridge (root)")
+    launch.add_argument("--tls", action="store_true",
+                        help="with --isolate: mutual TLS sidecars (stunnel) on every link, certificates for the run, "
+                             "and a firewall that closes TensorFlow's ports to everything but their own namespace")
+    launch.add_argument("--link-rate", default=None,
+                        help="with --isolate: limit every task's link to this rate (tc notation, e.g. 1gbit)")
+    launch.add_argument("--network-file", default=None,
+                        help="with --isolate: write the namespaces, addresses and ports to this JSON file "
+                             "(for `tfe-estimator attack`)")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
+    attack = sub.add_parser("attack", help="from outside the private network (and from each owner), try what "
+                                           "--isolate --tls must stop; exit 1 if anything got through")
+    attack.add_argument("--network", required=True, help="the file `launch --isolate --network-file` wrote")
+    attack.add_argument("--read-file", default="/etc/hostname", help="the file the readfile attack tries to read")
 
     demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")
     demo.add_argument("--cluster", action="store_true", help="on a loopback cluster (chief + workers + tfe)")
@@ -92,7 +107,12 @@ def _run(args: argparse.Namespace) -> int:
                         task_cwd=args.task_cwd, max_restarts=args.max_restarts,
                         restart_delay=args.restart_delay, evaluator_restarts=args.evaluator_restarts,
                         down_timeout=args.down_timeout, final_eval_timeout=args.final_eval_timeout,
-                        log_dir=args.log_dir, cluster_mode=args.cluster_mode).run()
+                        log_dir=args.log_dir, cluster_mode=args.cluster_mode, isolate=args.isolate,
+                        tls=args.tls, network_file=args.network_file, link_rate=args.link_rate).run()
+    if args.command == "attack":
+        from tfe_estimator.tools import attack  # pylint: disable=import-outside-toplevel
+
+        return attack.main(["--network", args.network, "--read-file", args.read_file])
     if args.command == "demo":
         return _demo(args)
     if args.command == "build-kernels":

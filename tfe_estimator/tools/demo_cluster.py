@@ -82,7 +82,7 @@ def run_cluster_demo(
         with open(os.path.join(log_dir, "launch.log"), "w", encoding="utf-8") as launch_log:
             status = Launcher(command, workers=workers, evaluator=True, protocol=protocol,
                               task_cwd=os.path.join(workdir, "{job}-{index}"), out=launch_log,
-                              log_dir=log_dir).run()
+                              log_dir=log_dir, cluster_mode="in-graph").run()
         if status != 0:
             with open(os.path.join(log_dir, "launch.log"), encoding="utf-8") as launch_log:
                 out.write("".join(launch_log.readlines()[-40:]))

@@ -56,6 +56,10 @@ def default_cases() -> List[Workload]:
         Workload("dnn-256", "dnn", 256, hidden_units=(512, 256, 128)),
         Workload("linear-1e5-4rep", "linear", 100_000, replicas=4),
         Workload("cluster-linear-1e5", "linear", 100_000, cluster=True),
+        Workload("bg-linear-1e5", "linear", 100_000, between_graph=True),
+        Workload("bg-dnn-256", "dnn", 256, hidden_units=(512, 256, 128), between_graph=True),
+        Workload("bg-linear-1e5-tls", "linear", 100_000, between_graph=True, transport="tls"),
+        Workload("bg-linear-1e5-1gbit", "linear", 100_000, between_graph=True, transport="1gbit"),
     ])
 
 
@@ -66,6 +70,7 @@ def quick_cases() -> List[Workload]:
         Workload("dnn-16", "dnn", 16, hidden_units=(16, 8)),
         Workload("linear-1e2-4rep", "linear", 100, replicas=4),
         Workload("cluster-linear-1e2", "linear", 100, cluster=True),
+        Workload("bg-linear-1e2", "linear", 100, between_graph=True),
     ])
 
 
@@ -79,12 +84,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="steps per twin per round (default 10; quick 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per twin first (default 5; quick 2)")
     parser.add_argument("--cases", default=None, help="comma-separated case names to run (default all)")
-    parser.add_argument("--no-cluster", action="store_true", help="skip the loopback cluster case")
+    parser.add_argument("--no-cluster", action="store_true", help="skip the loopback cluster cases")
     parser.add_argument("--no-secure-sum", action="store_true", help="skip the secure-sum microbenchmark")
     parser.add_argument("--protocol", default="pond", help="tf-encrypted protocol (default pond)")
     parser.add_argument("--markdown", default=None, help="also write the Markdown report to this path")
     parser.add_argument("--plot", default=None, help="also copy the PNG plot to this path")
     parser.add_argument("--cluster-task", default=None, help=argparse.SUPPRESS)  # JSON of one case, for tasks
+    parser.add_argument("--owner-task", default=None, help=argparse.SUPPRESS)  # JSON of a between-graph owner
     return parser.parse_args(argv)
 
 
@@ -109,9 +115,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from tfe_estimator.tools.bench.cluster_task import run_task  # pylint: disable=import-outside-toplevel
 
         return run_task(json.loads(args.cluster_task))
+    if args.owner_task:
+        from tfe_estimator.tools.bench.between_graph_case import run_owner_task  # pylint: disable=import-outside-toplevel
+
+        return run_owner_task(json.loads(args.owner_task))
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     from tfe_estimator.tools.bench import report  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.tools.bench.between_graph_case import run_between_graph_case, transport_missing  # pylint: disable=import-outside-toplevel
     from tfe_estimator.tools.bench.cases import run_cluster_case, run_local_case  # pylint: disable=import-outside-toplevel
     from tfe_estimator.tools.bench.secure_sum_micro import run_secure_sum  # pylint: disable=import-outside-toplevel
 
@@ -127,18 +138,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c.name in wanted]
     if args.no_cluster:
-        cases = [c for c in cases if not c.cluster]
+        cases = [c for c in cases if not (c.cluster or c.between_graph)]
+    for case in [c for c in cases if transport_missing(c)]:
+        print(f"[bench] {case.name} is skipped: it needs {transport_missing(case)}", flush=True)
+        cases.remove(case)
     results = {"machine": report.machine(), "settings": settings, "cases": [], "secure_sum": []}
     workdir = tempfile.mkdtemp(prefix="tfe-estimator-bench-")
     try:
         for case in cases:
-            run = run_cluster_case if case.cluster else run_local_case
+            run = (run_between_graph_case if case.between_graph else
+                   run_cluster_case if case.cluster else run_local_case)
             row = run(case, settings, os.path.join(workdir, case.name))
             results["cases"].append(row)
+            anchor = ("no TLS" if case.transport == "tls" else "MultiWorkerMirroredStrategy" if case.between_graph
+                      else "plaintext")
             print(f"[bench] {case.name:>20}: {case.describe()}: secure {row['secure_ms_per_step']:.2f} ms/step, "
-                  f"plaintext {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "
+                  f"{anchor} {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "
                   f"(target <= {report.target_of(row):.2f}), upload "
-                  f"{row['upload_bytes_per_param_per_replica_per_step']:.3f} B/param/replica/step", flush=True)
+                  f"{row['upload_bytes_per_param_per_replica_per_step']:.3f} B/param/replica/step, download "
+                  f"{row['download_bytes_per_param_per_replica_per_step']:.3f}", flush=True)
             report.write_json(os.path.join(out, "results.json"), results)
         if not args.no_secure_sum:
             sizes = [1_000, 10_000] if args.quick else [10_000, 100_000, 1_000_000]

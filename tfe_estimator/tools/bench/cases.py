@@ -75,7 +75,7 @@ def run_cluster_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
     log_path = os.path.join(workdir, "launch.log")
     with open(log_path, "w") as log:
         status = Launcher(command, workers=workload.replicas - 1, evaluator=False,
-                          protocol=settings["protocol"], out=log).run()
+                          protocol=settings["protocol"], out=log, cluster_mode="in-graph").run()
     if status != 0 or not os.path.exists(result):
         with open(log_path) as f:
             tail = "".join(f.readlines()[-40:])

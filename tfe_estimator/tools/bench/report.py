@@ -11,6 +11,8 @@ __all__ = ["machine", "write_json", "write_plot", "markdown"]
 #: Step-time ratio targets (secure / plaintext) per model kind, the cluster's,
 #: the upload per parameter, and the secure sum's extra ns per parameter per replica.
 TARGET_LINEAR, TARGET_DNN, TARGET_CLUSTER, TARGET_UPLOAD, TARGET_EXTRA_NS = 1.15, 1.60, 1.30, 8.0, 3.0
+#: The cost of the TLS sidecars: secure through TLS / the same without, at 1e5 parameters.
+TARGET_TLS = 1.20
 
 
 def machine() -> Dict:
@@ -40,7 +42,9 @@ def write_json(path: str, results: Dict) -> None:
 
 
 def target_of(case: Dict) -> float:
-    if case["cluster"]:
+    if case.get("transport") == "tls":
+        return TARGET_TLS
+    if case["cluster"] or case.get("between_graph"):
         return TARGET_CLUSTER
     return TARGET_DNN if case["model"] == "dnn" else TARGET_LINEAR
 
@@ -56,7 +60,8 @@ def write_plot(path: str, results: Dict) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     groups = {}
     for c in cases:
-        key = ("cluster" if c["cluster"] else f"{c['replicas']} local replicas") + f", {c['model']}"
+        key = ("between-graph cluster vs MWMS" if c.get("between_graph") else "cluster" if c["cluster"]
+               else f"{c['replicas']} local replicas") + f", {c['model']}"
         groups.setdefault(key, []).append(c)
     for key, members in groups.items():
         members = sorted(members, key=lambda c: c["params"])
@@ -116,8 +121,17 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
         "graph's edges from replica devices to TFE server devices (elements x dtype size, per distinct "
         "tensor and destination), divided by replicas and parameters.",
         "",
-        "| case | workload | params | secure ms/step | plaintext ms/step | ratio | target | upload B/param/replica/step |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "Between-graph cases (`bg-*`): one process per owner, so the twins cannot take turns in one process: "
+        "the same loopback cluster is launched once per twin and round (order alternating); the plaintext "
+        "anchor there is Estimator with `MultiWorkerMirroredStrategy` (collective ring all-reduce, whose "
+        "volume is 2(N-1)/N x 4 bytes per parameter each way); ms/step is the chief's median over the timed "
+        "steps of a launch; upload and download are per owner, counted from the owner's graph. `-tls`: the "
+        "secure run with `launch --isolate --tls` against the same with `--isolate` alone (each task in its own "
+        "network namespace), the cost of the TLS sidecars; `-1gbit`: both twins with every task's link limited "
+        "to 1 Gbit/s (a token bucket; this kernel has no netem, so no added latency).",
+        "",
+        "| case | workload | params | secure ms/step | plaintext ms/step | ratio | target | upload B/param/replica/step | download |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for c in results["cases"]:
         target = target_of(c)
@@ -125,7 +139,8 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
         lines.append(
             f"| {c['name']} | {c['description']} | {c['params']:,} | {c['secure_ms_per_step']:.2f} | "
             f"{c['plaintext_ms_per_step']:.2f} | **{c['ratio']:.2f}**{mark} | <= {target:.2f} | "
-            f"{c['upload_bytes_per_param_per_replica_per_step']:.3f} |"
+            f"{c['upload_bytes_per_param_per_replica_per_step']:.3f} | "
+            f"{c['download_bytes_per_param_per_replica_per_step']:.3f} |"
         )
     micro = results.get("secure_sum") or []
     if micro:

@@ -28,7 +28,13 @@ class Workload:
       features: width of the one numeric feature column.
       hidden_units: for "dnn".
       replicas: local replicas, or data owners on the cluster.
-      cluster: run on a loopback cluster (chief + workers + 3 tfe servers).
+      cluster: run on a loopback cluster (chief + workers + 3 tfe servers), in-graph.
+      between_graph: run on a loopback cluster in between-graph mode, one process per owner
+        (`tfe_estimator.tools.bench.between_graph_case`).
+      transport: between-graph only: "" (secure vs MultiWorkerMirroredStrategy on loopback),
+        "tls" (secure with `launch --isolate --tls` vs `--isolate` alone: the cost of TLS), or a
+        link rate such as "1gbit" (secure vs MultiWorkerMirroredStrategy, each task in its own
+        namespace with its link limited to that rate).
     """
 
     name: str
@@ -37,10 +43,14 @@ class Workload:
     hidden_units: Tuple[int, ...] = ()
     replicas: int = 2
     cluster: bool = False
+    between_graph: bool = False
+    transport: str = ""
 
     def describe(self) -> str:
         model = "LinearRegressor" if self.model == "linear" else f"DNNRegressor{list(self.hidden_units)}"
-        where = f"loopback cluster, {self.replicas} owners" if self.cluster else f"{self.replicas} local replicas"
+        link = {"": "loopback", "tls": "namespaces, TLS vs none"}.get(self.transport, f"{self.transport} links")
+        where = (f"between-graph cluster ({link}), {self.replicas} owners" if self.between_graph else
+                 f"loopback cluster, {self.replicas} owners" if self.cluster else f"{self.replicas} local replicas")
         return f"{model}, {self.features:,} features, {where}"
 
 

@@ -1,0 +1,98 @@
+"""Faults in between-graph mode: no deadlock, no divergence; resume from the owners' own checkpoints.
+
+Every owner waits in each step for the others' contributions on the
+servers. A task that dies must not leave the others waiting forever: the
+launcher names it (without restarts), and each owner's session run is
+bounded by `TfeRunConfig(step_timeout_secs=...)` (with restarts: an owner
+restarted alone restores an older checkpoint, is out of step, and the run
+ends in bounded time instead of hanging or diverging). Relaunching every
+owner resumes each from its own latest checkpoint (the owners save at the
+same steps) and ends with the weights of an uninterrupted run.
+"""
+import io
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tfe_estimator.cluster.launcher import Launcher
+from test_between_graph import LEARNING_RATE, OWNERS, SCRIPT, _owner_data, _plaintext_twin, _weights
+from test_faults import _kill, _start, _wait_for
+from test_launch import _assert_all_gone
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _launcher(workdir, steps, *flags, **kwargs):
+    return Launcher([sys.executable, SCRIPT, str(steps), str(LEARNING_RATE), *flags], workers=1,
+                    task_cwd=os.path.join(workdir, "{job}-{index}"), out=io.StringIO(), grace_seconds=5, **kwargs)
+
+
+def _started_training(workdir, steps=10):
+    """Both owners have run `steps` steps (their SlowSteps hook counts them)."""
+    def done(owner):
+        try:
+            with open(os.path.join(workdir, owner, "progress")) as f:
+                return int(f.read() or 0)
+        except (OSError, ValueError):
+            return 0
+    return all(done(owner) >= steps for owner in OWNERS)
+
+
+@pytest.mark.parametrize("victim", ["worker:0", "tfe:1"])
+def test_without_restarts_a_killed_owner_or_server_is_named_and_nothing_survives(victim, tmp_path):
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    launcher = _launcher(workdir, 400, "--step-seconds", "0.05")
+    runner, status = _start(launcher)
+    try:
+        _wait_for(lambda: _started_training(workdir), launcher, runner, 120, "both owners training")
+        _kill(launcher, victim)
+    finally:
+        runner.join(timeout=120)
+    log = launcher._out.getvalue()  # pylint: disable=protected-access
+    assert not runner.is_alive(), log[-5000:]
+    assert status == [-9], log[-5000:]
+    assert f"{victim} died with status -9 (killed by SIGKILL) while the chief was training; stopping" in log
+    _assert_all_gone(launcher)
+
+
+def test_an_owner_restarted_alone_cannot_hang_the_others(tmp_path):
+    # The worker is restarted and restores its step-0 checkpoint while the chief waits at a later
+    # step: out of step, the owners' waits end after step_timeout_secs (or the servers refuse the
+    # stale contribution); the run stops in bounded time.
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    launcher = _launcher(workdir, 400, "--step-seconds", "0.05", "--step-timeout-secs", "15",
+                         max_restarts=1, down_timeout=60)
+    runner, status = _start(launcher)
+    try:
+        _wait_for(lambda: _started_training(workdir), launcher, runner, 120, "both owners training")
+        _kill(launcher, "worker:0")
+    finally:
+        runner.join(timeout=240)
+    log = launcher._out.getvalue()  # pylint: disable=protected-access
+    assert not runner.is_alive(), log[-5000:]
+    assert status and status[0] != 0, log[-5000:]
+    assert "worker:0 died with status -9 (killed by SIGKILL); restarting it" in log
+    # Seen: the step timeout ("Operation timed out"), or the servers refusing the restarted owner's
+    # stale barrier ("Shared barrier ... has component shapes"); never a hang, never a finished run.
+    assert ("DeadlineExceededError: Operation timed out" in log or "Shared barrier 'tfe_between_graph/" in log), \
+        log[-5000:]
+    _assert_all_gone(launcher)
+
+
+def test_relaunching_every_owner_resumes_from_their_checkpoints_to_the_uninterrupted_weights(tmp_path):
+    workdir = str(tmp_path)
+    data = _owner_data(workdir)
+    first = _launcher(workdir, 4)  # saves model.ckpt-4 in each owner's own directory, then stops
+    assert first.run() == 0, first._out.getvalue()[-5000:]  # pylint: disable=protected-access
+    second = _launcher(workdir, 8)  # every owner restores step 4 and trains on to 8
+    assert second.run() == 0, second._out.getvalue()[-5000:]  # pylint: disable=protected-access
+    log = second._out.getvalue()  # pylint: disable=protected-access
+    assert log.count("owner finished at step 8") == 2, log[-5000:]
+    weights = {owner: _weights(os.path.join(workdir, owner, "model"), 8) for owner in OWNERS}
+    np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
+    np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, 8), atol=1e-5)
+    _assert_all_gone(second)

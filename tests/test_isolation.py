@@ -1,0 +1,169 @@
+"""`tfe-estimator launch --isolate --tls` against the attacks it must stop, and the training it must not change.
+
+Every task runs in its own network namespace on a private bridge that the
+test creates (in a hub namespace of its own: nothing is routed anywhere
+else). Needs root, iproute2, iptables and stunnel4 (CI runs as root;
+``scripts/system-deps.sh`` installs them); elsewhere these tests skip naming
+what is missing. Each security check has its mutation beside it: without
+``--tls`` the same attacks get through, and a sidecar whose peer table lets
+owners call each other lets the owner-to-owner connection through.
+"""
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tfe_estimator.cluster import peers
+from tfe_estimator.cluster.isolation import IsolatedCluster
+from tfe_estimator.cluster.launcher import Launcher
+from test_between_graph import OWNERS, SCRIPT, STEPS, LEARNING_RATE, _owner_data, _plaintext_twin, _weights
+
+MISSING = IsolatedCluster.missing(tls=True)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,
+              pytest.mark.skipif(MISSING is not None, reason=f"--isolate --tls needs {MISSING}")]
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+SERVING_OWNER = os.path.join(SCRIPTS, "serving_owner.py")
+CAPTURE = os.path.join(SCRIPTS, "capture.py")
+#: What plaintext gRPC between TensorFlow tasks shows on the wire: HTTP/2's client preface,
+#: and device names inside RunGraph/RecvTensor requests.
+PLAINTEXT_MARKERS = (b"PRI * HTTP/2.0", b"/job:tfe/replica:0/task:")
+#: An owner's file the ReadFile attack asks for.
+SECRET = "patient,diagnosis\n1,positive\n"
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    yield
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"tfe-{os.getpid()}-" not in namespaces, namespaces
+    assert "tfe-attack-" not in namespaces, namespaces
+    stunnels = subprocess.run(["pgrep", "-af", "tfe-estimator-isolate-"], capture_output=True, text=True).stdout
+    assert not stunnels.strip(), stunnels
+
+
+class _Background:
+    """A `Launcher` running in a thread, with its network file."""
+
+    def __init__(self, workdir, command, tls, **kwargs):
+        self.network_file = os.path.join(workdir, "network.json")
+        self.out = io.StringIO()
+        self.launcher = Launcher(command, task_cwd=os.path.join(workdir, "{job}-{index}"), out=self.out,
+                                 isolate=True, tls=tls, network_file=self.network_file, down_timeout=120, **kwargs)
+        self.status = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        self.status = self.launcher.run()
+
+    def network(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(self.network_file):
+            assert self.thread.is_alive() and time.monotonic() < deadline, self.out.getvalue()[-3000:]
+            time.sleep(0.1)
+        time.sleep(0.2)  # the file is complete once the launcher has closed it
+        with open(self.network_file) as f:
+            return json.load(f)
+
+    def wait_serving(self, network, timeout=90):
+        deadline = time.monotonic() + timeout
+        for task in network["tasks"]:
+            probe = ["ip", "netns", "exec", task["namespace"], "bash", "-c",
+                     f"exec 3<>/dev/tcp/127.0.0.1/{task['tf_port']}"]
+            while subprocess.run(probe, capture_output=True, check=False).returncode != 0:
+                assert time.monotonic() < deadline, f"{task['name']} not serving: {self.out.getvalue()[-3000:]}"
+                time.sleep(0.3)
+
+    def join(self, timeout=180):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), self.out.getvalue()[-3000:]
+        return self.status
+
+
+def _attack(workdir, tls):
+    """Launches serving stand-ins for every task, runs `tfe-estimator attack`, stops the cluster."""
+    secret = os.path.join(workdir, "owner-secret.csv")
+    with open(secret, "w") as f:
+        f.write(SECRET)
+    cluster = _Background(workdir, [sys.executable, SERVING_OWNER], tls, workers=1, evaluator=True)
+    try:
+        network = cluster.network()
+        cluster.wait_serving(network)
+        attack = subprocess.run([sys.executable, "-m", "tfe_estimator.tools.cli", "attack", "--network",
+                                 cluster.network_file, "--read-file", secret],
+                                capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        for task in ("chief-0", "worker-0", "evaluator-0"):
+            open(os.path.join(workdir, task, "stop"), "w").close()
+    assert cluster.join() == 0, cluster.out.getvalue()[-3000:]
+    return attack
+
+
+def test_no_attack_gets_through_tls_isolation(tmp_path):
+    attack = _attack(str(tmp_path), tls=True)
+    assert attack.returncode == 0, attack.stdout + attack.stderr[-3000:]
+    lines = attack.stdout.splitlines()
+    for kind in ("tcp", "grpc", "readfile", "no-cert", "foreign-ca", "owner-to-owner"):
+        assert any(f" {kind} " in line and ": refused" in line for line in lines), (kind, attack.stdout)
+    assert sum("owner-to-server" in line and "accepted (as it must)" in line for line in lines) == 6
+    assert "0 went the wrong way" in attack.stdout
+
+
+def test_without_tls_the_same_attacks_get_through(tmp_path):
+    """Mutation: isolation alone (plaintext gRPC on the bridge): the attack script must report it."""
+    attack = _attack(str(tmp_path), tls=False)
+    assert attack.returncode == 1, attack.stdout + attack.stderr[-3000:]
+    assert f"readfile 10.213.0.2:7000: GOT THROUGH (read {len(SECRET)} bytes" in attack.stdout, attack.stdout
+    assert "tcp 10.213.0.5:7003: GOT THROUGH" in attack.stdout  # a server's TF port
+
+
+def test_a_peer_table_that_lets_owners_call_each_other_is_caught(tmp_path, monkeypatch):
+    """Mutation: owners accept each other (the in-graph table in between-graph mode)."""
+    table = dict(peers._CALLERS[peers.BETWEEN_GRAPH])  # pylint: disable=protected-access
+    table.update(chief=("tfe", "worker"), worker=("tfe", "chief"))
+    monkeypatch.setitem(peers._CALLERS, peers.BETWEEN_GRAPH, table)  # pylint: disable=protected-access
+    attack = _attack(str(tmp_path), tls=True)
+    assert attack.returncode == 1, attack.stdout + attack.stderr[-3000:]
+    assert "chief-0 -> worker-0 owner-to-owner 10.213.0.3:8443: GOT THROUGH" in attack.stdout, attack.stdout
+
+
+def _train_and_capture(workdir, tls):
+    """A 2-owner between-graph training run, every frame on the chief's link captured meanwhile."""
+    _owner_data(workdir)
+    cluster = _Background(workdir, [sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE)], tls, workers=1)
+    network = cluster.network()
+    frames, stop = os.path.join(workdir, "frames.bin"), os.path.join(workdir, "stop-capture")
+    chief_link = next(t["hub_port"] for t in network["tasks"] if t["name"] == "chief-0")
+    capture = subprocess.Popen(["ip", "netns", "exec", network["hub"], sys.executable, CAPTURE, chief_link, frames,
+                                stop],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert capture.stdout.readline().strip() == "capturing"
+        status = cluster.join()
+    finally:
+        open(stop, "w").close()
+        capture.wait(timeout=30)
+    assert status == 0, cluster.out.getvalue()[-5000:]
+    with open(frames, "rb") as f:
+        wire = f.read()
+    return {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in OWNERS}, wire
+
+
+def test_training_through_tls_matches_and_the_wire_shows_no_plaintext_grpc(tmp_path):
+    twin = _plaintext_twin(_owner_data(str(tmp_path / "twin")), STEPS)
+    secure, wire = _train_and_capture(str(tmp_path / "tls"), tls=True)
+    plain, plain_wire = _train_and_capture(str(tmp_path / "plain"), tls=False)
+    np.testing.assert_allclose(secure["chief-0"], secure["worker-0"], atol=1e-6)
+    np.testing.assert_allclose(secure["chief-0"], plain["chief-0"], atol=1e-6)
+    np.testing.assert_allclose(secure["chief-0"], twin, atol=1e-5)
+    assert len(wire) > 20_000 and len(plain_wire) > 20_000  # the capture saw the training's traffic
+    for marker in PLAINTEXT_MARKERS:
+        assert marker not in wire, marker
+        assert marker in plain_wire, marker  # mutation: without TLS the capture shows plaintext gRPC

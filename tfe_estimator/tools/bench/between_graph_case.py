@@ -1,0 +1,189 @@
+"""The between-graph case: each owner in its own process, secure vs MultiWorkerMirroredStrategy.
+
+In between-graph mode every data owner is its own process with its own graph
+and session, so the two twins cannot take turns inside one process as the
+local cases do (`tfe_estimator.tools.bench.timing`). Instead the case
+launches the same loopback cluster (`tfe-estimator launch`, 2 owners and the
+three ``tfe`` servers) once per twin and round, alternating the order per
+round:
+
+- ``secure``: `TfeRunConfig` on the cluster (between-graph, Pond, the
+  servers sum masked shares);
+- ``mwms``: the plaintext anchor a TensorFlow user would pick for
+  independent workers: Estimator with ``MultiWorkerMirroredStrategy``
+  (collective ring all-reduce between the owners; the ``tfe`` job is removed
+  from its TF_CONFIG, which that strategy does not accept).
+
+Every owner runs ``train_and_evaluate`` for the warm-up plus the timed
+steps; a hook times each step (``session.run`` plus Estimator's hooks). The
+step time of a launch is the chief's median over its timed steps (the owners
+move in lockstep: each step's sum waits for both). The ratio is the median
+over rounds of (secure / mwms) of the same round. Bytes per parameter per
+owner per step are counted from the secure owner's graph (edges between the
+owner's device and the servers); the ring all-reduce's are
+``2 (N - 1) / N x 4`` bytes each way (float32), its algorithm's volume.
+
+Example::
+
+    row = run_between_graph_case(Workload("bg-linear-1e5", "linear", 100_000, between_graph=True),
+                                 {"batch_size": 32, "rounds": 2, "steps": 10, "warmup": 5,
+                                  "protocol": "pond"}, "/tmp/bg")
+"""
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import tensorflow as tf
+
+from tfe_estimator.tools.bench import traffic
+from tfe_estimator.tools.bench.workloads import Workload, estimator_settings, input_fn, make_estimator
+
+__all__ = ["run_between_graph_case", "run_owner_task", "transport_missing", "TWINS", "TLS_TWINS"]
+
+#: The secure twin and its plaintext anchor, in the order of even rounds; with transport "tls",
+#: the secure twin through TLS sidecars and the same without.
+TWINS = ("secure", "mwms")
+TLS_TWINS = ("tls", "isolated")
+#: Bytes of one float32 value.
+_FLOAT_BYTES = 4
+
+
+def run_between_graph_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
+    """Launches each twin once per round on a loopback cluster of `workload.replicas` owners."""
+    twins = TLS_TWINS if workload.transport == "tls" else TWINS
+    rounds = max(1, settings["rounds"] // 3)  # a launch costs seconds: fewer, longer rounds
+    timed = settings["steps"] * 3
+    launches: Dict[str, List[Dict]] = {twin: [] for twin in twins}
+    for k in range(rounds):
+        for twin in (twins if k % 2 == 0 else tuple(reversed(twins))):
+            launches[twin].append(_launch(workload, settings, twin, timed, os.path.join(workdir, f"{twin}-{k}")))
+    secure_ms = [r["chief"]["ms_per_step"] for r in launches[twins[0]]]
+    plain_ms = [r["chief"]["ms_per_step"] for r in launches[twins[1]]]
+    traffic = launches[twins[0]][0]["chief"]
+    owners, params = workload.replicas, traffic["params"]
+    ring = 2 * (owners - 1) / owners * _FLOAT_BYTES
+    row = dict(dataclasses.asdict(workload), description=workload.describe())
+    row.update(
+        secure_ms_per_step=statistics.median(secure_ms),
+        plaintext_ms_per_step=statistics.median(plain_ms),
+        ratio=statistics.median(s / p for s, p in zip(secure_ms, plain_ms)),
+        round_ratios=[s / p for s, p in zip(secure_ms, plain_ms)],
+        secure_round_ms=secure_ms, plaintext_round_ms=plain_ms,
+        plaintext_anchor=("the same secure run without TLS (--isolate)" if workload.transport == "tls" else
+                          "MultiWorkerMirroredStrategy (collective ring all-reduce)"),
+        timed_steps={"secure": timed * rounds, "plaintext": timed * rounds},
+        params=params,
+        upload_bytes_per_step=traffic["upload"], upload_edges=traffic["upload_edges"],
+        download_bytes_per_step=traffic["download"],
+        upload_bytes_per_param_per_replica_per_step=traffic["upload"] / params,
+        download_bytes_per_param_per_replica_per_step=traffic["download"] / params,
+        plaintext_bytes_per_param_per_owner_per_step={"up": ring, "down": ring},
+        owner_ms_per_step={twin: [{o: r[o]["ms_per_step"] for o in r} for r in launches[twin]] for twin in twins},
+    )
+    return row
+
+
+def _launch(workload: Workload, settings: Dict, twin: str, timed: int, workdir: str) -> Dict:
+    """One run of `twin` on a fresh loopback cluster; every owner's result, by task."""
+    from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
+
+    os.makedirs(workdir, exist_ok=True)
+    task = {"workload": dataclasses.asdict(workload), "settings": settings, "twin": twin, "timed": timed}
+    command = [sys.executable, "-m", "tfe_estimator.tools.bench", "--owner-task", json.dumps(task)]
+    log_path = os.path.join(workdir, "launch.log")
+    with open(log_path, "w") as log:
+        status = Launcher(command, workers=workload.replicas - 1, evaluator=False, protocol=settings["protocol"],
+                          task_cwd=os.path.join(workdir, "{job}-{index}"), out=log,
+                          cluster_mode="between-graph", **_transport(workload, twin)).run()
+    results = {}
+    for entry in sorted(os.listdir(workdir)):
+        path = os.path.join(workdir, entry, "result.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[entry.split("-")[0] if entry.startswith("chief") else entry] = json.load(f)
+    if status != 0 or len(results) != workload.replicas:
+        with open(log_path) as f:
+            tail = "".join(f.readlines()[-40:])
+        raise RuntimeError(f"the between-graph case {workload.name} ({twin}) failed with status {status}:\n{tail}")
+    return results
+
+
+def _transport(workload: Workload, twin: str) -> Dict:
+    """The launcher's isolation flags for `twin` of `workload`."""
+    if workload.transport == "tls":
+        return {"isolate": True, "tls": twin == "tls"}
+    if workload.transport:
+        return {"isolate": True, "link_rate": workload.transport}
+    return {}
+
+
+def transport_missing(workload: Workload) -> Optional[str]:
+    """What this machine lacks to run `workload`'s transport, or None."""
+    if not workload.transport:
+        return None
+    from tfe_estimator.cluster.isolation import IsolatedCluster  # pylint: disable=import-outside-toplevel
+
+    return IsolatedCluster.missing(tls=workload.transport == "tls")
+
+
+def run_owner_task(task: Dict) -> int:
+    """One owner of a `_launch`: trains its twin in the cwd and writes ``result.json``."""
+    from tfe_estimator.cluster.spec import TFE_JOB, TfeCluster  # pylint: disable=import-outside-toplevel
+
+    tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
+    workload = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in task["workload"].items()})
+    settings, twin = task["settings"], task["twin"]
+    cluster = TfeCluster.from_environment()
+    owner_device = f"/job:{cluster.task_type}/task:{cluster.task_index}/device:CPU:0"
+    kwargs = estimator_settings(os.path.abspath("model"))
+    if twin != "mwms":  # secure: on loopback, isolated, or through TLS
+        from tfe_estimator.distribute.run_config import TfeRunConfig  # pylint: disable=import-outside-toplevel
+
+        config = TfeRunConfig(protocol=settings["protocol"], **kwargs)
+    else:
+        tf_config = json.loads(os.environ["TF_CONFIG"])
+        del tf_config["cluster"][TFE_JOB]  # MultiWorkerMirroredStrategy accepts chief/worker/evaluator/ps only
+        os.environ["TF_CONFIG"] = json.dumps(tf_config)
+        strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
+        config = tf.estimator.RunConfig(train_distribute=strategy, **kwargs)
+    timer = _StepTimes(owner_device, cluster.server_devices()[:2] if twin != "mwms" else None, settings["warmup"])
+    estimator = make_estimator(workload, config)
+    data = input_fn(workload.features, settings["batch_size"])
+    tf.estimator.train_and_evaluate(
+        estimator, tf.estimator.TrainSpec(data, max_steps=settings["warmup"] + task["timed"], hooks=[timer]),
+        tf.estimator.EvalSpec(data, steps=1))
+    result = {"ms_per_step": 1e3 * statistics.median(timer.times), "timed_steps": len(timer.times), **timer.graph}
+    with open("result.json", "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+class _StepTimes(tf.estimator.SessionRunHook):
+    """Records each step's wall time after `warmup` steps, and the graph's traffic to the servers."""
+
+    def __init__(self, owner_device: str, servers: Optional[Sequence[str]], warmup: int) -> None:
+        self.times: List[float] = []
+        self.graph: Dict = {}
+        self._owner, self._servers, self._warmup = owner_device, servers, warmup
+        self._start = 0.0
+        self._steps = 0
+
+    def begin(self):
+        graph = tf.compat.v1.get_default_graph()
+        self.graph["params"] = traffic.trainable_parameters(graph)
+        if self._servers:
+            up, edges = traffic.cross_device_bytes(graph, [self._owner], self._servers)
+            down, _ = traffic.cross_device_bytes(graph, self._servers, [self._owner])
+            self.graph.update(upload=up, upload_edges=edges, download=down)
+
+    def before_run(self, run_context):
+        self._start = time.perf_counter()
+
+    def after_run(self, run_context, run_values):
+        self._steps += 1
+        if self._steps > self._warmup:
+            self.times.append(time.perf_counter() - self._start)
