@@ -16,7 +16,7 @@ TESTS_tf215 := tests
 TESTS_tf29 := tests/test_compat.py tests/test_tfe_backend.py tests/test_kernels.py tests/test_aggregation.py tests/test_strategy_routing.py \
 	tests/test_estimator_training.py tests/test_model_fns.py tests/test_run_config.py \
 	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_launch.py tests/test_wire.py \
-	tests/test_between_graph.py tests/test_between_graph_launch.py tests/test_between_graph_wire.py tests/test_isolation.py
+	tests/test_between_graph.py tests/test_between_graph_launch.py tests/test_between_graph_wire.py tests/test_isolation.py tests/test_between_graph_audit.py
 
 VENV := $(VENV_$(STACK))
 VENV_PY := $(VENV)/bin/python
