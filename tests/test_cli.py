@@ -69,3 +69,21 @@ def test_the_one_server_command_is_what_the_cli_runs():
 
     assert SERVER_COMMAND == server_command(sys.executable)
     assert cli.parse_args([server_command()[-1]]).command == SERVER_COMMAND[-1] == "server"
+
+
+@pytest.mark.parametrize("missing", [None, "root (network namespaces need CAP_NET_ADMIN)"])
+def test_the_cluster_demo_uses_isolate_tls_when_it_can_and_says_why_not(missing, monkeypatch, capsys):
+    from tfe_estimator.cluster.isolation import IsolatedCluster
+    from tfe_estimator.tools import demo, demo_cluster
+
+    calls = []
+    monkeypatch.setattr(IsolatedCluster, "missing", staticmethod(lambda tls: missing))
+    monkeypatch.setattr(demo_cluster, "run_cluster_demo", lambda **kwargs: calls.append(kwargs) or {})
+    monkeypatch.setattr(demo, "format_comparison", lambda results, title: title)
+    assert cli.main(["demo", "--cluster", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert calls[0]["isolate_tls"] is (missing is None)
+    if missing is None:
+        assert "every link mutual TLS (--isolate --tls)" in out and "cluster (namespaces with mutual TLS)" in out
+    else:
+        assert f"without --isolate --tls (it needs {missing})" in out

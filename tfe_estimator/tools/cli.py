@@ -150,8 +150,16 @@ def _demo(args: argparse.Namespace) -> int:
     if args.cluster:
         from tfe_estimator.tools.demo_cluster import run_cluster_demo  # pylint: disable=import-outside-toplevel
 
-        results = run_cluster_demo(steps=args.steps or 300, workers=args.workers, protocol=args.protocol)
-        title = (f"LinearRegressor on the diabetes data, loopback cluster: chief + {args.workers} worker(s), "
+        from tfe_estimator.cluster.isolation import IsolatedCluster  # pylint: disable=import-outside-toplevel
+
+        missing = IsolatedCluster.missing(tls=True)
+        print("cluster demo: every task in its own network namespace, every link mutual TLS (--isolate --tls)"
+              if missing is None else f"cluster demo: on loopback ports, without --isolate --tls (it needs {missing})",
+              flush=True)
+        results = run_cluster_demo(steps=args.steps or 300, workers=args.workers, protocol=args.protocol,
+                                   isolate_tls=missing is None)
+        where = "namespaces with mutual TLS" if missing is None else "loopback"
+        title = (f"LinearRegressor on the diabetes data, cluster ({where}): chief + {args.workers} worker(s), "
                  f"each reading only its own share, + 3 tfe servers ({args.protocol})")
     else:
         results = run_local_demo(steps=args.steps or 400, num_replicas=args.num_replicas, protocol=args.protocol)

@@ -61,9 +61,13 @@ def _write_csv(path, x, y) -> int:
 
 def run_cluster_demo(
     steps: int = 300, workers: int = 1, protocol: str = "pond",
-    workdir: Optional[str] = None, out: TextIO = sys.stdout,
+    workdir: Optional[str] = None, out: TextIO = sys.stdout, isolate_tls: bool = False,
 ) -> Dict[str, Dict]:
-    """Trains secure and plaintext twins on a loopback cluster; returns both results."""
+    """Trains secure and plaintext twins on a loopback cluster; returns both results.
+
+    With `isolate_tls`, every task runs in its own network namespace behind a mutual-TLS
+    sidecar (`tfe-estimator launch --isolate --tls`; root, stunnel4, iptables).
+    """
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="tfe-estimator-cluster-demo-"))
     x_train, y_train, x_test, y_test, names = load_diabetes_split()
     owners = ["chief-0"] + [f"worker-{i}" for i in range(workers)]
@@ -82,7 +86,8 @@ def run_cluster_demo(
         with open(os.path.join(log_dir, "launch.log"), "w", encoding="utf-8") as launch_log:
             status = Launcher(command, workers=workers, evaluator=True, protocol=protocol,
                               task_cwd=os.path.join(workdir, "{job}-{index}"), out=launch_log,
-                              log_dir=log_dir, cluster_mode="in-graph").run()
+                              log_dir=log_dir, cluster_mode="in-graph", isolate=isolate_tls,
+                              tls=isolate_tls).run()
         if status != 0:
             with open(os.path.join(log_dir, "launch.log"), encoding="utf-8") as launch_log:
                 out.write("".join(launch_log.readlines()[-40:]))
