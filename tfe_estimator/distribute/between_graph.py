@@ -83,10 +83,11 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
     _enable_check_health = False  # no collectives, no peer health checks between owners
 
     def __init__(self, container_strategy, cluster: TfeCluster, precision: str, clip_norm: Optional[float],
-                 update_ring_bits: int = 64, handshake_timeout_secs: float = 0.9 * step_wait.DEFAULT_STEP_TIMEOUT_SECS):
+                 update_ring_bits: int = 64, step_timeout_secs: float = step_wait.DEFAULT_STEP_TIMEOUT_SECS):
         # pylint: disable=super-init-not-called,non-parent-init-called
         self._tfe_cluster = cluster
-        self._handshake_timeout_secs = handshake_timeout_secs
+        # The handshake names late owners before the session's own deadline ends the run.
+        self._handshake_timeout_secs = 0.9 * step_timeout_secs
         self._aggregation = aggregation.SecureAggregation(
             protocol="pond", precision=precision, server_devices=cluster.server_devices(), clip_norm=clip_norm,
             update_ring_bits=update_ring_bits)
@@ -182,7 +183,7 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
         encoding = agg._encoding(kind, update, num)  # pylint: disable=protected-access
         scale = 1.0 / num if kind == "float" and reduce_op == tf.distribute.ReduceOp.MEAN else 1.0
         device = self.worker_devices[0]
-        owner = f"{self._task_type}:{self._task_id}"
+        owner = self._owner_names[self._id_in_cluster]
         with tf.device(device), tf.name_scope("between_graph_sum"):
             dense = [aggregation._densify(v) for v in local_values]  # pylint: disable=protected-access
             vector, _ = secure_sum.parts(dense, pack_dtype)
@@ -291,7 +292,7 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
             raise ValueError(f"BetweenGraphStrategy runs on data owners (chief, worker), not on "
                              f"{cluster.task_type}:{cluster.task_index} (TF_CONFIG).")
         super().__init__(BetweenGraphExtended(self, cluster, precision, clip_norm, update_ring_bits,
-                                              handshake_timeout_secs=0.9 * step_timeout_secs))
+                                              step_timeout_secs=step_timeout_secs))
 
 
 # Estimator picks its multi-worker training path (every owner saves checkpoints and runs its

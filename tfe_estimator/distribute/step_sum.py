@@ -103,8 +103,9 @@ def step_sum(
             inserts.append(tf.raw_ops.BarrierInsertMany(handle=barriers[k], keys=tf.reshape(key, [1]),
                                                         values=tf.expand_dims(contribution, 0),
                                                         component_index=owner))
-            # What each owner fetches from server k: (step, blind key) from server0, (step, part) from server1.
-            queues.append([tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, _HANDED_OUT[k]],
+            # What each owner fetches from server k: (step, blind key) from server0, (step, part) from server1:
+            # a key like the owner's seed, ring words like its share.
+            queues.append([tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, contribution.dtype],
                                                   shared_name=f"{name}/owner{o}") for o in range(num_owners)])
     # The chief's session also runs the takes, the server sums and every owner's enqueues.
     handed_out = (_distribute(barriers, queues, key, step, (seed.dtype, share.dtype), num_owners, encoding,
@@ -114,7 +115,7 @@ def step_sum(
         with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
             with tf.control_dependencies(inserts + handed_out):
                 got_step, value = tf.raw_ops.QueueDequeueV2(handle=queues[k][owner],
-                                                            component_types=[tf.int64, _HANDED_OUT[k]])
+                                                            component_types=[tf.int64, like.dtype])
                 got_step.set_shape([])  # what every enqueue puts in (raw queue ops carry no shapes)
                 value.set_shape(like.shape)  # a key, or ring words as every share (32-bit: two elements per word)
         with tf.device(owner_device), tf.name_scope(f"between_graph_fetch{k}"):
@@ -128,10 +129,6 @@ def step_sum(
     with tf.device(owner_device), tf.name_scope("between_graph_reveal"):
         return ops.reveal_sum(fetched[1], None, dtype, encoding.ring_bits, encoding.fraction_bits,
                               scale, shapes, key=fetched[0])
-
-
-#: The dtype each owner fetches from server k: server0's blind key, server1's blinded sum.
-_HANDED_OUT = (tf.int32, tf.int64)
 
 
 def _distribute(barriers, queues, key, step, dtypes, num_owners, encoding, num_elements, servers):
