@@ -184,6 +184,28 @@ def test_a_step_waits_at_most_step_timeout_secs_and_a_bad_timeout_is_refused(mon
             TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg", step_timeout_secs=bad)
 
 
+def test_the_handshake_names_the_first_field_that_differs_and_the_owners():
+    from tfe_estimator.distribute.weight_check_handshake import FIELDS, mismatch
+
+    names = ["chief:0", "worker:0", "worker:1"]
+    agree = np.array([[4, 11, 3, 99]] * 3, np.int64)
+    assert mismatch(agree, 1, names, 10.0, arrived=True) is None
+    for field in range(1, len(FIELDS)):
+        rows = agree.copy()
+        rows[2, field] = 7
+        rows[1, 3] = 7  # the model differs too: only the first field that differs is named
+        message = mismatch(rows, 0, names, 10.0, arrived=True)
+        differ = "worker:1" if field < 3 else "worker:0, worker:1"
+        assert f"at step [4]: the {FIELDS[field]} of [{differ}] differ" in message, message
+        assert "differ from chief:0's" in message and "fix the owner named" in message
+    late = agree.copy()
+    late[1, 0], late[2, 0] = 2, -1  # worker:0 restored an older checkpoint; worker:1 never came
+    message = mismatch(late, 0, names, 10.0, arrived=False)
+    assert ("chief:0 starts at step [4] but after 10 s these owners had not started there (-1: not yet at all): "
+            "worker:0 (at step 2), worker:1 (at step -1)") in message, message
+    assert "same checkpoint step" in message and "step_timeout_secs" in message
+
+
 def test_the_weight_fingerprint_check_passes_equal_copies_and_stops_different_ones():
     from tfe_estimator.distribute import weight_check
 

@@ -127,9 +127,6 @@ def test_a_barrier_outside_step_sums_scheme_or_on_the_wrong_server_fails(owner_r
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "weight_check_handshake puts a MutableHashTableOfTensorsV2 of plaintext int64 rows and a bounded while "
-    "loop (Enter/Merge/...) on server0; the audit has no rule for them yet and refuses the run"))
 def test_each_owner_of_a_loopback_cluster_audits_its_own_training_steps(tmp_path):
     import io
     import os

@@ -190,9 +190,6 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
             if agg.clip_norm is not None and kind == "float" and update:
                 vector = tf.clip_by_global_norm(vector, agg.clip_norm)[0]
             channel, step = self._next_channel()
-            if channel == "sum_0":  # the session's first contribution waits for the owners' handshake
-                with tf.control_dependencies([self._handshake(step)]):
-                    vector = [tf.identity(v) for v in vector]
             state = self._channels[tf.compat.v1.get_default_graph()]
             if kind == "float" and update and state[2] is None:
                 # The weights as this step found them: read before the update this sum feeds.
@@ -213,11 +210,22 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
                     totals = [tf.identity(t) for t in totals[:-1]]
             return [aggregation._finish(t, d, kind, reduce_op, num) for t, d in zip(totals, dtypes)]  # pylint: disable=protected-access
 
-    def _handshake(self, step):
-        """The check that every owner starts at this step with the same settings and model."""
+    def _call_for_each_replica(self, fn, args, kwargs):
+        """Runs `fn` on this owner's replica; a training `EstimatorSpec` gets the owners' handshake hook."""
+
+        def with_handshake(*fn_args, **fn_kwargs):
+            result = fn(*fn_args, **fn_kwargs)
+            if isinstance(result, tf.estimator.EstimatorSpec) and result.mode == tf.estimator.ModeKeys.TRAIN:
+                result = result._replace(training_hooks=(*result.training_hooks, self._handshake_hook()))
+            return result
+
+        return super()._call_for_each_replica(with_handshake, args, kwargs)
+
+    def _handshake_hook(self):
+        """The check, before a session's first step, that every owner starts at its step with its settings and model."""
         agg = self._aggregation
-        return weight_check_handshake.handshake(
-            tf.compat.v1.trainable_variables(), step, self._id_in_cluster, self._owner_names,
+        return weight_check_handshake.HandshakeHook(
+            self._id_in_cluster, self._owner_names,
             settings=f"pond/{agg.precision.name}/clip={agg.clip_norm}/ring={agg.update_ring_bits}",
             server=agg.server_devices[0], owner_device=self.worker_devices[0],
             timeout_secs=self._handshake_timeout_secs)

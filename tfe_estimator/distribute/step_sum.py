@@ -97,7 +97,7 @@ def step_sum(
             if not contribution.shape.is_fully_defined():
                 raise ValueError(f"between-graph sum {channel!r}: the shape of {contribution.name} is "
                                  f"{contribution.shape}, but the servers' barriers need full shapes.")
-            with tf.control_dependencies([contribution]):  # after the owners' handshake, which names a mismatch
+            with tf.control_dependencies([contribution]):  # created with this owner's first contribution
                 barriers.append(tf.raw_ops.Barrier(component_types=[contribution.dtype] * num_owners,
                                                    shapes=[contribution.shape] * num_owners, shared_name=name))
             inserts.append(tf.raw_ops.BarrierInsertMany(handle=barriers[k], keys=tf.reshape(key, [1]),
