@@ -71,7 +71,16 @@ def quick_cases() -> List[Workload]:
         Workload("linear-1e2-4rep", "linear", 100, replicas=4),
         Workload("cluster-linear-1e2", "linear", 100, cluster=True),
         Workload("bg-linear-1e2", "linear", 100, between_graph=True),
+        Workload("bg-linear-1e4-isolated", "linear", 10_000, between_graph=True, transport="isolated"),
     ])
+
+
+def _link_text(row: Dict) -> str:
+    link = row.get("link_bytes_per_param_per_owner_per_step")
+    if not link:
+        return ""
+    return "; on the chief's link (B/param/step, up + down): " + ", ".join(
+        f"{twin} {v['up']:.2f} + {v['down']:.2f}" for twin, v in link.items())
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -156,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{anchor} {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "
                   f"(target <= {report.target_of(row):.2f}), upload "
                   f"{row['upload_bytes_per_param_per_replica_per_step']:.3f} B/param/replica/step, download "
-                  f"{row['download_bytes_per_param_per_replica_per_step']:.3f}", flush=True)
+                  f"{row['download_bytes_per_param_per_replica_per_step']:.3f}{_link_text(row)}", flush=True)
             report.write_json(os.path.join(out, "results.json"), results)
         if not args.no_secure_sum:
             sizes = [1_000, 10_000] if args.quick else [10_000, 100_000, 1_000_000]

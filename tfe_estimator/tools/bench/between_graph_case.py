@@ -84,6 +84,10 @@ def run_between_graph_case(workload: Workload, settings: Dict, workdir: str) -> 
         plaintext_bytes_per_param_per_owner_per_step={"up": ring, "down": ring},
         owner_ms_per_step={twin: [{o: r[o]["ms_per_step"] for o in r} for r in launches[twin]] for twin in twins},
     )
+    links = {twin: launches[twin][0]["chief"].get("link") for twin in twins}
+    if all(links.values()):  # counted on the chief's own link (isolated runs): bytes per parameter per step
+        row["link_bytes_per_param_per_owner_per_step"] = {
+            twin: {way: n / params for way, n in link.items()} for twin, link in links.items()}
     return row
 
 
@@ -116,6 +120,8 @@ def _transport(workload: Workload, twin: str) -> Dict:
     """The launcher's isolation flags for `twin` of `workload`."""
     if workload.transport == "tls":
         return {"isolate": True, "tls": twin == "tls"}
+    if workload.transport == "isolated":
+        return {"isolate": True}
     if workload.transport:
         return {"isolate": True, "link_rate": workload.transport}
     return {}
@@ -171,6 +177,7 @@ class _StepTimes(tf.estimator.SessionRunHook):
         self._owner, self._servers, self._warmup = owner_device, servers, warmup
         self._start = 0.0
         self._steps = 0
+        self._link: Optional[Dict[str, int]] = None
 
     def begin(self):
         graph = tf.compat.v1.get_default_graph()
@@ -187,3 +194,28 @@ class _StepTimes(tf.estimator.SessionRunHook):
         self._steps += 1
         if self._steps > self._warmup:
             self.times.append(time.perf_counter() - self._start)
+        elif self._steps == self._warmup:
+            self._link = link_bytes()
+
+    def end(self, session):
+        after = link_bytes()
+        if after and self._link and self.times:  # what crossed this owner's link per timed step
+            self.graph["link"] = {k: (after[k] - self._link[k]) / len(self.times) for k in after}
+
+
+#: This task's own link in its network namespace (`launch --isolate`); absent on loopback.
+_LINK = "/sys/class/net/eth0/statistics"
+
+
+def link_bytes() -> Optional[Dict[str, int]]:
+    """Bytes sent ("up") and received ("down") on this namespace's link so far, or None without one.
+
+    Counted by the kernel on the task's veth (``ip netns exec`` mounts the
+    namespace's own sysfs): every byte the owner's process exchanges with the
+    servers, gRPC framing and TLS records included, independent of the graph.
+    """
+    try:
+        with open(os.path.join(_LINK, "tx_bytes")) as tx, open(os.path.join(_LINK, "rx_bytes")) as rx:
+            return {"up": int(tx.read()), "down": int(rx.read())}
+    except OSError:
+        return None

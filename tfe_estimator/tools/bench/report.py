@@ -97,6 +97,61 @@ def write_plot(path: str, results: Dict) -> None:
     plt.close(fig)
 
 
+def _in_graph_anchor(case: Dict, cases) -> Dict:
+    """The local case of this run with the same model and size on 2 replicas (in-graph `MirroredStrategy`), or {}."""
+    return next((c for c in cases if not c["cluster"] and not c.get("between_graph") and c["replicas"] == 2
+                 and c["model"] == case["model"] and c["params"] == case["params"]), {})
+
+
+def _between_graph_anchors(cases) -> list:
+    """The between-graph cases against both plaintext anchors a TensorFlow user would pick."""
+    rows = []
+    for c in cases:
+        anchor = _in_graph_anchor(c, cases)
+        if c.get("between_graph") and not c.get("transport") and anchor:
+            mirrored = anchor["plaintext_ms_per_step"]
+            rows.append(f"| {c['name']} | {c['params']:,} | {c['secure_ms_per_step']:.2f} | "
+                        f"{c['plaintext_ms_per_step']:.2f} | {c['ratio']:.2f} | {mirrored:.2f} ({anchor['name']}) | "
+                        f"{c['secure_ms_per_step'] / mirrored:.2f} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "Between-graph secure aggregation (2 owners, one process each) against both plaintext anchors of this "
+        "run: `MultiWorkerMirroredStrategy` (independent workers, as above) and in-graph `MirroredStrategy` "
+        "(the local case of the same model and size: 2 replicas in one process, no network hop, the floor of "
+        "any multi-process anchor):",
+        "",
+        "| case | params | secure ms/step | MWMS ms/step | ratio | in-graph MirroredStrategy ms/step | ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+    ]
+
+
+def _link_table(cases) -> list:
+    """Bytes counted by the kernel on the chief's own link (isolated cases) beside the graph's count."""
+    rows = []
+    for c in cases:
+        link = c.get("link_bytes_per_param_per_owner_per_step")
+        if link:
+            twins = list(link)
+            rows.append(f"| {c['name']} | {c['params']:,} | {c['upload_bytes_per_param_per_replica_per_step']:.2f} + "
+                        f"{c['download_bytes_per_param_per_replica_per_step']:.2f} | "
+                        + " | ".join(f"{link[t]['up']:.2f} + {link[t]['down']:.2f} ({t})" for t in twins) + " |")
+    if not rows:
+        return []
+    return [
+        "",
+        "On the wire: bytes per parameter per step that crossed the chief's own link (its veth's kernel "
+        "counters in its namespace, gRPC framing, TCP/IP headers and TLS records included), independent of "
+        "the graph's count of the secure sum's edges (up + down):",
+        "",
+        "| case | params | graph count, secure | on the link: secure twin | on the link: anchor |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *rows,
+    ]
+
+
 def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
     """BENCHMARKS.md: machine, method, the table, the secure sum alone, traffic."""
     m, s = results["machine"], results["settings"]
@@ -142,6 +197,8 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
             f"{c['upload_bytes_per_param_per_replica_per_step']:.3f} | "
             f"{c['download_bytes_per_param_per_replica_per_step']:.3f} |"
         )
+    lines += _between_graph_anchors(results["cases"])
+    lines += _link_table(results["cases"])
     micro = results.get("secure_sum") or []
     if micro:
         lines += [
