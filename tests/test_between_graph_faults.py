@@ -40,7 +40,7 @@ def _started_training(workdir, steps=10):
     return all(done(owner) >= steps for owner in OWNERS)
 
 
-@pytest.mark.parametrize("victim", ["worker:0", "tfe:1"])
+@pytest.mark.parametrize("victim", ["chief:0", "worker:0", "tfe:0", "tfe:1"])
 def test_without_restarts_a_killed_owner_or_server_is_named_and_nothing_survives(victim, tmp_path):
     workdir = str(tmp_path)
     _owner_data(workdir)
@@ -54,7 +54,8 @@ def test_without_restarts_a_killed_owner_or_server_is_named_and_nothing_survives
     log = launcher._out.getvalue()  # pylint: disable=protected-access
     assert not runner.is_alive(), log[-5000:]
     assert status == [-9], log[-5000:]
-    assert f"{victim} died with status -9 (killed by SIGKILL) while the chief was training; stopping" in log
+    during = "" if victim == "chief:0" else " while the chief was training"
+    assert f"{victim} died with status -9 (killed by SIGKILL){during}; stopping the cluster" in log, log[-5000:]
     _assert_all_gone(launcher)
 
 
@@ -80,6 +81,34 @@ def test_an_owner_restarted_alone_cannot_hang_the_others(tmp_path):
     # stale barrier ("Shared barrier ... has component shapes"); never a hang, never a finished run.
     assert ("DeadlineExceededError: Operation timed out" in log or "Shared barrier 'tfe_between_graph/" in log), \
         log[-5000:]
+    _assert_all_gone(launcher)
+
+
+@pytest.mark.parametrize("victim", ["tfe:0", "tfe:1"])
+def test_a_server_restarted_mid_training_never_hangs_or_diverges(victim, tmp_path):
+    # A restarted server has lost the step's contributions: the owners' waits end (step_timeout_secs) or
+    # their sessions fail and recover from their own checkpoints; the run completes with the weights of an
+    # undisturbed run, or stops naming what failed. Never a hang, never owners with different weights.
+    workdir = str(tmp_path)
+    data = _owner_data(workdir)
+    launcher = _launcher(workdir, 60, "--step-seconds", "0.05", "--step-timeout-secs", "15",
+                         max_restarts=1, down_timeout=60)
+    runner, status = _start(launcher)
+    try:
+        _wait_for(lambda: _started_training(workdir), launcher, runner, 120, "both owners training")
+        _kill(launcher, victim)
+    finally:
+        runner.join(timeout=240)
+    log = launcher._out.getvalue()  # pylint: disable=protected-access
+    assert not runner.is_alive(), log[-5000:]
+    assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
+    if status == [0]:
+        assert log.count("owner finished at step 60") == 2, log[-5000:]
+        weights = {owner: _weights(os.path.join(workdir, owner, "model"), 60) for owner in OWNERS}
+        np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
+        np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, 60), atol=1e-5)
+    else:
+        assert "stopping the cluster" in log and ("died with" in log or "did not finish" in log), log[-5000:]
     _assert_all_gone(launcher)
 
 

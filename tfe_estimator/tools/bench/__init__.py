@@ -60,6 +60,7 @@ def default_cases() -> List[Workload]:
         Workload("bg-dnn-256", "dnn", 256, hidden_units=(512, 256, 128), between_graph=True),
         Workload("bg-linear-1e5-tls", "linear", 100_000, between_graph=True, transport="tls"),
         Workload("bg-linear-1e5-1gbit", "linear", 100_000, between_graph=True, transport="1gbit"),
+        Workload("bg-linear-1e5-100mbit", "linear", 100_000, between_graph=True, transport="100mbit"),
     ])
 
 

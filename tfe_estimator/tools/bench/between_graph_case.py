@@ -156,7 +156,8 @@ def run_owner_task(task: Dict) -> int:
         os.environ["TF_CONFIG"] = json.dumps(tf_config)
         strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
         config = tf.estimator.RunConfig(train_distribute=strategy, **kwargs)
-    timer = _StepTimes(owner_device, cluster.server_devices()[:2] if twin != "mwms" else None, settings["warmup"])
+    timer = _StepTimes(owner_device, cluster.server_devices()[:2] if twin != "mwms" else None, settings["warmup"],
+                       count_link=bool(workload.transport))  # isolated: this task has a link of its own
     estimator = make_estimator(workload, config)
     data = input_fn(workload.features, settings["batch_size"])
     tf.estimator.train_and_evaluate(
@@ -171,13 +172,15 @@ def run_owner_task(task: Dict) -> int:
 class _StepTimes(tf.estimator.SessionRunHook):
     """Records each step's wall time after `warmup` steps, and the graph's traffic to the servers."""
 
-    def __init__(self, owner_device: str, servers: Optional[Sequence[str]], warmup: int) -> None:
+    def __init__(self, owner_device: str, servers: Optional[Sequence[str]], warmup: int,
+                 count_link: bool = False) -> None:
         self.times: List[float] = []
         self.graph: Dict = {}
         self._owner, self._servers, self._warmup = owner_device, servers, warmup
         self._start = 0.0
         self._steps = 0
         self._link: Optional[Dict[str, int]] = None
+        self._count_link = count_link
 
     def begin(self):
         graph = tf.compat.v1.get_default_graph()
@@ -194,11 +197,11 @@ class _StepTimes(tf.estimator.SessionRunHook):
         self._steps += 1
         if self._steps > self._warmup:
             self.times.append(time.perf_counter() - self._start)
-        elif self._steps == self._warmup:
+        elif self._steps == self._warmup and self._count_link:
             self._link = link_bytes()
 
     def end(self, session):
-        after = link_bytes()
+        after = link_bytes() if self._count_link else None
         if after and self._link and self.times:  # what crossed this owner's link per timed step
             self.graph["link"] = {k: (after[k] - self._link[k]) / len(self.times) for k in after}
 
@@ -209,6 +212,8 @@ _LINK = "/sys/class/net/eth0/statistics"
 
 def link_bytes() -> Optional[Dict[str, int]]:
     """Bytes sent ("up") and received ("down") on this namespace's link so far, or None without one.
+
+    Only meaningful inside a task's own namespace (on loopback, ``eth0`` is the host's).
 
     Counted by the kernel on the task's veth (``ip netns exec`` mounts the
     namespace's own sysfs): every byte the owner's process exchanges with the

@@ -182,8 +182,9 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
         "volume is 2(N-1)/N x 4 bytes per parameter each way); ms/step is the chief's median over the timed "
         "steps of a launch; upload and download are per owner, counted from the owner's graph. `-tls`: the "
         "secure run with `launch --isolate --tls` against the same with `--isolate` alone (each task in its own "
-        "network namespace), the cost of the TLS sidecars; `-1gbit`: both twins with every task's link limited "
-        "to 1 Gbit/s (a token bucket; this kernel has no netem, so no added latency).",
+        "network namespace), the cost of the TLS sidecars; `-isolated`: both twins with every task in its own "
+        "namespace; `-1gbit`, `-100mbit`: the same with every task's link limited to that rate (a token bucket; "
+        "this kernel has neither netem nor fq, so no latency can be added).",
         "",
         "| case | workload | params | secure ms/step | plaintext ms/step | ratio | target | upload B/param/replica/step | download |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
