@@ -40,23 +40,29 @@ def _started_training(workdir, steps=10):
     return all(done(owner) >= steps for owner in OWNERS)
 
 
-@pytest.mark.parametrize("victim", ["chief:0", "worker:0", "tfe:0", "tfe:1"])
-def test_without_restarts_a_killed_owner_or_server_is_named_and_nothing_survives(victim, tmp_path):
-    workdir = str(tmp_path)
-    _owner_data(workdir)
-    launcher = _launcher(workdir, 400, "--step-seconds", "0.05")
+def _kill_mid_training(workdir, victim, steps, *flags, join_secs=120, **kwargs):
+    """Launches the owners, kills `victim` once both have trained 10 steps; (status, log), the run ended."""
+    launcher = _launcher(workdir, steps, "--step-seconds", "0.05", *flags, **kwargs)
     runner, status = _start(launcher)
     try:
         _wait_for(lambda: _started_training(workdir), launcher, runner, 120, "both owners training")
         _kill(launcher, victim)
     finally:
-        runner.join(timeout=120)
+        runner.join(timeout=join_secs)
     log = launcher._out.getvalue()  # pylint: disable=protected-access
     assert not runner.is_alive(), log[-5000:]
+    _assert_all_gone(launcher)
+    return status, log
+
+
+@pytest.mark.parametrize("victim", ["chief:0", "worker:0", "tfe:0", "tfe:1"])
+def test_without_restarts_a_killed_owner_or_server_is_named_and_nothing_survives(victim, tmp_path):
+    workdir = str(tmp_path)
+    _owner_data(workdir)
+    status, log = _kill_mid_training(workdir, victim, 400)
     assert status == [-9], log[-5000:]
     during = "" if victim == "chief:0" else " while the chief was training"
     assert f"{victim} died with status -9 (killed by SIGKILL){during}; stopping the cluster" in log, log[-5000:]
-    _assert_all_gone(launcher)
 
 
 def test_an_owner_restarted_alone_cannot_hang_the_others(tmp_path):
@@ -65,23 +71,14 @@ def test_an_owner_restarted_alone_cannot_hang_the_others(tmp_path):
     # stale contribution); the run stops in bounded time.
     workdir = str(tmp_path)
     _owner_data(workdir)
-    launcher = _launcher(workdir, 400, "--step-seconds", "0.05", "--step-timeout-secs", "15",
-                         max_restarts=1, down_timeout=60)
-    runner, status = _start(launcher)
-    try:
-        _wait_for(lambda: _started_training(workdir), launcher, runner, 120, "both owners training")
-        _kill(launcher, "worker:0")
-    finally:
-        runner.join(timeout=240)
-    log = launcher._out.getvalue()  # pylint: disable=protected-access
-    assert not runner.is_alive(), log[-5000:]
+    status, log = _kill_mid_training(workdir, "worker:0", 400, "--step-timeout-secs", "15", join_secs=240,
+                                     max_restarts=1, down_timeout=60)
     assert status and status[0] != 0, log[-5000:]
     assert "worker:0 died with status -9 (killed by SIGKILL); restarting it" in log
     # Seen: the step timeout ("Operation timed out"), or the servers refusing the restarted owner's
     # stale barrier ("Shared barrier ... has component shapes"); never a hang, never a finished run.
     assert ("DeadlineExceededError: Operation timed out" in log or "Shared barrier 'tfe_between_graph/" in log), \
         log[-5000:]
-    _assert_all_gone(launcher)
 
 
 @pytest.mark.parametrize("victim", ["tfe:0", "tfe:1"])
@@ -91,16 +88,8 @@ def test_a_server_restarted_mid_training_never_hangs_or_diverges(victim, tmp_pat
     # undisturbed run, or stops naming what failed. Never a hang, never owners with different weights.
     workdir = str(tmp_path)
     data = _owner_data(workdir)
-    launcher = _launcher(workdir, 60, "--step-seconds", "0.05", "--step-timeout-secs", "15",
-                         max_restarts=1, down_timeout=60)
-    runner, status = _start(launcher)
-    try:
-        _wait_for(lambda: _started_training(workdir), launcher, runner, 120, "both owners training")
-        _kill(launcher, victim)
-    finally:
-        runner.join(timeout=240)
-    log = launcher._out.getvalue()  # pylint: disable=protected-access
-    assert not runner.is_alive(), log[-5000:]
+    status, log = _kill_mid_training(workdir, victim, 60, "--step-timeout-secs", "15", join_secs=240,
+                                     max_restarts=1, down_timeout=60)
     assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
     if status == [0]:
         assert log.count("owner finished at step 60") == 2, log[-5000:]
@@ -109,7 +98,6 @@ def test_a_server_restarted_mid_training_never_hangs_or_diverges(victim, tmp_pat
         np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, 60), atol=1e-5)
     else:
         assert "stopping the cluster" in log and ("died with" in log or "did not finish" in log), log[-5000:]
-    _assert_all_gone(launcher)
 
 
 def test_relaunching_every_owner_resumes_from_their_checkpoints_to_the_uninterrupted_weights(tmp_path):

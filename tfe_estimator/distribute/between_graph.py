@@ -284,7 +284,7 @@ class BetweenGraphStrategy(distribute_lib.StrategyV1):
       update_ring_bits: 64, or 32 for clipped updates on the 32-bit ring (needs `clip_norm`;
         see `tfe_estimator.distribute.aggregation.narrow_update_encoding`).
       step_timeout_secs: the session's bound on one step (`TfeRunConfig` sets it); the
-        owners' handshake at a session's first step gives up at 90% of it with an
+        owners' handshake before a session's first step gives up at 90% of it with an
         error naming the owners not at this step (`weight_check_handshake`).
 
     Example::
