@@ -39,6 +39,7 @@
 // training graph the op has no data input and TensorFlow runs it alongside
 // the forward and backward passes where cores allow.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -261,7 +262,7 @@ Big DivSmall(const Big& x, uint64_t n, bool ceil) {
   return ceil && rem ? Add(r, Big{1}) : r;
 }
 
-// [lo, hi] with lo <= 2^p exp(-a/b) <= hi, for 0 <= a < b < 2^127.
+// [lo, hi] with lo <= 2^p exp(-a/b) <= hi, for 0 <= a <= b < 2^127.
 void ExpInterval(u128 a, u128 b, int p, Big* lo, Big* hi) {
   const int g = p + 32;  // guard bits for the series' roundings
   // X = floor(2^g a / b) by long division, so X <= 2^g x < X + 1 for x = a/b.
@@ -274,7 +275,7 @@ void ExpInterval(u128 a, u128 b, int p, Big* lo, Big* hi) {
   Trim(x_lo);
   const Big x_hi = Add(x_lo, Big{1});
   // t_n = 2^g x^n / n!, bracketed: t_lo[n] <= t_n <= t_hi[n]. The series is
-  // alternating with decreasing terms (x < 1), so a partial sum ending on an
+  // alternating with non-increasing terms (x <= 1), so a partial sum ending on an
   // odd term is a lower bound and one ending on an even term an upper bound.
   Big one((g / 64) + 1, 0);
   one[g / 64] = 1ull << (g % 64);
@@ -298,20 +299,70 @@ void ExpInterval(u128 a, u128 b, int p, Big* lo, Big* hi) {
   }
 }
 
-// U < exp(-a/b), exactly, for 0 <= a < b < 2^127, where `first` is U's first
-// 64 bits and the rest are drawn from `rng` as needed.
-bool ExpCompareExact(RandomBits& rng, uint64_t first, u128 a, u128 b) {
-  std::vector<uint64_t> digits = {first};  // U's words, most significant first
-  for (size_t words = 2;; words *= 2) {
-    while (digits.size() < words) digits.push_back(rng.Word());
+// U < y, exactly, for a uniform real U in [0, 1) and a real y in (0, 1) that is
+// not a dyadic rational (every y here is a non-constant polynomial in exp(-1/2)
+// with rational coefficients, so transcendental by Lindemann: the loop ends
+// with probability 1). `digits` holds U's first 64-bit words, most significant
+// first; more are drawn from `rng` and appended as needed, so several
+// comparisons of one U see the same U. `bounds(P, &lo, &hi)` must give
+// lo <= 2^P y <= hi with hi - lo bounded as P grows.
+template <typename Bounds>
+bool LessExact(RandomBits& rng, std::vector<uint64_t>* digits, const Bounds& bounds) {
+  for (size_t words = 1;; words *= 2) {
+    while (digits->size() < words) digits->push_back(rng.Word());
     Big u(words, 0);
-    for (size_t i = 0; i < words; ++i) u[words - 1 - i] = digits[i];
+    for (size_t i = 0; i < words; ++i) u[words - 1 - i] = (*digits)[i];
     Trim(u);
     Big lo, hi;
-    ExpInterval(a, b, static_cast<int>(64 * words), &lo, &hi);
-    if (Compare(Add(u, Big{1}), lo) <= 0) return true;   // U < (u + 1) / 2^P <= exp(-a/b)
-    if (Compare(u, hi) >= 0) return false;               // U >= u / 2^P >= exp(-a/b)
+    bounds(static_cast<int>(64 * words), &lo, &hi);
+    if (Compare(Add(u, Big{1}), lo) <= 0) return true;  // U < (u + 1) / 2^P <= y
+    if (Compare(u, hi) >= 0) return false;              // U >= u / 2^P >= y
   }
+}
+
+// lo <= 2^g y^n <= hi from lo <= 2^g y <= hi (n >= 1): n - 1 products, each
+// rounded outward (floor of the lower, ceiling of the upper bound), so the
+// results stay bounds; for y <= 1 each rounding widens them by at most 1.
+void PowerInterval(const Big& y_lo, const Big& y_hi, uint64_t n, int g, Big* lo, Big* hi) {
+  *lo = y_lo, *hi = y_hi;
+  for (uint64_t i = 1; i < n; ++i) {
+    *lo = ShiftRight(Mul(*lo, y_lo), g, false);
+    *hi = ShiftRight(Mul(*hi, y_hi), g, true);
+  }
+}
+
+// [lo, hi] with lo <= 2^p exp(-q - r/b) <= hi, for q < 2^13 and 0 <= r < b < 2^127:
+// exp(-r/b) times q factors exp(-1), with 48 guard bits for the q + 2 outward
+// roundings (so hi - lo stays below 2 at any p).
+void ExpIntervalQ(uint64_t q, u128 r, u128 b, int p, Big* lo, Big* hi) {
+  const int g = p + 48;
+  Big f_lo, f_hi;
+  ExpInterval(r, b, g, &f_lo, &f_hi);
+  if (q > 0) {
+    Big e_lo, e_hi, eq_lo, eq_hi;
+    ExpInterval(1, 1, g, &e_lo, &e_hi);
+    PowerInterval(e_lo, e_hi, q, g, &eq_lo, &eq_hi);
+    f_lo = ShiftRight(Mul(f_lo, eq_lo), g, false);
+    f_hi = ShiftRight(Mul(f_hi, eq_hi), g, true);
+  }
+  *lo = ShiftRight(f_lo, g - p, false);
+  *hi = ShiftRight(f_hi, g - p, true);
+}
+
+// x as a double, within a relative 2^-52 (two roundings; inline, unlike the
+// compiler's 128-bit conversion call).
+inline double ToDouble(u128 x) {
+  return static_cast<double>(static_cast<uint64_t>(x >> 64)) * 18446744073709551616.0 +
+         static_cast<double>(static_cast<uint64_t>(x));
+}
+
+// Big -> double, within a relative 2^-52 (the top two limbs; the rest only
+// lowers the value by less than 2^-64 of it).
+double BigToDouble(const Big& x) {
+  if (x.empty()) return 0;
+  if (x.size() == 1) return static_cast<double>(x[0]);
+  const u128 top = (static_cast<u128>(x.back()) << 64) | x[x.size() - 2];
+  return std::ldexp(ToDouble(top), static_cast<int>(64 * (x.size() - 2)));
 }
 
 // floor(y 2^bits) and ceil(y 2^bits), saturated to [0, 2^bits], for a double
@@ -331,40 +382,109 @@ inline uint64_t CeilScaled(double y, int bits) {
   return static_cast<double>(f) < t ? f + 1 : f;
 }
 
-// x as a double, within a relative 2^-52 (two roundings; inline, unlike the
-// compiler's 128-bit conversion call).
-inline double ToDouble(u128 x) {
-  return static_cast<double>(static_cast<uint64_t>(x >> 64)) * 18446744073709551616.0 +
-         static_cast<double>(static_cast<uint64_t>(x));
-}
-
 // The first 32 bits of U decide unless they fall in the band [lo, hi); then
 // the exact path continues with U's first 64 bits (32 more fresh bits).
 constexpr int kFastBits = 32;
 
-// Bernoulli(exp(-a/b)) for 0 <= a < b < 2^127 (see the section's comment).
+// A rigorous bound on the rounding error of the double-precision bounds below
+// (each is shown below 2^-49 where it is computed), with 8x headroom. It is
+// added to the caller's margin, so every margin gives bounds that hold.
+constexpr double kDoubleError = 1.0 / (1ull << 46);
+
+// Optional self-check (attr check_fast_paths, tests only): every decision the
+// fast paths take is taken again by the exact path with the same U, and a
+// disagreement is recorded here (the op then fails).
+struct FastPathCheck {
+  std::atomic<bool> disagreed{false};
+};
+
+// exp(-q) for q = 0..kExpTable - 1 as doubles lo[q] <= exp(-q) <= hi[q]
+// (from intervals at 192 bits, converted within 2^-52 and then moved out by
+// 2^-50 relative: the product's own rounding is 2^-53), and lo = 0, hi =
+// hi[kExpTable - 1] at q = kExpTable, which bounds exp(-x) for every x >= 63.99.
+constexpr int kExpTable = 64;
+struct ExpTable {
+  double lo[kExpTable + 1], hi[kExpTable + 1];
+  ExpTable() {
+    constexpr int g = 192;
+    Big e_lo, e_hi, y_lo(g / 64 + 1, 0), y_hi;
+    y_lo[g / 64] = 1, y_hi = y_lo;  // 2^g exp(0)
+    ExpInterval(1, 1, g, &e_lo, &e_hi);
+    for (int q = 0; q < kExpTable; ++q) {
+      lo[q] = std::ldexp(BigToDouble(y_lo) * (1 - std::ldexp(1.0, -50)), -g);
+      hi[q] = std::ldexp(BigToDouble(y_hi) * (1 + std::ldexp(1.0, -50)), -g);
+      y_lo = ShiftRight(Mul(y_lo, e_lo), g, false);
+      y_hi = ShiftRight(Mul(y_hi, e_hi), g, true);
+    }
+    lo[kExpTable] = 0, hi[kExpTable] = hi[kExpTable - 1];
+  }
+};
+
+// Bernoulli(exp(-a/b)) for integers 0 <= a < 2^127 and 1 <= b < 2^102, with
+// a/b < 2^13 (here b = 2v and a/b <= kMaxK + 1), decided as U < exp(-a/b).
+//
+// Fast path, from U's first 32 bits w and x = a/b in double precision (one
+// multiplication by 1/b, computed once): x = q + f with q = floor(x) (capped
+// at kExpTable) and f in [0, 1), and e^-f between the Taylor polynomials
+//   T3(f) = 1 - f + f^2/2 - f^3/6 <= e^-f <= T3(f) + f^4/24
+// (Lagrange remainder e^-xi f^4/24 in [0, f^4/24]), so
+//   lo[q] T3(f) <= exp(-x) <= hi[q] (T3(f) + f^4/24)
+// up to the rounding error: x itself is within a relative 2^-50.6 of a/b (a to
+// double: 2^-52; 1/b: two roundings; the product: one), which moves exp(-x)
+// by at most x e^-x 2^-50.5 < 2^-52; T3 by Horner is within 8 roundings of
+// values <= 1 (2^-50), the products and sums within 6 more (2^-50.4): all
+// below 2^-49 < kDoubleError. The band between the two bounds is f^4/24 wide
+// (below 1 % on average), then std::exp (glibc: within 1 ulp, 2^-52, plus the
+// 2^-52 of x) decides within kDoubleError + margin, and only then (with
+// probability about 2 * margin) the exact path. So the double arithmetic only
+// chooses which path decides, never the answer.
 class ExpBernoulli {
  public:
-  explicit ExpBernoulli(double margin) : margin_(margin) {}
+  ExpBernoulli(u128 b, double margin, FastPathCheck* check)
+      : b_(b), inv_b_(1.0 / ToDouble(b)), margin_(margin + kDoubleError), check_(check) {}
 
-  bool operator()(RandomBits& rng, u128 a, u128 b) const {
-    if (a == 0) return true;
+  bool operator()(RandomBits& rng, u128 a) const {
+    if (a == 0) return true;  // exp(0) = 1 > U
     const uint64_t w = rng.Bits(kFastBits);
-    const double f = ToDouble(a) / ToDouble(b);
-    // 1 - f <= exp(-f) <= 1 - f + f^2 / 2 on [0, 1].
-    if (w + 1 <= FloorScaled(1 - f - margin_, kFastBits)) return true;
-    if (w >= CeilScaled(1 - f + f * f / 2 + margin_, kFastBits)) return false;
-    const double e = std::exp(-f);
-    if (w + 1 <= FloorScaled(e - margin_, kFastBits)) return true;
-    if (w >= CeilScaled(e + margin_, kFastBits)) return false;
-    return ExpCompareExact(rng, (w << 32) | rng.Bits(32), a, b);
+    const int decided = Fast(w, a);
+    if (decided >= 0 && check_ == nullptr) return decided;
+    const bool exact = Exact(rng, w, a);
+    if (decided >= 0 && decided != exact) check_->disagreed = true;
+    return exact;
   }
 
  private:
+  // 1 if U < exp(-a/b), 0 if not, -1 if w does not decide.
+  int Fast(uint64_t w, u128 a) const {
+    static const ExpTable table;
+    const double x = std::min(ToDouble(a) * inv_b_, static_cast<double>(kExpTable));
+    const int q = static_cast<int>(x);
+    const double f = x - q;  // exact (a truncation's remainder), in [0, 1); 0 when capped
+    const double t3 = 1 - f * (1 - f * (0.5 - f * (1.0 / 6)));
+    const double f2 = f * f;
+    if (w + 1 <= FloorScaled(table.lo[q] * t3 - margin_, kFastBits)) return 1;
+    if (w >= CeilScaled(table.hi[q] * (t3 + f2 * f2 * (1.0 / 24)) + margin_, kFastBits)) return 0;
+    const double e = std::exp(-x);
+    if (w + 1 <= FloorScaled(e - margin_, kFastBits)) return 1;
+    if (w >= CeilScaled(e + margin_, kFastBits)) return 0;
+    return -1;
+  }
+
+  // U < exp(-q - r/b) with q = floor(a/b), r = a - q b, in integers.
+  bool Exact(RandomBits& rng, uint64_t w, u128 a) const {
+    const uint64_t q = static_cast<uint64_t>(a / b_);
+    const u128 r = a - q * b_;
+    std::vector<uint64_t> digits = {(w << 32) | rng.Bits(32)};
+    return LessExact(rng, &digits, [&](int p, Big* lo, Big* hi) { ExpIntervalQ(q, r, b_, p, lo, hi); });
+  }
+
+  u128 b_;
+  double inv_b_;  // 1/b rounded (relative error 2^-52: b to double, then the division)
   double margin_;
+  FastPathCheck* check_;
 };
 
-// Bernoulli(exp(-a/b)) for a constant a/b <= 1: its exact bounds at 2^-64,
+// Bernoulli(exp(-a/b)) for a constant a/b <= 1: its exact bounds at 2^-16,
 // computed once; the first 16 bits of U decide unless they tie with them.
 class ConstantExpBernoulli {
  public:
@@ -379,7 +499,8 @@ class ConstantExpBernoulli {
     const uint64_t w = rng.Bits(16);
     if (w + 1 <= lo_) return true;
     if (w >= hi_) return false;
-    return ExpCompareExact(rng, (w << 48) | rng.Bits(48), a_, b_);
+    std::vector<uint64_t> digits = {(w << 48) | rng.Bits(48)};
+    return LessExact(rng, &digits, [&](int p, Big* lo, Big* hi) { ExpInterval(a_, b_, p, lo, hi); });
   }
 
  private:
@@ -387,11 +508,122 @@ class ConstantExpBernoulli {
   uint64_t lo_, hi_;
 };
 
+// ---------------------------------------------------------------- k table --
+//
+// Karney's step 1 wants k >= 0 with Pr[k] proportional to exp(-k^2/2) = p^(k^2),
+// p = exp(-1/2). The loop of the header draws it as (1 - p) p^k p^(k(k-1)) and
+// rejects the rest (31 %), at about 2.5 unpredictable Bernoulli(p) per try.
+// Instead one uniform U in [0, 1) falls in one of the regions
+//
+//   k = 0, 1, 2, 3:  [B_k, B_(k+1)), of length c p^(k^2), c = R (1 - p);
+//   the tail:        [B_4, B_5), of length R p^16: then k = 4 + G, G the
+//                    number of Bernoulli(p) successes before the first failure
+//                    (Pr (1 - p) p^G), accepted if G (G + 7) more succeed;
+//   rejected:        [B_5, 1),
+//
+// with B_0 = 0, B_k = c (p^0 + p^1 + p^4 + ... + p^((k-1)^2)), B_5 = B_4 + R p^16.
+// Then Pr[k] = c p^(k^2) for k <= 3, and for k = 4 + G in the tail
+// R p^16 (1 - p) p^G p^(G(G+7)) = c p^((4+G)^2): the same c for every k, so k
+// is exactly the header's k (with the same cap kMaxK). R = 23/16 keeps
+// B_5 = 0.99200... < 1 (checked where the table is built), so 0.8 % of the
+// tries are rejected instead of 31 %, and Karney's loop runs about 1.41 times
+// per sample instead of 2.03.
+//
+// Each B_b is a polynomial in p with rational coefficients, bounded in integer
+// arithmetic from an interval of p (positive terms from its lower end,
+// negative ones from its upper end); the table holds those bounds at 32 bits,
+// widened by the margin, so the first 32 bits of U decide unless they fall
+// next to a boundary; then the exact path compares U with each B_b.
+
+constexpr int kTableK = 4;                  // k = 0..3 from the table, then the tail
+constexpr int kBoundaries = kTableK + 1;    // B_1 .. B_5
+constexpr int kTailRegion = kTableK;        // region index of the tail
+constexpr int kRejectRegion = kTableK + 1;  // region index of the rejected part
+constexpr uint64_t kRNum = 23, kRShift = 4;  // R = 23 / 2^4
+
+// [lo, hi] with lo <= 2^P B_b <= hi for b = 1..kBoundaries.
+void BoundaryInterval(int b, int P, Big* lo, Big* hi) {
+  const int g = P + 48;  // guard bits for the 16 outward roundings
+  Big p_lo, p_hi;
+  ExpInterval(1, 2, g, &p_lo, &p_hi);
+  Big one(g / 64 + 1, 0);
+  one[g / 64] = 1ull << (g % 64);
+  // Sums of the positive terms p^(i^2) (and p^16 for the tail) and of the negative terms p^(i^2 + 1).
+  Big plus_lo, plus_hi, minus_lo, minus_hi, t_lo, t_hi;
+  for (int i = 0; i < std::min(b, kTableK); ++i) {
+    const uint64_t n = static_cast<uint64_t>(i) * i;
+    if (n == 0) {
+      plus_lo = Add(plus_lo, one), plus_hi = Add(plus_hi, one);
+    } else {
+      PowerInterval(p_lo, p_hi, n, g, &t_lo, &t_hi);
+      plus_lo = Add(plus_lo, t_lo), plus_hi = Add(plus_hi, t_hi);
+    }
+    PowerInterval(p_lo, p_hi, n + 1, g, &t_lo, &t_hi);
+    minus_lo = Add(minus_lo, t_lo), minus_hi = Add(minus_hi, t_hi);
+  }
+  if (b == kBoundaries) {
+    PowerInterval(p_lo, p_hi, kTableK * kTableK, g, &t_lo, &t_hi);
+    plus_lo = Add(plus_lo, t_lo), plus_hi = Add(plus_hi, t_hi);
+  }
+  const Big lower = Compare(plus_lo, minus_hi) > 0 ? Sub(plus_lo, minus_hi) : Big{};
+  const Big upper = Sub(plus_hi, minus_lo);
+  *lo = ShiftRight(Mul(lower, Big{kRNum}), g - P + kRShift, false);
+  *hi = ShiftRight(Mul(upper, Big{kRNum}), g - P + kRShift, true);
+}
+
+class KTable {
+ public:
+  KTable(double margin, FastPathCheck* check) : check_(check) {
+    const uint64_t widen = static_cast<uint64_t>(std::ceil(std::ldexp(margin, kFastBits)));
+    for (int b = 0; b < kBoundaries; ++b) {
+      Big lo, hi;
+      BoundaryInterval(b + 1, kFastBits, &lo, &hi);
+      const uint64_t l = lo.empty() ? 0 : lo[0], h = hi.empty() ? 0 : hi[0];  // below 2^33
+      lo_[b] = l > widen ? l - widen : 0;
+      hi_[b] = h + widen;
+    }
+    // B_5 < 1 (R is small enough): hi is a bound of 2^32 B_5 at margin 0.
+    Big lo, hi;
+    BoundaryInterval(kBoundaries, kFastBits, &lo, &hi);
+    valid_ = hi.size() == 1 && hi[0] < (1ull << kFastBits);
+  }
+
+  bool valid() const { return valid_; }
+
+  // The region of U: the number of boundaries B_1..B_5 at or below U.
+  int Region(RandomBits& rng) const {
+    const uint64_t u = rng.Bits(kFastBits);
+    int c = 0;
+    for (int b = 0; b < kBoundaries; ++b) c += u >= hi_[b];  // U >= B_b for these (hi_ increases)
+    // U < B_c if u + 1 <= lo_[c] (then also below the later ones: lo_ increases).
+    const bool decided = c == kBoundaries || u < lo_[c];
+    if (decided && check_ == nullptr) return c;
+    const int exact = ExactRegion(rng, u);
+    if (decided && exact != c) check_->disagreed = true;
+    return exact;
+  }
+
+ private:
+  static int ExactRegion(RandomBits& rng, uint64_t u) {
+    std::vector<uint64_t> digits = {(u << 32) | rng.Bits(32)};
+    int c = 0;
+    while (c < kBoundaries &&
+           !LessExact(rng, &digits, [c](int p, Big* lo, Big* hi) { BoundaryInterval(c + 1, p, lo, hi); })) {
+      ++c;
+    }
+    return c;
+  }
+
+  uint64_t lo_[kBoundaries], hi_[kBoundaries];
+  bool valid_;
+  FastPathCheck* check_;
+};
+
 // ------------------------------------------------------------- Karney D --
 
 // k is capped here (see the header).
 constexpr uint64_t kMaxK = 4096;
-constexpr int kTableK = 64;
+constexpr int kCeilTable = 64;
 
 // floor(sqrt(x)) for x < 2^127.
 uint64_t FloorSqrt(u128 x) {
@@ -403,54 +635,58 @@ uint64_t FloorSqrt(u128 x) {
 
 class KarneySampler {
  public:
-  KarneySampler(u128 v, double margin)
-      : v_(v), two_v_(2 * v), two_v_double_(ToDouble(2 * v)), width_(CeilSigmaTimes(1)), exp_(margin),
-        half_(1, 2), one_(1, 1) {
-    for (int k = 0; k < kTableK; ++k) ceil_[k] = CeilSigmaTimes(k);
+  KarneySampler(u128 v, double margin, FastPathCheck* check = nullptr)
+      : v_(v), width_(CeilSigmaTimes(1)), k_table_(margin, check), exp_(2 * v, margin, check), half_(1, 2) {
+    for (int k = 0; k < kCeilTable; ++k) ceil_[k] = CeilSigmaTimes(k);
   }
+
+  bool valid() const { return k_table_.valid(); }
 
   int64_t Sample(RandomBits& rng) const {
     for (;;) {
-      // k with Pr ~ exp(-k/2) exp(-k (k - 1) / 2) = exp(-k^2 / 2).
-      uint64_t k = 0;
-      while (half_(rng)) ++k;
-      if (k > kMaxK) continue;
-      bool accept = true;
-      for (uint64_t i = 0, n = k * (k - (k > 0)); i < n && accept; ++i) accept = half_(rng);
-      if (!accept) continue;
+      // k with Pr ~ exp(-k^2 / 2) (the k table's comment).
+      const int region = k_table_.Region(rng);
+      if (region == kRejectRegion) continue;
+      const uint64_t k = region == kTailRegion ? TailK(rng) : region;
+      if (k == 0 && region == kTailRegion) continue;
       const bool negative = rng.Bit();
       const u128 m = Ceil(k) + rng.Below(width_);
       if (m >= Ceil(k + 1) || (m == 0 && negative)) continue;
-      // Accept with exp(-(m^2 - k^2 v) / (2 v)) = exp(-q) exp(-r / (2 v)).
+      // Accept with exp(-(m^2 - k^2 v) / (2 v)).
       const u128 k2v = static_cast<u128>(k) * k * v_;
-      const u128 m2 = m * m;
-      u128 a = m2 - k2v;
-      u128 q = static_cast<uint64_t>(ToDouble(a) / two_v_double_);  // then corrected exactly
-      while (q > 0 && q * two_v_ > a) --q;
-      while ((q + 1) * two_v_ <= a) ++q;
-      a -= q * two_v_;
-      for (u128 i = 0; i < q && accept; ++i) accept = one_(rng);
-      if (!accept || !exp_(rng, a, two_v_)) continue;
+      if (!exp_(rng, m * m - k2v)) continue;
       const int64_t y = static_cast<int64_t>(m);
       return negative ? -y : y;
     }
   }
 
  private:
+  // k = kTableK + G in the tail region, or 0 when rejected (or above kMaxK).
+  uint64_t TailK(RandomBits& rng) const {
+    uint64_t g = 0;
+    while (half_(rng)) ++g;
+    const uint64_t k = kTableK + g;
+    if (k > kMaxK) return 0;
+    for (uint64_t i = 0, n = g * (g + 2 * kTableK - 1); i < n; ++i) {
+      if (!half_(rng)) return 0;
+    }
+    return k;
+  }
+
   // ceil(k sqrt(v)) = the least m with m^2 >= k^2 v.
   uint64_t CeilSigmaTimes(uint64_t k) const {
     const u128 x = static_cast<u128>(k) * k * v_;
     return x == 0 ? 0 : FloorSqrt(x - 1) + 1;
   }
 
-  uint64_t Ceil(uint64_t k) const { return k < kTableK ? ceil_[k] : CeilSigmaTimes(k); }
+  uint64_t Ceil(uint64_t k) const { return k < kCeilTable ? ceil_[k] : CeilSigmaTimes(k); }
 
-  u128 v_, two_v_;
-  double two_v_double_;
+  u128 v_;
   uint64_t width_;  // ceil(sigma): j is uniform on [0, width_)
-  uint64_t ceil_[kTableK];
+  uint64_t ceil_[kCeilTable];
+  KTable k_table_;
   ExpBernoulli exp_;
-  ConstantExpBernoulli half_, one_;
+  ConstantExpBernoulli half_;
 };
 
 // ------------------------------------------------------------------- op --
@@ -460,6 +696,7 @@ REGISTER_OP("TfeDiscreteGaussian")
     .Input("variance: float64")
     .Output("noise: int64")
     .Attr("fast_path_margin_log2: int = 40")
+    .Attr("check_fast_paths: bool = false")
     .SetIsStateful()  // fresh randomness on every run; Grappler must not fold it
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle out;
@@ -476,6 +713,9 @@ integer in [1, 2**100]. `fast_path_margin_log2` (1..50): the margin 2^-m of the
 double-precision bounds that decide most Bernoulli(exp) draws; any value gives
 the same distribution (the rest is decided exactly); small values only make
 the exact path run more often (tests use that to exercise it).
+`check_fast_paths` (tests only, slow): every decision of a fast path is taken
+again by the exact path with the same uniform bits, and the op fails if they
+ever disagree.
 )doc");
 
 class DiscreteGaussianOp : public OpKernel {
@@ -489,6 +729,7 @@ class DiscreteGaussianOp : public OpKernel {
                                                       "[1, 50] (the double bounds' error is below 2^-50), got ",
                                                       margin_log2));
     margin_ = std::ldexp(1.0, -margin_log2);
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("check_fast_paths", &check_fast_paths_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -508,7 +749,11 @@ class DiscreteGaussianOp : public OpKernel {
     uint8_t key[kKeyBytes];
     OP_REQUIRES(ctx, FreshKey(key), ::tensorflow::errors::Internal("RAND_bytes failed: no secure key"));
 
-    const KarneySampler sampler(static_cast<u128>(variance), margin_);  // exact: an integer below 2^101
+    FastPathCheck check;
+    const KarneySampler sampler(static_cast<u128>(variance), margin_,  // exact: an integer below 2^101
+                                check_fast_paths_ ? &check : nullptr);
+    OP_REQUIRES(ctx, sampler.valid(), ::tensorflow::errors::Internal("TfeDiscreteGaussian: the k table's "
+                                                                      "regions do not fit in [0, 1)"));
     int64_t* y = out->flat<int64_t>().data();
     const int64_t n = out->NumElements();
     const int64_t chunks = (n + kNoiseChunk - 1) / kNoiseChunk;
@@ -526,9 +771,12 @@ class DiscreteGaussianOp : public OpKernel {
                         });
     std::memset(key, 0, sizeof(key));
     for (uint8_t f : failed) OP_REQUIRES(ctx, !f, ::tensorflow::errors::Internal("AES-128-CTR failed"));
+    OP_REQUIRES(ctx, !check.disagreed, ::tensorflow::errors::Internal("TfeDiscreteGaussian: a fast path "
+                                                                       "disagreed with the exact path"));
   }
  private:
   double margin_ = 0;
+  bool check_fast_paths_ = false;
 };
 REGISTER_KERNEL_BUILDER(Name("TfeDiscreteGaussian").Device(DEVICE_CPU).HostMemory("shape"),
                         DiscreteGaussianOp);
