@@ -6,23 +6,26 @@
 // Pr[X = x] proportional to exp(-x^2 / (2 v)) on the integers, for an integer
 // v = `variance` in [1, 2^100]. The sampler is Karney's exact algorithm D
 // ("Sampling exactly from the normal distribution", ACM TOMS 2016) for the
-// discrete Gaussian with mu = 0 and sigma = sqrt(v), in integer arithmetic
-// only (no floating point touches a sample: Mironov, CCS 2012):
+// discrete Gaussian with mu = 0 and sigma = sqrt(v); no floating point decides
+// a sample (Mironov, CCS 2012):
 //
-//   1. k >= 0 with Pr ~ exp(-k^2 / 2): k = the number of Bernoulli(exp(-1/2))
-//      successes before the first failure, accepted if k (k - 1) more
-//      Bernoulli(exp(-1/2)) all succeed;
+//   1. k >= 0 with Pr ~ exp(-k^2 / 2): one uniform U falls in a region of a
+//      table of exact boundaries (k = 0..3, a tail region for k >= 4 drawn by
+//      Bernoulli(exp(-1/2)) trials, or a rejected part; "k table" below);
 //   2. a sign s and j uniform on [0, ceil(sigma)); m = ceil(k sigma) + j,
 //      rejected if m >= ceil((k + 1) sigma) (so every m >= 0 belongs to one k)
 //      or if m = 0 and s < 0 (0 counted once);
 //   3. accept with probability exp(-(m^2 - k^2 v) / (2 v)) and return s m.
 //
 // Every m >= 0 is then output with probability proportional to
-// exp(-k^2/2) exp(-(m^2 - k^2 v) / (2 v)) = exp(-m^2 / (2 v)). Bernoulli(exp(-g))
-// for rational g is Canonne, Kamath, Steinke (NeurIPS 2020) Algorithm 1, and
-// each Bernoulli(a / b) in it compares a uniform real, drawn bit by bit, with
-// the binary expansion of a / b (about 2 random bits each), so a sample costs
-// a few dozen random bits and no division.
+// exp(-k^2/2) exp(-(m^2 - k^2 v) / (2 v)) = exp(-m^2 / (2 v)). Each random
+// decision compares a uniform real U, drawn 32 or 64 bits at a time, with a
+// real y (a region boundary, or exp(-x) for rational x): bounds on y decide
+// from U's first bits almost always (double precision with a margin above
+// its rounding error, or integer bounds computed once), and otherwise an
+// interval of y in multi-precision integer arithmetic, narrowed until it
+// separates y from U, decides exactly. A sample costs about 1.4 tries of
+// steps 1-3 and about 3 words of keystream.
 //
 // The one departure from the exact distribution: k is capped at kMaxK = 4096
 // (so |X| < 2^63 fits the int64 output and every product fits 128 bits:
@@ -136,6 +139,19 @@ class RandomBits {
     return r;
   }
 
+  // Uniform on [0, c), 1 <= c <= 2^62, from the 63-bit uniform `first` (and
+  // more words if rejected): Lemire's multiply-and-reject ("Fast random
+  // integer generation in an interval", 2019) over 2^63, exactly uniform.
+  uint64_t Below63(uint64_t c, uint64_t first) {
+    constexpr uint64_t kMask = (1ull << 63) - 1;
+    u128 m = static_cast<u128>(first) * c;
+    if ((static_cast<uint64_t>(m) & kMask) < c) {
+      const uint64_t threshold = ((1ull << 63) - c) % c;  // 2^63 mod c
+      while ((static_cast<uint64_t>(m) & kMask) < threshold) m = static_cast<u128>(words_.Next() >> 1) * c;
+    }
+    return static_cast<uint64_t>(m >> 63);
+  }
+
   // Uniform on [0, c), 1 <= c < 2^64: Lemire's multiply-and-reject ("Fast
   // random integer generation in an interval", 2019), exactly uniform.
   uint64_t Below(uint64_t c) {
@@ -156,17 +172,17 @@ class RandomBits {
 // ------------------------------------------------- exact Bernoulli(exp) --
 //
 // Bernoulli(exp(-a/b)) is decided as U < exp(-a/b) for a uniform real U whose
-// binary digits are drawn 64 at a time. The first word W almost always
-// decides it against bounds L <= exp(-a/b) <= H computed in double precision
-// with a margin (2^-40 by default) far above their rounding error (below
-// 2^-50: a/b and the bounds 1 - f <= exp(-f) <= 1 - f + f^2/2 are a few
-// roundings; glibc's exp is within 1 ulp): W + 1 <= floor(L 2^64) means
-// U < exp(-a/b), W >= ceil(H 2^64) means U >= exp(-a/b). Otherwise (with
-// probability about 2 * margin) the exact path draws more words of U and
-// compares them with an interval of exp(-a/b) computed in multi-precision
-// integer arithmetic (alternating Taylor series with floor/ceiling bounds)
-// until the interval separates them. So the decision is exact: the double
-// arithmetic only chooses which path decides, never the answer.
+// binary digits are drawn as needed. The first 32 bits w of U almost always
+// decide it against bounds L <= exp(-a/b) <= H computed in double precision,
+// widened by a margin (2^-40 by default) plus kDoubleError (2^-46), a rigorous
+// bound on their rounding error (below 2^-48.7, shown at ExpBernoulli):
+// w + 1 <= L 2^32 means U < exp(-a/b), w >= H 2^32 means U >= exp(-a/b).
+// Otherwise (with probability about 2 * margin) the exact path draws more
+// words of U and compares them with an interval of exp(-a/b) computed in
+// multi-precision integer arithmetic (alternating Taylor series with
+// floor/ceiling bounds) until the interval separates them. So the decision is
+// exact: the double arithmetic only chooses which path decides, never the
+// answer. The same exact comparison (LessExact) decides the k table's regions.
 
 // Unsigned multi-precision integers, little-endian 64-bit limbs (exact path only).
 using Big = std::vector<uint64_t>;
@@ -349,15 +365,23 @@ void ExpIntervalQ(uint64_t q, u128 r, u128 b, int p, Big* lo, Big* hi) {
   *hi = ShiftRight(f_hi, g - p, true);
 }
 
-// x as a double, within a relative 2^-52 (two roundings; inline, unlike the
-// compiler's 128-bit conversion call).
-inline double ToDouble(u128 x) {
-  return static_cast<double>(static_cast<uint64_t>(x >> 64)) * 18446744073709551616.0 +
-         static_cast<double>(static_cast<uint64_t>(x));
+// x as a double, correctly rounded (the two 32-bit halves convert exactly;
+// their sum rounds once), without the branch on the top bit that the
+// compiler's unsigned conversion takes (a coin flip for random words).
+inline double ToDouble(uint64_t x) {
+  return static_cast<double>(static_cast<int64_t>(x >> 32)) * 4294967296.0 +
+         static_cast<double>(static_cast<int64_t>(x & 0xffffffffull));
 }
 
-// Big -> double, within a relative 2^-52 (the top two limbs; the rest only
-// lowers the value by less than 2^-64 of it).
+// x as a double, within a relative 3 * 2^-53 < 2^-51.4 (three roundings: each
+// half's and the sum's, each of at most 2^-53 of a value <= x).
+inline double ToDouble(u128 x) {
+  return ToDouble(static_cast<uint64_t>(x >> 64)) * 18446744073709551616.0 +
+         ToDouble(static_cast<uint64_t>(x));
+}
+
+// Big -> double, within a relative 2^-51.3 (the top two limbs, 2^-51.4; the
+// rest only lowers the value by less than 2^-64 of it).
 double BigToDouble(const Big& x) {
   if (x.empty()) return 0;
   if (x.size() == 1) return static_cast<double>(x[0]);
@@ -365,26 +389,13 @@ double BigToDouble(const Big& x) {
   return std::ldexp(ToDouble(top), static_cast<int>(64 * (x.size() - 2)));
 }
 
-// floor(y 2^bits) and ceil(y 2^bits), saturated to [0, 2^bits], for a double
-// y and bits <= 32 (exact: scaling by a power of two and truncation below 2^53).
-inline uint64_t FloorScaled(double y, int bits) {
-  const double scale = static_cast<double>(1ull << bits);
-  if (!(y > 0)) return 0;
-  if (y >= 1) return 1ull << bits;
-  return static_cast<uint64_t>(y * scale);
-}
-inline uint64_t CeilScaled(double y, int bits) {
-  const double scale = static_cast<double>(1ull << bits);
-  if (!(y > 0)) return 0;
-  if (y >= 1) return 1ull << bits;
-  const double t = y * scale;
-  const uint64_t f = static_cast<uint64_t>(t);
-  return static_cast<double>(f) < t ? f + 1 : f;
-}
-
-// The first 32 bits of U decide unless they fall in the band [lo, hi); then
+// The first 32 bits w of U decide unless they fall next to the bounds; then
 // the exact path continues with U's first 64 bits (32 more fresh bits).
+// U < (w + 1) / 2^32 <= y if w + 1 <= y 2^32, and U >= w / 2^32 >= y if
+// w >= y 2^32: compared in double, exactly (w + 1 <= 2^32 and the scaling by
+// a power of two are exact), so the bounds are compared as computed.
 constexpr int kFastBits = 32;
+constexpr double kFastScale = 4294967296.0;  // 2^kFastBits
 
 // A rigorous bound on the rounding error of the double-precision bounds below
 // (each is shown below 2^-49 where it is computed), with 8x headroom. It is
@@ -398,21 +409,28 @@ struct FastPathCheck {
   std::atomic<bool> disagreed{false};
 };
 
-// exp(-q) for q = 0..kExpTable - 1 as doubles lo[q] <= exp(-q) <= hi[q]
-// (from intervals at 192 bits, converted within 2^-52 and then moved out by
+// exp(-q) 2^32 for q = 0..kExpTable - 1 as doubles lo[q] <= exp(-q) 2^32 <= hi[q]
+// (from intervals at 192 bits, converted within 2^-51.3 and then moved out by
 // 2^-50 relative: the product's own rounding is 2^-53), and lo = 0, hi =
-// hi[kExpTable - 1] at q = kExpTable, which bounds exp(-x) for every x >= 63.99.
+// hi[kExpTable - 1] at q = kExpTable, which bounds exp(-q) 2^32 for every
+// q >= kExpTable. Computed once per process.
 constexpr int kExpTable = 64;
 struct ExpTable {
   double lo[kExpTable + 1], hi[kExpTable + 1];
+  static const ExpTable& Get() {
+    static const ExpTable table;
+    return table;
+  }
+
+ private:
   ExpTable() {
     constexpr int g = 192;
     Big e_lo, e_hi, y_lo(g / 64 + 1, 0), y_hi;
     y_lo[g / 64] = 1, y_hi = y_lo;  // 2^g exp(0)
     ExpInterval(1, 1, g, &e_lo, &e_hi);
     for (int q = 0; q < kExpTable; ++q) {
-      lo[q] = std::ldexp(BigToDouble(y_lo) * (1 - std::ldexp(1.0, -50)), -g);
-      hi[q] = std::ldexp(BigToDouble(y_hi) * (1 + std::ldexp(1.0, -50)), -g);
+      lo[q] = std::ldexp(BigToDouble(y_lo) * (1 - std::ldexp(1.0, -50)), kFastBits - g);
+      hi[q] = std::ldexp(BigToDouble(y_hi) * (1 + std::ldexp(1.0, -50)), kFastBits - g);
       y_lo = ShiftRight(Mul(y_lo, e_lo), g, false);
       y_hi = ShiftRight(Mul(y_hi, e_hi), g, true);
     }
@@ -423,17 +441,19 @@ struct ExpTable {
 // Bernoulli(exp(-a/b)) for integers 0 <= a < 2^127 and 1 <= b < 2^102, with
 // a/b < 2^13 (here b = 2v and a/b <= kMaxK + 1), decided as U < exp(-a/b).
 //
-// Fast path, from U's first 32 bits w and x = a/b in double precision (one
-// multiplication by 1/b, computed once): x = q + f with q = floor(x) (capped
-// at kExpTable) and f in [0, 1), and e^-f between the Taylor polynomials
-//   T3(f) = 1 - f + f^2/2 - f^3/6 <= e^-f <= T3(f) + f^4/24
+// Fast path, from U's first 32 bits w and x, a double within a relative
+// 9 * 2^-53 = 2^-49.8 of a/b (the caller's; KarneySampler::Sample shows it):
+// x = q + f with q = floor(x) (capped at kExpTable) and f in [0, 1), and e^-f
+// between the Taylor polynomials
+//   T3(f) = (1 - f) + f^2 (1/2 - f/6) <= e^-f <= T3(f) + f^4/24
 // (Lagrange remainder e^-xi f^4/24 in [0, f^4/24]), so
-//   lo[q] T3(f) <= exp(-x) <= hi[q] (T3(f) + f^4/24)
-// up to the rounding error: x itself is within a relative 2^-50.6 of a/b (a to
-// double: 2^-52; 1/b: two roundings; the product: one), which moves exp(-x)
-// by at most x e^-x 2^-50.5 < 2^-52; T3 by Horner is within 8 roundings of
-// values <= 1 (2^-50), the products and sums within 6 more (2^-50.4): all
-// below 2^-49 < kDoubleError. The band between the two bounds is f^4/24 wide
+//   lo[q] T3(f) <= exp(-x) 2^32 <= hi[q] (T3(f) + f^4/24)
+// up to the rounding error: x's own error moves exp(-x) by at most
+// x e^-x 2^-49.8 < 2^-51.2; T3 is within 7 roundings of values
+// <= 1 (1/6, f/6, the difference, f^2, the product, 1 - f, the sum), the
+// upper term within 4 more and the products with the table within 2: 13 *
+// 2^-53 < 2^-49.2. In all below 2^-48.9 < kDoubleError (relative to 2^32, the
+// scale of the table and of w). The band between the two bounds is f^4/24 wide
 // (below 1 % on average), then std::exp (glibc: within 1 ulp, 2^-52, plus the
 // 2^-52 of x) decides within kDoubleError + margin, and only then (with
 // probability about 2 * margin) the exact path. So the double arithmetic only
@@ -441,37 +461,43 @@ struct ExpTable {
 class ExpBernoulli {
  public:
   ExpBernoulli(u128 b, double margin, FastPathCheck* check)
-      : b_(b), inv_b_(1.0 / ToDouble(b)), margin_(margin + kDoubleError), check_(check) {}
+      : b_(b), margin_(margin + kDoubleError), scaled_margin_(margin_ * kFastScale), table_(ExpTable::Get()),
+        check_(check) {}
 
-  bool operator()(RandomBits& rng, u128 a) const {
-    if (a == 0) return true;  // exp(0) = 1 > U
-    const uint64_t w = rng.Bits(kFastBits);
-    const int decided = Fast(w, a);
-    if (decided >= 0 && check_ == nullptr) return decided;
-    const bool exact = Exact(rng, w, a);
-    if (decided >= 0 && decided != exact) check_->disagreed = true;
-    return exact;
+  // U < exp(-a/b) for U's first 32 bits w (more are drawn from `rng` if
+  // needed) and x: a/b within a relative 2^-49.8 (see above). The outcome is
+  // not branched on here (a coin flip for the branch predictor); only the
+  // rare undecided case is.
+  bool operator()(RandomBits& rng, uint64_t w, u128 a, double x) const {
+    const double w_lo = static_cast<double>(static_cast<int64_t>(w)), w_hi = w_lo + 1;  // exact
+    const int q = static_cast<int>(x);  // floor: 0 <= x < 2^13
+    const double f = x - q;             // exact (a truncation's remainder), in [0, 1)
+    const int i = std::min(q, kExpTable);  // e^-x <= e^-63 e^-f for q >= kExpTable: lo 0, hi e^-63
+    const double f2 = f * f;
+    const double t3 = (1 - f) + f2 * (0.5 - f * (1.0 / 6));
+    const bool below = w_hi <= table_.lo[i] * t3 - scaled_margin_;
+    const bool above = w_lo >= table_.hi[i] * (t3 + f2 * f2 * (1.0 / 24)) + scaled_margin_;
+    if (__builtin_expect((below | above) && check_ == nullptr, 1)) return below;
+    return Slow(rng, w, a, x, below | above, below);
   }
 
  private:
-  // 1 if U < exp(-a/b), 0 if not, -1 if w does not decide.
-  int Fast(uint64_t w, u128 a) const {
-    static const ExpTable table;
-    const double x = std::min(ToDouble(a) * inv_b_, static_cast<double>(kExpTable));
-    const int q = static_cast<int>(x);
-    const double f = x - q;  // exact (a truncation's remainder), in [0, 1); 0 when capped
-    const double t3 = 1 - f * (1 - f * (0.5 - f * (1.0 / 6)));
-    const double f2 = f * f;
-    if (w + 1 <= FloorScaled(table.lo[q] * t3 - margin_, kFastBits)) return 1;
-    if (w >= CeilScaled(table.hi[q] * (t3 + f2 * f2 * (1.0 / 24)) + margin_, kFastBits)) return 0;
-    const double e = std::exp(-x);
-    if (w + 1 <= FloorScaled(e - margin_, kFastBits)) return 1;
-    if (w >= CeilScaled(e + margin_, kFastBits)) return 0;
-    return -1;
+  // The band between the polynomial bounds: std::exp's bounds, then the exact path.
+  bool Slow(RandomBits& rng, uint64_t w, u128 a, double x, bool decided, bool fast) const {
+    if (!decided) {
+      const double e = std::exp(-x) * kFastScale, w_lo = static_cast<double>(static_cast<int64_t>(w));
+      fast = w_lo + 1 <= e - scaled_margin_;
+      decided = fast || w_lo >= e + scaled_margin_;
+      if (decided && check_ == nullptr) return fast;
+    }
+    const bool exact = Exact(rng, w, a);
+    if (decided && fast != exact) check_->disagreed = true;
+    return exact;
   }
 
   // U < exp(-q - r/b) with q = floor(a/b), r = a - q b, in integers.
   bool Exact(RandomBits& rng, uint64_t w, u128 a) const {
+    if (a == 0) return true;  // exp(0) = 1 > U
     const uint64_t q = static_cast<uint64_t>(a / b_);
     const u128 r = a - q * b_;
     std::vector<uint64_t> digits = {(w << 32) | rng.Bits(32)};
@@ -479,8 +505,9 @@ class ExpBernoulli {
   }
 
   u128 b_;
-  double inv_b_;  // 1/b rounded (relative error 2^-52: b to double, then the division)
   double margin_;
+  double scaled_margin_;  // margin_ 2^32 (exact)
+  const ExpTable& table_;
   FastPathCheck* check_;
 };
 
@@ -591,13 +618,13 @@ class KTable {
   bool valid() const { return valid_; }
 
   // The region of U: the number of boundaries B_1..B_5 at or below U.
-  int Region(RandomBits& rng) const {
-    const uint64_t u = rng.Bits(kFastBits);
+  // U's first 32 bits are u (more are drawn from `rng` if needed).
+  int Region(RandomBits& rng, uint64_t u) const {
     int c = 0;
     for (int b = 0; b < kBoundaries; ++b) c += u >= hi_[b];  // U >= B_b for these (hi_ increases)
     // U < B_c if u + 1 <= lo_[c] (then also below the later ones: lo_ increases).
     const bool decided = c == kBoundaries || u < lo_[c];
-    if (decided && check_ == nullptr) return c;
+    if (__builtin_expect(decided && check_ == nullptr, 1)) return c;
     const int exact = ExactRegion(rng, u);
     if (decided && exact != c) check_->disagreed = true;
     return exact;
@@ -636,31 +663,63 @@ uint64_t FloorSqrt(u128 x) {
 class KarneySampler {
  public:
   KarneySampler(u128 v, double margin, FastPathCheck* check = nullptr)
-      : v_(v), width_(CeilSigmaTimes(1)), k_table_(margin, check), exp_(2 * v, margin, check), half_(1, 2) {
-    for (int k = 0; k < kCeilTable; ++k) ceil_[k] = CeilSigmaTimes(k);
+      : v_(v), inv_two_v_(1.0 / ToDouble(2 * v)), width_(CeilSigmaTimes(1)), k_table_(margin, check),
+        exp_(2 * v, margin, check), half_(1, 2) {
+    for (int k = 0; k < kCeilTable; ++k) {
+      ceil_[k] = CeilSigmaTimes(k);
+      two_ceil_[k] = TwoCeilDouble(ceil_[k]);
+      rest_[k] = RestOver2v(k, ceil_[k]);
+    }
   }
 
   bool valid() const { return k_table_.valid(); }
 
-  int64_t Sample(RandomBits& rng) const {
-    for (;;) {
-      // k with Pr ~ exp(-k^2 / 2) (the k table's comment).
-      const int region = k_table_.Region(rng);
-      if (region == kRejectRegion) continue;
-      const uint64_t k = region == kTailRegion ? TailK(rng) : region;
-      if (k == 0 && region == kTailRegion) continue;
-      const bool negative = rng.Bit();
-      const u128 m = Ceil(k) + rng.Below(width_);
-      if (m >= Ceil(k + 1) || (m == 0 && negative)) continue;
-      // Accept with exp(-(m^2 - k^2 v) / (2 v)).
-      const u128 k2v = static_cast<u128>(k) * k * v_;
-      if (!exp_(rng, m * m - k2v)) continue;
-      const int64_t y = static_cast<int64_t>(m);
-      return negative ? -y : y;
+  // Fills y[0, n) with independent samples: tries of steps 1-3 one after the
+  // other, each written at the next free place and kept only if accepted, so
+  // no branch depends on whether a try is accepted (30 % are not, at random,
+  // which a branch predictor cannot learn).
+  void Fill(RandomBits& rng, int64_t* y, int64_t n) const {
+    for (int64_t filled = 0; filled < n;) {
+      bool accepted;
+      y[filled] = Try(rng, &accepted);
+      filled += accepted;
     }
   }
 
  private:
+  // One try of steps 1-3: its value, and whether it is accepted.
+  int64_t Try(RandomBits& rng, bool* accepted) const {
+    // Two words: 32 bits for the k table and 32 for the acceptance (independent
+    // bits of one word), then the sign and 63 bits for j.
+    const uint64_t r = rng.Word();
+    // k with Pr ~ exp(-k^2 / 2) (the k table's comment).
+    const int region = k_table_.Region(rng, r >> 32);
+    uint64_t k = region;
+    bool ok = true;
+    if (__builtin_expect(region >= kTailRegion, 0)) {
+      k = region == kTailRegion ? TailK(rng) : 0;  // 0: rejected
+      ok = k != 0;
+    }
+    const uint64_t s = rng.Word();
+    const bool negative = s & 1;
+    const uint64_t j = rng.Below63(width_, s >> 1);
+    const u128 m = Ceil(k) + j;
+    ok &= (m < Ceil(k + 1)) & !((m == 0) & negative);
+    // Accept with exp(-(m^2 - k^2 v) / (2 v)). With c = ceil(k sigma), m = c + j and
+    // m^2 - k^2 v = (c^2 - k^2 v) + j (2c + j), two non-negative terms, so in double
+    // x = j (2c + j) / (2v) + (c^2 - k^2 v) / (2v) is within a relative 9 * 2^-53 of
+    // the exact ratio: j < 2^51 converts exactly; 2c (1 rounding), the sum with j (1),
+    // the product (1), 1/(2v) (2v to double: 3, the division: 1) and the product (1)
+    // make 8, as does rest_ (c^2 - k^2 v to double: 3, 1/(2v): 4, the product: 1), and
+    // the final sum 1. (A try already rejected is still drawn through, harmlessly.)
+    const double jd = static_cast<double>(static_cast<int64_t>(j));
+    const double x = jd * (TwoCeil(k) + jd) * inv_two_v_ + Rest(k);
+    ok &= exp_(rng, r & 0xffffffffull, m * m - KSquaredV(k), x);
+    *accepted = ok;
+    const int64_t y = static_cast<int64_t>(m);
+    return negative ? -y : y;
+  }
+
   // k = kTableK + G in the tail region, or 0 when rejected (or above kMaxK).
   uint64_t TailK(RandomBits& rng) const {
     uint64_t g = 0;
@@ -673,17 +732,32 @@ class KarneySampler {
     return k;
   }
 
+  // k^2 v < 2^124 (k <= kMaxK + 1, v <= 2^100): needs 128 bits. The one place it is computed.
+  u128 KSquaredV(uint64_t k) const { return static_cast<u128>(k) * k * v_; }
+
   // ceil(k sqrt(v)) = the least m with m^2 >= k^2 v.
   uint64_t CeilSigmaTimes(uint64_t k) const {
-    const u128 x = static_cast<u128>(k) * k * v_;
+    const u128 x = KSquaredV(k);
     return x == 0 ? 0 : FloorSqrt(x - 1) + 1;
   }
 
   uint64_t Ceil(uint64_t k) const { return k < kCeilTable ? ceil_[k] : CeilSigmaTimes(k); }
 
+  // 2 ceil(k sigma) as a double (< 2^64: ceil(k sigma) < 2^63), one rounding.
+  static double TwoCeilDouble(uint64_t c) { return ToDouble(static_cast<u128>(c) * 2); }
+  double TwoCeil(uint64_t k) const { return k < kCeilTable ? two_ceil_[k] : TwoCeilDouble(Ceil(k)); }
+
+  // (c^2 - k^2 v) / (2v) in double for c = ceil(k sigma) (8 roundings, see Sample).
+  double RestOver2v(uint64_t k, uint64_t c) const {
+    return ToDouble(static_cast<u128>(c) * c - KSquaredV(k)) * inv_two_v_;
+  }
+  double Rest(uint64_t k) const { return k < kCeilTable ? rest_[k] : RestOver2v(k, Ceil(k)); }
+
   u128 v_;
-  uint64_t width_;  // ceil(sigma): j is uniform on [0, width_)
+  double inv_two_v_;  // 1/(2v): 2v to double (3 roundings), the division (1)
+  uint64_t width_;    // ceil(sigma): j is uniform on [0, width_)
   uint64_t ceil_[kCeilTable];
+  double two_ceil_[kCeilTable], rest_[kCeilTable];
   KTable k_table_;
   ExpBernoulli exp_;
   ConstantExpBernoulli half_;
@@ -765,7 +839,7 @@ class DiscreteGaussianOp : public OpKernel {
                           for (int64_t c = begin; c < end; ++c) {
                             RandomBits rng(key, static_cast<uint64_t>(c));
                             const int64_t last = std::min(n, (c + 1) * kNoiseChunk);
-                            for (int64_t i = c * kNoiseChunk; i < last; ++i) y[i] = sampler.Sample(rng);
+                            sampler.Fill(rng, y + c * kNoiseChunk, last - c * kNoiseChunk);
                             failed[c] = !rng.ok();
                           }
                         });
