@@ -316,9 +316,9 @@ void ExpInterval(u128 a, u128 b, int p, Big* lo, Big* hi) {
 }
 
 // U < y, exactly, for a uniform real U in [0, 1) and a real y in (0, 1) that is
-// not a dyadic rational (every y here is a non-constant polynomial in exp(-1/2)
-// with rational coefficients, so transcendental by Lindemann: the loop ends
-// with probability 1). `digits` holds U's first 64-bit words, most significant
+// not a dyadic rational (every y here is exp(-x) for a rational x > 0 or a
+// non-constant polynomial in exp(-1/2) with rational coefficients, so
+// transcendental by Lindemann: the loop ends with probability 1). `digits` holds U's first 64-bit words, most significant
 // first; more are drawn from `rng` and appended as needed, so several
 // comparisons of one U see the same U. `bounds(P, &lo, &hi)` must give
 // lo <= 2^P y <= hi with hi - lo bounded as P grows.
@@ -348,8 +348,8 @@ void PowerInterval(const Big& y_lo, const Big& y_hi, uint64_t n, int g, Big* lo,
 }
 
 // [lo, hi] with lo <= 2^p exp(-q - r/b) <= hi, for q < 2^13 and 0 <= r < b < 2^127:
-// exp(-r/b) times q factors exp(-1), with 48 guard bits for the q + 2 outward
-// roundings (so hi - lo stays below 2 at any p).
+// exp(-r/b) times q factors exp(-1), with 48 guard bits for the ~3q outward
+// roundings (so hi - lo stays a few units at any p, and the comparison ends).
 void ExpIntervalQ(uint64_t q, u128 r, u128 b, int p, Big* lo, Big* hi) {
   const int g = p + 48;
   Big f_lo, f_hi;
@@ -784,9 +784,10 @@ Independent samples of the discrete Gaussian N_Z(0, variance) on the integers
 arithmetic only), with randomness from
 AES-128-CTR keyed by a fresh RAND_bytes key on every run. `variance` must be an
 integer in [1, 2**100]. `fast_path_margin_log2` (1..50): the margin 2^-m of the
-double-precision bounds that decide most Bernoulli(exp) draws; any value gives
-the same distribution (the rest is decided exactly); small values only make
-the exact path run more often (tests use that to exercise it).
+double-precision bounds that decide most Bernoulli(exp) draws (added to a
+rigorous bound on their rounding error) and of the k table's bounds; any value
+gives the same distribution (the rest is decided exactly); small values only
+make the exact path run more often (tests use that to exercise it).
 `check_fast_paths` (tests only, slow): every decision of a fast path is taken
 again by the exact path with the same uniform bits, and the op fails if they
 ever disagree.
@@ -800,7 +801,7 @@ class DiscreteGaussianOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("fast_path_margin_log2", &margin_log2));
     OP_REQUIRES(ctx, margin_log2 >= 1 && margin_log2 <= 50,
                 ::tensorflow::errors::InvalidArgument("TfeDiscreteGaussian: fast_path_margin_log2 must be in "
-                                                      "[1, 50] (the double bounds' error is below 2^-50), got ",
+                                                      "[1, 50] (a margin on top of the bounds' rounding error), got ",
                                                       margin_log2));
     margin_ = std::ldexp(1.0, -margin_log2);
     OP_REQUIRES_OK(ctx, ctx->GetAttr("check_fast_paths", &check_fast_paths_));
