@@ -442,7 +442,7 @@ struct ExpTable {
 // a/b < 2^13 (here b = 2v and a/b <= kMaxK + 1), decided as U < exp(-a/b).
 //
 // Fast path, from U's first 32 bits w and x, a double within a relative
-// 9 * 2^-53 = 2^-49.8 of a/b (the caller's; KarneySampler::Sample shows it):
+// 9 * 2^-53 = 2^-49.8 of a/b (the caller's; KarneySampler::Try shows it):
 // x = q + f with q = floor(x) (capped at kExpTable) and f in [0, 1), and e^-f
 // between the Taylor polynomials
 //   T3(f) = (1 - f) + f^2 (1/2 - f/6) <= e^-f <= T3(f) + f^4/24
@@ -465,10 +465,12 @@ class ExpBernoulli {
         check_(check) {}
 
   // U < exp(-a/b) for U's first 32 bits w (more are drawn from `rng` if
-  // needed) and x: a/b within a relative 2^-49.8 (see above). The outcome is
-  // not branched on here (a coin flip for the branch predictor); only the
-  // rare undecided case is.
-  bool operator()(RandomBits& rng, uint64_t w, u128 a, double x) const {
+  // needed) and x: a/b within a relative 2^-49.8 (see above); the integer a =
+  // a_of() is computed only if the exact path runs. The outcome is not
+  // branched on here (a coin flip for the branch predictor); only the rare
+  // undecided case is.
+  template <typename A>
+  bool operator()(RandomBits& rng, uint64_t w, double x, const A& a_of) const {
     const double w_lo = static_cast<double>(static_cast<int64_t>(w)), w_hi = w_lo + 1;  // exact
     const int q = static_cast<int>(x);  // floor: 0 <= x < 2^13
     const double f = x - q;             // exact (a truncation's remainder), in [0, 1)
@@ -478,19 +480,20 @@ class ExpBernoulli {
     const bool below = w_hi <= table_.lo[i] * t3 - scaled_margin_;
     const bool above = w_lo >= table_.hi[i] * (t3 + f2 * f2 * (1.0 / 24)) + scaled_margin_;
     if (__builtin_expect((below | above) && check_ == nullptr, 1)) return below;
-    return Slow(rng, w, a, x, below | above, below);
+    return Slow(rng, w, a_of, x, below | above, below);
   }
 
  private:
   // The band between the polynomial bounds: std::exp's bounds, then the exact path.
-  bool Slow(RandomBits& rng, uint64_t w, u128 a, double x, bool decided, bool fast) const {
+  template <typename A>
+  bool Slow(RandomBits& rng, uint64_t w, const A& a_of, double x, bool decided, bool fast) const {
     if (!decided) {
       const double e = std::exp(-x) * kFastScale, w_lo = static_cast<double>(static_cast<int64_t>(w));
       fast = w_lo + 1 <= e - scaled_margin_;
       decided = fast || w_lo >= e + scaled_margin_;
       if (decided && check_ == nullptr) return fast;
     }
-    const bool exact = Exact(rng, w, a);
+    const bool exact = Exact(rng, w, a_of());
     if (decided && fast != exact) check_->disagreed = true;
     return exact;
   }
@@ -714,7 +717,7 @@ class KarneySampler {
     // the final sum 1. (A try already rejected is still drawn through, harmlessly.)
     const double jd = static_cast<double>(static_cast<int64_t>(j));
     const double x = jd * (TwoCeil(k) + jd) * inv_two_v_ + Rest(k);
-    ok &= exp_(rng, r & 0xffffffffull, m * m - KSquaredV(k), x);
+    ok &= exp_(rng, r & 0xffffffffull, x, [&] { return m * m - KSquaredV(k); });
     *accepted = ok;
     const int64_t y = static_cast<int64_t>(m);
     return negative ? -y : y;
