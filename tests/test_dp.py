@@ -100,11 +100,11 @@ def test_dp_epsilon_edge_cases():
 # ------------------------------------------------------ the noise sampler --
 
 
-def _discrete_gaussian(n, variance, margin_log2=40):
+def _discrete_gaussian(n, variance, margin_log2=40, check=False):
     from tfe_estimator.secure.kernels import ops  # pylint: disable=import-outside-toplevel
 
     with tf.Graph().as_default():
-        noise = ops.discrete_gaussian(n, variance, fast_path_margin_log2=margin_log2)
+        noise = ops.discrete_gaussian(n, variance, fast_path_margin_log2=margin_log2, check_fast_paths=check)
         with _session() as sess:
             return sess.run(noise), sess.run(noise)
 
@@ -191,9 +191,11 @@ def _mutant_std(tmp_path, old, new, variance, n):
 
 
 #: The old kind of overflow, planted back: a product that needs 128 bits (k^2 v, with v up to
-#: 2^100) computed in 64 bits, as the old `t << 20` was.
-OVERFLOW_MUTATION = ("const u128 k2v = static_cast<u128>(k) * k * v_;",
-                     "const u128 k2v = static_cast<uint64_t>(k * k * static_cast<uint64_t>(v_));")
+#: 2^100) computed in 64 bits, as the old `t << 20` was; here in the acceptance exponent's
+#: (c^2 - k^2 v) / (2v), which the fast path uses.
+OVERFLOW_MUTATION = ("return ToDouble(static_cast<u128>(c) * c - KSquaredV(k)) * inv_two_v_;",
+                     "return ToDouble(static_cast<u128>(c) * c - static_cast<uint64_t>(k * k * static_cast<uint64_t>(v_))) "
+                     "* inv_two_v_;")
 
 
 @pytest.mark.slow
@@ -203,6 +205,93 @@ def test_mutation_a_64_bit_product_fails_the_sampler_test_at_2_88(tmp_path):
     std = _mutant_std(tmp_path, *OVERFLOW_MUTATION, 2.0**88, 2000)
     with pytest.raises(AssertionError):
         assert abs(std - 1.0) < 5 / math.sqrt(2 * 2000), std
+
+
+# Every decision of a fast path (the k table's 32-bit bounds, the exp(-x) Taylor and std::exp
+# bounds) taken again by the exact multi-precision path with the same uniform bits: the op
+# fails on any disagreement. Margin 2**-40 (production) and 2**-3 (wide bands: more decisions
+# near the bounds reach the exact path, and the fast ones that remain are checked).
+@pytest.mark.parametrize("variance, margin_log2", [
+    (1.0, 40), (2.0, 40), (30.0, 40), (30.0, 3), (2.0**40, 40), (1.21 * 2.0**64 + 2.0**20, 40), (2.0**88, 40),
+    (2.0**88, 3), (dp_lib.MAX_REPLICA_VARIANCE, 40)])
+def test_sampler_fast_paths_agree_with_the_exact_path(variance, margin_log2):
+    samples, _ = _discrete_gaussian(20000, variance, margin_log2, check=True)
+    assert samples.shape == (20000,)
+
+
+_CHECK_RUNNER = r"""
+import pathlib, sys
+import numpy as np
+from tfe_estimator.secure.kernels import _build
+_build.SOURCE_DIR = pathlib.Path(sys.argv[1])
+import tensorflow as tf
+from tfe_estimator.secure.kernels import ops
+with tf.Graph().as_default():
+    noise = ops.discrete_gaussian(20000, float(sys.argv[2]), fast_path_margin_log2=int(sys.argv[3]),
+                                  check_fast_paths=True)
+    with tf.compat.v1.Session() as sess:
+        try:
+            sess.run(noise)
+            print("RESULT ok")
+        except tf.errors.OpError as e:
+            print("RESULT failed:", e.message)
+"""
+
+
+def _mutant_check(tmp_path, old, new, variance, margin_log2):
+    """The op's check_fast_paths run ("ok" or "failed: <message>") on a copy of the kernels with `old` -> `new`."""
+    import os  # pylint: disable=import-outside-toplevel
+    import shutil  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.secure.kernels import _build  # pylint: disable=import-outside-toplevel
+
+    src = tmp_path / "src"
+    shutil.copytree(_build.SOURCE_DIR, src)
+    code = (src / "noise_ops.cc").read_text()
+    assert code.count(old) == 1, "the mutation no longer applies: update the test with the sampler"
+    (src / "noise_ops.cc").write_text(code.replace(old, new))
+    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", _CHECK_RUNNER, str(src), repr(variance), str(margin_log2)],
+                         env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+    return out.split("RESULT ")[-1].strip()
+
+
+#: Planted errors in the fast paths, each of which the exact re-decision must catch:
+#: an upper bound of exp(-f) without its Lagrange remainder f^4/24 (it is then below exp(-f)
+#: for every f > 0); and a k-table decision taken inside the band between a boundary's
+#: bounds (visible with the wide bands of margin 2**-2).
+FAST_PATH_MUTATIONS = {
+    "exp_upper_bound_without_remainder": (
+        "table_.hi[i] * (t3 + f2 * f2 * (1.0 / 24))", "table_.hi[i] * (t3)", 30.0, 40, "disagreed"),
+    "k_table_decides_inside_the_band": (
+        "const bool decided = c == kBoundaries || u < lo_[c];",
+        "const bool decided = c == kBoundaries || u < hi_[c];", 30.0, 2, "disagreed"),
+    "k_table_regions_above_one": (
+        "kRNum = 23,", "kRNum = 24,", 30.0, 40, "do not fit"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutation", sorted(FAST_PATH_MUTATIONS))
+def test_mutation_of_a_sampler_fast_path_fails_its_check(tmp_path, mutation):
+    old, new, variance, margin_log2, message = FAST_PATH_MUTATIONS[mutation]
+    result = _mutant_check(tmp_path, old, new, variance, margin_log2)
+    assert result.startswith("failed") and message in result, result
+
+
+#: A wrong k distribution planted in the table (both its fast bounds and the exact path):
+#: regions of length c p^(k(k+1)) instead of c p^(k^2), which the statistical test must see.
+K_TABLE_MUTATION = ("const uint64_t n = static_cast<uint64_t>(i) * i;",
+                    "const uint64_t n = static_cast<uint64_t>(i) * (i + 1);")
+
+
+@pytest.mark.slow
+def test_mutation_of_the_sampler_k_table_fails_the_variance_test(tmp_path):
+    std = _mutant_std(tmp_path, *K_TABLE_MUTATION, 30.0, 20000)
+    with pytest.raises(AssertionError):
+        assert abs(std - 1.0) < 5 / math.sqrt(2 * 20000), std
 
 
 def test_sampler_refuses_a_non_integer_variance():

@@ -49,17 +49,21 @@ def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring
         bound_log2=_log2(bound), owner=owner, hint=hint)
 
 
-def discrete_gaussian(num_elements: int, variance: float, fast_path_margin_log2: int = 40):
+def discrete_gaussian(num_elements: int, variance: float, fast_path_margin_log2: int = 40,
+                      check_fast_paths: bool = False):
     """`num_elements` int64 samples of the exact discrete Gaussian N_Z(0, variance).
 
     `variance` must be an integer in [1, 2**100] (Karney's exact algorithm with
     Canonne-Kamath-Steinke Bernoullis; AES-128-CTR randomness under a fresh
     RAND_bytes key on every run). `fast_path_margin_log2` only moves work
     between the fast and the exact path (same distribution; tests lower it).
+    `check_fast_paths` (tests only, slow): every fast-path decision is taken
+    again by the exact path, and the op fails if they disagree.
     """
     return kernels.load().tfe_discrete_gaussian(tf.constant([num_elements], tf.int64),
                                                 tf.constant(variance, tf.float64),
-                                                fast_path_margin_log2=fast_path_margin_log2)
+                                                fast_path_margin_log2=fast_path_margin_log2,
+                                                check_fast_paths=check_fast_paths)
 
 
 def server_sum(seeds: Sequence[tf.Tensor], shares: Sequence[tf.Tensor], ring_bits: int, num_elements: int):
