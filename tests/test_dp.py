@@ -170,8 +170,8 @@ with tf.Graph().as_default():
 """
 
 
-def _mutant_std(tmp_path, old, new, variance, n):
-    """Std / sqrt(variance) of `n` samples from a copy of the kernels with `old` replaced by `new`."""
+def _run_mutant(tmp_path, old, new, runner, args, timeout):
+    """Stdout of `runner` (a script: kernel source dir, then `args`) on a copy of the kernels with `old` -> `new`."""
     import os  # pylint: disable=import-outside-toplevel
     import shutil  # pylint: disable=import-outside-toplevel
     import subprocess  # pylint: disable=import-outside-toplevel
@@ -185,8 +185,13 @@ def _mutant_std(tmp_path, old, new, variance, n):
     assert code.count(old) == 1, "the mutation no longer applies: update the test with the sampler"
     (src / "noise_ops.cc").write_text(code.replace(old, new))
     env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-c", _MUTANT_RUNNER, str(src), repr(variance), str(n)], env=env,
-                         capture_output=True, text=True, timeout=180, check=True).stdout
+    return subprocess.run([sys.executable, "-c", runner, str(src), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=timeout, check=True).stdout
+
+
+def _mutant_std(tmp_path, old, new, variance, n):
+    """Std / sqrt(variance) of `n` samples from a copy of the kernels with `old` replaced by `new`."""
+    out = _run_mutant(tmp_path, old, new, _MUTANT_RUNNER, (repr(variance), n), timeout=180)
     return float(out.split("STD")[-1])
 
 
@@ -240,21 +245,7 @@ with tf.Graph().as_default():
 
 def _mutant_check(tmp_path, old, new, variance, margin_log2):
     """The op's check_fast_paths run ("ok" or "failed: <message>") on a copy of the kernels with `old` -> `new`."""
-    import os  # pylint: disable=import-outside-toplevel
-    import shutil  # pylint: disable=import-outside-toplevel
-    import subprocess  # pylint: disable=import-outside-toplevel
-    import sys  # pylint: disable=import-outside-toplevel
-
-    from tfe_estimator.secure.kernels import _build  # pylint: disable=import-outside-toplevel
-
-    src = tmp_path / "src"
-    shutil.copytree(_build.SOURCE_DIR, src)
-    code = (src / "noise_ops.cc").read_text()
-    assert code.count(old) == 1, "the mutation no longer applies: update the test with the sampler"
-    (src / "noise_ops.cc").write_text(code.replace(old, new))
-    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-c", _CHECK_RUNNER, str(src), repr(variance), str(margin_log2)],
-                         env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+    out = _run_mutant(tmp_path, old, new, _CHECK_RUNNER, (repr(variance), margin_log2), timeout=300)
     return out.split("RESULT ")[-1].strip()
 
 
