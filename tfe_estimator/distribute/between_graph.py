@@ -245,8 +245,7 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
                                  "train with an Estimator (it creates one), or create it with "
                                  "tf.compat.v1.train.get_or_create_global_step() first.")
             with tf.device(self.worker_devices[0]):
-                step = tf.cast(tf.identity(global_step.read_value() if hasattr(global_step, "read_value")
-                                           else global_step), tf.int64, name="between_graph_step")
+                step = step_sum.read_step(global_step, name="between_graph_step")
             # [sums built, the step, this step's weight fingerprint, whether a sum carries it]
             state = self._channels[graph] = [0, step, None, False]
         state[0] += 1

@@ -43,10 +43,16 @@ import tensorflow as tf
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 
-__all__ = ["step_sum", "SHARED_NAME_PREFIX"]
+__all__ = ["step_sum", "read_step", "SHARED_NAME_PREFIX"]
 
 #: Prefix of every server resource a between-graph sum creates (one name scheme for all owners).
 SHARED_NAME_PREFIX = "tfe_between_graph"
+
+
+def read_step(global_step, name=None) -> tf.Tensor:
+    """The global step's value as an int64 scalar: what keys a between-graph sum and the owners' handshake."""
+    value = global_step.read_value() if hasattr(global_step, "read_value") else tf.identity(global_step)
+    return tf.cast(value, tf.int64, name=name)
 
 
 def step_sum(

@@ -36,12 +36,13 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfe_estimator.distribute import step_sum
 from tfe_estimator.distribute import step_wait
 
 __all__ = ["HandshakeHook", "OwnersDisagreeError", "FIELDS", "TABLE_SHARED_NAME", "mismatch"]
 
 #: The descriptor's fields, in order (the first one that differs is named).
-FIELDS = ("step", "settings (protocol, precision, clip_norm)", "number of owners",
+FIELDS = ("step", "settings (protocol, precision, clip_norm, update_ring_bits)", "number of owners",
           "model (variable names, shapes, dtypes)")
 #: The shared name of server0's table of descriptors.
 TABLE_SHARED_NAME = "tfe_between_graph/handshake"
@@ -80,7 +81,7 @@ def mismatch(rows: np.ndarray, owner: int, owner_names: Sequence[str], timeout_s
         if differ:
             return (f"Between-graph handshake at step [{step}]: the {field} of [{', '.join(differ)}] differ from "
                     f"{me}'s. Every owner must run the same model script with the same TfeRunConfig (protocol, "
-                    "precision, clip_norm) and cluster: fix the owner named.")
+                    "precision, clip_norm, update_ring_bits) and cluster: fix the owner named.")
     return None
 
 
@@ -110,8 +111,7 @@ class HandshakeHook(tf.compat.v1.train.SessionRunHook):
         structure = ";".join(f"{v.name}:{v.shape}:{v.dtype.name}" for v in sorted(variables, key=lambda v: v.name))
         global_step = tf.compat.v1.train.get_global_step()
         with tf.device(self._device), tf.name_scope("between_graph_handshake"):
-            step = tf.cast(global_step.read_value() if hasattr(global_step, "read_value") else global_step, tf.int64)
-            self._mine = tf.stack([step, tf.constant(_hash63(self._settings), tf.int64),
+            self._mine = tf.stack([step_sum.read_step(global_step), tf.constant(_hash63(self._settings), tf.int64),
                                    tf.constant(num, tf.int64), tf.constant(_hash63(structure), tf.int64)])
         with tf.device(self._server), tf.name_scope("between_graph_handshake"):
             table = tf.raw_ops.MutableHashTableOfTensorsV2(key_dtype=tf.int64, value_dtype=tf.int64,

@@ -198,10 +198,10 @@ class _StepTimes(tf.estimator.SessionRunHook):
         if self._steps > self._warmup:
             self.times.append(time.perf_counter() - self._start)
         elif self._steps == self._warmup and self._count_link:
-            self._link = link_bytes()
+            self._link = _link_bytes()
 
     def end(self, session):
-        after = link_bytes() if self._count_link else None
+        after = _link_bytes() if self._count_link else None
         if after and self._link and self.times:  # what crossed this owner's link per timed step
             self.graph["link"] = {k: (after[k] - self._link[k]) / len(self.times) for k in after}
 
@@ -210,14 +210,13 @@ class _StepTimes(tf.estimator.SessionRunHook):
 _LINK = "/sys/class/net/eth0/statistics"
 
 
-def link_bytes() -> Optional[Dict[str, int]]:
+def _link_bytes() -> Optional[Dict[str, int]]:
     """Bytes sent ("up") and received ("down") on this namespace's link so far, or None without one.
-
-    Only meaningful inside a task's own namespace (on loopback, ``eth0`` is the host's).
 
     Counted by the kernel on the task's veth (``ip netns exec`` mounts the
     namespace's own sysfs): every byte the owner's process exchanges with the
     servers, gRPC framing and TLS records included, independent of the graph.
+    Only meaningful inside a task's own namespace (on loopback, ``eth0`` is the host's).
     """
     try:
         with open(os.path.join(_LINK, "tx_bytes")) as tx, open(os.path.join(_LINK, "rx_bytes")) as rx:
