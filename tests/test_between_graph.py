@@ -128,46 +128,63 @@ def test_owners_train_in_their_own_graphs_to_the_plaintext_twin_each_with_its_ow
         np.testing.assert_allclose(bad["chief-0"], twin, atol=1e-5)
 
 
-def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_a_second_one():
+def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_duplicate_stale_and_out_of_step_ones():
     # Two owners' graphs in one process: devices stand for tasks, threads for the owners' sessions.
     from concurrent.futures import ThreadPoolExecutor
 
     from tfe_estimator.distribute.step_sum import step_sum
     from tfe_estimator.secure.fused_sum import Encoding
+    from tfe_estimator.secure.kernels import ops
 
     devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]
-    with tf.Graph().as_default():
+    names = ["chief:0", "worker:0"]
+    with tf.Graph().as_default() as graph:
         step = tf.compat.v1.placeholder(tf.int64, [])
         values = [np.array([1.5, -2.0], np.float32), np.array([0.25, 4.0], np.float32)]
         totals = []
         for owner in range(2):
             with tf.device(devices[owner]):
                 x = tf.constant(values[owner])
-            totals.append(step_sum([x], "sum_0", step, owner, 2, owner == 0, devices[owner], devices[2:],
-                                   Encoding(64, 32, 2.0**24), tf.float32, f"owner {owner}", "hint")[0])
-        pending = []  # how many steps wait for contributions on each server
-        for k, dtype, shape in ((0, tf.int32, totals[0].graph.get_operation_by_name(
-                "between_graph_mask_share/TfeMaskShare").outputs[1].shape), (1, tf.int64, [2])):
-            with tf.device(devices[2 + k]):
-                barrier = tf.raw_ops.Barrier(component_types=[dtype] * 2, shapes=[shape] * 2,
-                                             shared_name=f"tfe_between_graph/sum_0/server{k}")
-                pending.append(tf.raw_ops.BarrierIncompleteSize(handle=barrier))
+            totals.append(step_sum([x], "sum_0", step, owner, names, owner == 0, devices[owner], devices[2:],
+                                   Encoding(64, 32, 2.0**24), tf.float32, "hint")[0])
+        # Each owner's puts alone (both servers), as a restarted or duplicated owner would send them again.
+        puts = [[op for op in graph.get_operations() if op.type == "TfeStepPut" and op.get_attr("owner") == owner]
+                for owner in range(2)]
+        assert [len(p) for p in puts] == [2, 2]
+        shapes = [op.inputs[2] for op in puts[1]]
+        with tf.device(devices[3]):  # a take of server1's accumulator, outside the chief's step
+            take = ops.step_take(puts[1][1].inputs[0], step, 2, tf.int64, shapes[1].shape)
         config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=20000)
         with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(2) as pool:
             for s in (3, 4):
                 runs = [pool.submit(sess.run, t, {step: s}) for t in totals]
                 for run in runs:
                     np.testing.assert_allclose(run.result(timeout=30), values[0] + values[1], atol=1e-6)
-            # Owner 1 contributes twice to step 5 (a replayed or restarted owner): the servers refuse.
-            waiting = pool.submit(sess.run, totals[1], {step: 5})
-            deadline = time.monotonic() + 30
-            while sess.run(pending) != [1, 1]:  # owner 1's first contribution has arrived
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            with pytest.raises(tf.errors.InvalidArgumentError, match="already has a value for component 1"):
+            # worker:0 contributes twice to step 5 (two processes as one owner): the servers refuse the second.
+            sess.run(puts[1], {step: 5})
+            with pytest.raises(tf.errors.AlreadyExistsError,
+                               match=r"sum_0/server\d: worker:0 already contributed to step 5; a second "
+                                     r"contribution is refused \(two processes run as worker:0\?"):
                 sess.run(totals[1], {step: 5})
             np.testing.assert_allclose(sess.run(totals[0], {step: 5}), values[0] + values[1], atol=1e-6)
-            waiting.result(timeout=30)
+            # A stale step (at or below the last step released), and owners out of step: refused, naming both.
+            with pytest.raises(tf.errors.FailedPreconditionError,
+                               match=r"chief:0 contributes to step 4, but this server already released step 5 "
+                                     r"\(a stale step"):
+                sess.run(puts[0][0], {step: 4})
+            sess.run(puts[0], {step: 6})
+            with pytest.raises(tf.errors.FailedPreconditionError,
+                               match=r"worker:0 contributes to step 7 but chief:0 to step 6 \(the owners are out of "
+                                     r"step\)\. Restart every task"):
+                sess.run(puts[1][0], {step: 7})
+            # A take cancelled by its deadline leaves no waiter behind: the next take of the step completes.
+            started = time.monotonic()
+            with pytest.raises(tf.errors.DeadlineExceededError):
+                sess.run(take, {step: 6}, options=tf.compat.v1.RunOptions(timeout_in_ms=1000))
+            assert time.monotonic() - started < 10
+            sess.run(puts[1][1], {step: 6})
+            taken = sess.run(take, {step: 6})
+            assert [t.shape for t in taken] == [tuple(shapes[1].shape)] * 2
 
 
 def test_a_step_waits_at_most_step_timeout_secs_and_a_bad_timeout_is_refused(monkeypatch):
@@ -242,7 +259,7 @@ def test_owners_with_different_models_stop_at_the_first_step_naming_the_field_an
     log = out.getvalue()
     assert status != 0 and "owner finished" not in log, log[-5000:]
     assert not [t.name for t in launcher.tasks if t.process.poll() is None or _alive(t.process.pid)]
-    # Both owners name the other and the field, instead of TensorFlow's shape error of a shared Barrier.
+    # Both owners name the other and the field, instead of a shape error of a server accumulator.
     for owner, other in (("chief:0", "worker:0"), ("worker:0", "chief:0")):
         assert re.search(rf"(?s)Between-graph handshake at step.*\[0\].*the model \(variable names, shapes, "
                          rf"dtypes\) of.*\[{other}\].*differ from {owner}.{{1,2}}s", log), log[-6000:]

@@ -32,8 +32,8 @@ def owner_runs():
         for owner in range(2):
             with tf.device(DEVICES[owner]):
                 x = tf.constant(VALUES[owner], name="gradient")
-            totals.append(step_sum([x], "sum_0", step, owner, 2, owner == 0, DEVICES[owner], SERVERS,
-                                   Encoding(64, 32, 2.0**24), tf.float32, f"owner {owner}", "hint")[0])
+            totals.append(step_sum([x], "sum_0", step, owner, ["owner 0", "owner 1"], owner == 0, DEVICES[owner], SERVERS,
+                                   Encoding(64, 32, 2.0**24), tf.float32, "hint")[0])
         config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=20000)
         options = tf.compat.v1.RunOptions(output_partition_graphs=True)
         metadata = [tf.compat.v1.RunMetadata() for _ in totals]
@@ -70,11 +70,11 @@ def test_every_owners_partition_graphs_of_a_between_graph_step_pass_the_audit(ow
         kinds = {e.producer_type for e in report.edges}
         assert {"TfeMaskShare"} <= kinds, (owner, kinds)  # the owner's key and its masked share reach the servers
     chief_ops = {n.op for g in owner_runs[0] for n in g.node}
-    assert {"BarrierTakeMany", "TfeServerSum", "QueueEnqueueV2"} <= chief_ops
-    assert "BarrierTakeMany" not in {n.op for g in owner_runs[1] for n in g.node}
+    assert {"TfeStepTake", "TfeServerSum", "QueueEnqueueV2"} <= chief_ops
+    assert "TfeStepTake" not in {n.op for g in owner_runs[1] for n in g.node}
 
 
-def test_an_owner_inserting_its_unmasked_gradient_into_a_barrier_fails(owner_runs):
+def test_an_owner_putting_its_unmasked_gradient_into_an_accumulator_fails(owner_runs):
     graphs = copy.deepcopy(owner_runs[1])
     graph, share = _node(graphs, DEVICES[1], "TfeMaskShare")
     send = _send_of(graphs, share.name)
@@ -86,28 +86,28 @@ def test_an_owner_inserting_its_unmasked_gradient_into_a_barrier_fails(owner_run
         audit_party_inputs(graphs, SERVERS)
 
 
-def test_an_owners_key_inserted_into_server1s_barrier_beside_its_share_fails(owner_runs):
+def test_an_owners_key_put_into_server1s_accumulator_beside_its_share_fails(owner_runs):
     graphs = copy.deepcopy(owner_runs[1])
     _, share = _node(graphs, DEVICES[1], "TfeMaskShare")
     send = _send_of(graphs, share.name)
     send.input[0] = share.name + ":1"  # the key goes where the share went
-    with pytest.raises(PartyAuditError, match="into server1's barrier, which holds the masked shares"):
+    with pytest.raises(PartyAuditError, match="into server1's accumulator, which holds the masked shares"):
         audit_party_inputs(graphs, SERVERS)
 
 
 def test_the_chief_handing_one_owners_share_to_an_owner_fails(owner_runs):
     graphs = copy.deepcopy(owner_runs[0])
     _, enqueue = _node(graphs, SERVERS[1], "QueueEnqueueV2")
-    _, squeeze = _node(graphs, SERVERS[1], "Squeeze", ":3")
-    enqueue.input[2] = squeeze.name  # owner 1's share instead of the partial sum
+    _, take = _node(graphs, SERVERS[1], "TfeStepTake")
+    enqueue.input[2] = take.name + ":1"  # owner 1's share instead of the partial sum
     with pytest.raises(PartyAuditError, match="may only reach this server's TfeServerSum"):
         audit_party_inputs(graphs, SERVERS)
 
 
-def test_a_take_whose_component_is_sent_to_an_owner_device_fails(owner_runs):
+def test_a_take_whose_output_is_sent_to_an_owner_device_fails(owner_runs):
     graphs = copy.deepcopy(owner_runs[0])
-    graph, take = _node(graphs, SERVERS[1], "BarrierTakeMany")
-    send = graph.node.add(name="leak_send", op="_Send", device=take.device, input=[take.name + ":3"])
+    graph, take = _node(graphs, SERVERS[1], "TfeStepTake")
+    send = graph.node.add(name="leak_send", op="_Send", device=take.device, input=[take.name + ":1"])
     send.attr["T"].type = tf.int64.as_datatype_enum
     send.attr["tensor_name"].s = b"leak_edge"
     send.attr["send_device"].s = take.device.encode()
@@ -116,12 +116,12 @@ def test_a_take_whose_component_is_sent_to_an_owner_device_fails(owner_runs):
         audit_party_inputs(graphs, SERVERS)
 
 
-@pytest.mark.parametrize("shared_name", ["my_barrier", f"{SHARED_NAME_PREFIX}/sum_0/server1"])
-def test_a_barrier_outside_step_sums_scheme_or_on_the_wrong_server_fails(owner_runs, shared_name):
+@pytest.mark.parametrize("shared_name", ["my_accumulator", f"{SHARED_NAME_PREFIX}/sum_0/server1"])
+def test_an_accumulator_outside_step_sums_scheme_or_on_the_wrong_server_fails(owner_runs, shared_name):
     graphs = copy.deepcopy(owner_runs[1])
-    _, barrier = _node(graphs, SERVERS[0], "Barrier")
-    barrier.attr["shared_name"].s = shared_name.encode()
-    with pytest.raises(PartyAuditError, match=r"between-graph sums use only barriers named"):
+    _, accumulator = _node(graphs, SERVERS[0], "TfeStepAccumulator")
+    accumulator.attr["shared_name"].s = shared_name.encode()
+    with pytest.raises(PartyAuditError, match=r"between-graph sums use only accumulators named"):
         audit_party_inputs(graphs, SERVERS)
 
 
@@ -152,7 +152,8 @@ def test_each_owner_of_a_loopback_cluster_audits_its_own_training_steps(tmp_path
     assert status == 0, log[-5000:]
     assert log.count("audit passed:") == len(OWNERS), log[-5000:]
     assert "TfeMaskShare" in log and "ops on 2 parties" in log, log[-3000:]
-    # Mutation: every owner's barriers and queues renamed out of step_sum's scheme; training works, the audit fails.
-    status, log = run(str(tmp_path / "planted"), "--plant-foreign-barrier")
+    # Mutation: every owner's accumulators and queues renamed out of step_sum's scheme; training works, the audit
+    # fails.
+    status, log = run(str(tmp_path / "planted"), "--plant-foreign-channel")
     assert status != 0 and "audit passed:" not in log, log[-5000:]
-    assert "between-graph sums use only barriers named" in log or "use only queues named" in log, log[-5000:]
+    assert "between-graph sums use only accumulators named" in log or "use only queues named" in log, log[-5000:]

@@ -4,8 +4,8 @@ Two owners' graphs are built into one process (devices stand for tasks,
 threads for the owners' sessions), as `distribute.step_sum` builds them on a
 cluster. Bytes are counted from the graph's cross-device edges
 (`tools.bench.traffic.cross_device_bytes`), per owner: its edges to and from
-the two servers (the step's key string, a few decimal digits, counts 0: TensorFlow
-gives strings no fixed size). MultiWorkerMirroredStrategy's ring all-reduce moves
+the two servers (the step is a feed here, on no owner's device: on a cluster
+its int64 adds 8 bytes up to each server). MultiWorkerMirroredStrategy's ring all-reduce moves
 ``2 (N - 1) / N x 4`` bytes of float32 per parameter each way: 4 for 2 owners.
 """
 from concurrent.futures import ThreadPoolExecutor
@@ -36,8 +36,8 @@ def _two_owners(n, encoding, dtype):
         for owner, device in enumerate(OWNERS):
             with tf.device(device):
                 inputs.append(tf.compat.v1.placeholder(dtype, [n]))
-            totals.append(step_sum([inputs[-1]], "sum_0", step, owner, 2, owner == 0, device, SERVERS, encoding,
-                                   dtype, f"owner {owner}", "hint")[0])
+            totals.append(step_sum([inputs[-1]], "sum_0", step, owner, ["owner 0", "owner 1"], owner == 0, device, SERVERS, encoding,
+                                   dtype, "hint")[0])
     return graph, inputs, totals, step
 
 

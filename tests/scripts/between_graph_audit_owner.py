@@ -2,7 +2,7 @@
 
 Run by `tfe-estimator launch` in each owner's own directory (tests/test_between_graph_audit.py); prints
 "audit passed: <report>" after training, or exits non-zero with the PartyAuditError.
-Usage: between_graph_audit_owner.py STEPS [--plant-foreign-barrier]
+Usage: between_graph_audit_owner.py STEPS [--plant-foreign-channel]
 """
 import sys
 
@@ -14,9 +14,9 @@ import tfe_estimator
 
 def main(argv):
     steps = int(argv[1])
-    if "--plant-foreign-barrier" in argv:  # a planted leak: the servers' resources under another name scheme
+    if "--plant-foreign-channel" in argv:  # a planted leak: the servers' resources under another name scheme
         from tfe_estimator.distribute import step_sum
-        step_sum.SHARED_NAME_PREFIX = "foreign_barrier"
+        step_sum.SHARED_NAME_PREFIX = "foreign_channel"
     data = np.loadtxt("data.csv", delimiter=",", dtype=np.float32)  # this owner's file only
     x, y = data[:, :-1], data[:, -1:]
 

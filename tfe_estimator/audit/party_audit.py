@@ -37,11 +37,9 @@ op types                                          role
 ``Const`` (integers only)                         bounds and shapes
 ``Identity``, ``Snapshot``, ``NoOp``              plumbing
 ``_Send``, ``_Recv``, ``_HostSend``, ``_HostRecv``  TensorFlow's transfers
-``Barrier``, ``BarrierInsertMany``,               between-graph channels, only
-``BarrierTakeMany``, ``FIFOQueueV2``,             as `step_channels` allows
+``TfeStepAccumulator``, ``TfeStepPut``,           between-graph channels, only
+``TfeStepTake``, ``FIFOQueueV2``,                 as `step_channels` allows
 ``QueueEnqueueV2``, ``QueueDequeueV2``
-``Reshape``, ``StridedSlice``, ``Equal``,         the step key (strings, bools
-``Assert``                                        only)
 ``ExpandDims``, ``Squeeze``, ``Switch``           shape and guard (followed)
 ================================================  ==============================
 
@@ -66,7 +64,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import device_util
 
 from tfe_estimator.audit.masks import LINEAR_OPS, MASK_STREAMS, SEED_OUTPUTS, Form, Forms, MaskError
-from tfe_estimator.audit.step_channels import CHANNEL_OPS, SHAPE_OPS, STEP_OPS, StepChannels
+from tfe_estimator.audit.step_channels import CHANNEL_OPS, SHAPE_OPS, StepChannels
 from tfe_estimator.audit.server_view import (RECV_OPS, SEND_OPS, PartyEdge, is_control_carrier, partition_graphs_of,
                                              party_edges, party_of)
 from tfe_estimator.cluster.spec import TFE_JOB
@@ -80,7 +78,7 @@ _LOG = logging.getLogger("tfe_estimator")
 #: The op types that may run on a party (the allow-list; see the module docstring).
 PARTY_OPS = frozenset({"TfeServerSum", "TfeAesSeed", "Const", "Identity", "Snapshot", "NoOp"}
                       | MASK_STREAMS | set(LINEAR_OPS) | set(RECV_OPS) | set(SEND_OPS)
-                      | CHANNEL_OPS | STEP_OPS | SHAPE_OPS)
+                      | CHANNEL_OPS | SHAPE_OPS)
 _TRANSPARENT = frozenset({"Identity", "Snapshot"}) | SHAPE_OPS
 
 
@@ -198,8 +196,6 @@ def _party_nodes(graphs: _Graphs, unit, channels: StepChannels) -> Tuple[List[Tu
         if node.op not in PARTY_OPS:
             _fail(f"{party} runs {node.op} {node.name!r}, which is not an op a party may run "
                   f"(tfe_estimator.audit.party_audit.PARTY_OPS).")
-        if node.op in STEP_OPS:
-            channels.check_step_op(party, node)
         nodes.append((device, node))
         if node.op not in RECV_OPS + SEND_OPS:
             parties.add(party)

@@ -1,34 +1,33 @@
-"""The audit's rule for between-graph sums: server barriers and queues that carry a step's contributions.
+"""The audit's rule for between-graph sums: server accumulators and queues that carry a step's contributions.
 
 In between-graph mode (`tfe_estimator.distribute.step_sum`) an owner's graph
 does not show the other owners' contributions: they arrive through shared-name
 resources on the servers. The audit treats those resources as channels with a
 fixed meaning, checked in every graph that touches them:
 
-- every ``Barrier``/``FIFOQueueV2`` on a party is named by step_sum's scheme,
-  ``<SHARED_NAME_PREFIX>/<channel>/server<k>`` (a barrier) or
-  ``.../server<k>/owner<o>`` (an owner's queue), with ``k`` the index of the
-  party it lives on; any other barrier or queue on a party is refused;
-- ``BarrierInsertMany`` runs on the barrier's party; into server0's barrier
-  it inserts a fresh key (`SEED_OUTPUTS`, drawn on an owner's device), into
-  server1's a masked share (a value with owner data and masks); a key into
-  server1's barrier is refused, and the share is checked like any value a
+- every ``TfeStepAccumulator``/``FIFOQueueV2`` on a party is named by
+  step_sum's scheme, ``<SHARED_NAME_PREFIX>/<channel>/server<k>`` (an
+  accumulator) or ``.../server<k>/owner<o>`` (an owner's queue), with ``k`` the
+  index of the party it lives on; any other accumulator or queue on a party is
+  refused;
+- ``TfeStepPut`` runs on the accumulator's party; into server0's accumulator
+  it puts a fresh key (`SEED_OUTPUTS`, drawn on an owner's device), into
+  server1's a masked share (a value with owner data and masks); a key put into
+  server1's accumulator is refused, and the share is checked like any value a
   party receives (server1 must lack its key);
-- ``BarrierTakeMany`` runs only on the barrier's party and each of its value
-  components reaches nothing but that party's ``TfeServerSum`` (through
-  ``Squeeze``); component ``r`` of server0's take is owner r's key, of
-  server1's take owner r's share masked by that key, so the server sums get
-  the same forms as in-graph;
+- ``TfeStepTake`` runs only on the accumulator's party and each of its outputs
+  reaches nothing but that party's ``TfeServerSum``; output ``r`` of server0's
+  take is owner r's key, of server1's take owner r's share masked by that key,
+  so the server sums get the same forms as in-graph;
 - ``QueueEnqueueV2`` enqueues ``(step, TfeServerSum:0 or :1 of its own
   party)`` into a queue of the scheme: a partial sum or server0's fresh blind
   key, which only owners receive; ``QueueDequeueV2`` therefore yields one;
-- the step itself (an integer scalar, or its string key from ``AsString``)
-  may reach a party only as a queue's step component, a barrier key or an
-  out-of-step check (``Equal``/``Assert``/``Switch`` predicate).
+- the step itself (an integer scalar) may reach a party only as the step input
+  of a put or a take, or as a queue's step component.
 
-Limits: the enqueue is in the chief's graph only, so a non-chief owner's
-audit relies on the chief's; the step value a party sees is public but not
-proven to be the step (an owner could put 64 bits of anything there).
+Limits: the takes and enqueues are in the chief's graph only, so a non-chief
+owner's audit relies on the chief's; the step value a party sees is public but
+not proven to be the step (an owner could put 64 bits of anything there).
 
 Example::
 
@@ -42,18 +41,17 @@ import tensorflow as tf
 
 from tfe_estimator.distribute.step_sum import SHARED_NAME_PREFIX
 
-__all__ = ["StepChannels", "CHANNEL_OPS", "STEP_OPS", "SHAPE_OPS"]
+__all__ = ["StepChannels", "CHANNEL_OPS", "SHAPE_OPS"]
 
 #: Resource ops of a between-graph channel (checked by `StepChannels`).
-CHANNEL_OPS = frozenset({"Barrier", "BarrierInsertMany", "BarrierTakeMany", "FIFOQueueV2", "QueueEnqueueV2",
+CHANNEL_OPS = frozenset({"TfeStepAccumulator", "TfeStepPut", "TfeStepTake", "FIFOQueueV2", "QueueEnqueueV2",
                          "QueueDequeueV2"})
-#: Ops that may only handle the public step (its key string or a bool check), never a ring value.
-STEP_OPS = frozenset({"Reshape", "StridedSlice", "Equal", "Assert"})
 #: Ops that pass a value on unchanged (a shape or a control-flow guard): followed by the forms.
 SHAPE_OPS = frozenset({"ExpandDims", "Squeeze", "Switch"})
-_BARRIER = re.compile(re.escape(SHARED_NAME_PREFIX) + r"/(.+)/server(\d+)$")
+#: Where the public step may go on a party: (op type, input position).
+_STEP_INPUTS = frozenset({("TfeStepPut", 1), ("TfeStepTake", 1), ("QueueEnqueueV2", 1)})
+_ACCUMULATOR = re.compile(re.escape(SHARED_NAME_PREFIX) + r"/(.+)/server(\d+)$")
 _QUEUE = re.compile(re.escape(SHARED_NAME_PREFIX) + r"/(.+)/server(\d+)/owner(\d+)$")
-_STEP_TYPES = (tf.string, tf.bool)
 
 
 class StepChannels:
@@ -96,28 +94,20 @@ class StepChannels:
         return int(match.group(2)), match.group(1)
 
     def channel_of(self, device: str, node) -> Tuple[int, str]:
-        """(server index, channel) of the barrier a ``BarrierTakeMany`` takes from."""
-        return self._scheme(device, node.input[0], _BARRIER, "barrier", node)
-
-    def check_step_op(self, party: str, node) -> None:
-        """A `STEP_OPS` op on a party must handle strings (the step key) or bools only."""
-        types = [tf.as_dtype(t) for t in node.attr["T"].list.type] if node.op == "Assert" else [
-            tf.as_dtype(node.attr["T"].type)]
-        if any(t not in _STEP_TYPES for t in types):
-            self._fail(f"{party} runs {node.op} {node.name!r} on {types[0].name} values: on a party it may only "
-                       "handle a between-graph sum's step key (strings and bools).")
+        """(server index, channel) of the accumulator a ``TfeStepTake`` takes from."""
+        return self._scheme(device, node.input[0], _ACCUMULATOR, "accumulator", node)
 
     def check(self) -> None:
         """Raises through `fail` naming the first channel op that breaks the rule (module docstring)."""
         for device, node in list(self._graphs.nodes.values()):
-            if node.op in ("Barrier", "FIFOQueueV2") and self._unit(device) is not None:
-                pattern, what = (_BARRIER, "barrier") if node.op == "Barrier" else (_QUEUE, "queue")
+            if node.op in ("TfeStepAccumulator", "FIFOQueueV2") and self._unit(device) is not None:
+                pattern, what = (_ACCUMULATOR, "accumulator") if node.op == "TfeStepAccumulator" else (_QUEUE, "queue")
                 self._scheme(device, node.name, pattern, what, node)
-            elif node.op == "BarrierInsertMany":
-                k, _ = self._scheme(device, node.input[0], _BARRIER, "barrier", node)
-                self._check_insert(device, node, k)
-            elif node.op == "BarrierTakeMany":
-                self._scheme(device, node.input[0], _BARRIER, "barrier", node)
+            elif node.op == "TfeStepPut":
+                k, _ = self._scheme(device, node.input[0], _ACCUMULATOR, "accumulator", node)
+                self._check_put(device, node, k)
+            elif node.op == "TfeStepTake":
+                self._scheme(device, node.input[0], _ACCUMULATOR, "accumulator", node)
                 self._check_take(device, node)
             elif node.op == "QueueEnqueueV2":
                 self._scheme(device, node.input[0], _QUEUE, "queue", node)
@@ -129,18 +119,18 @@ class StepChannels:
             elif node.op == "QueueDequeueV2":
                 self._scheme(device, node.input[0], _QUEUE, "queue", node)
 
-    def _check_insert(self, device: str, node, k: int) -> None:
+    def _check_put(self, device: str, node, k: int) -> None:
         value_device, value, index = self._graphs.resolve(device, node.input[2])
         is_seed = (value.op, index) in self._seeds
         if k == 0 and not (is_seed and self._unit(value_device) is None):
-            self._fail(f"{node.name!r} inserts {value.op} {value.name!r}:{index} from {value_device} into "
-                       "server0's barrier, which takes only a fresh key drawn on an owner's device.")
+            self._fail(f"{node.name!r} puts {value.op} {value.name!r}:{index} from {value_device} into "
+                       "server0's accumulator, which takes only a fresh key drawn on an owner's device.")
         if k != 0 and is_seed:
-            self._fail(f"{node.name!r} inserts the key {value.name!r}:{index} into server{k}'s barrier, which "
+            self._fail(f"{node.name!r} puts the key {value.name!r}:{index} into server{k}'s accumulator, which "
                        "holds the masked shares: one server would hold both key and share.")
 
     def _check_take(self, device: str, node) -> None:
-        pending = [(node.name, i) for i in range(2, 2 + len(node.attr["component_types"].list.type))]
+        pending = [(node.name, i) for i in range(node.attr["num_owners"].i)]
         while pending:
             name, index = pending.pop()
             for user, position in self.consumers.get((device, name), []):
@@ -165,15 +155,7 @@ class StepChannels:
         uses = self.consumers.get((device, recv_name), [])
         if not uses:
             return False
-        for user, position in uses:
-            if user.op == "QueueEnqueueV2" and position == 1:
-                continue
-            if user.op in STEP_OPS or (user.op == "Switch" and position == 1):
-                continue
-            if user.op == "BarrierInsertMany" and position == 1:
-                continue
-            return False
-        return True
+        return all((user.op, position) in _STEP_INPUTS for user, position in uses)
 
 
 def _input_tensor(send) -> Optional[str]:

@@ -201,9 +201,9 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
                 state[3] = True
                 vector = list(vector) + [weight_check.fingerprint_pair(state[2], pack_dtype)]
             totals = step_sum.step_sum(
-                vector, channel, step, owner=self._id_in_cluster, num_owners=num, is_chief=self._is_chief,
+                vector, channel, step, owner=self._id_in_cluster, owners=self._owner_names, is_chief=self._is_chief,
                 owner_device=device, servers=agg.server_devices, encoding=encoding, dtype=pack_dtype,
-                owner_name=owner, hint=agg._hint(kind, update, encoding), scale=scale)  # pylint: disable=protected-access
+                hint=agg._hint(kind, update, encoding), scale=scale)  # pylint: disable=protected-access
             if carries_fingerprint:
                 check = weight_check.assert_identical(totals[-1], num, scale, step, owner)
                 with tf.control_dependencies([check]):

@@ -5,23 +5,20 @@ sum across owners therefore meets on the two Pond servers, in resources that
 every owner's graph names alike (TensorFlow's ``shared_name``):
 
     owner r (own device):  share_r, seed_r = mask_share(x_r)
-    server0:               Barrier "<channel>/server0", N components (seeds), key = the step
-    server1:               Barrier "<channel>/server1", N components (masked shares)
-    owner r:               inserts seed_r into server0's barrier, share_r into server1's,
-                           both as component r under the key ``str(step)``
-    chief (its session):   takes each server's complete element for the step (it blocks
-                           until all N owners contributed) and checks its key is the
-                           chief's step; on server0 ``b, blind = blinded_server_sum(seeds)``
-                           (the owners' masks minus the keystream of a fresh blind key),
-                           on server1 ``w = server_sum(shares + [b])``; enqueues
-                           ``(step, blind)`` on server0 and ``(step, w)`` on server1 into
-                           each owner's queue "<channel>/server<k>/owner<o>"
+    server0:               accumulator "<channel>/server0" (keys), server1: "<channel>/server1" (masked shares):
+                           our step-keyed accumulators (`ops.step_accumulator`), one contribution per owner and step
+    owner r:               puts seed_r into server0's accumulator and share_r into server1's, under the step
+    chief (its session):   takes each server's complete step (it waits until all N owners put it); on server0
+                           ``b, blind = blinded_server_sum(seeds)`` (the owners' masks minus the keystream of a
+                           fresh blind key), on server1 ``w = server_sum(shares + [b])``; enqueues ``(step, blind)``
+                           on server0 and ``(step, w)`` on server1 into each owner's queue
+                           "<channel>/server<k>/owner<o>"
     owner r (own device):  dequeues its two queues, checks the step, ``reveal_sum(w, key=blind)``
 
-A second contribution of an owner for the same step is refused by the
-Barrier ("already has a value for component"); a chief that receives a
-complete element of another step (an owner out of step) stops with an error
-naming the steps. The servers only ever hold a fresh key or a masked ring
+The accumulators refuse, naming the owners and steps: a second contribution of
+an owner to a step, a stale step (at or below the last step taken), and owners
+out of step; a take waits for the owners still missing and is cancelled with
+its session run. The servers only ever hold a fresh key or a masked ring
 vector per owner, and the ring sums of those; server1 receives server0's part
 blinded by a keystream whose key goes only to the owners (server1's
 ``RecvTensor`` to server0 is the one server-to-server link); only owners
@@ -30,11 +27,10 @@ reveal. Each owner downloads one ring vector and a 16-byte key per sum.
 Example::
 
     totals = step_sum([grad_w, grad_b], channel="grads_0", step=global_step_value,
-                      owner=0, num_owners=2, is_chief=True,
+                      owner=0, owners=["chief:0", "worker:0"], is_chief=True,
                       owner_device="/job:chief/task:0/device:CPU:0",
                       servers=("/job:tfe/task:0/device:CPU:0", "/job:tfe/task:1/device:CPU:0"),
-                      encoding=Encoding(64, 32, 2.0**24), dtype=tf.float32,
-                      owner_name="chief:0", hint="clip gradients")
+                      encoding=Encoding(64, 32, 2.0**24), dtype=tf.float32, hint="clip gradients")
 """
 from typing import List, Sequence
 
@@ -60,13 +56,12 @@ def step_sum(
     channel: str,
     step: tf.Tensor,
     owner: int,
-    num_owners: int,
+    owners: Sequence[str],
     is_chief: bool,
     owner_device: str,
     servers: Sequence[str],
     encoding: Encoding,
     dtype: tf.DType,
-    owner_name: str,
     hint: str,
     scale: float = 1.0,
 ) -> List[tf.Tensor]:
@@ -76,55 +71,53 @@ def step_sum(
       parts: this owner's tensors (one flat vector in order), on `owner_device`.
       channel: a name unique in the graph and equal on every owner (the n-th sum of the graph).
       step: a scalar int64 tensor, equal on all owners for the same step (the global step).
-      owner: this owner's index in 0..num_owners-1.
-      num_owners: how many owners contribute.
+      owner: this owner's index in `owners`.
+      owners: every owner's name by index (for the servers' error messages; equal on all owners).
       is_chief: whether this owner takes each step's contributions and hands out the partial sums.
       owner_device: this owner's device.
       servers: Pond's server0 and server1 devices.
       encoding: ring, fraction bits and bound.
       dtype: the dtype to decode to.
-      owner_name: this owner, for error messages.
       hint: how to fix a value out of range, for error messages.
       scale: multiplies the decoded floats (``1/N`` for a MEAN).
 
     Returns:
       The decoded sums, shaped like `parts`, on `owner_device`.
     """
+    owners = list(owners)
+    num_owners, owner_name = len(owners), owners[owner]
     shapes = [p.shape for p in parts]
     num_elements = sum(s.num_elements() for s in shapes)
     with tf.device(owner_device), tf.name_scope("between_graph_mask_share"):
         share, seed = ops.mask_share(list(parts), encoding.bound, encoding.ring_bits, encoding.fraction_bits,
                                      owner_name, hint)
-        key = tf.strings.as_string(step)
-    barriers, inserts, queues = [], [], []
+    accumulators, puts, queues = [], [], []
     for k, (contribution, server) in enumerate(zip((seed, share), servers[:2])):
         name = f"{SHARED_NAME_PREFIX}/{channel}/server{k}"
         with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
             if not contribution.shape.is_fully_defined():
                 raise ValueError(f"between-graph sum {channel!r}: the shape of {contribution.name} is "
-                                 f"{contribution.shape}, but the servers' barriers need full shapes.")
+                                 f"{contribution.shape}, but the servers' accumulators need full shapes.")
             with tf.control_dependencies([contribution]):  # created with this owner's first contribution
-                barriers.append(tf.raw_ops.Barrier(component_types=[contribution.dtype] * num_owners,
-                                                   shapes=[contribution.shape] * num_owners, shared_name=name))
-            inserts.append(tf.raw_ops.BarrierInsertMany(handle=barriers[k], keys=tf.reshape(key, [1]),
-                                                        values=tf.expand_dims(contribution, 0),
-                                                        component_index=owner))
+                accumulators.append(ops.step_accumulator(owners, contribution.dtype, contribution.shape, name))
+            puts.append(ops.step_put(accumulators[k], step, contribution, owner))
             # What each owner fetches from server k: (step, blind key) from server0, (step, part) from server1:
             # a key like the owner's seed, ring words like its share.
             queues.append([tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, contribution.dtype],
                                                   shared_name=f"{name}/owner{o}") for o in range(num_owners)])
     # The chief's session also runs the takes, the server sums and every owner's enqueues.
-    handed_out = (_distribute(barriers, queues, key, step, (seed.dtype, share.dtype), num_owners, encoding,
-                              num_elements, servers) if is_chief else [])
+    handed_out = (_distribute(accumulators, queues, step, (seed, share), num_owners, encoding, num_elements,
+                              servers) if is_chief else [])
     fetched = []
     for k, (server, like) in enumerate(zip(servers[:2], (seed, share))):
         with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
-            with tf.control_dependencies(inserts + handed_out):
+            with tf.control_dependencies(puts + handed_out):
                 got_step, value = tf.raw_ops.QueueDequeueV2(handle=queues[k][owner],
                                                             component_types=[tf.int64, like.dtype])
                 got_step.set_shape([])  # what every enqueue puts in (raw queue ops carry no shapes)
                 value.set_shape(like.shape)  # a key, or ring words as every share (32-bit: two elements per word)
         with tf.device(owner_device), tf.name_scope(f"between_graph_fetch{k}"):
+            got_step = tf.identity(got_step)  # on the owner: the check's guard (a Switch) runs here, not on server k
             in_step = tf.debugging.Assert(
                 tf.equal(got_step, step),
                 [f"Between-graph secure sum {channel!r}: {owner_name} at step", step,
@@ -137,8 +130,8 @@ def step_sum(
                               scale, shapes, key=fetched[0])
 
 
-def _distribute(barriers, queues, key, step, dtypes, num_owners, encoding, num_elements, servers):
-    """The chief's ops on the servers: take the step's complete elements, sum, hand out to every owner.
+def _distribute(accumulators, queues, step, likes, num_owners, encoding, num_elements, servers):
+    """The chief's ops on the servers: take the step's contributions, sum, hand out to every owner.
 
     Server0 expands the owners' keys and subtracts the keystream of a fresh
     blind key; server1 adds that blinded part to the owners' masked shares.
@@ -146,16 +139,9 @@ def _distribute(barriers, queues, key, step, dtypes, num_owners, encoding, num_e
     server1: one ring vector per owner and step instead of both parts.
     """
     contributions = []
-    for k, (barrier, dtype) in enumerate(zip(barriers, dtypes)):
+    for k, (accumulator, like) in enumerate(zip(accumulators, likes)):
         with tf.device(servers[k]), tf.name_scope(f"between_graph_server{k}"):
-            _, keys, values = tf.raw_ops.BarrierTakeMany(handle=barrier, num_elements=1,
-                                                         component_types=[dtype] * num_owners)
-            same = tf.debugging.Assert(
-                tf.equal(keys[0], key),
-                ["Between-graph secure sum: the chief at step", key, f"took server{k}'s contributions of step",
-                 keys[0], "; the owners are out of step (restart every owner from the same checkpoint)."])
-            with tf.control_dependencies([same]):
-                contributions.append([tf.squeeze(v, 0) for v in values])
+            contributions.append(ops.step_take(accumulator, step, num_owners, like.dtype, like.shape))
     with tf.device(servers[0]), tf.name_scope("between_graph_server0"):
         blinded, blind_key = ops.blinded_server_sum(contributions[0], [], encoding.ring_bits, num_elements)
     with tf.device(servers[1]), tf.name_scope("between_graph_server1"):
