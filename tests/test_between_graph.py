@@ -152,8 +152,9 @@ def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_duplicate
                 for owner in range(2)]
         assert [len(p) for p in puts] == [2, 2]
         shapes = [op.inputs[2] for op in puts[1]]
-        with tf.device(devices[3]):  # a take of server1's accumulator, outside the chief's step
+        with tf.device(devices[3]):  # a take and worker:0's rewind of server1's accumulator, outside a step
             take = ops.step_take(puts[1][1].inputs[0], step, 2, tf.int64, shapes[1].shape)
+            rewind = ops.step_rewind(puts[1][1].inputs[0], step, 1)
         config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=20000)
         with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(2) as pool:
             for s in (3, 4):
@@ -167,24 +168,38 @@ def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_duplicate
                                      r"contribution is refused \(two processes run as worker:0\?"):
                 sess.run(totals[1], {step: 5})
             np.testing.assert_allclose(sess.run(totals[0], {step: 5}), values[0] + values[1], atol=1e-6)
-            # A stale step (at or below the last step released), and owners out of step: refused, naming both.
+            # A stale step (at or below the last step released): refused, naming the owner and both steps.
             with pytest.raises(tf.errors.FailedPreconditionError,
                                match=r"chief:0 contributes to step 4, but this server already released step 5 "
                                      r"\(a stale step"):
                 sess.run(puts[0][0], {step: 4})
+            # A take cancelled by its deadline leaves no waiter behind; worker:0's contribution to another step
+            # (left by a failed session) holds the step back until worker:0 rewinds to the restored step.
             sess.run(puts[0], {step: 6})
-            with pytest.raises(tf.errors.FailedPreconditionError,
-                               match=r"worker:0 contributes to step 7 but chief:0 to step 6 \(the owners are out of "
-                                     r"step\)\. Restart every task"):
-                sess.run(puts[1][0], {step: 7})
-            # A take cancelled by its deadline leaves no waiter behind: the next take of the step completes.
+            sess.run(puts[1][1], {step: 7})
             started = time.monotonic()
             with pytest.raises(tf.errors.DeadlineExceededError):
                 sess.run(take, {step: 6}, options=tf.compat.v1.RunOptions(timeout_in_ms=1000))
             assert time.monotonic() - started < 10
+            with pytest.raises(tf.errors.FailedPreconditionError,
+                               match=r"worker:0 contributes to step 6 while its contribution to step 7 was never "
+                                     r"taken \(the owners are out of step\)\. Restart every task"):
+                sess.run(puts[1][1], {step: 6})
+            sess.run(rewind, {step: 6})
             sess.run(puts[1][1], {step: 6})
             taken = sess.run(take, {step: 6})
             assert [t.shape for t in taken] == [tuple(shapes[1].shape)] * 2
+            # A rewind lets every owner contribute to a released step again (all restored an older checkpoint).
+            sess.run(rewind, {step: 2})
+            sess.run(puts[1][1], {step: 2})
+            # While the chief waits for one step, a contribution to another is refused, naming both steps.
+            waiting = pool.submit(sess.run, take, {step: 2})
+            time.sleep(1.0)  # the take is waiting
+            with pytest.raises(tf.errors.FailedPreconditionError,
+                               match=r"chief:0 contributes to step 3 but the chief takes step 2"):
+                sess.run(puts[0][1], {step: 3})
+            sess.run(puts[0][1], {step: 2})
+            assert len(waiting.result(timeout=30)) == 2
 
 
 def test_a_step_waits_at_most_step_timeout_secs_and_a_bad_timeout_is_refused(monkeypatch):

@@ -32,17 +32,29 @@ Example::
                       servers=("/job:tfe/task:0/device:CPU:0", "/job:tfe/task:1/device:CPU:0"),
                       encoding=Encoding(64, 32, 2.0**24), dtype=tf.float32, hint="clip gradients")
 """
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence, Tuple
 
 import tensorflow as tf
 
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 
-__all__ = ["step_sum", "read_step", "SHARED_NAME_PREFIX"]
+__all__ = ["step_sum", "read_step", "rewind_ops", "SHARED_NAME_PREFIX", "CHANNELS_COLLECTION"]
 
 #: Prefix of every server resource a between-graph sum creates (one name scheme for all owners).
 SHARED_NAME_PREFIX = "tfe_between_graph"
+#: The graph collection of this owner's server resources, one `_Channel` per accumulator (`rewind_ops`).
+CHANNELS_COLLECTION = "tfe_between_graph_channels"
+
+
+class _Channel(NamedTuple):
+    """How to name one of this owner's server resources again: an accumulator and this owner's queue beside it."""
+    server: str
+    shared_name: str
+    owners: Tuple[str, ...]
+    owner: int
+    dtype: tf.DType
+    shape: tf.TensorShape
 
 
 def read_step(global_step, name=None) -> tf.Tensor:
@@ -100,6 +112,8 @@ def step_sum(
                                  f"{contribution.shape}, but the servers' accumulators need full shapes.")
             with tf.control_dependencies([contribution]):  # created with this owner's first contribution
                 accumulators.append(ops.step_accumulator(owners, contribution.dtype, contribution.shape, name))
+            tf.compat.v1.add_to_collection(CHANNELS_COLLECTION, _Channel(server, name, tuple(owners), owner,
+                                                                         contribution.dtype, contribution.shape))
             puts.append(ops.step_put(accumulators[k], step, contribution, owner))
             # What each owner fetches from server k: (step, blind key) from server0, (step, part) from server1:
             # a key like the owner's seed, ring words like its share.
@@ -128,6 +142,30 @@ def step_sum(
     with tf.device(owner_device), tf.name_scope("between_graph_reveal"):
         return ops.reveal_sum(fetched[1], None, dtype, encoding.ring_bits, encoding.fraction_bits,
                               scale, shapes, key=fetched[0])
+
+
+def rewind_ops(step: tf.Tensor) -> Tuple[List[tf.Operation], List[Tuple[tf.Tensor, tf.Operation]]]:
+    """What this owner runs first in a new session (restored at `step`), before its first contribution.
+
+    Returns ``(rewinds, drains)``: one `ops.step_rewind` per accumulator of the
+    default graph's sums (this owner's unreleased contribution from a failed
+    session is dropped, and the sum accepts `step` again), and per queue of
+    this owner a ``(size, dequeue)`` pair to empty it of partial sums handed
+    out to a failed session (run ``dequeue`` ``size`` times; the values stay
+    on the server). Only this owner's state is touched: the chief hands out
+    a step only after every owner contributed to it, so nothing of this
+    session can be in the queues yet.
+    """
+    rewinds, drains = [], []
+    for channel in tf.compat.v1.get_collection(CHANNELS_COLLECTION):
+        with tf.device(channel.server), tf.name_scope("between_graph_rewind"):
+            handle = ops.step_accumulator(channel.owners, channel.dtype, channel.shape, channel.shared_name)
+            rewinds.append(ops.step_rewind(handle, step, channel.owner))
+            queue = tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, channel.dtype],
+                                           shared_name=f"{channel.shared_name}/owner{channel.owner}")
+            dequeue = tf.raw_ops.QueueDequeueV2(handle=queue, component_types=[tf.int64, channel.dtype])
+            drains.append((tf.raw_ops.QueueSizeV2(handle=queue), tf.group(*dequeue)))  # nothing leaves the server
+    return rewinds, drains
 
 
 def _distribute(accumulators, queues, step, likes, num_owners, encoding, num_elements, servers):

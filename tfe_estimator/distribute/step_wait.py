@@ -1,10 +1,10 @@
 """A bounded wait across data owners in between-graph mode: poll, give up after a time.
 
-``BarrierTakeMany`` and ``QueueDequeueV2`` ignore their ``timeout_ms``
-attributes, so an owner that must wait for the others and then report who
-was missing polls the servers from Python instead (``poll``) and decides
-itself, before the session's own deadline (``step_timeout_secs``) ends the
-run with a bare "Operation timed out".
+``QueueDequeueV2`` ignores its ``timeout_ms`` attribute, so an owner that must
+wait for the others and then report who was missing (the handshake) polls the
+servers from Python instead (``poll``) and decides itself, before the
+session's own deadline (``step_timeout_secs``) ends the run with a bare
+"Operation timed out".
 
 Example::
 

@@ -12,8 +12,8 @@ differs for:
 - settings: a hash of the protocol, precision, clip norm and update ring;
 - model: a hash of the trainable variables' names, shapes and dtypes.
 
-Without it, owners with different models meet as a shape error of a shared
-Barrier, and owners restored at different steps as a bare timeout. The
+Without it, owners with different models meet as a shape error of a server's
+step accumulator, and owners restored at different steps as a bare timeout. The
 servers (and the other owners) learn only these hashes and the step.
 Whether the weights stay equal is `weight_check`'s (every step, in the sum).
 
@@ -104,6 +104,7 @@ class HandshakeHook(tf.compat.v1.train.SessionRunHook):
         self._settings, self._server, self._device = settings, server, owner_device
         self._timeout = timeout_secs
         self._mine = self._insert = self._rows = None
+        self._rewinds, self._drains = [], []
 
     def begin(self):
         num = len(self._names)
@@ -111,8 +112,10 @@ class HandshakeHook(tf.compat.v1.train.SessionRunHook):
         structure = ";".join(f"{v.name}:{v.shape}:{v.dtype.name}" for v in sorted(variables, key=lambda v: v.name))
         global_step = tf.compat.v1.train.get_global_step()
         with tf.device(self._device), tf.name_scope("between_graph_handshake"):
-            self._mine = tf.stack([step_sum.read_step(global_step), tf.constant(_hash63(self._settings), tf.int64),
+            step = step_sum.read_step(global_step)
+            self._mine = tf.stack([step, tf.constant(_hash63(self._settings), tf.int64),
                                    tf.constant(num, tf.int64), tf.constant(_hash63(structure), tf.int64)])
+        self._rewinds, self._drains = step_sum.rewind_ops(step)
         with tf.device(self._server), tf.name_scope("between_graph_handshake"):
             table = tf.raw_ops.MutableHashTableOfTensorsV2(key_dtype=tf.int64, value_dtype=tf.int64,
                                                            value_shape=[len(FIELDS)], shared_name=TABLE_SHARED_NAME)
@@ -125,6 +128,12 @@ class HandshakeHook(tf.compat.v1.train.SessionRunHook):
 
     def after_create_session(self, session, coord):
         del coord
+        # This owner's leftovers of a failed session go first: a peer may pass the handshake on this owner's
+        # old row and contribute at once, which the rewind (this owner's state only) never touches.
+        session.run(self._rewinds)
+        for size, dequeue in self._drains:
+            for _ in range(int(session.run(size))):
+                session.run(dequeue)
         mine, _ = session.run([self._mine, self._insert])
         rows = [None]
 

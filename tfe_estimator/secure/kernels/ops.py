@@ -30,7 +30,7 @@ import tensorflow as tf
 from tfe_estimator.secure import kernels
 
 __all__ = ["mask_share", "server_sum", "blinded_server_sum", "reveal_sum", "keystream", "discrete_gaussian",
-           "step_accumulator", "step_put", "step_take"]
+           "step_accumulator", "step_put", "step_take", "step_rewind"]
 
 
 def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring_bits: int, fraction_bits: int,
@@ -128,6 +128,15 @@ def step_take(handle, step, num_owners: int, dtype: tf.DType, shape):
     """Every owner's contribution to `step`, in owner order; waits (cancellable) until all have put it."""
     return kernels.load().tfe_step_take(handle, step, num_owners=num_owners, dtype=dtype,
                                         shape=tf.TensorShape(shape))
+
+
+def step_rewind(handle, step, owner: int):
+    """Owner `owner` restored checkpoint `step` in a new session: drops its unreleased contribution.
+
+    Run by the owners' handshake before the owner's first put of a session;
+    the accumulator then accepts `step` again if it had released it.
+    """
+    return kernels.load().tfe_step_rewind(handle, step, owner=owner)
 
 
 def _log2(bound: float) -> int:

@@ -10,16 +10,23 @@
 //   TfeStepAccumulator(owners, dtype, shape, shared_name) -> handle
 //   TfeStepPut(handle, step, value; owner)     one contribution of `owner` to `step`
 //   TfeStepTake(handle, step) -> values[N]      waits until all N owners put `step`
+//   TfeStepRewind(handle, step; owner)          `owner` restored checkpoint `step` (a new session)
 //
 // - exactly one contribution per owner and step: a second one for the same
 //   step is refused (AlreadyExists), and so is one for another step while the
 //   owner's last one is not yet taken;
 // - a stale step (at or below the last step taken) is refused;
-// - owners out of step (two owners' contributions for different steps, or a
-//   put for a step other than the one being taken) are refused, naming both;
+// - a put for a step other than the one being taken is refused (owners out
+//   of step), naming the owner and both steps;
 // - a step is released (TfeStepTake returns) only when every owner put it;
 //   the take waits asynchronously and is cancelled with its step (the
-//   session's timeout or a failed task), naming the owners still missing.
+//   session's timeout or a failed task), naming the owners still missing and
+//   the step each one's contribution is for;
+// - a rewind (each owner's first act in a new session, after its restore:
+//   the owners' handshake) drops that owner's contribution left by its failed
+//   session and lets the sum go back to the restored step, so that owners
+//   that all recovered from the same checkpoint continue. Another owner's
+//   contribution is never dropped: a rewind cannot race with the others' puts.
 //
 // Every refusal names the channel (the shared name), the owners and the
 // steps, and says how to fix it.
@@ -75,6 +82,19 @@ class StepAccumulator : public tf::ResourceBase {
   // Owner `owner`'s contribution to `step`. Returns the waiting take it completes, if any.
   tf::Status Put(int owner, int64_t step, const tf::Tensor& value, std::unique_ptr<Waiter>* completed);
 
+  // Owner `owner` starts a session restored at checkpoint `step`: drops its unreleased contribution and
+  // lets the sum continue from `step` (the step released last goes back to `step - 1` if it was later).
+  tf::Status Rewind(int owner, int64_t step) {
+    if (owner < 0 || owner >= num_owners()) {
+      return tf::errors::InvalidArgument("Between-graph secure sum ", channel_, ": owner index ", owner,
+                                         " is not one of the ", num_owners(), " owners [", Join(owners_), "].");
+    }
+    tf::mutex_lock lock(mu_);
+    slots_[owner] = Slot();
+    if (has_released_ && released_ >= step) released_ = step - 1;
+    return OkStatus();
+  }
+
   // Waits until every owner put `step`, then outputs the contributions in owner order.
   void Take(int64_t step, tf::OpKernelContext* ctx, tf::AsyncOpKernel::DoneCallback done);
 
@@ -94,7 +114,11 @@ class StepAccumulator : public tf::ResourceBase {
   std::string Missing(int64_t step) const TF_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::vector<std::string> missing;
     for (size_t o = 0; o < slots_.size(); ++o) {
-      if (!slots_[o].full || slots_[o].step != step) missing.push_back(owners_[o]);
+      if (!slots_[o].full) {
+        missing.push_back(owners_[o] + " (no contribution)");
+      } else if (slots_[o].step != step) {
+        missing.push_back(tf::strings::StrCat(owners_[o], " (a contribution to step ", slots_[o].step, ")"));
+      }
     }
     return Join(missing);
   }
@@ -191,14 +215,6 @@ tf::Status StepAccumulator::Put(int owner, int64_t step, const tf::Tensor& value
                                           " contributes to step ", step, " while its contribution to step ",
                                           mine.step, " was never taken (the owners are out of step).", kRestart);
   }
-  for (int o = 0; o < num_owners(); ++o) {
-    if (slots_[o].full && slots_[o].step != step) {
-      return tf::errors::FailedPrecondition("Between-graph secure sum ", channel_, ": ", me,
-                                            " contributes to step ", step, " but ", owners_[o],
-                                            " to step ", slots_[o].step, " (the owners are out of step).",
-                                            kRestart);
-    }
-  }
   if (waiter_ != nullptr && waiter_->step != step) {
     return tf::errors::FailedPrecondition("Between-graph secure sum ", channel_, ": ", me,
                                           " contributes to step ", step, " but the chief takes step ",
@@ -232,13 +248,6 @@ tf::Status StepAccumulator::TakeOrWait(std::unique_ptr<Waiter>* waiter) {
     return tf::errors::FailedPrecondition("Between-graph secure sum ", channel_, ": the chief takes step ", step,
                                           ", but this server already released step ", released_,
                                           " (a stale step).", kRestart);
-  }
-  for (int o = 0; o < num_owners(); ++o) {
-    if (slots_[o].full && slots_[o].step != step) {
-      return tf::errors::FailedPrecondition("Between-graph secure sum ", channel_, ": the chief takes step ", step,
-                                            " but ", owners_[o], " contributed to step ", slots_[o].step,
-                                            " (the owners are out of step).", kRestart);
-    }
   }
   if (Complete(step)) {
     Release(step, &(*waiter)->values);
@@ -358,6 +367,36 @@ class StepPutOp : public tf::OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfeStepPut").Device(tf::DEVICE_CPU), StepPutOp);
+
+REGISTER_OP("TfeStepRewind")
+    .Input("handle: resource")
+    .Input("step: int64")
+    .Attr("owner: int >= 0")
+    .SetIsStateful()
+    .SetShapeFn(tf::shape_inference::NoOutputs)
+    .Doc("Owner `owner` restored checkpoint `step` in a new session: its unreleased contribution is dropped.");
+
+class StepRewindOp : public tf::OpKernel {
+ public:
+  explicit StepRewindOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("owner", &owner_));
+  }
+
+  void Compute(tf::OpKernelContext* ctx) override {
+    tf::core::RefCountPtr<StepAccumulator> accumulator;
+    OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, 0), &accumulator));
+    const tf::Tensor& step = ctx->input(1);
+    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(step.shape()),
+                tf::errors::InvalidArgument("TfeStepRewind: step must be a scalar, got ",
+                                            step.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, accumulator->Rewind(owner_, step.scalar<int64_t>()()));
+  }
+
+ private:
+  int owner_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("TfeStepRewind").Device(tf::DEVICE_CPU), StepRewindOp);
 
 REGISTER_OP("TfeStepTake")
     .Input("handle: resource")
