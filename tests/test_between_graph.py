@@ -155,6 +155,7 @@ def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_duplicate
         with tf.device(devices[3]):  # a take and worker:0's rewind of server1's accumulator, outside a step
             take = ops.step_take(puts[1][1].inputs[0], step, 2, tf.int64, shapes[1].shape)
             rewind = ops.step_rewind(puts[1][1].inputs[0], step, 1)
+            chief_rewind = ops.step_rewind(puts[1][1].inputs[0], step, 0)
         config = tf.compat.v1.ConfigProto(device_count={"CPU": 4}, operation_timeout_in_ms=20000)
         with tf.compat.v1.Session(config=config) as sess, ThreadPoolExecutor(2) as pool:
             for s in (3, 4):
@@ -189,9 +190,14 @@ def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_duplicate
             sess.run(puts[1][1], {step: 6})
             taken = sess.run(take, {step: 6})
             assert [t.shape for t in taken] == [tuple(shapes[1].shape)] * 2
-            # A rewind lets every owner contribute to a released step again (all restored an older checkpoint).
+            # A rewind lets its owner, and only it, contribute to a released step again (every owner restored an
+            # older checkpoint and rewinds in its handshake).
             sess.run(rewind, {step: 2})
             sess.run(puts[1][1], {step: 2})
+            with pytest.raises(tf.errors.FailedPreconditionError, match=r"chief:0 contributes to step 2, but this "
+                                                                        r"server already released step 6"):
+                sess.run(puts[0][1], {step: 2})
+            sess.run(chief_rewind, {step: 2})
             # While the chief waits for one step, a contribution to another is refused, naming both steps.
             waiting = pool.submit(sess.run, take, {step: 2})
             time.sleep(1.0)  # the take is waiting

@@ -23,6 +23,12 @@ sum's channels only, which is what `PartyAuditHook` audits. What server0
 receives in the handshake's runs is the descriptor: the step and three
 constants of the owner's graph (two hashes and the number of owners).
 
+Before its descriptor, each owner rewinds its own state on the servers
+(`step_sum.rewind_ops`): its contribution left by a failed session is dropped
+and its queues emptied, and the servers' accumulators accept the restored
+step again, so owners that all recovered from the same checkpoint (e.g. after
+a server restart) continue together.
+
 Example::
 
     hook = HandshakeHook(owner=0, owner_names=["chief:0", "worker:0"], settings="pond/low/clip=None",

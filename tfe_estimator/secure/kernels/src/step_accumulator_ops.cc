@@ -15,7 +15,8 @@
 // - exactly one contribution per owner and step: a second one for the same
 //   step is refused (AlreadyExists), and so is one for another step while the
 //   owner's last one is not yet taken;
-// - a stale step (at or below the last step taken) is refused;
+// - a stale step (at or below the last step taken) is refused, unless its
+//   owner rewound to it (below);
 // - a put for a step other than the one being taken is refused (owners out
 //   of step), naming the owner and both steps;
 // - a step is released (TfeStepTake returns) only when every owner put it;
@@ -24,12 +25,14 @@
 //   the step each one's contribution is for;
 // - a rewind (each owner's first act in a new session, after its restore:
 //   the owners' handshake) drops that owner's contribution left by its failed
-//   session and lets the sum go back to the restored step, so that owners
-//   that all recovered from the same checkpoint continue. Another owner's
-//   contribution is never dropped: a rewind cannot race with the others' puts.
+//   session and lets that owner contribute again from the restored step, so
+//   that owners that all recovered from the same checkpoint continue (a step
+//   completes only when every owner put it, so only when all rewound). It
+//   touches only its owner's state: it cannot race with the others' puts.
 //
 // Every refusal names the channel (the shared name), the owners and the
 // steps, and says how to fix it.
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -48,6 +51,9 @@ namespace {
 
 namespace tf = ::tensorflow;
 
+// An owner that has not rewound since the last release.
+const int64_t kNotRewound = std::numeric_limits<int64_t>::max();
+
 constexpr char kRestart[] =
     " Restart every task of the cluster (servers and owners) so that every owner resumes from the same "
     "checkpoint step.";
@@ -58,7 +64,7 @@ class StepAccumulator : public tf::ResourceBase {
  public:
   StepAccumulator(std::string channel, std::vector<std::string> owners, tf::DataType dtype, tf::TensorShape shape)
       : channel_(std::move(channel)), owners_(std::move(owners)), dtype_(dtype), shape_(std::move(shape)),
-        slots_(owners_.size()) {}
+        slots_(owners_.size()), rewound_(owners_.size(), kNotRewound) {}
   ~StepAccumulator() override;
 
   std::string DebugString() const override {
@@ -83,7 +89,7 @@ class StepAccumulator : public tf::ResourceBase {
   tf::Status Put(int owner, int64_t step, const tf::Tensor& value, std::unique_ptr<Waiter>* completed);
 
   // Owner `owner` starts a session restored at checkpoint `step`: drops its unreleased contribution and
-  // lets the sum continue from `step` (the step released last goes back to `step - 1` if it was later).
+  // may contribute to `step` and later steps again, even if they were released.
   tf::Status Rewind(int owner, int64_t step) {
     if (owner < 0 || owner >= num_owners()) {
       return tf::errors::InvalidArgument("Between-graph secure sum ", channel_, ": owner index ", owner,
@@ -91,7 +97,7 @@ class StepAccumulator : public tf::ResourceBase {
     }
     tf::mutex_lock lock(mu_);
     slots_[owner] = Slot();
-    if (has_released_ && released_ >= step) released_ = step - 1;
+    rewound_[owner] = step;
     return OkStatus();
   }
 
@@ -138,6 +144,7 @@ class StepAccumulator : public tf::ResourceBase {
     }
     released_ = step;
     has_released_ = true;
+    rewound_.assign(rewound_.size(), kNotRewound);  // a replay of a released step is stale again
   }
 
   // Take's part under the lock: releases a complete step into the waiter, or keeps the waiter (leaving null).
@@ -152,6 +159,7 @@ class StepAccumulator : public tf::ResourceBase {
   std::vector<Slot> slots_ TF_GUARDED_BY(mu_);
   bool has_released_ TF_GUARDED_BY(mu_) = false;
   int64_t released_ TF_GUARDED_BY(mu_) = 0;
+  std::vector<int64_t> rewound_ TF_GUARDED_BY(mu_);  // per owner: the step it rewound to since the last release
   std::unique_ptr<Waiter> waiter_ TF_GUARDED_BY(mu_);
 };
 
@@ -197,11 +205,12 @@ tf::Status StepAccumulator::Put(int owner, int64_t step, const tf::Tensor& value
                                        ". Every owner must run the same model.");
   }
   tf::mutex_lock lock(mu_);
-  if (has_released_ && step <= released_) {
+  if (has_released_ && step <= released_ && step < rewound_[owner]) {
     return tf::errors::FailedPrecondition(
         "Between-graph secure sum ", channel_, ": ", me, " contributes to step ", step,
         ", but this server already released step ", released_,
-        " (a stale step: this owner restarted from an older checkpoint than the run it rejoins).", kRestart);
+        " (a stale step: a replay, or an owner restored without the owners' handshake, which rewinds it).",
+        kRestart);
   }
   const Slot& mine = slots_[owner];
   if (mine.full && mine.step == step) {
@@ -243,11 +252,6 @@ tf::Status StepAccumulator::TakeOrWait(std::unique_ptr<Waiter>* waiter) {
     return tf::errors::FailedPrecondition("Between-graph secure sum ", channel_, ": a second take of step ", step,
                                           " while step ", waiter_->step,
                                           " is being taken; only the chief takes a step's contributions.");
-  }
-  if (has_released_ && step <= released_) {
-    return tf::errors::FailedPrecondition("Between-graph secure sum ", channel_, ": the chief takes step ", step,
-                                          ", but this server already released step ", released_,
-                                          " (a stale step).", kRestart);
   }
   if (Complete(step)) {
     Release(step, &(*waiter)->values);
