@@ -18,7 +18,11 @@ every owner's graph names alike (TensorFlow's ``shared_name``):
 The accumulators refuse, naming the owners and steps: a second contribution of
 an owner to a step, a stale step (at or below the last step taken), and owners
 out of step; a take waits for the owners still missing and is cancelled with
-its session run. The servers only ever hold a fresh key or a masked ring
+its session run. An owner's first act in each session, before its first
+contribution, is `rewind_ops` (run by the owners' handshake hook): its own
+contribution and queue items left by a failed session go, and it may
+contribute from the restored step again, so owners that all recovered from
+one checkpoint (after a server restart) continue. The servers only ever hold a fresh key or a masked ring
 vector per owner, and the ring sums of those; server1 receives server0's part
 blinded by a keystream whose key goes only to the owners (server1's
 ``RecvTensor`` to server0 is the one server-to-server link); only owners

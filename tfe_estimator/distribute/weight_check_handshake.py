@@ -23,7 +23,7 @@ sum's channels only, which is what `PartyAuditHook` audits. What server0
 receives in the handshake's runs is the descriptor: the step and three
 constants of the owner's graph (two hashes and the number of owners).
 
-Before its descriptor, each owner rewinds its own state on the servers
+Once the owners agree, each owner rewinds its own state on the servers
 (`step_sum.rewind_ops`): its contribution left by a failed session is dropped
 and its queues emptied, and the servers' accumulators accept the restored
 step again, so owners that all recovered from the same checkpoint (e.g. after
@@ -134,12 +134,6 @@ class HandshakeHook(tf.compat.v1.train.SessionRunHook):
 
     def after_create_session(self, session, coord):
         del coord
-        # This owner's leftovers of a failed session go first: a peer may pass the handshake on this owner's
-        # old row and contribute at once, which the rewind (this owner's state only) never touches.
-        session.run(self._rewinds)
-        for size, dequeue in self._drains:
-            for _ in range(int(session.run(size))):
-                session.run(dequeue)
         mine, _ = session.run([self._mine, self._insert])
         rows = [None]
 
@@ -151,3 +145,9 @@ class HandshakeHook(tf.compat.v1.train.SessionRunHook):
         message = mismatch(rows[0], self._owner, self._names, self._timeout, arrived)
         if message:
             raise OwnersDisagreeError(message)
+        # Then this owner's leftovers of a failed session go, before its first contribution. A peer may have
+        # passed on this owner's old row and contributed already: the rewind touches this owner's state only.
+        session.run(self._rewinds)
+        for size, dequeue in self._drains:
+            for _ in range(int(session.run(size))):
+                session.run(dequeue)

@@ -339,6 +339,19 @@ class StepAccumulatorOp : public tf::OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("TfeStepAccumulator").Device(tf::DEVICE_CPU), StepAccumulatorOp);
 
+// The accumulator of input 0 and the scalar step of input 1 (TfeStepPut, TfeStepRewind, TfeStepTake).
+tf::Status AccumulatorAndStep(tf::OpKernelContext* ctx, tf::core::RefCountPtr<StepAccumulator>* accumulator,
+                              int64_t* step) {
+  TF_RETURN_IF_ERROR(tf::LookupResource(ctx, tf::HandleFromInput(ctx, 0), accumulator));
+  const tf::Tensor& value = ctx->input(1);
+  if (!tf::TensorShapeUtils::IsScalar(value.shape())) {
+    return tf::errors::InvalidArgument(ctx->op_kernel().type_string(), ": step must be a scalar, got ",
+                                       value.shape().DebugString());
+  }
+  *step = value.scalar<int64_t>()();
+  return OkStatus();
+}
+
 REGISTER_OP("TfeStepPut")
     .Input("handle: resource")
     .Input("step: int64")
@@ -357,12 +370,10 @@ class StepPutOp : public tf::OpKernel {
 
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<StepAccumulator> accumulator;
-    OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, 0), &accumulator));
-    const tf::Tensor& step = ctx->input(1);
-    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(step.shape()),
-                tf::errors::InvalidArgument("TfeStepPut: step must be a scalar, got ", step.shape().DebugString()));
+    int64_t step;
+    OP_REQUIRES_OK(ctx, AccumulatorAndStep(ctx, &accumulator, &step));
     std::unique_ptr<Waiter> completed;
-    OP_REQUIRES_OK(ctx, accumulator->Put(owner_, step.scalar<int64_t>()(), ctx->input(2), &completed));
+    OP_REQUIRES_OK(ctx, accumulator->Put(owner_, step, ctx->input(2), &completed));
     if (completed != nullptr) completed->Finish(OkStatus());
   }
 
@@ -388,12 +399,9 @@ class StepRewindOp : public tf::OpKernel {
 
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<StepAccumulator> accumulator;
-    OP_REQUIRES_OK(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, 0), &accumulator));
-    const tf::Tensor& step = ctx->input(1);
-    OP_REQUIRES(ctx, tf::TensorShapeUtils::IsScalar(step.shape()),
-                tf::errors::InvalidArgument("TfeStepRewind: step must be a scalar, got ",
-                                            step.shape().DebugString()));
-    OP_REQUIRES_OK(ctx, accumulator->Rewind(owner_, step.scalar<int64_t>()()));
+    int64_t step;
+    OP_REQUIRES_OK(ctx, AccumulatorAndStep(ctx, &accumulator, &step));
+    OP_REQUIRES_OK(ctx, accumulator->Rewind(owner_, step));
   }
 
  private:
@@ -428,17 +436,13 @@ class StepTakeOp : public tf::AsyncOpKernel {
 
   void ComputeAsync(tf::OpKernelContext* ctx, DoneCallback done) override {
     tf::core::RefCountPtr<StepAccumulator> accumulator;
-    OP_REQUIRES_OK_ASYNC(ctx, tf::LookupResource(ctx, tf::HandleFromInput(ctx, 0), &accumulator), done);
+    int64_t step;
+    OP_REQUIRES_OK_ASYNC(ctx, AccumulatorAndStep(ctx, &accumulator, &step), done);
     OP_REQUIRES_ASYNC(ctx, accumulator->num_owners() == num_owners_,
                       tf::errors::InvalidArgument("TfeStepTake of ", num_owners_, " owners from an accumulator of ",
                                                   accumulator->num_owners(), ": ", accumulator->DebugString()),
                       done);
-    const tf::Tensor& step = ctx->input(1);
-    OP_REQUIRES_ASYNC(ctx, tf::TensorShapeUtils::IsScalar(step.shape()),
-                      tf::errors::InvalidArgument("TfeStepTake: step must be a scalar, got ",
-                                                  step.shape().DebugString()),
-                      done);
-    accumulator->Take(step.scalar<int64_t>()(), ctx, std::move(done));
+    accumulator->Take(step, ctx, std::move(done));
   }
 
  private:
