@@ -208,6 +208,32 @@ def test_step_sum_adds_one_contribution_per_owner_and_step_and_refuses_duplicate
             assert len(waiting.result(timeout=30)) == 2
 
 
+def test_a_step_accumulator_refuses_other_settings_an_unknown_owner_and_a_misshapen_contribution():
+    from tfe_estimator.secure.kernels import ops
+
+    with tf.Graph().as_default():
+        step = tf.constant(1, tf.int64)
+        handle = ops.step_accumulator(["chief:0", "worker:0"], tf.int64, [3], "tfe_between_graph/sum_0/server1")
+        other = ops.step_accumulator(["chief:0", "worker:0"], tf.int64, [4], "tfe_between_graph/sum_0/server1")
+        unknown_owner = ops.step_put(handle, step, tf.zeros([3], tf.int64), owner=2)
+        misshapen = ops.step_put(handle, step, tf.zeros([2], tf.int64), owner=1)
+        with tf.compat.v1.Session() as sess:
+            sess.run(handle)
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"sum_0/server1: this owner's graph expects owners \[chief:0, worker:0\] and "
+                                     r"int64\[4\] contributions, but the server's accumulator holds owners "
+                                     r"\[chief:0, worker:0\] and int64\[3\] contributions\. Every owner must run "
+                                     r"the same model"):
+                sess.run(other)
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"owner index 2 is not one of the 2 owners \[chief:0, worker:0\]"):
+                sess.run(unknown_owner)
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"worker:0 contributes int64\[2\] to step 1, but every contribution "
+                                     r"is int64\[3\]"):
+                sess.run(misshapen)
+
+
 def test_a_step_waits_at_most_step_timeout_secs_and_a_bad_timeout_is_refused(monkeypatch):
     _as_task(monkeypatch, "chief")
     config = TfeRunConfig(tf_random_seed=1, model_dir="/tmp/unused-bg")

@@ -198,9 +198,9 @@ tf::Status StepAccumulator::Put(int owner, int64_t step, const tf::Tensor& value
   }
   const std::string& me = owners_[owner];
   if (value.dtype() != dtype_ || value.shape() != shape_) {
-    return tf::errors::InvalidArgument("Between-graph secure sum ", channel_, ": ", me, " contributes a ",
+    return tf::errors::InvalidArgument("Between-graph secure sum ", channel_, ": ", me, " contributes ",
                                        tf::DataTypeString(value.dtype()), value.shape().DebugString(),
-                                       " tensor to step ", step, ", but every contribution is ",
+                                       " to step ", step, ", but every contribution is ",
                                        tf::DataTypeString(dtype_), shape_.DebugString(),
                                        ". Every owner must run the same model.");
   }
