@@ -149,7 +149,7 @@ class StepAccumulator : public tf::ResourceBase {
 
   // Take's part under the lock: releases a complete step into the waiter, or keeps the waiter (leaving null).
   tf::Status TakeOrWait(std::unique_ptr<Waiter>* waiter);
-  void Cancel(tf::CancellationToken token);
+  void Cancel(tf::CancellationManager* cm, tf::CancellationToken token);
 
   const std::string channel_;
   const std::vector<std::string> owners_;
@@ -180,7 +180,9 @@ struct Waiter {
     } else {
       ctx->SetStatus(status);
     }
-    if (registered) ctx->cancellation_manager()->TryDeregisterCallback(token);
+    // Blocks while the callback runs, so no Cancel can come after the reference goes. Cancel itself clears
+    // `registered` first: a callback must not wait for itself.
+    if (registered) ctx->cancellation_manager()->DeregisterCallback(token);
     auto finish = std::move(done);
     accumulator->Unref();
     finish();
@@ -260,7 +262,7 @@ tf::Status StepAccumulator::TakeOrWait(std::unique_ptr<Waiter>* waiter) {
   tf::CancellationManager* cm = (*waiter)->ctx->cancellation_manager();
   const tf::CancellationToken token = cm->get_cancellation_token();
   // Registered under the lock: the callback takes it too, so it runs after the waiter is in place.
-  if (!cm->RegisterCallback(token, [this, token]() { Cancel(token); })) {
+  if (!cm->RegisterCallback(token, [this, cm, token]() { Cancel(cm, token); })) {
     return tf::errors::Cancelled("Between-graph secure sum ", channel_, ": the take of step ", step,
                                  " was cancelled before it began.");
   }
@@ -270,15 +272,17 @@ tf::Status StepAccumulator::TakeOrWait(std::unique_ptr<Waiter>* waiter) {
   return OkStatus();
 }
 
-void StepAccumulator::Cancel(tf::CancellationToken token) {
+void StepAccumulator::Cancel(tf::CancellationManager* cm, tf::CancellationToken token) {
   std::unique_ptr<Waiter> cancelled;
   std::string missing;
   {
     tf::mutex_lock lock(mu_);
-    if (waiter_ == nullptr || waiter_->token != token) return;  // already finished
+    // Already finished, or another step's take (tokens are per cancellation manager).
+    if (waiter_ == nullptr || waiter_->token != token || waiter_->ctx->cancellation_manager() != cm) return;
     missing = Missing(waiter_->step);
     cancelled = std::move(waiter_);
   }
+  cancelled->registered = false;  // this is the callback
   cancelled->Finish(tf::errors::Cancelled(
       "Between-graph secure sum ", channel_, ": the wait for step ", cancelled->step,
       " was cancelled (the session's step_timeout_secs ran out, or a task failed) while these owners had not "
