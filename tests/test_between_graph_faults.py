@@ -68,16 +68,19 @@ def test_without_restarts_a_killed_owner_or_server_is_named_and_nothing_survives
     assert f"{victim} died with status -9 (killed by SIGKILL){during}; stopping the cluster" in log, log[-5000:]
 
 
-def test_an_owner_restarted_alone_is_refused_and_cannot_hang_the_others(tmp_path):
-    # The worker is restarted and restores its step-0 checkpoint while the chief waits for its contribution
-    # to a later step: the servers' accumulators refuse the restarted worker's step, naming both steps (or,
-    # had the chief stopped waiting, the waits end after step_timeout_secs); the run stops in bounded time.
+@pytest.mark.parametrize("victim", ["worker:0", "chief:0"])
+def test_an_owner_restarted_alone_is_refused_or_times_out_and_cannot_hang_the_others(victim, tmp_path):
+    # The owner is restarted and restores its step-0 checkpoint while the other waits at a later step. A
+    # restarted worker: the servers' accumulators refuse its step while the chief waits for a later one,
+    # naming both steps. A restarted chief: its take waits for the worker, which waits for the chief's
+    # partial sums of the later step; both waits end after step_timeout_secs. The run stops, bounded.
     workdir = str(tmp_path)
     _owner_data(workdir)
-    status, log = _kill_mid_training(workdir, "worker:0", 400, "--step-timeout-secs", "15", join_secs=240,
+    status, log = _kill_mid_training(workdir, victim, 400, "--step-timeout-secs", "15", join_secs=240,
                                      max_restarts=1, down_timeout=60)
     assert status and status[0] != 0, log[-5000:]
-    assert "worker:0 died with status -9 (killed by SIGKILL); restarting it" in log
+    assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log
+    assert "stopping the cluster" in log, log[-5000:]
     refused = re.search(r"worker:0 contributes to step 0 but the chief takes step \d+ \(the owners are out of step\)"
                         r"\. Restart every task of the cluster \(servers and owners\)", log)
     assert refused or "DeadlineExceededError: Operation timed out" in log, log[-5000:]
