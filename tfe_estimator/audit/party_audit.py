@@ -40,7 +40,6 @@ op types                                          role
 ``TfeStepAccumulator``, ``TfeStepPut``,           between-graph channels, only
 ``TfeStepTake``, ``FIFOQueueV2``,                 as `step_channels` allows
 ``QueueEnqueueV2``, ``QueueDequeueV2``
-``ExpandDims``, ``Squeeze``, ``Switch``           shape and guard (followed)
 ================================================  ==============================
 
 What it cannot prove: that a key is really random or that an op computes what
@@ -64,7 +63,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import device_util
 
 from tfe_estimator.audit.masks import LINEAR_OPS, MASK_STREAMS, SEED_OUTPUTS, Form, Forms, MaskError
-from tfe_estimator.audit.step_channels import CHANNEL_OPS, SHAPE_OPS, StepChannels
+from tfe_estimator.audit.step_channels import CHANNEL_OPS, StepChannels
 from tfe_estimator.audit.server_view import (RECV_OPS, SEND_OPS, PartyEdge, is_control_carrier, partition_graphs_of,
                                              party_edges, party_of)
 from tfe_estimator.cluster.spec import TFE_JOB
@@ -78,8 +77,8 @@ _LOG = logging.getLogger("tfe_estimator")
 #: The op types that may run on a party (the allow-list; see the module docstring).
 PARTY_OPS = frozenset({"TfeServerSum", "TfeAesSeed", "Const", "Identity", "Snapshot", "NoOp"}
                       | MASK_STREAMS | set(LINEAR_OPS) | set(RECV_OPS) | set(SEND_OPS)
-                      | CHANNEL_OPS | SHAPE_OPS)
-_TRANSPARENT = frozenset({"Identity", "Snapshot"}) | SHAPE_OPS
+                      | CHANNEL_OPS)
+_TRANSPARENT = frozenset({"Identity", "Snapshot"})
 
 
 class PartyAuditError(PlaintextOnServerError):

@@ -37,17 +37,13 @@ Example::
 import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import tensorflow as tf
-
 from tfe_estimator.distribute.step_sum import SHARED_NAME_PREFIX
 
-__all__ = ["StepChannels", "CHANNEL_OPS", "SHAPE_OPS"]
+__all__ = ["StepChannels", "CHANNEL_OPS"]
 
 #: Resource ops of a between-graph channel (checked by `StepChannels`).
 CHANNEL_OPS = frozenset({"TfeStepAccumulator", "TfeStepPut", "TfeStepTake", "FIFOQueueV2", "QueueEnqueueV2",
                          "QueueDequeueV2"})
-#: Ops that pass a value on unchanged (a shape or a control-flow guard): followed by the forms.
-SHAPE_OPS = frozenset({"ExpandDims", "Squeeze", "Switch"})
 #: Where the public step may go on a party: (op type, input position).
 _STEP_INPUTS = frozenset({("TfeStepPut", 1), ("TfeStepTake", 1), ("QueueEnqueueV2", 1)})
 _ACCUMULATOR = re.compile(re.escape(SHARED_NAME_PREFIX) + r"/(.+)/server(\d+)$")
@@ -136,7 +132,7 @@ class StepChannels:
             for user, position in self.consumers.get((device, name), []):
                 if user.input[position] not in (name if index == 0 else f"{name}:{index}", f"{name}:{index}"):
                     continue
-                if user.op in SHAPE_OPS or user.op == "Identity":
+                if user.op == "Identity":
                     pending.append((user.name, 0))
                 elif user.op != "TfeServerSum":
                     self._fail(f"{node.name!r} on {device} takes the owners' contributions and {user.op} "
