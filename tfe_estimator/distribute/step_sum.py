@@ -16,17 +16,18 @@ every owner's graph names alike (TensorFlow's ``shared_name``):
     owner r (own device):  dequeues its two queues, checks the step, ``reveal_sum(w, key=blind)``
 
 The accumulators refuse, naming the owners and steps: a second contribution of
-an owner to a step, a stale step (at or below the last step taken), and owners
-out of step; a take waits for the owners still missing and is cancelled with
-its session run. An owner's first act in each session, before its first
-contribution, is `rewind_ops` (run by the owners' handshake hook): its own
-contribution and queue items left by a failed session go, and it may
+an owner to a step, a stale step (at or below the last step taken, unless its
+owner rewound), and owners out of step; a take waits for the owners still
+missing and is cancelled with its session run. Before its first contribution
+in each session an owner runs `rewind_ops` (the owners' handshake hook does):
+its own contribution and queue items left by a failed session go, and it may
 contribute from the restored step again, so owners that all recovered from
-one checkpoint (after a server restart) continue. The servers only ever hold a fresh key or a masked ring
-vector per owner, and the ring sums of those; server1 receives server0's part
-blinded by a keystream whose key goes only to the owners (server1's
-``RecvTensor`` to server0 is the one server-to-server link); only owners
-reveal. Each owner downloads one ring vector and a 16-byte key per sum.
+one checkpoint (after a server restart) continue. The servers only ever hold a
+fresh key or a masked ring vector per owner, and the ring sums of those;
+server1 receives server0's part blinded by a keystream whose key goes only to
+the owners (server1's ``RecvTensor`` to server0 is the one server-to-server
+link); only owners reveal. Each owner downloads one ring vector and a 16-byte
+key per sum.
 
 Example::
 
@@ -36,6 +37,7 @@ Example::
                       servers=("/job:tfe/task:0/device:CPU:0", "/job:tfe/task:1/device:CPU:0"),
                       encoding=Encoding(64, 32, 2.0**24), dtype=tf.float32, hint="clip gradients")
 """
+import weakref
 from typing import List, NamedTuple, Sequence, Tuple
 
 import tensorflow as tf
@@ -43,12 +45,10 @@ import tensorflow as tf
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 
-__all__ = ["step_sum", "read_step", "rewind_ops", "SHARED_NAME_PREFIX", "CHANNELS_COLLECTION"]
+__all__ = ["step_sum", "read_step", "rewind_ops", "SHARED_NAME_PREFIX"]
 
 #: Prefix of every server resource a between-graph sum creates (one name scheme for all owners).
 SHARED_NAME_PREFIX = "tfe_between_graph"
-#: The graph collection of this owner's server resources, one `_Channel` per accumulator (`rewind_ops`).
-CHANNELS_COLLECTION = "tfe_between_graph_channels"
 
 
 class _Channel(NamedTuple):
@@ -59,6 +59,10 @@ class _Channel(NamedTuple):
     owner: int
     dtype: tf.DType
     shape: tf.TensorShape
+
+
+#: Per graph, this owner's server resources: one `_Channel` per accumulator (what `rewind_ops` names again).
+_CHANNELS: "weakref.WeakKeyDictionary[tf.Graph, List[_Channel]]" = weakref.WeakKeyDictionary()
 
 
 def read_step(global_step, name=None) -> tf.Tensor:
@@ -116,8 +120,8 @@ def step_sum(
                                  f"{contribution.shape}, but the servers' accumulators need full shapes.")
             with tf.control_dependencies([contribution]):  # created with this owner's first contribution
                 accumulators.append(ops.step_accumulator(owners, contribution.dtype, contribution.shape, name))
-            tf.compat.v1.add_to_collection(CHANNELS_COLLECTION, _Channel(server, name, tuple(owners), owner,
-                                                                         contribution.dtype, contribution.shape))
+            _CHANNELS.setdefault(tf.compat.v1.get_default_graph(), []).append(
+                _Channel(server, name, tuple(owners), owner, contribution.dtype, contribution.shape))
             puts.append(ops.step_put(accumulators[k], step, contribution, owner))
             # What each owner fetches from server k: (step, blind key) from server0, (step, part) from server1:
             # a key like the owner's seed, ring words like its share.
@@ -153,7 +157,7 @@ def rewind_ops(step: tf.Tensor) -> Tuple[List[tf.Operation], List[Tuple[tf.Tenso
 
     Returns ``(rewinds, drains)``: one `ops.step_rewind` per accumulator of the
     default graph's sums (this owner's unreleased contribution from a failed
-    session is dropped, and the sum accepts `step` again), and per queue of
+    session is dropped, and it may contribute to `step` again), and per queue of
     this owner a ``(size, dequeue)`` pair to empty it of partial sums handed
     out to a failed session (run ``dequeue`` ``size`` times; the values stay
     on the server). Only this owner's state is touched: the chief hands out
@@ -161,7 +165,7 @@ def rewind_ops(step: tf.Tensor) -> Tuple[List[tf.Operation], List[Tuple[tf.Tenso
     session can be in the queues yet.
     """
     rewinds, drains = [], []
-    for channel in tf.compat.v1.get_collection(CHANNELS_COLLECTION):
+    for channel in _CHANNELS.get(tf.compat.v1.get_default_graph(), []):
         with tf.device(channel.server), tf.name_scope("between_graph_rewind"):
             handle = ops.step_accumulator(channel.owners, channel.dtype, channel.shape, channel.shared_name)
             rewinds.append(ops.step_rewind(handle, step, channel.owner))
