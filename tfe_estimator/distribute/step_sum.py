@@ -125,8 +125,7 @@ def step_sum(
             puts.append(ops.step_put(accumulators[k], step, contribution, owner))
             # What each owner fetches from server k: (step, blind key) from server0, (step, part) from server1:
             # a key like the owner's seed, ring words like its share.
-            queues.append([tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, contribution.dtype],
-                                                  shared_name=f"{name}/owner{o}") for o in range(num_owners)])
+            queues.append([_owner_queue(name, o, contribution.dtype) for o in range(num_owners)])
     # The chief's session also runs the takes, the server sums and every owner's enqueues.
     handed_out = (_distribute(accumulators, queues, step, (seed, share), num_owners, encoding, num_elements,
                               servers) if is_chief else [])
@@ -134,8 +133,7 @@ def step_sum(
     for k, (server, like) in enumerate(zip(servers[:2], (seed, share))):
         with tf.device(server), tf.name_scope(f"between_graph_server{k}"):
             with tf.control_dependencies(puts + handed_out):
-                got_step, value = tf.raw_ops.QueueDequeueV2(handle=queues[k][owner],
-                                                            component_types=[tf.int64, like.dtype])
+                got_step, value = _dequeue(queues[k][owner], like.dtype)
                 got_step.set_shape([])  # what every enqueue puts in (raw queue ops carry no shapes)
                 value.set_shape(like.shape)  # a key, or ring words as every share (32-bit: two elements per word)
         with tf.device(owner_device), tf.name_scope(f"between_graph_fetch{k}"):
@@ -169,11 +167,20 @@ def rewind_ops(step: tf.Tensor) -> Tuple[List[tf.Operation], List[Tuple[tf.Tenso
         with tf.device(channel.server), tf.name_scope("between_graph_rewind"):
             handle = ops.step_accumulator(channel.owners, channel.dtype, channel.shape, channel.shared_name)
             rewinds.append(ops.step_rewind(handle, step, channel.owner))
-            queue = tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, channel.dtype],
-                                           shared_name=f"{channel.shared_name}/owner{channel.owner}")
-            dequeue = tf.raw_ops.QueueDequeueV2(handle=queue, component_types=[tf.int64, channel.dtype])
+            queue = _owner_queue(channel.shared_name, channel.owner, channel.dtype)
+            dequeue = _dequeue(queue, channel.dtype)
             drains.append((tf.raw_ops.QueueSizeV2(handle=queue), tf.group(*dequeue)))  # nothing leaves the server
     return rewinds, drains
+
+
+def _owner_queue(name: str, owner: int, dtype: tf.DType) -> tf.Tensor:
+    """Owner `owner`'s hand-out queue beside the accumulator `name`: elements ``(step, value of dtype)``."""
+    return tf.raw_ops.FIFOQueueV2(component_types=[tf.int64, dtype], shared_name=f"{name}/owner{owner}")
+
+
+def _dequeue(queue: tf.Tensor, dtype: tf.DType):
+    """One ``(step, value)`` element of an `_owner_queue`."""
+    return tf.raw_ops.QueueDequeueV2(handle=queue, component_types=[tf.int64, dtype])
 
 
 def _distribute(accumulators, queues, step, likes, num_owners, encoding, num_elements, servers):

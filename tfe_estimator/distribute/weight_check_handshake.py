@@ -25,9 +25,9 @@ constants of the owner's graph (two hashes and the number of owners).
 
 Once the owners agree, each owner rewinds its own state on the servers
 (`step_sum.rewind_ops`): its contribution left by a failed session is dropped
-and its queues emptied, and the servers' accumulators accept its contributions
-from the restored step again, so owners that all recovered from the same checkpoint (e.g. after
-a server restart) continue together.
+and its queues emptied, and the servers' accumulators accept its
+contributions from the restored step again, so owners that all recovered
+from the same checkpoint (e.g. after a server restart) continue together.
 
 Example::
 

@@ -134,7 +134,8 @@ def step_rewind(handle, step, owner: int):
     """Owner `owner` restored checkpoint `step` in a new session: drops its unreleased contribution.
 
     Run by the owners' handshake before the owner's first put of a session;
-    the accumulator then accepts `step` again if it had released it.
+    the accumulator then accepts this owner's contribution to `step` again if
+    it had released it.
     """
     return kernels.load().tfe_step_rewind(handle, step, owner=owner)
 

@@ -356,6 +356,17 @@ tf::Status AccumulatorAndStep(tf::OpKernelContext* ctx, tf::core::RefCountPtr<St
   return OkStatus();
 }
 
+// An op of one owner (TfeStepPut, TfeStepRewind): its `owner` attribute.
+class OwnerOp : public tf::OpKernel {
+ public:
+  explicit OwnerOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("owner", &owner_));
+  }
+
+ protected:
+  int owner_;
+};
+
 REGISTER_OP("TfeStepPut")
     .Input("handle: resource")
     .Input("step: int64")
@@ -366,11 +377,9 @@ REGISTER_OP("TfeStepPut")
     .SetShapeFn(tf::shape_inference::NoOutputs)
     .Doc("Owner `owner`'s one contribution to `step` (refuses duplicates, stale and out-of-step steps).");
 
-class StepPutOp : public tf::OpKernel {
+class StepPutOp : public OwnerOp {
  public:
-  explicit StepPutOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("owner", &owner_));
-  }
+  using OwnerOp::OwnerOp;
 
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<StepAccumulator> accumulator;
@@ -380,9 +389,6 @@ class StepPutOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, accumulator->Put(owner_, step, ctx->input(2), &completed));
     if (completed != nullptr) completed->Finish(OkStatus());
   }
-
- private:
-  int owner_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfeStepPut").Device(tf::DEVICE_CPU), StepPutOp);
@@ -395,11 +401,9 @@ REGISTER_OP("TfeStepRewind")
     .SetShapeFn(tf::shape_inference::NoOutputs)
     .Doc("Owner `owner` restored checkpoint `step` in a new session: its unreleased contribution is dropped.");
 
-class StepRewindOp : public tf::OpKernel {
+class StepRewindOp : public OwnerOp {
  public:
-  explicit StepRewindOp(tf::OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("owner", &owner_));
-  }
+  using OwnerOp::OwnerOp;
 
   void Compute(tf::OpKernelContext* ctx) override {
     tf::core::RefCountPtr<StepAccumulator> accumulator;
@@ -407,9 +411,6 @@ class StepRewindOp : public tf::OpKernel {
     OP_REQUIRES_OK(ctx, AccumulatorAndStep(ctx, &accumulator, &step));
     OP_REQUIRES_OK(ctx, accumulator->Rewind(owner_, step));
   }
-
- private:
-  int owner_;
 };
 
 REGISTER_KERNEL_BUILDER(Name("TfeStepRewind").Device(tf::DEVICE_CPU), StepRewindOp);
