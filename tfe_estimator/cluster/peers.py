@@ -4,8 +4,14 @@ TensorFlow's rendezvous is pull-based: a ``_Recv`` on task B issues a
 ``RecvTensor`` RPC to the task that produced the tensor. So a link is needed
 in each direction in which a tensor or a session's graph travels:
 
-Between-graph mode (the default across organisations; each data owner runs
-only its own graph):
+Service mode (the default; across organisations): owners run no TensorFlow
+server and accept no connection; each owner calls the aggregation service's
+two servers (`tfe_estimator.service`: Contribute, Handshake, Rewind over
+mutual TLS), and server0 calls server1 (ForwardBlinded). The table below is
+the TensorFlow-runtime modes'.
+
+Between-graph mode (one organisation; each data owner runs only its own
+graph, the servers are TensorFlow servers):
 
 ===========  ====================================================  =====================
 caller       callee and RPCs                                       why
@@ -36,11 +42,12 @@ from typing import Dict, Tuple
 
 from tfe_estimator.cluster.spec import DATA_OWNER_JOBS, TFE_JOB
 
-__all__ = ["CLUSTER_MODES", "BETWEEN_GRAPH", "IN_GRAPH", "allowed_callers", "allowed_callees", "validate_mode"]
+__all__ = ["CLUSTER_MODES", "SERVICE", "BETWEEN_GRAPH", "IN_GRAPH", "allowed_callers", "allowed_callees", "validate_mode"]
 
 BETWEEN_GRAPH = "between-graph"
 IN_GRAPH = "in-graph"
-CLUSTER_MODES = (BETWEEN_GRAPH, IN_GRAPH)
+SERVICE = "service"
+CLUSTER_MODES = (SERVICE, BETWEEN_GRAPH, IN_GRAPH)
 
 _TRAINING_JOBS = DATA_OWNER_JOBS + (TFE_JOB,)
 
@@ -56,6 +63,12 @@ _CALLERS: Dict[str, Dict[str, Tuple[str, ...]]] = {
         **{job: _TRAINING_JOBS for job in _TRAINING_JOBS},
         "evaluator": (),
     },
+    # Owners only connect out to the aggregation service; server0 forwards its blinded part to server1.
+    SERVICE: {
+        **{owner: () for owner in DATA_OWNER_JOBS},
+        TFE_JOB: DATA_OWNER_JOBS + (TFE_JOB,),
+        "evaluator": (),
+    },
 }
 
 
@@ -67,9 +80,11 @@ def validate_mode(mode: str, source: str = "cluster_mode") -> str:
     """
     if mode not in CLUSTER_MODES:
         raise ValueError(
-            f"{source}={mode!r} is not a cluster mode: use {BETWEEN_GRAPH!r} (the default across "
-            f"organisations: each data owner runs only its own graph) or {IN_GRAPH!r} (one organisation "
-            "on a trusted network: the chief runs ops on every task)."
+            f"{source}={mode!r} is not a cluster mode: use {SERVICE!r} (across organisations: each data "
+            "owner trains alone and only connects out to the aggregation service), "
+            f"{BETWEEN_GRAPH!r} (each data owner runs only its own graph, the servers are TensorFlow "
+            f"servers: one organisation) or {IN_GRAPH!r} (one organisation on a trusted network: the "
+            "chief runs ops on every task)."
         )
     return mode
 

@@ -1,6 +1,11 @@
-"""`run_server`: this task's TFE party as a TensorFlow server, from TF_CONFIG.
+"""`run_server`: this task's TFE party, from TF_CONFIG.
 
-A ``tfe`` task holds one party of the secure sum. It is a plain
+In service mode (across organisations) a ``tfe`` task 0 or 1 is an
+aggregation server (`tfe_estimator.service.AggregationServer`): a small
+grpcio service with mutual TLS that imports no TensorFlow; its certificate
+comes from ``TFE_ESTIMATOR_TLS_DIR``.
+
+In the TensorFlow-runtime modes (between-graph, in-graph) a ``tfe`` task holds one party of the secure sum. It is a plain
 `tf.distribute.Server` of the cluster, started after tf-encrypted's op
 library is loaded: the chief places share-adding ops on it, and without the
 library remote execution fails with "Op type not registered
@@ -8,14 +13,17 @@ library remote execution fails with "Op type not registered
 
 Example::
 
-    $ TF_CONFIG='{"cluster": {...}, "task": {"type": "tfe", "index": 0}}' tfe-estimator server
+    $ TF_CONFIG='{"cluster": {...}, "task": {"type": "tfe", "index": 0}}' \
+      TFE_ESTIMATOR_CLUSTER_MODE=service TFE_ESTIMATOR_TLS_DIR=/etc/tfe/certs tfe-estimator server
 """
 import logging
+import os
 import signal
 import threading
 from typing import Mapping, Optional, Tuple
 
-from tfe_estimator.cluster.spec import TFE_JOB, TfeCluster
+from tfe_estimator.cluster.peers import BETWEEN_GRAPH, SERVICE, validate_mode
+from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, TLS_DIR_ENV, TfeCluster
 from tfe_estimator.secure.protocols import load_backend
 
 __all__ = ["run_server", "start_server", "server_command", "SERVER_SUBCOMMAND"]
@@ -66,6 +74,58 @@ def start_server(cluster: TfeCluster):
     )
 
 
+def _cluster_mode(environ: Optional[Mapping[str, str]]) -> str:
+    """The cluster mode this server was started for (`tfe-estimator launch` and the renderers set it)."""
+    environ = os.environ if environ is None else environ
+    return validate_mode(environ.get(LAUNCH_CLUSTER_MODE_ENV) or BETWEEN_GRAPH, LAUNCH_CLUSTER_MODE_ENV)
+
+
+def _bind_address(address: str) -> str:
+    """Where an aggregation server listens: its loopback address as given, else its port on every interface."""
+    host, port = address.rsplit(":", 1)
+    if host in ("localhost", "::1", "[::1]") or host.startswith("127."):
+        return address
+    return f"[::]:{port}"
+
+
+def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]], stop: threading.Event) -> int:
+    """Service mode: this ``tfe`` task is aggregation server 0 or 1 (`tfe_estimator.service`), no TensorFlow."""
+    from tfe_estimator.service import AggregationServer, TlsFiles  # pylint: disable=import-outside-toplevel
+
+    environ = os.environ if environ is None else environ
+    servers = cluster.jobs[TFE_JOB]
+    if len(servers) != 2 or cluster.task_index > 1:
+        raise ValueError(
+            f"the aggregation service has 2 servers ('{TFE_JOB}' tasks 0 and 1), but TF_CONFIG lists "
+            f"{len(servers)}: {list(servers)}. Note that these values come from the TF_CONFIG environment variable.")
+    tls_dir = environ.get(TLS_DIR_ENV)
+    if not tls_dir:
+        raise ValueError(f"`tfe-estimator server` in service mode needs its certificate: set {TLS_DIR_ENV} to a "
+                         f"directory with ca.crt and {TFE_JOB}-{cluster.task_index}.crt/.key (`tfe-estimator certs`).")
+    owners = [f"{job}:{index}" for job, index in cluster.data_owners()]
+    server = AggregationServer(
+        role=cluster.task_index, address=_bind_address(servers[cluster.task_index]), owners=owners,
+        tls=TlsFiles.from_dir(tls_dir, TFE_JOB, cluster.task_index),
+        peer_address=servers[1] if cluster.task_index == 0 else None)
+    port = server.start()
+    _stop_on_signals(stop)
+    log.info("aggregation server %d serving owners %s on port %d (mutual TLS; holds only keys and masked "
+             "shares); stop with SIGTERM or Ctrl-C", cluster.task_index, owners, port)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop(1.0)
+    log.info("aggregation server %d stopping", cluster.task_index)
+    return 0
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+
+
 def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threading.Event] = None) -> int:
     """Serves this ``tfe`` task until SIGTERM or SIGINT (or `stop` is set).
 
@@ -82,11 +142,11 @@ def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threa
             '{"cluster": {"chief": [...], "tfe": ["s0:2222", "s1:2222", "s2:2222"]}, '
             '"task": {"type": "tfe", "index": 0}}.'
         )
-    server = start_server(cluster)
     stop = stop or threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stop.set())
+    if _cluster_mode(environ) == SERVICE:
+        return _serve_aggregation(cluster, environ, stop)
+    server = start_server(cluster)
+    _stop_on_signals(stop)
     address = cluster.jobs[TFE_JOB][cluster.task_index]
     log.info(
         "TFE party %d of %d serving /job:%s/task:%d at %s (target %s); holds only "

@@ -29,7 +29,7 @@ from tfe_estimator.secure.protocols import PROTOCOLS
 
 __all__ = [
     "TfeCluster", "TFE_JOB", "NUM_TFE_TASKS", "DATA_OWNER_JOBS", "KNOWN_JOBS", "LAUNCH_PROTOCOL_ENV",
-    "LAUNCH_CLUSTER_MODE_ENV",
+    "LAUNCH_CLUSTER_MODE_ENV", "TLS_DIR_ENV",
     "cluster_tasks", "cluster_jobs", "tf_config_json",
 ]
 
@@ -42,6 +42,8 @@ KNOWN_JOBS = ("chief", "worker", "evaluator", TFE_JOB)
 LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
 #: Set by `tfe-estimator launch` likewise: the cluster mode ("between-graph" or "in-graph") it runs.
 LAUNCH_CLUSTER_MODE_ENV = "TFE_ESTIMATOR_CLUSTER_MODE"
+#: Service mode: the directory with ``ca.crt`` and this task's ``<job>-<index>.crt``/``.key``.
+TLS_DIR_ENV = "TFE_ESTIMATOR_TLS_DIR"
 _SOURCE = "Note that these values come from the TF_CONFIG environment variable."
 
 

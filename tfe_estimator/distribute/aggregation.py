@@ -9,9 +9,11 @@ to one device. Per reduction and per replica, all dense values of one kind
 on the replica's own device, as one vector (Pond: one fused kernel,
 `fused_sum`; ABY3 or the "tf-encrypted" reference: tf-encrypted's protocol
 code, `secure_sum`); the TFE servers add the shares they hold; each
-destination device receives both parts of the sum, adds them and decodes the
-result once (the MEAN's division folded into the decoding). The servers only
-ever hold ring elements.
+destination device receives the sum masked by a keystream and the key of
+that keystream (`fused_sum`), unmasks and decodes it once (the MEAN's
+division folded into the decoding). The servers only ever hold ring
+elements. `tfe_estimator.distribute.service_aggregation` is the same contract
+across organisations, with the servers behind the aggregation service.
 
 It subclasses `ReductionToOneDevice` only because `MirroredStrategy` refuses
 in-graph multi-worker training with any other cross-device ops; none of the
@@ -128,10 +130,14 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         self._fused = implementation == "auto" and self._protocol == "pond"
         if not self._fused:  # tf-encrypted's protocol code: its 128-bit ring may be missing
             check_supported("aby3" if self._precision.ring_bits == 128 else self._protocol, self._precision)
-        self._server_devices = validate_party_devices(self._protocol, server_devices)
+        self._server_devices = self._init_parties(server_devices)
         self._dp = _validate_dp(dp, self._protocol, self._fused)
         self._update_ring_bits = _validate_update_ring_bits(update_ring_bits, self._clip_norm, self._fused, dp)
         super().__init__()
+
+    def _init_parties(self, server_devices):
+        """The validated devices of the protocol's parties (a subclass may hold its parties elsewhere)."""
+        return validate_party_devices(self._protocol, server_devices)
 
     @property
     def protocol(self) -> str:
@@ -231,9 +237,9 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         if self._reads_stay_local(kind, update):
             return self._dp_local_read(reduce_op, values, sources, targets)
         tfe_backend = load_backend()  # our kernels, and tf-encrypted with our generator
-        num = len(sources)
+        num = self._num_summands(len(sources))
         self._precision.check_headroom(num)
-        validate_party_devices(self._protocol, self._server_devices, sources, targets)
+        self._check_devices(sources, targets)
         dtypes = [v.values[0].dtype for v in values]
         pack_dtype = _pack_dtype(kind, dtypes)
         encoding = self._encoding(kind, update, num)
@@ -260,8 +266,8 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             num_elements = sum(s.num_elements() for s in shapes)
             noise_variance = self._dp_noise_variance(values, kind, update, num, encoding, num_elements)
             if self._fused:
-                totals = fused_sum.pond_sum(vectors, sources, self._server_devices, targets, encoding,
-                                            pack_dtype, owners, hint, scale, noise_variance=noise_variance)
+                totals = self._fused_sum(vectors, sources, targets, encoding, pack_dtype, owners, hint, scale,
+                                         noise_variance)
             else:
                 totals = self._tfe_sum(tfe_backend, vectors, sources, targets, encoding, pack_dtype,
                                        owners, hint, scale)
@@ -279,6 +285,19 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
             else:
                 results.append(distribute_utils.regroup(on_targets, wrap_class=value_lib.Mirrored))
         return results
+
+    def _num_summands(self, num_sources: int) -> int:
+        """How many replicas' values a sum adds up: here, one per source device."""
+        return num_sources
+
+    def _check_devices(self, sources, targets) -> None:
+        """Refuses a party on a replica's or destination's device."""
+        validate_party_devices(self._protocol, self._server_devices, sources, targets)
+
+    def _fused_sum(self, vectors, sources, targets, encoding, dtype, owners, hint, scale, noise_variance):
+        """Pond's sum on the fused kernels, with the parties on `server_devices`; decoded, one per target."""
+        return fused_sum.pond_sum(vectors, sources, self._server_devices, targets, encoding, dtype, owners, hint,
+                                  scale, noise_variance=noise_variance)
 
     def _reads_stay_local(self, kind, update) -> bool:
         """Under DP, reported float values (loss, metrics) are not summed across owners."""

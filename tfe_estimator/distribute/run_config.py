@@ -17,6 +17,7 @@ protocol; pass the gRPC one as `grpc_protocol`. The inherited `protocol`
 property keeps its gRPC meaning (Estimator reads it); the tf-encrypted one is
 `tfe_protocol`.
 """
+import contextlib
 import dataclasses
 import logging
 import os
@@ -32,6 +33,7 @@ from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 from tfe_estimator.distribute.between_graph import BetweenGraphStrategy, check_between_graph_settings
 from tfe_estimator.distribute.aggregation import validate_clip_norm
+from tfe_estimator.distribute.service_aggregation import ServiceBinding, ServiceStrategy
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
 from tfe_estimator.secure.precision import get_precision
 from tfe_estimator.secure.protocols import load_backend, validate_protocol
@@ -197,7 +199,8 @@ class TfeRunConfig(tf.estimator.RunConfig):
                                cluster_mode=cluster_mode, step_timeout_secs=step_timeout_secs)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         _check_seed(kwargs)
-        super().__init__(protocol=grpc_protocol, **kwargs)
+        with _tf_config_hidden(isinstance(kwargs["train_distribute"], ServiceStrategy)):
+            super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
         _check_model_dir_replicas(self)
 
@@ -244,7 +247,8 @@ class TfeRunConfig(tf.estimator.RunConfig):
 
 def _check_seed(kwargs) -> None:
     """Between-graph owners start from identical variables only with one shared graph-level seed."""
-    if isinstance(kwargs["train_distribute"], BetweenGraphStrategy) and kwargs.get("tf_random_seed") is None:
+    if isinstance(kwargs["train_distribute"], (BetweenGraphStrategy, ServiceStrategy)) \
+            and kwargs.get("tf_random_seed") is None:
         raise ValueError(
             "TfeRunConfig(tf_random_seed=None) on a TF_CONFIG cluster in between-graph mode: every data owner "
             "builds its own graph, so all owners must start from identical variables. Pass the same "
@@ -299,6 +303,46 @@ def _cluster_mode(mode: Optional[str]) -> str:
     return peers.validate_mode(mode or launched or peers.BETWEEN_GRAPH, "cluster_mode")
 
 
+def _service_kwargs(spec: cluster_lib.TfeCluster, settings: TfeSettings, session_config) -> dict:
+    """Service mode: this owner trains alone (a local Estimator) and sums through the aggregation service."""
+    if settings.protocol != "pond" or settings.dp is not None:
+        raise ValueError(
+            f"TfeRunConfig(protocol={settings.protocol!r}, dp={settings.dp!r}) in cluster_mode='service': the "
+            "aggregation service runs Pond's sum (two servers) without differential privacy so far. Use "
+            "protocol='pond' and no dp, or cluster_mode='in-graph' on a trusted network.")
+    servers = spec.jobs[cluster_lib.TFE_JOB]
+    if len(servers) != 2:
+        raise ValueError(
+            f"cluster_mode='service' needs exactly 2 '{cluster_lib.TFE_JOB}' tasks (aggregation server0 and "
+            f"server1, each running `tfe-estimator server`), but TF_CONFIG lists {len(servers)}: {list(servers)}. "
+            "Note that these values come from the TF_CONFIG environment variable.")
+    tls_dir = os.environ.get(cluster_lib.TLS_DIR_ENV)
+    if not tls_dir:
+        raise ValueError(
+            f"cluster_mode='service' needs this owner's certificate: set {cluster_lib.TLS_DIR_ENV} to a directory "
+            f"with ca.crt and {spec.task_type}-{spec.task_index}.crt/.key (`tfe-estimator certs`; "
+            "`tfe-estimator launch` makes them for a loopback cluster).")
+    owners = tuple(f"{job}:{index}" for job, index in spec.data_owners())
+    binding = ServiceBinding(addresses=(servers[0], servers[1]), tls_dir=tls_dir,
+                             owner=f"{spec.task_type}:{spec.task_index}", owners=owners,
+                             timeout_secs=settings.step_timeout_secs)
+    strategy = ServiceStrategy(binding, num_replicas=settings.num_replicas or 1, precision=settings.precision,
+                               clip_norm=settings.clip_norm, update_ring_bits=settings.update_ring_bits)
+    session_config = strategy.update_config_proto(session_config or default_session_config())
+    return {"train_distribute": strategy, "session_config": session_config}
+
+
+@contextlib.contextmanager
+def _tf_config_hidden(hide: bool):
+    """Hides TF_CONFIG from `tf.estimator.RunConfig` (service mode: each owner trains as a local Estimator)."""
+    saved = os.environ.pop("TF_CONFIG", None) if hide else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TF_CONFIG"] = saved
+
+
 def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
     """The strategies and session config `RunConfig` gets for `settings`."""
     _check_launch_protocol(settings.protocol)
@@ -320,9 +364,12 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
         _warn_many_local_replicas(validate_num_replicas(settings.num_replicas))
         replicas, servers = local_layout(validate_num_replicas(settings.num_replicas), settings.protocol)
     else:
+        mode = _cluster_mode(settings.cluster_mode)
+        if mode == peers.SERVICE:
+            return _service_kwargs(spec, settings, session_config)
         spec.check_protocol(settings.protocol)
         replicas, servers = spec.replica_devices(), spec.server_devices()
-        if _cluster_mode(settings.cluster_mode) == peers.BETWEEN_GRAPH:
+        if mode == peers.BETWEEN_GRAPH:
             check_between_graph_settings(settings.protocol, settings.dp)
             strategy = BetweenGraphStrategy(spec, protocol=settings.protocol, precision=settings.precision,
                                             clip_norm=settings.clip_norm, update_ring_bits=settings.update_ring_bits,

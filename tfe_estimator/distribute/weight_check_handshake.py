@@ -45,7 +45,7 @@ import tensorflow as tf
 from tfe_estimator.distribute import step_sum
 from tfe_estimator.distribute import step_wait
 
-__all__ = ["HandshakeHook", "OwnersDisagreeError", "FIELDS", "TABLE_SHARED_NAME", "mismatch"]
+__all__ = ["HandshakeHook", "OwnersDisagreeError", "FIELDS", "TABLE_SHARED_NAME", "mismatch", "descriptor"]
 
 #: The descriptor's fields, in order (the first one that differs is named).
 FIELDS = ("step", "settings (protocol, precision, clip_norm, update_ring_bits)", "number of owners",
@@ -91,6 +91,18 @@ def mismatch(rows: np.ndarray, owner: int, owner_names: Sequence[str], timeout_s
     return None
 
 
+def descriptor(settings: str, num_owners: int):
+    """This owner's ``(step, descriptor)`` tensors in the default graph: the row `FIELDS` describes.
+
+    The model field hashes the trainable variables' names, shapes and dtypes.
+    """
+    variables = tf.compat.v1.trainable_variables()
+    structure = ";".join(f"{v.name}:{v.shape}:{v.dtype.name}" for v in sorted(variables, key=lambda v: v.name))
+    step = step_sum.read_step(tf.compat.v1.train.get_global_step())
+    return step, tf.stack([step, tf.constant(_hash63(settings), tf.int64), tf.constant(num_owners, tf.int64),
+                           tf.constant(_hash63(structure), tf.int64)])
+
+
 class HandshakeHook(tf.compat.v1.train.SessionRunHook):
     """Checks, before a session's first step, that every owner agrees with this one (module docstring).
 
@@ -114,13 +126,8 @@ class HandshakeHook(tf.compat.v1.train.SessionRunHook):
 
     def begin(self):
         num = len(self._names)
-        variables = tf.compat.v1.trainable_variables()
-        structure = ";".join(f"{v.name}:{v.shape}:{v.dtype.name}" for v in sorted(variables, key=lambda v: v.name))
-        global_step = tf.compat.v1.train.get_global_step()
         with tf.device(self._device), tf.name_scope("between_graph_handshake"):
-            step = step_sum.read_step(global_step)
-            self._mine = tf.stack([step, tf.constant(_hash63(self._settings), tf.int64),
-                                   tf.constant(num, tf.int64), tf.constant(_hash63(structure), tf.int64)])
+            step, self._mine = descriptor(self._settings, num)
         self._rewinds, self._drains = step_sum.rewind_ops(step)
         with tf.device(self._server), tf.name_scope("between_graph_handshake"):
             table = tf.raw_ops.MutableHashTableOfTensorsV2(key_dtype=tf.int64, value_dtype=tf.int64,

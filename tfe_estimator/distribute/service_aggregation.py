@@ -1,0 +1,207 @@
+"""`ServiceStrategy`: one data owner's strategy across organisations, its sums through the aggregation service.
+
+Every data owner runs its own Estimator in its own process, like local
+training: its own graph, its own `model_dir`, its own evaluation, and no
+TensorFlow server (nobody can connect to an owner). Its `L` local replicas
+(GPUs, or CPU devices) are summed in plaintext inside the owner; each
+reduction across owners (the gradients, the reported loss) is one secure
+contribution per owner and step to the aggregation service
+(`tfe_estimator.distribute.service_sum`, `tfe_estimator.service`). The
+contract is `SecureAggregation`'s, with its ring, encodings, clipping and
+checks: only where the sum is computed differs.
+
+- Identical initial values come from one `tf_random_seed` on every owner
+  (`TfeRunConfig` derives one from the cluster when none is given).
+- Before a session's first step every owner agrees with the others through
+  server0 on its step, settings, number of owners and model
+  (`service_handshake`), then rewinds its own state on both servers, so
+  owners restored from one checkpoint continue together.
+- A MEAN divides by every replica of every owner; every owner has the same
+  number of local replicas (the handshake's settings include it).
+
+Example::
+
+    binding = ServiceBinding(addresses=("s0.example:7000", "s1.example:7000"), tls_dir="/etc/tfe/certs",
+                             owner="chief:0", owners=("chief:0", "worker:0"))
+    strategy = ServiceStrategy(binding, num_replicas=1)
+    config = tf.estimator.RunConfig(train_distribute=strategy, tf_random_seed=7, model_dir="/data/chief")
+"""
+import dataclasses
+import logging
+import threading
+import weakref
+from typing import Dict, Optional, Sequence, Tuple
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+
+from tfe_estimator.distribute import service_sum as service_sum_lib
+from tfe_estimator.distribute import step_sum
+from tfe_estimator.distribute.aggregation import SecureAggregation
+from tfe_estimator.distribute.devices import cpus_needed, local_layout
+from tfe_estimator.distribute.strategy import TfeStrategy, _TfeExtended
+from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
+
+__all__ = ["ServiceBinding", "ServiceAggregation", "ServiceStrategy", "service_client"]
+
+log = logging.getLogger("tfe_estimator")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceBinding:
+    """Where one owner's sums go, and who it is.
+
+    Attributes:
+      addresses: ``host:port`` of the aggregation servers 0 and 1 (the ``tfe`` job of TF_CONFIG).
+      tls_dir: directory with ``ca.crt`` and this owner's ``<job>-<index>.crt``/``.key``
+        (`tfe_estimator.cluster.certs`); the servers know the owner by its certificate only.
+      owner: this owner's name, ``"<job>:<index>"``; owners: every owner's name, in one order.
+      timeout_secs: how long one contribution may wait for the other owners and the servers.
+    """
+
+    addresses: Tuple[str, str]
+    tls_dir: str
+    owner: str
+    owners: Tuple[str, ...]
+    timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS
+
+    def __post_init__(self):
+        if len(self.addresses) != 2:
+            raise ValueError(f"the aggregation service has two servers (server0, server1), got addresses "
+                             f"{list(self.addresses)!r}: list exactly two in TF_CONFIG's 'tfe' job.")
+        if self.owner not in self.owners:
+            raise ValueError(f"owner {self.owner!r} is not one of the owners {list(self.owners)!r}.")
+
+
+_CLIENTS: Dict[ServiceBinding, object] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def service_client(binding: ServiceBinding):
+    """This process's `tfe_estimator.service.OwnerClient` for `binding` (made on first use, then shared)."""
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(binding)
+        if client is None:
+            from tfe_estimator.service import OwnerClient, TlsFiles  # pylint: disable=import-outside-toplevel
+
+            job, index = binding.owner.split(":")
+            client = OwnerClient(binding.addresses, TlsFiles.from_dir(binding.tls_dir, job, int(index)),
+                                 timeout_secs=binding.timeout_secs)
+            _CLIENTS[binding] = client
+        return client
+
+
+class ServiceAggregation(SecureAggregation):
+    """`SecureAggregation` whose sums across owners go through the aggregation service.
+
+    Args:
+      binding: the service and this owner (`ServiceBinding`).
+      local_replicas: this owner's replicas (1, 2, 4 or 8: a power of two, so the
+        owner's local sum has a power-of-two bound, as every fixed-point limit has).
+      precision, clip_norm, update_ring_bits: as `SecureAggregation` (Pond on the fused kernels).
+    """
+
+    def __init__(self, binding: ServiceBinding, local_replicas: int = 1, precision: str = "low",
+                 clip_norm: Optional[float] = None, update_ring_bits: int = 64) -> None:
+        if local_replicas not in (1, 2, 4, 8):
+            raise ValueError(f"num_replicas={local_replicas!r} local replicas per owner: use 1, 2, 4 or 8 (a "
+                             "power of two: the owner's plaintext sum of its replicas is checked against the "
+                             "per-replica bound times the number of replicas, a power of two).")
+        self._binding = binding
+        self._local_replicas = local_replicas
+        self._channels = weakref.WeakKeyDictionary()  # graph -> [sums built, the step tensor]
+        super().__init__(protocol="pond", precision=precision, server_devices=None, clip_norm=clip_norm,
+                         update_ring_bits=update_ring_bits)
+
+    @property
+    def binding(self) -> ServiceBinding:
+        """The service and this owner."""
+        return self._binding
+
+    def _init_parties(self, server_devices):
+        del server_devices  # the parties are the service's two servers, not devices of this process
+        return ()
+
+    def _num_summands(self, num_sources: int) -> int:
+        return num_sources * len(self._binding.owners)
+
+    def _check_devices(self, sources, targets) -> None:
+        del sources, targets  # every device is this owner's: nothing but the contribution op leaves it
+
+    def _fused_sum(self, vectors, sources, targets, encoding, dtype, owners, hint, scale, noise_variance):
+        if noise_variance is not None:
+            raise NotImplementedError("differential privacy through the aggregation service is not built yet.")
+        if len(sources) != self._local_replicas:
+            raise ValueError(f"this owner sums {len(sources)} replicas, but its ServiceAggregation was made for "
+                             f"{self._local_replicas}.")
+        channel, step = self._next_channel()
+        binding = self._binding
+
+        def contribute(*args):
+            return service_client(binding).contribute(*args)
+
+        return service_sum_lib.service_sum(vectors, sources, targets, encoding, dtype, binding.owner, hint, scale,
+                                           channel, step, contribute)
+
+    def _next_channel(self):
+        """The graph's next sum's name (equal on every owner: they build the same graph) and the step."""
+        graph = tf.compat.v1.get_default_graph()
+        state = self._channels.get(graph)
+        if state is None:
+            global_step = tf.compat.v1.train.get_global_step(graph)
+            if global_step is None:
+                raise ValueError("ServiceAggregation keys each sum by the global step, but this graph has none: "
+                                 "train with an Estimator (it creates one), or create it with "
+                                 "tf.compat.v1.train.get_or_create_global_step() first.")
+            step = step_sum.read_step(global_step, name="service_step")
+            state = self._channels[graph] = [0, step]
+        state[0] += 1
+        return f"sum_{state[0] - 1}", state[1]
+
+
+class _ServiceExtended(_TfeExtended):
+    """`_TfeExtended` that adds the owners' handshake to every training `EstimatorSpec`."""
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        def with_handshake(*fn_args, **fn_kwargs):
+            result = fn(*fn_args, **fn_kwargs)
+            if isinstance(result, tf.estimator.EstimatorSpec) and result.mode == tf.estimator.ModeKeys.TRAIN:
+                from tfe_estimator.distribute.service_handshake import ServiceHandshakeHook  # pylint: disable=import-outside-toplevel
+
+                agg = self._cross_device_ops
+                settings = (f"pond/{agg.precision.name}/clip={agg.clip_norm}/ring={agg.update_ring_bits}"
+                            f"/replicas={len(self.worker_devices)}")
+                result = result._replace(training_hooks=(
+                    *result.training_hooks, ServiceHandshakeHook(agg.binding, settings, service_client)))
+            return result
+
+        return super()._call_for_each_replica(with_handshake, args, kwargs)
+
+
+class ServiceStrategy(TfeStrategy):
+    """One data owner's secure aggregation across organisations (module docstring).
+
+    Args:
+      binding: the service and this owner (`ServiceBinding`).
+      num_replicas: this owner's local replicas (1, 2, 4 or 8; GPUs when it has that many, else CPU devices).
+      devices: explicit local replica devices instead of `num_replicas`.
+      precision, clip_norm, update_ring_bits: as `TfeStrategy`.
+
+    Example::
+
+        strategy = ServiceStrategy(binding)
+    """
+
+    def __init__(self, binding: ServiceBinding, num_replicas: int = 1, devices: Optional[Sequence[str]] = None,
+                 precision: str = "low", clip_norm: Optional[float] = None,
+                 update_ring_bits: int = 64) -> None:  # pylint: disable=super-init-not-called
+        if devices is None:
+            devices, _ = local_layout(num_replicas, "pond")
+        ops = ServiceAggregation(binding, len(devices), precision=precision, clip_norm=clip_norm,
+                                 update_ring_bits=update_ring_bits)
+        ops.precision.check_headroom(len(devices) * len(binding.owners))
+        with tf.Graph().as_default():
+            extended = _ServiceExtended(self, list(devices), ops, cpus_needed(list(devices)))
+        distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
+        log.info("secure aggregation through the service: owner %s of %s, %d local replicas %s, servers %s",
+                 binding.owner, list(binding.owners), len(devices), list(devices), list(binding.addresses))

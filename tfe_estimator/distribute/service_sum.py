@@ -1,0 +1,112 @@
+"""One data owner's part of a per-step secure sum through the aggregation service.
+
+Across organisations every owner trains in its own process and graph and
+talks to nobody but the two aggregation servers (`tfe_estimator.service`),
+to which it only connects out. Per sum and step, in the owner's graph::
+
+    owner (its devices):   x = x_0 + ... + x_{L-1}          its L local replicas, in plaintext (one organisation)
+                           share, key = mask_share(x)       enc(x) - AES-128-CTR(key), a fresh key (our kernel)
+    owner -> service:      blind_key, w = contribute(step, key, share)
+                           key to server0, share to server1 (one `tf.numpy_function`, the only op that
+                           talks to anything outside the process); server0 expands every owner's key,
+                           subtracts the keystream of a fresh blind key and forwards that part to server1;
+                           server1 adds it to the owners' shares: w = enc(sum) - AES(blind_key)
+    owner (its device):    y = dec(w + AES(blind_key))      `reveal_sum`, then copied to the local replicas
+
+Nothing but a fresh key and a masked share leaves the graph; what comes back
+is the sum of all owners, masked, and the key that unmasks it. The service
+binds every contribution to the caller's certificate, releases a step only
+when every owner put it, and answers each owner's own call.
+
+The contributions of one graph are chained in the order they were built
+(each waits for the previous one's answer): every owner builds the same
+graph, so the owners contribute to their sums in the same order, and a
+session's few inter-op threads can never all wait on sums that the other
+owners have not reached.
+
+Example::
+
+    totals = service_sum([[grad_w, grad_b]], sources=["/cpu:0"], targets=["/cpu:0"],
+                         encoding=Encoding(64, 32, 2.0**24), dtype=tf.float32, owner="chief:0",
+                         hint="clip gradients", scale=0.5, channel="sum_0", step=step,
+                         contribute=client_call)
+"""
+import functools
+import weakref
+from typing import Callable, List, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfe_estimator.secure.fused_sum import Encoding
+from tfe_estimator.secure.kernels import ops
+
+__all__ = ["service_sum", "CONTRIBUTE_OP_NAME"]
+
+#: The name (scope) of the op through which a contribution leaves the graph: what the audit looks for.
+CONTRIBUTE_OP_NAME = "service_contribute"
+
+#: Per graph, the outputs of the last contribution built (the next one waits for them).
+_LAST: "weakref.WeakKeyDictionary[tf.Graph, tf.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def service_sum(
+    vectors: Sequence[Sequence[tf.Tensor]],
+    sources: Sequence[str],
+    targets: Sequence[str],
+    encoding: Encoding,
+    dtype: tf.DType,
+    owner: str,
+    hint: str,
+    scale: float,
+    channel: str,
+    step: tf.Tensor,
+    contribute: Callable[[str, int, int, int, np.ndarray, np.ndarray], tuple],
+) -> List[List[tf.Tensor]]:
+    """This owner's contribution to the sum over all owners of `vectors`, revealed on each target.
+
+    Args:
+      vectors: per local replica (on ``sources[r]``), the tensors to sum, read as one flat vector.
+      sources: this owner's replica devices; targets: the devices that receive the sum.
+      encoding: ring, fraction bits and per-replica bound (the owner's local sum is checked
+        against ``bound * len(sources)``).
+      dtype: the dtype to decode to; owner: this owner's name (error messages); hint: how to fix
+        an out-of-range value; scale: multiplies the decoded floats (``1/N`` for a MEAN).
+      channel: the sum's name, equal on every owner (the n-th sum of the graph).
+      step: scalar int64 tensor, equal on every owner for one step (the global step).
+      contribute: ``contribute(channel, step, ring_bits, num_elements, key, share) -> (blind_key, w)``,
+        the service call (`tfe_estimator.service.OwnerClient.contribute` behind a process-wide client).
+
+    Returns:
+      Per target, the decoded sums shaped like ``vectors[0]``.
+    """
+    shapes = [t.shape for t in vectors[0]]
+    num_elements = sum(s.num_elements() for s in shapes)
+    with tf.device(sources[0]), tf.name_scope("service_local_sum"):
+        local = list(vectors[0]) if len(vectors) == 1 else [tf.add_n(list(parts)) for parts in zip(*vectors)]
+    with tf.device(sources[0]), tf.name_scope("service_mask_share"):
+        share, key = ops.mask_share(local, encoding.bound * len(vectors), encoding.ring_bits,
+                                    encoding.fraction_bits, owner, hint)
+    graph = tf.compat.v1.get_default_graph()
+    after = [_LAST[graph]] if graph in _LAST else []
+    call = functools.partial(_call, contribute, channel, encoding.ring_bits, num_elements)
+    with tf.device(sources[0]), tf.control_dependencies(after):
+        blind_key, masked_sum = tf.numpy_function(call, [step, key, share], [tf.int32, tf.int64], stateful=True,
+                                                  name=CONTRIBUTE_OP_NAME)
+    blind_key.set_shape(key.shape)
+    masked_sum.set_shape(share.shape)
+    _LAST[graph] = masked_sum
+    with tf.device(sources[0]), tf.name_scope("service_reveal"):
+        total = ops.reveal_sum(masked_sum, None, dtype, encoding.ring_bits, encoding.fraction_bits, scale, shapes,
+                               key=blind_key)
+    results = []
+    for device in targets:
+        with tf.device(device):
+            results.append([tf.identity(t) for t in total])
+    return results
+
+
+def _call(contribute, channel, ring_bits, num_elements, step, key, share):
+    """The numpy side of the contribution op: one call to the service, its two answers as arrays."""
+    blind_key, masked_sum = contribute(channel, int(step), ring_bits, num_elements, key, share)
+    return np.asarray(blind_key, np.int32), np.asarray(masked_sum, np.int64)
