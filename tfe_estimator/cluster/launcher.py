@@ -42,14 +42,17 @@ import os
 import signal
 import socket
 import subprocess
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, TextIO
 
 from tfe_estimator.cluster.isolation import IsolatedCluster
-from tfe_estimator.cluster.peers import BETWEEN_GRAPH, IN_GRAPH, validate_mode
-from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB, TfeCluster, cluster_jobs, cluster_tasks
+from tfe_estimator.cluster.peers import BETWEEN_GRAPH, IN_GRAPH, SERVICE, validate_mode
+from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB,
+                                        TLS_DIR_ENV, TfeCluster, cluster_jobs, cluster_tasks)
 from tfe_estimator.secure.protocols import validate_protocol
 from tfe_estimator.cluster.server import server_command
 
@@ -62,6 +65,10 @@ SERVER_COMMAND = server_command(sys.executable)
 _BIND_FAILURES = ("Could not start gRPC server", "Address already in use")
 #: Jobs the chief waits for in every step (restartable, watched by `down_timeout`).
 _SERVING_JOBS = ("worker", TFE_JOB)
+#: Service mode: only the aggregation servers serve; an owner accepts no connection.
+_SERVICE_SERVING_JOBS = (TFE_JOB,)
+#: Service mode: the aggregation service's two servers (Pond's server0 and server1; no crypto producer).
+SERVICE_TFE_TASKS = 2
 
 
 class PortTakenError(RuntimeError):
@@ -81,12 +88,13 @@ def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
     return ports
 
 
-def plan_cluster(workers: int, evaluator: bool, protocol: str = "pond", host: str = "127.0.0.1") -> TfeCluster:
-    """A cluster of one chief, `workers` workers, an optional evaluator and the ``tfe`` tasks, on free ports."""
+def plan_cluster(workers: int, evaluator: bool, protocol: str = "pond", host: str = "127.0.0.1",
+                 num_tfe: int = NUM_TFE_TASKS) -> TfeCluster:
+    """A cluster of one chief, `workers` workers, an optional evaluator and `num_tfe` ``tfe`` tasks, on free ports."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"--workers must be an integer >= 0, got {workers!r}.")
     validate_protocol(protocol)
-    tasks = cluster_tasks(workers, evaluator, NUM_TFE_TASKS)
+    tasks = cluster_tasks(workers, evaluator, num_tfe)
     ports = dict(zip(tasks, free_ports(len(tasks), host)))
     return TfeCluster(jobs=cluster_jobs(tasks, lambda job, i: f"{host}:{ports[(job, i)]}"),
                       task_type="chief", task_index=0)
@@ -211,6 +219,10 @@ class Launcher:
         self.grace_seconds = grace_seconds
         self.log_dir = os.path.abspath(log_dir) if log_dir else None
         self.port_retries = port_retries
+        if self.cluster_mode == SERVICE and isolate:
+            raise ValueError("--isolate runs the TensorFlow-runtime modes in network namespaces; in service mode "
+                             "the owners run no server at all and the aggregation servers speak mutual TLS "
+                             "themselves. Drop --isolate, or pass --cluster-mode between-graph/in-graph.")
         if tls and not isolate:
             raise ValueError("--tls needs --isolate: the sidecars and the firewall that closes TensorFlow's ports "
                              "live in each task's own network namespace. Pass --isolate --tls.")
@@ -223,6 +235,7 @@ class Launcher:
             self.isolation = IsolatedCluster(cluster_tasks(workers, evaluator, NUM_TFE_TASKS), tls, self.cluster_mode,
                                              link_rate)
         self._out = out
+        self._cert_dir: Optional[str] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.tasks: List[_Task] = []
@@ -233,14 +246,18 @@ class Launcher:
             validate_protocol(self.protocol)
             self.cluster = TfeCluster(jobs=self.isolation.jobs(), task_type="chief", task_index=0)
         else:
-            self.cluster = plan_cluster(self.workers, self.evaluator, self.protocol, self.host)
+            self.cluster = plan_cluster(self.workers, self.evaluator, self.protocol, self.host,
+                                        SERVICE_TFE_TASKS if self.cluster_mode == SERVICE else NUM_TFE_TASKS)
+        extra_env = {}
+        if self.cluster_mode == SERVICE:  # every task's certificate from one CA, made for this run
+            extra_env[TLS_DIR_ENV] = self._make_certs()
         self.tasks = []
         for job, addresses in self.cluster.jobs.items():
             for index in range(len(addresses)):
                 env = dict(os.environ)
                 env.update({"TF_CONFIG": self.cluster.to_tf_config(job, index),
                             LAUNCH_PROTOCOL_ENV: self.protocol, LAUNCH_CLUSTER_MODE_ENV: self.cluster_mode,
-                            "PYTHONUNBUFFERED": "1"})
+                            "PYTHONUNBUFFERED": "1", **extra_env})
                 if job == TFE_JOB:
                     argv, cwd = list(self.server_command), None
                 else:
@@ -254,6 +271,20 @@ class Launcher:
                 if self.log_dir:
                     task.log_path = os.path.join(self.log_dir, f"{job}-{index}.log")
                 self.tasks.append(task)
+
+    def _make_certs(self) -> str:
+        """A CA and a certificate per task for this run (service mode), in a directory removed at the end."""
+        from tfe_estimator.cluster.certs import make_cluster_certs  # pylint: disable=import-outside-toplevel
+
+        if self._cert_dir is None:
+            self._cert_dir = tempfile.mkdtemp(prefix="tfe-launch-certs-")
+            tasks = [(job, index) for job, addresses in self.cluster.jobs.items() for index in range(len(addresses))]
+            make_cluster_certs(self._cert_dir, tasks, cluster="launch")
+        return self._cert_dir
+
+    @property
+    def _serving_jobs(self):
+        return _SERVICE_SERVING_JOBS if self.cluster_mode == SERVICE else _SERVING_JOBS
 
     def say(self, line: str, task: str = "launch") -> None:
         """Writes one prefixed log line."""
@@ -299,6 +330,8 @@ class Launcher:
             self._terminate_all()
             if self.isolation is not None:
                 self.isolation.close()
+            if self._cert_dir is not None:
+                shutil.rmtree(self._cert_dir, ignore_errors=True)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
 
@@ -322,7 +355,7 @@ class Launcher:
             task.argv, env=task.env, cwd=task.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, text=True, errors="replace",
         )
-        if task.job in _SERVING_JOBS:
+        if task.job in self._serving_jobs:
             task.down_since = time.monotonic()  # until its port accepts connections
         self.say(f"started {task.name} (pid {task.process.pid}): {' '.join(task.argv)}")
         task.reader = threading.Thread(target=self._pump, args=(task, task.process, sink), daemon=True)
@@ -385,7 +418,7 @@ class Launcher:
                  f"({task.restarts}/{budget})")
         self._tail(task)
         task.restart_at = time.monotonic() + self.restart_delay
-        if task.job in _SERVING_JOBS and task.down_since is None:
+        if task.job in self._serving_jobs and task.down_since is None:
             task.down_since = time.monotonic()
         return True
 
@@ -425,7 +458,7 @@ class Launcher:
                     self._tail(task)
                     evaluator_failure = task
             owners_running = []
-            if self.cluster_mode == BETWEEN_GRAPH:  # each owner finishes its own training
+            if self.cluster_mode in (BETWEEN_GRAPH, SERVICE):  # each owner finishes its own training
                 finished = [t for t in others if t.job == "worker" and t.restart_at is None and t.process.poll() == 0]
                 others = [t for t in others if t not in finished]
                 owners_running = [t for t in others if t.job == "worker"]

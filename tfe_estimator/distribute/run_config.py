@@ -261,8 +261,12 @@ def _check_model_dir_replicas(config: "TfeRunConfig") -> None:
         return
     from tfe_estimator.distribute.checkpoint_replicas import check_checkpoint_replicas  # pylint: disable=import-outside-toplevel
 
-    source = "the chief and workers of TF_CONFIG" if config.cluster_spec else "num_replicas"
-    check_checkpoint_replicas(config.model_dir, config.num_replicas, source)
+    if isinstance(config.train_distribute, ServiceStrategy):  # the owner's checkpoint holds its local replicas
+        replicas, source = len(config.train_distribute.extended.worker_devices), "num_replicas (this owner's)"
+    else:
+        replicas = config.num_replicas
+        source = "the chief and workers of TF_CONFIG" if config.cluster_spec else "num_replicas"
+    check_checkpoint_replicas(config.model_dir, replicas, source)
 
 
 #: Above this many local replicas TfeRunConfig warns: they all share this machine's cores.

@@ -160,7 +160,12 @@ class ServiceAggregation(SecureAggregation):
 
 
 class _ServiceExtended(_TfeExtended):
-    """`_TfeExtended` that adds the owners' handshake to every training `EstimatorSpec`."""
+    """`_TfeExtended` over every owner's replicas: the owners' handshake in every training `EstimatorSpec`."""
+
+    @property
+    def _num_replicas_in_sync(self):
+        # Every owner's replicas take part in each sum: optimizers scale a MEAN loss by this.
+        return len(self.worker_devices) * len(self._cross_device_ops.binding.owners)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         def with_handshake(*fn_args, **fn_kwargs):

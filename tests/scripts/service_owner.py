@@ -1,0 +1,58 @@
+"""One data owner of a service-mode test cluster: trains a LinearRegressor on ./data.csv into ./model.
+
+Run by `tfe-estimator launch --cluster-mode service` in each owner's own directory
+(tests/test_service_mode.py). Writes ./graph_audit.json: the devices of the training graph's ops
+and, per contribution op (the only op that talks to the service), the ops its inputs come from.
+Usage: service_owner.py STEPS LEARNING_RATE [--num-replicas L] [--step-timeout-secs S]
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import tfe_estimator
+
+
+class GraphAudit(tf.estimator.SessionRunHook):
+    """Writes what the training graph holds: op devices, and the inputs of each service contribution."""
+
+    def begin(self):
+        graph = tf.compat.v1.get_default_graph()
+        contributions = [op for op in graph.get_operations() if op.type in ("PyFunc", "EagerPyFunc")]
+        with open("graph_audit.json", "w") as f:
+            json.dump({"devices": sorted({op.device for op in graph.get_operations()}),
+                       "contributions": [[f"{t.op.type}:{t.value_index}" for t in op.inputs]
+                                         for op in contributions]}, f)
+
+
+def main(argv):
+    steps, learning_rate = int(argv[1]), float(argv[2])
+    options = {}
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--step-timeout-secs":
+            options["step_timeout_secs"] = float(value)
+        if flag == "--num-replicas":
+            options["num_replicas"] = int(value)
+    data = np.loadtxt("data.csv", delimiter=",", dtype=np.float32)  # this owner's file only
+    x, y = data[:, :-1], data[:, -1:]
+    replicas = options.get("num_replicas", 1)
+
+    def input_fn():  # each local replica gets its own part of this owner's rows
+        dataset = tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(len(x) // replicas)
+        return dataset.take(replicas).repeat() if replicas > 1 else dataset.repeat()
+
+    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps, **options)
+    estimator = tf.compat.v1.estimator.LinearRegressor(
+        feature_columns=[tf.feature_column.numeric_column("x", shape=[x.shape[1]])],
+        optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
+        loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE, config=config)
+    tf.estimator.train_and_evaluate(
+        estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=[GraphAudit()]),
+        tf.estimator.EvalSpec(input_fn, steps=1, throttle_secs=0, start_delay_secs=0))
+    print("owner finished at step", estimator.get_variable_value("global_step"))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,115 @@
+"""Service mode end to end: owners that train alone and sum only through the aggregation service.
+
+`tfe-estimator launch --cluster-mode service` runs each owner as a local
+Estimator in its own directory (its own data file and model_dir) and the two
+aggregation servers; the owners must end equal to each other and to the
+plaintext twin (full-batch gradient descent on the mean of the owners' mean
+squared errors), with no op of theirs placed anywhere but their own process,
+only a fresh key and a masked share leaving the graph, and no listening
+socket on any owner.
+"""
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfe_estimator.cluster.launcher import Launcher
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "service_owner.py")
+LEARNING_RATE = 0.1
+STEPS = 12
+
+
+def _owners(workers):
+    return ["chief-0"] + [f"worker-{i}" for i in range(workers)]
+
+
+def _owner_data(workdir, owners, rows=64):
+    """Each owner's own rows, in its own directory."""
+    rng = np.random.RandomState(0)
+    data = {}
+    for owner in owners:
+        x = rng.randn(rows, 2)
+        y = x @ np.array([2.0, -3.0]) + 1.0 + 0.1 * rng.randn(rows)
+        data[owner] = np.column_stack([x, y]).astype(np.float32)
+        os.makedirs(os.path.join(workdir, owner))
+        np.savetxt(os.path.join(workdir, owner, "data.csv"), data[owner], delimiter=",", fmt="%.8g")
+    return data
+
+
+def _plaintext_twin(data, steps):
+    """Full-batch gradient descent on the mean over owners of each owner's mean squared error."""
+    w = np.zeros(3)
+    for _ in range(steps):
+        grads = []
+        for rows in data.values():
+            rows = rows.astype(np.float64)
+            x = np.column_stack([rows[:, :2], np.ones(len(rows))])
+            grads.append(2 * x.T @ (x @ w - rows[:, 2]) / len(rows))
+        w -= LEARNING_RATE * np.mean(grads, axis=0)
+    return w
+
+
+def _weights(model_dir, steps):
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    assert checkpoint and checkpoint.endswith(f"model.ckpt-{steps}"), checkpoint
+    weights = tf.train.load_variable(checkpoint, "linear/linear_model/x/weights").ravel()
+    return np.append(weights, tf.train.load_variable(checkpoint, "linear/linear_model/bias_weights"))
+
+
+def _train(workdir, workers, *flags, steps=STEPS):
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, SCRIPT, str(steps), str(LEARNING_RATE), *flags], workers=workers,
+                        task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="service",
+                        down_timeout=120)
+    status = launcher.run()
+    log = out.getvalue()
+    assert not [t.name for t in launcher.tasks if t.process.poll() is None]
+    return status, log
+
+
+def _listening_pids():
+    """The pids of every process with a listening TCP socket (IPv4 and IPv6), from `ss`."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    return out
+
+
+def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_own_process(tmp_path):
+    workdir = str(tmp_path)
+    owners = _owners(1)
+    twin = _plaintext_twin(_owner_data(workdir, owners), STEPS)
+    status, log = _train(workdir, 1)
+    assert status == 0, log[-5000:]
+    assert log.count(f"owner finished at step {STEPS}") == 2, log[-5000:]
+    weights = {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in owners}
+    np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
+    np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
+    assert not np.allclose(twin, 0.0, atol=0.1)  # it learned from the data
+    for owner in owners:
+        with open(os.path.join(workdir, owner, "graph_audit.json")) as f:
+            audit = json.load(f)
+        # Every op in this owner's own process; no TensorFlow server, no other task.
+        assert all(d == "" or d.startswith("/job:localhost/") or d.startswith("/device:") for d in audit["devices"]), \
+            audit["devices"]
+        # What leaves the graph: per contribution the step, a fresh key and a masked share (the mask op's outputs).
+        assert audit["contributions"], audit
+        for inputs in audit["contributions"]:
+            assert inputs[1:] == ["TfeMaskShare:1", "TfeMaskShare:0"], inputs
+
+
+def test_four_owners_with_two_local_replicas_each_equal_the_twin(tmp_path):
+    workdir = str(tmp_path)
+    owners = _owners(3)
+    twin = _plaintext_twin(_owner_data(workdir, owners), 4)
+    status, log = _train(workdir, 3, "--num-replicas", "2", steps=4)
+    assert status == 0, log[-5000:]
+    weights = {owner: _weights(os.path.join(workdir, owner, "model"), 4) for owner in owners}
+    for owner in owners:
+        np.testing.assert_allclose(weights[owner], twin, atol=1e-5)
