@@ -11,8 +11,11 @@ socket on any owner.
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -75,12 +78,6 @@ def _train(workdir, workers, *flags, steps=STEPS):
     return status, log
 
 
-def _listening_pids():
-    """The pids of every process with a listening TCP socket (IPv4 and IPv6), from `ss`."""
-    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
-    return out
-
-
 def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_own_process(tmp_path):
     workdir = str(tmp_path)
     owners = _owners(1)
@@ -113,3 +110,37 @@ def test_four_owners_with_two_local_replicas_each_equal_the_twin(tmp_path):
     weights = {owner: _weights(os.path.join(workdir, owner, "model"), 4) for owner in owners}
     for owner in owners:
         np.testing.assert_allclose(weights[owner], twin, atol=1e-5)
+
+
+def _listening_sockets(pid):
+    """The TCP sockets process `pid` listens on, IPv4 and IPv6 (`ss`, from iproute2)."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if f"pid={pid}," in line]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` (Debian's iproute2; scripts/system-deps.sh)")
+def test_owners_listen_on_nothing_and_the_servers_only_on_their_service_port(tmp_path):
+    workdir = str(tmp_path)
+    _owner_data(workdir, _owners(1))
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, SCRIPT, "40", str(LEARNING_RATE), "--step-seconds", "0.1"], workers=1,
+                        task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="service")
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault("status", launcher.run()))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 240
+        progress = [os.path.join(workdir, owner, "progress") for owner in _owners(1)]
+        while not all(os.path.exists(p) for p in progress) and time.monotonic() < deadline and runner.is_alive():
+            time.sleep(0.2)
+        assert all(os.path.exists(p) for p in progress), out.getvalue()[-5000:]
+        for task in launcher.tasks:  # mid-training
+            sockets = _listening_sockets(task.process.pid)
+            if task.job == "tfe":
+                port = launcher.cluster.jobs["tfe"][task.index].rsplit(":", 1)[1]
+                assert sockets and all(f":{port} " in line for line in sockets), (task.name, sockets)
+            else:
+                assert sockets == [], f"{task.name} listens: {sockets}"
+    finally:
+        runner.join(timeout=300)
+    assert result.get("status") == 0, out.getvalue()[-5000:]

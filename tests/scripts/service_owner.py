@@ -3,11 +3,12 @@
 Run by `tfe-estimator launch --cluster-mode service` in each owner's own directory
 (tests/test_service_mode.py). Writes ./graph_audit.json: the devices of the training graph's ops
 and, per contribution op (the only op that talks to the service), the ops its inputs come from.
-Usage: service_owner.py STEPS LEARNING_RATE [--num-replicas L] [--step-timeout-secs S]
+Usage: service_owner.py STEPS LEARNING_RATE [--num-replicas L] [--step-timeout-secs S] [--step-seconds S]
 """
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -27,10 +28,25 @@ class GraphAudit(tf.estimator.SessionRunHook):
                                          for op in contributions]}, f)
 
 
+class SlowSteps(tf.estimator.SessionRunHook):
+    """Sleeps after every step and writes how many steps this process ran to ./progress."""
+
+    def __init__(self, seconds):
+        self.seconds, self.steps = seconds, 0
+
+    def after_run(self, run_context, run_values):
+        self.steps += 1
+        with open("progress", "w") as f:
+            f.write(str(self.steps))
+        time.sleep(self.seconds)
+
+
 def main(argv):
     steps, learning_rate = int(argv[1]), float(argv[2])
-    options = {}
+    options, hooks = {}, [GraphAudit()]
     for flag, value in zip(argv, argv[1:]):
+        if flag == "--step-seconds":  # slow steps, so a test can look at the processes mid-training
+            hooks.append(SlowSteps(float(value)))
         if flag == "--step-timeout-secs":
             options["step_timeout_secs"] = float(value)
         if flag == "--num-replicas":
@@ -49,7 +65,7 @@ def main(argv):
         optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
         loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE, config=config)
     tf.estimator.train_and_evaluate(
-        estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=[GraphAudit()]),
+        estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=hooks),
         tf.estimator.EvalSpec(input_fn, steps=1, throttle_secs=0, start_delay_secs=0))
     print("owner finished at step", estimator.get_variable_value("global_step"))
 

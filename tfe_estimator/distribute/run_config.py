@@ -330,10 +330,12 @@ def _service_kwargs(spec: cluster_lib.TfeCluster, settings: TfeSettings, session
     binding = ServiceBinding(addresses=(servers[0], servers[1]), tls_dir=tls_dir,
                              owner=f"{spec.task_type}:{spec.task_index}", owners=owners,
                              timeout_secs=settings.step_timeout_secs)
-    strategy = ServiceStrategy(binding, num_replicas=settings.num_replicas or 1, precision=settings.precision,
-                               clip_norm=settings.clip_norm, update_ring_bits=settings.update_ring_bits)
-    session_config = strategy.update_config_proto(session_config or default_session_config())
-    return {"train_distribute": strategy, "session_config": session_config}
+    train, evaluate = (ServiceStrategy(binding, num_replicas=settings.num_replicas or 1,
+                                       precision=settings.precision, clip_norm=settings.clip_norm,
+                                       update_ring_bits=settings.update_ring_bits, evaluation=evaluation)
+                       for evaluation in (False, True))
+    session_config = train.update_config_proto(session_config or default_session_config())
+    return {"train_distribute": train, "eval_distribute": evaluate, "session_config": session_config}
 
 
 @contextlib.contextmanager

@@ -18,6 +18,9 @@ checks: only where the sum is computed differs.
   owners restored from one checkpoint continue together.
 - A MEAN divides by every replica of every owner; every owner has the same
   number of local replicas (the handshake's settings include it).
+- Evaluation is federated (``ServiceStrategy(evaluation=True)``, what
+  `TfeRunConfig` sets as ``eval_distribute``): every owner evaluates on its
+  own data and the metrics' totals and counts are summed through the service.
 
 Example::
 
@@ -99,16 +102,19 @@ class ServiceAggregation(SecureAggregation):
       local_replicas: this owner's replicas (1, 2, 4 or 8: a power of two, so the
         owner's local sum has a power-of-two bound, as every fixed-point limit has).
       precision, clip_norm, update_ring_bits: as `SecureAggregation` (Pond on the fused kernels).
+      channel_prefix: prefixes every sum's name ("eval_" for federated evaluation: its sums, keyed
+        by the evaluated checkpoint's step, never meet the training's).
     """
 
     def __init__(self, binding: ServiceBinding, local_replicas: int = 1, precision: str = "low",
-                 clip_norm: Optional[float] = None, update_ring_bits: int = 64) -> None:
+                 clip_norm: Optional[float] = None, update_ring_bits: int = 64, channel_prefix: str = "") -> None:
         if local_replicas not in (1, 2, 4, 8):
             raise ValueError(f"num_replicas={local_replicas!r} local replicas per owner: use 1, 2, 4 or 8 (a "
                              "power of two: the owner's plaintext sum of its replicas is checked against the "
                              "per-replica bound times the number of replicas, a power of two).")
         self._binding = binding
         self._local_replicas = local_replicas
+        self._channel_prefix = channel_prefix
         self._channels = weakref.WeakKeyDictionary()  # graph -> [sums built, the step tensor]
         super().__init__(protocol="pond", precision=precision, server_devices=None, clip_norm=clip_norm,
                          update_ring_bits=update_ring_bits)
@@ -156,7 +162,7 @@ class ServiceAggregation(SecureAggregation):
             step = step_sum.read_step(global_step, name="service_step")
             state = self._channels[graph] = [0, step]
         state[0] += 1
-        return f"sum_{state[0] - 1}", state[1]
+        return f"{self._channel_prefix}sum_{state[0] - 1}", state[1]
 
 
 class _ServiceExtended(_TfeExtended):
@@ -191,6 +197,11 @@ class ServiceStrategy(TfeStrategy):
       num_replicas: this owner's local replicas (1, 2, 4 or 8; GPUs when it has that many, else CPU devices).
       devices: explicit local replica devices instead of `num_replicas`.
       precision, clip_norm, update_ring_bits: as `TfeStrategy`.
+      evaluation: for `eval_distribute`: federated evaluation. Each owner evaluates the same
+        checkpoint on its own data; the metrics' sums and counts are summed through the service
+        once per evaluation (keyed by the checkpoint's step), so every owner reads the metrics
+        of the union of the owners' evaluation data, exactly. Every owner must evaluate the
+        same checkpoints: ``EvalSpec(throttle_secs=0)`` with step-based checkpoints.
 
     Example::
 
@@ -198,15 +209,16 @@ class ServiceStrategy(TfeStrategy):
     """
 
     def __init__(self, binding: ServiceBinding, num_replicas: int = 1, devices: Optional[Sequence[str]] = None,
-                 precision: str = "low", clip_norm: Optional[float] = None,
-                 update_ring_bits: int = 64) -> None:  # pylint: disable=super-init-not-called
+                 precision: str = "low", clip_norm: Optional[float] = None, update_ring_bits: int = 64,
+                 evaluation: bool = False) -> None:  # pylint: disable=super-init-not-called
         if devices is None:
             devices, _ = local_layout(num_replicas, "pond")
         ops = ServiceAggregation(binding, len(devices), precision=precision, clip_norm=clip_norm,
-                                 update_ring_bits=update_ring_bits)
+                                 update_ring_bits=update_ring_bits, channel_prefix="eval_" if evaluation else "")
         ops.precision.check_headroom(len(devices) * len(binding.owners))
         with tf.Graph().as_default():
-            extended = _ServiceExtended(self, list(devices), ops, cpus_needed(list(devices)))
+            extended = _ServiceExtended(self, list(devices), ops, cpus_needed(list(devices)),
+                                        partial_batches=evaluation)
         distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
         log.info("secure aggregation through the service: owner %s of %s, %d local replicas %s, servers %s",
                  binding.owner, list(binding.owners), len(devices), list(devices), list(binding.addresses))
