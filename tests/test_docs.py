@@ -123,7 +123,7 @@ def _cli_help(subcommand):
 
 def _make_targets():
     text = (ROOT / "Makefile").read_text()
-    targets = set(re.findall(r"^([A-Za-z0-9_.-]+)\s*:(?!=)", text, flags=re.M))
+    targets = set(re.findall(r"^([A-Za-z0-9_-][A-Za-z0-9_.-]*)\s*:(?!=)", text, flags=re.M))
     for phony in re.findall(r"^\.PHONY\s*:(.*)$", text, flags=re.M):
         targets.update(phony.split())
     return targets
