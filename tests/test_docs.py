@@ -15,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 import unicodedata
 
 import pytest
@@ -25,7 +26,7 @@ MAX_README_LINES = 300
 OPT_OUT = "<!-- not-python -->"
 SHELL_LANGUAGES = {"sh", "bash", "console", "shell"}
 
-_FENCE = re.compile(r"^```([\w-]*)\s*$")
+_FENCE = re.compile(r"^\s*```([\w-]*)\s*$")
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
@@ -50,7 +51,7 @@ def _blocks(path):
             body.append(lines[i])
             i += 1
         previous = next((lines[k].strip() for k in range(start - 1, -1, -1) if lines[k].strip()), "")
-        blocks.append((language, start + 1, "\n".join(body) + "\n", previous == OPT_OUT))
+        blocks.append((language, start + 1, textwrap.dedent("\n".join(body)) + "\n", previous == OPT_OUT))
         i += 1
     return blocks
 
@@ -59,7 +60,7 @@ def _outside_code(path, keep_inline=False):
     """The lines of `path` outside fenced code blocks, with inline code removed unless `keep_inline`."""
     out, fenced = [], False
     for line in path.read_text().splitlines():
-        if line.startswith("```"):
+        if line.lstrip().startswith("```"):
             fenced = not fenced
             continue
         if not fenced:
