@@ -1,0 +1,181 @@
+"""A data owner's client of the two aggregation servers.
+
+Each owner masks its vector on its own device (``ops.mask_share`` -> ``share``,
+``seed``), then `OwnerClient.contribute` sends the key to server0 and the
+masked share to server1 at once and returns ``(blind_key, w)``; the owner
+reveals locally with ``ops.reveal_sum(w, None, ..., key=blind_key)``.
+
+`get_client` keeps one client per string key in this process, so a
+``tf.numpy_function`` in an owner's graph can find its client by name.
+
+Example::
+
+    tls = TlsFiles.from_dir("/certs", "worker", 0)
+    client = OwnerClient(("tfe0.example:7000", "tfe1.example:7001"), tls)
+    blind_key, w = client.contribute("grads", step, 64, n, seed, share)
+    rows = client.handshake(step, np.array([1, 2, 3]))
+    client.close()
+"""
+import threading
+from typing import Callable, Dict, Sequence, Tuple
+
+import grpc
+import numpy as np
+
+from tfe_estimator.service import ring, wire
+from tfe_estimator.service.tls import TlsFiles, server_name_option
+
+__all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "release_client"]
+
+#: Channel options of an owner: no size limit (1e7 parameters are 80 MB), reconnect within ~1 s once a server is
+#: up (gRPC's default backoff grows to 120 s), no keep-alive pings (the servers do not expect any).
+CLIENT_OPTIONS = (("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                  ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 1000))
+
+
+class ServiceError(RuntimeError):
+    """A call to an aggregation server failed.
+
+    Attributes:
+      code: the `grpc.StatusCode`.
+      details: the server's message, verbatim.
+      method: the method called; address: the server's address.
+    """
+
+    def __init__(self, method: str, address: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"{method} on aggregation server {address} failed with {code.name}: {details}")
+        self.method, self.address, self.code, self.details = method, address, code, details
+
+
+class OwnerClient:
+    """One data owner's connections to server0 and server1, with mutual TLS and pinned server names.
+
+    Args:
+      addresses: ``(server0 address, server1 address)``.
+      tls: this owner's `TlsFiles` (its certificate is its identity on the servers).
+      timeout_secs: deadline of each call (longer than the servers' step timeout).
+      wait_for_ready: calls wait for a server that is not up yet (owners may start first).
+
+    Example::
+
+        client = OwnerClient(("localhost:7000", "localhost:7001"), TlsFiles.from_dir(d, "chief", 0))
+        blind_key, w = client.contribute("grads", 0, 64, x.size, seed, share)
+    """
+
+    def __init__(self, addresses: Sequence[str], tls: TlsFiles, timeout_secs: float = 600.0,
+                 wait_for_ready: bool = True):
+        addresses = tuple(addresses)
+        if len(addresses) != 2 or not all(isinstance(a, str) and a for a in addresses):
+            raise ValueError(f"addresses={addresses!r} must be (server0 address, server1 address).")
+        if not isinstance(tls, TlsFiles):
+            raise TypeError(f"tls={tls!r} must be a TlsFiles (mutual TLS is mandatory; there is no plaintext mode).")
+        if isinstance(timeout_secs, bool) or not timeout_secs > 0:
+            raise ValueError(f"timeout_secs={timeout_secs!r} must be a number > 0.")
+        self._addresses, self._timeout, self._wait = addresses, float(timeout_secs), bool(wait_for_ready)
+        credentials = tls.channel_credentials()
+        self._channels = [grpc.secure_channel(address, credentials,
+                                              options=list(CLIENT_OPTIONS) + [server_name_option(tls, k)])
+                          for k, address in enumerate(addresses)]
+        classes = wire.messages()
+        self._messages = classes
+        self._stubs = [{m.name: channel.unary_unary(wire.method_path(m.name),
+                                                    request_serializer=classes[m.request].SerializeToString,
+                                                    response_deserializer=classes[m.reply].FromString)
+                        for m in wire.METHODS} for channel in self._channels]
+
+    def _error(self, method: str, server: int, error: grpc.RpcError) -> ServiceError:
+        return ServiceError(method, self._addresses[server], error.code(), error.details())
+
+    def _call(self, server: int, method: str, request):
+        try:
+            return self._stubs[server][method](request, timeout=self._timeout, wait_for_ready=self._wait)
+        except grpc.RpcError as e:
+            raise self._error(method, server, e) from None
+
+    def contribute(self, channel: str, step: int, ring_bits: int, num_elements: int, key: np.ndarray,
+                   share: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Puts `key` on server0 and `share` on server1 concurrently; waits for every owner of the step.
+
+        Args:
+          channel: the sum's name (the same in every owner).
+          step: the training step.
+          ring_bits, num_elements: the encoding's ring and the vector's length.
+          key: the int32[4] seed of ``ops.mask_share``.
+          share: its int64 masked share (``ring_words(num_elements, ring_bits)`` words, any shape).
+
+        Returns:
+          ``(blind_key int32[4], w int64 of share's shape)``: reveal with
+          ``ops.reveal_sum(w, None, dtype, ring_bits, fraction_bits, scale, shapes, key=blind_key)``.
+
+        Raises:
+          ServiceError: a server refused or timed out (its message verbatim).
+        """
+        key_bytes = np.ascontiguousarray(key, "<i4").tobytes()
+        if len(key_bytes) != ring.KEY_BYTES:
+            raise ValueError(f"key has {len(key_bytes)} bytes; pass the int32[4] seed of ops.mask_share.")
+        share = np.asarray(share)
+        words = ring.ring_words(num_elements, ring_bits)
+        if share.dtype != np.int64 or share.size != words:
+            raise ValueError(f"share is {share.dtype} with {share.size} elements; ops.mask_share of "
+                             f"{num_elements} elements at ring {ring_bits} gives int64 with {words}.")
+        request = self._messages["ContributeRequest"]
+        calls = []
+        for server, payload in ((0, key_bytes), (1, np.ascontiguousarray(share, "<i8").tobytes())):
+            calls.append(self._stubs[server]["Contribute"].future(
+                request(channel=channel, step=step, ring_bits=ring_bits, num_elements=num_elements, payload=payload),
+                timeout=self._timeout, wait_for_ready=self._wait))
+        replies = []
+        for server, call in enumerate(calls):
+            try:
+                replies.append(call.result())
+            except grpc.RpcError as e:
+                for other in calls:
+                    other.cancel()
+                raise self._error("Contribute", server, e) from None
+        for server, reply in enumerate(replies):
+            if reply.step != step:
+                raise ServiceError("Contribute", self._addresses[server], grpc.StatusCode.INTERNAL,
+                                   f"the reply is for step {reply.step}, not for step {step}.")
+        blind_key = np.frombuffer(replies[0].payload, "<i4").astype(np.int32)
+        w = np.frombuffer(replies[1].payload, "<i8").astype(np.int64).reshape(share.shape)
+        if blind_key.size != 4:
+            raise ServiceError("Contribute", self._addresses[0], grpc.StatusCode.INTERNAL,
+                               f"server0 answered {len(replies[0].payload)} bytes, not a 16-byte blind key.")
+        return blind_key, w
+
+    def handshake(self, step: int, descriptor) -> np.ndarray:
+        """Stores this owner's descriptor row on server0; returns every owner's row, ``[N, F]`` (-1: no row yet)."""
+        descriptor = [int(v) for v in np.asarray(descriptor).reshape(-1)]
+        reply = self._call(0, "Handshake", self._messages["HandshakeRequest"](step=step, descriptor=descriptor))
+        return np.asarray(reply.rows, np.int64).reshape(-1, reply.num_fields)
+
+    def rewind(self, step: int) -> None:
+        """Drops this owner's unreleased contributions on both servers; it contributes from `step` again."""
+        for server in (0, 1):
+            self._call(server, "Rewind", self._messages["RewindRequest"](step=step))
+
+    def close(self) -> None:
+        """Closes both channels."""
+        for channel in self._channels:
+            channel.close()
+
+
+_CLIENTS: Dict[str, OwnerClient] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def get_client(key: str, factory: Callable[[], OwnerClient]) -> OwnerClient:
+    """This process's client named `key`, made by `factory()` on first use (for ``tf.numpy_function``)."""
+    with _CLIENTS_LOCK:
+        if key not in _CLIENTS:
+            _CLIENTS[key] = factory()
+        return _CLIENTS[key]
+
+
+def release_client(key: str) -> None:
+    """Closes and forgets the client named `key` (nothing if there is none)."""
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.pop(key, None)
+    if client is not None:
+        client.close()

@@ -1,0 +1,109 @@
+"""Ring arithmetic and AES-128-CTR keystreams in NumPy, bit-identical to the kernels.
+
+The layout is the one of ``secure/kernels/src/secure_sum_ops.cc``: a ring
+vector of n elements is ``ring_words(n, R)`` 64-bit words; R = 64 is one uint64
+per element, R = 128 two words per element (a little-endian u128: low word,
+high word; addition carries), R = 32 two little-endian uint32 lanes per word
+(lane arithmetic modulo 2**32; an odd n's last lane is 0). Element i's mask is
+keystream bytes ``[i*R/8, (i+1)*R/8)`` read little-endian, so a keystream is
+simply its bytes read as uint64 words.
+
+The keystream is ``aes_ctr.h``'s: AES-128-CTR from the counter block 0 (the
+big-endian 128-bit integer 0), i.e. `cryptography`'s
+``Cipher(AES(key), CTR(b"\\0" * 16))`` encrypting zeros. No cipher is written here.
+
+Example::
+
+    acc = np.zeros(ring_words(1000, 128), np.uint64)
+    add_into(acc, keystream_words(key, acc.size), 128)   # acc += AES(key)
+    sub_into(acc, share.view(np.uint64), 128)            # acc -= share
+"""
+import sys
+
+import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+__all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "add_into", "sub_into"]
+
+RING_BITS = (32, 64, 128)
+KEY_BYTES = 16
+_ZERO_COUNTER = bytes(16)
+
+
+def _check_ring_bits(ring_bits: int) -> int:
+    if isinstance(ring_bits, bool) or ring_bits not in RING_BITS:
+        raise ValueError(f"ring_bits={ring_bits!r} is not a ring of the kernels: use 32, 64 or 128.")
+    return ring_bits
+
+
+def ring_words(n: int, ring_bits: int) -> int:
+    """64-bit words of a ring vector of `n` elements (the kernels' ``RingWords``)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"num_elements={n!r} must be an integer >= 0.")
+    return (int(n) + 1) // 2 if _check_ring_bits(ring_bits) == 32 else int(n) * (ring_bits // 64)
+
+
+def keystream_words(key16: bytes, words: int) -> np.ndarray:
+    """`words` uint64 words of AES-128-CTR keystream under `key16` from counter 0 (read-only array).
+
+    Args:
+      key16: the 16-byte key (bytes, or an int32[4] / uint8[16] array as the kernels hold it).
+      words: how many 64-bit words.
+    """
+    key = np.ascontiguousarray(key16).tobytes() if isinstance(key16, np.ndarray) else bytes(key16)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"an AES-128 key has {KEY_BYTES} bytes, got {len(key)}: pass the kernels' int32[4] "
+                         "seed or 16 bytes.")
+    encryptor = Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor()
+    stream = encryptor.update(bytes(8 * int(words)))
+    return np.frombuffer(stream, "<u8")
+
+
+def _operands(acc: np.ndarray, other: np.ndarray):
+    if sys.byteorder != "little":
+        raise NotImplementedError("the kernels' ring layout is little-endian; this host is big-endian.")
+    if not isinstance(acc, np.ndarray) or acc.dtype != np.uint64 or acc.ndim != 1 or not acc.flags.writeable \
+            or not acc.flags.c_contiguous:
+        raise TypeError(f"the accumulator must be a writable contiguous 1-D uint64 array, got "
+                        f"{getattr(acc, 'dtype', type(acc))} of shape {getattr(acc, 'shape', None)}.")
+    other = np.ascontiguousarray(other).reshape(-1)
+    if other.dtype.itemsize != 8 or other.dtype.kind not in "iu":
+        raise TypeError(f"ring words are 64-bit integers, got dtype {other.dtype}.")
+    other = other.view(np.uint64)
+    if other.size != acc.size:
+        raise ValueError(f"ring vectors differ in size: {acc.size} words and {other.size} words.")
+    return acc, other
+
+
+def add_into(acc: np.ndarray, other: np.ndarray, ring_bits: int) -> np.ndarray:
+    """``acc += other`` modulo 2**ring_bits per element, in place; returns `acc`."""
+    acc, other = _operands(acc, other)
+    if _check_ring_bits(ring_bits) == 32:
+        np.add(acc.view(np.uint32), other.view(np.uint32), out=acc.view(np.uint32))
+    elif ring_bits == 64:
+        np.add(acc, other, out=acc)
+    else:
+        low, high = acc[0::2], acc[1::2]
+        other_low = other[0::2]
+        np.add(low, other_low, out=low)
+        carry = low < other_low  # the low word wrapped
+        np.add(high, other[1::2], out=high)
+        np.add(high, carry, out=high, casting="unsafe")
+    return acc
+
+
+def sub_into(acc: np.ndarray, other: np.ndarray, ring_bits: int) -> np.ndarray:
+    """``acc -= other`` modulo 2**ring_bits per element, in place; returns `acc`."""
+    acc, other = _operands(acc, other)
+    if _check_ring_bits(ring_bits) == 32:
+        np.subtract(acc.view(np.uint32), other.view(np.uint32), out=acc.view(np.uint32))
+    elif ring_bits == 64:
+        np.subtract(acc, other, out=acc)
+    else:
+        low, high = acc[0::2], acc[1::2]
+        other_low = other[0::2]
+        borrow = low < other_low  # the low word wraps
+        np.subtract(low, other_low, out=low)
+        np.subtract(high, other[1::2], out=high)
+        np.subtract(high, borrow, out=high, casting="unsafe")
+    return acc

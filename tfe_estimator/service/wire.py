@@ -1,0 +1,115 @@
+"""The aggregation service's messages and methods, built at run time from one table.
+
+`aggregation.proto` beside this module is the API as people read it (with the
+table of who may call each method); `MESSAGES` and `METHODS` below are the same
+API as the code uses it. There is no protoc step: `messages()` builds a
+``FileDescriptorProto`` from the tables and asks protobuf for the classes, on
+protobuf 3.19 (``MessageFactory().GetPrototype``) and 4.x
+(``message_factory.GetMessageClass``) alike. ``tests/test_service.py`` parses
+the ``.proto`` text and checks that it equals `file_descriptor()`, so the two
+cannot drift.
+
+Example::
+
+    from tfe_estimator.service import wire
+
+    classes = wire.messages()
+    request = classes["ContributeRequest"](channel="grads", step=7, ring_bits=64,
+                                           num_elements=3, payload=b"...")
+    path = wire.method_path("Contribute")   # "/tfe_estimator.aggregation.v1.Aggregation/Contribute"
+"""
+import functools
+from typing import Dict, NamedTuple, Tuple
+
+__all__ = ["PACKAGE", "SERVICE", "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0",
+           "file_descriptor", "messages", "method", "method_path"]
+
+PACKAGE = "tfe_estimator.aggregation.v1"
+SERVICE = "Aggregation"
+SERVICE_NAME = f"{PACKAGE}.{SERVICE}"
+PROTO_FILE = "tfe_estimator/service/aggregation.proto"
+
+#: Who may call a method: every configured data owner, or server0 (task tfe:0) only.
+OWNERS, SERVER0 = "owners", "tfe:0"
+
+#: message -> ((field, type, number), ...); type "repeated int64" for a repeated field.
+MESSAGES: Tuple[Tuple[str, Tuple[Tuple[str, str, int], ...]], ...] = (
+    ("ContributeRequest", (("channel", "string", 1), ("step", "int64", 2), ("ring_bits", "int32", 3),
+                           ("num_elements", "int64", 4), ("payload", "bytes", 5))),
+    ("ContributeReply", (("step", "int64", 1), ("payload", "bytes", 2))),
+    ("HandshakeRequest", (("step", "int64", 1), ("descriptor", "repeated int64", 2))),
+    ("HandshakeReply", (("rows", "repeated int64", 1), ("num_fields", "int32", 2))),
+    ("RewindRequest", (("step", "int64", 1),)),
+    ("RewindReply", ()),
+    ("ForwardRequest", (("channel", "string", 1), ("step", "int64", 2), ("ring_bits", "int32", 3),
+                        ("num_elements", "int64", 4), ("payload", "bytes", 5))),
+    ("ForwardReply", ()),
+)
+
+
+class Method(NamedTuple):
+    """One rpc: its messages, the server roles that serve it and who may call it."""
+    name: str
+    request: str
+    reply: str
+    roles: Tuple[int, ...]  # 0: server0 (tfe:0, keys), 1: server1 (tfe:1, masked shares)
+    callers: str            # OWNERS or SERVER0
+
+
+METHODS: Tuple[Method, ...] = (
+    Method("Contribute", "ContributeRequest", "ContributeReply", (0, 1), OWNERS),
+    Method("Handshake", "HandshakeRequest", "HandshakeReply", (0,), OWNERS),
+    Method("Rewind", "RewindRequest", "RewindReply", (0, 1), OWNERS),
+    Method("ForwardBlinded", "ForwardRequest", "ForwardReply", (1,), SERVER0),
+)
+
+
+def method(name: str) -> Method:
+    """The `Method` called `name`; `KeyError` naming the known methods otherwise."""
+    for m in METHODS:
+        if m.name == name:
+            return m
+    raise KeyError(f"method {name!r} is not part of {SERVICE_NAME}: it has {[m.name for m in METHODS]}.")
+
+
+def method_path(name: str) -> str:
+    """The gRPC path of method `name`: ``/<package>.<service>/<name>``."""
+    return f"/{SERVICE_NAME}/{method(name).name}"
+
+
+@functools.lru_cache(maxsize=None)
+def file_descriptor():
+    """The API as a ``descriptor_pb2.FileDescriptorProto`` (built once, on first use)."""
+    from google.protobuf import descriptor_pb2  # pylint: disable=import-outside-toplevel
+
+    field = descriptor_pb2.FieldDescriptorProto
+    types = {"string": field.TYPE_STRING, "bytes": field.TYPE_BYTES, "int32": field.TYPE_INT32,
+             "int64": field.TYPE_INT64}
+    proto = descriptor_pb2.FileDescriptorProto(name=PROTO_FILE, package=PACKAGE, syntax="proto3")
+    for name, fields in MESSAGES:
+        message = proto.message_type.add(name=name)
+        for field_name, kind, number in fields:
+            repeated = kind.startswith("repeated ")
+            message.field.add(name=field_name, number=number, type=types[kind.split()[-1]],
+                              label=field.LABEL_REPEATED if repeated else field.LABEL_OPTIONAL)
+    service = proto.service.add(name=SERVICE)
+    for m in METHODS:
+        service.method.add(name=m.name, input_type=f".{PACKAGE}.{m.request}", output_type=f".{PACKAGE}.{m.reply}")
+    return proto
+
+
+@functools.lru_cache(maxsize=None)
+def messages() -> Dict[str, type]:
+    """Message name -> generated protobuf class (built once, in a private descriptor pool)."""
+    from google.protobuf import descriptor_pool, message_factory  # pylint: disable=import-outside-toplevel
+
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file_descriptor())
+    classes = {}
+    for name, _ in MESSAGES:
+        descriptor = pool.FindMessageTypeByName(f"{PACKAGE}.{name}")
+        if hasattr(message_factory, "GetMessageClass"):  # protobuf >= 4.21
+            classes[name] = message_factory.GetMessageClass(descriptor)
+        else:  # protobuf 3.19 (the TF 2.9 stack)
+            classes[name] = message_factory.MessageFactory(pool).GetPrototype(descriptor)
+    return classes
