@@ -77,6 +77,9 @@ class ServiceBinding:
 
 
 _CLIENTS: Dict[ServiceBinding, object] = {}
+#: Per graph: [sums built, the step tensor] (module-level: Estimator deep-copies its config, and so
+#: the strategy, which must not copy graphs).
+_CHANNELS: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
 _CLIENTS_LOCK = threading.Lock()
 
 
@@ -115,7 +118,6 @@ class ServiceAggregation(SecureAggregation):
         self._binding = binding
         self._local_replicas = local_replicas
         self._channel_prefix = channel_prefix
-        self._channels = weakref.WeakKeyDictionary()  # graph -> [sums built, the step tensor]
         super().__init__(protocol="pond", precision=precision, server_devices=None, clip_norm=clip_norm,
                          update_ring_bits=update_ring_bits)
 
@@ -127,6 +129,13 @@ class ServiceAggregation(SecureAggregation):
     def _init_parties(self, server_devices):
         del server_devices  # the parties are the service's two servers, not devices of this process
         return ()
+
+    @property
+    def _num_between_graph_workers(self):
+        # CrossDeviceOps.reduce/batch_reduce return a single local value unreduced when this is 1
+        # (cross_device_ops.py: "Shortcut if `per_replica_value` only contains one value"): an owner
+        # with one replica would train on its own gradients alone.
+        return len(self._binding.owners)
 
     def _num_summands(self, num_sources: int) -> int:
         return num_sources * len(self._binding.owners)
@@ -152,7 +161,7 @@ class ServiceAggregation(SecureAggregation):
     def _next_channel(self):
         """The graph's next sum's name (equal on every owner: they build the same graph) and the step."""
         graph = tf.compat.v1.get_default_graph()
-        state = self._channels.get(graph)
+        state = _CHANNELS.get(graph)
         if state is None:
             global_step = tf.compat.v1.train.get_global_step(graph)
             if global_step is None:
@@ -160,7 +169,7 @@ class ServiceAggregation(SecureAggregation):
                                  "train with an Estimator (it creates one), or create it with "
                                  "tf.compat.v1.train.get_or_create_global_step() first.")
             step = step_sum.read_step(global_step, name="service_step")
-            state = self._channels[graph] = [0, step]
+            state = _CHANNELS[graph] = [0, step]
         state[0] += 1
         return f"{self._channel_prefix}sum_{state[0] - 1}", state[1]
 
