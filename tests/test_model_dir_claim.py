@@ -98,3 +98,43 @@ def test_a_claim_file_that_is_not_ours_is_named(tmp_path):
     (tmp_path / CLAIM_FILE).write_text("garbage")
     with pytest.raises(ValueError, match=rf"{CLAIM_FILE} is not a tfe_estimator owner claim"):
         claim_model_dir(str(tmp_path), "chief:0", "x")
+
+
+def test_the_launcher_gives_each_owner_its_own_model_dir_and_the_evaluator_the_chiefs(tmp_path, monkeypatch):
+    from tfe_estimator.cluster.launcher import Launcher
+
+    owners = str(tmp_path / "owners" / "{job}-{index}")
+    launcher = Launcher(["python", "train.py"], workers=2, evaluator=True, task_cwd=owners)  # plans, starts nothing
+    env = {t.name: t.env for t in launcher.tasks}
+    chief_cwd = str(tmp_path / "owners" / "chief-0")
+    assert env["chief:0"][model_dir_claim.MODEL_DIR_ENV] == f"{chief_cwd}/model"
+    assert [env[f"worker:{i}"][model_dir_claim.MODEL_DIR_ENV] for i in (0, 1)] == [
+        str(tmp_path / "owners" / f"worker-{i}" / "model") for i in (0, 1)]
+    assert env["evaluator:0"][model_dir_claim.MODEL_DIR_ENV] == f"{chief_cwd}/model"
+    assert env["evaluator:0"][model_dir_claim.OWNER_CWD_ENV] == chief_cwd  # a relative model_dir is the chief's
+    assert launcher.task("evaluator").cwd == str(tmp_path / "owners" / "evaluator-0")  # its own files stay its own
+    assert all(model_dir_claim.MODEL_DIR_ENV not in t.env for t in launcher.tasks if t.job == "tfe")
+
+    monkeypatch.chdir(tmp_path)
+    plain = {t.name: t.env for t in Launcher(["python", "train.py"], workers=1, evaluator=True).tasks}
+    assert plain["worker:0"][model_dir_claim.MODEL_DIR_ENV] == str(tmp_path / "model" / "worker-0")
+    assert plain["evaluator:0"][model_dir_claim.MODEL_DIR_ENV] == str(tmp_path / "model" / "chief-0")
+    assert model_dir_claim.OWNER_CWD_ENV not in plain["evaluator:0"]
+
+
+def test_the_evaluator_under_launch_with_task_cwd_reads_the_chiefs_relative_model_dir(monkeypatch, tmp_path):
+    # What used to hang: --task-cwd 'owners/{job}-{index}' and model_dir="model" in the script.
+    from tfe_estimator.cluster.launcher import Launcher
+
+    launcher = Launcher(["python", "train.py"], workers=1, evaluator=True, task_cwd=str(tmp_path / "{job}-{index}"))
+    model_dirs = {}
+    for task in (launcher.task("chief"), launcher.task("evaluator")):
+        for key in ("TF_CONFIG", model_dir_claim.MODEL_DIR_ENV, model_dir_claim.OWNER_CWD_ENV):
+            if key in task.env:
+                monkeypatch.setenv(key, task.env[key])
+            else:
+                monkeypatch.delenv(key, raising=False)
+        os.makedirs(task.cwd, exist_ok=True)
+        monkeypatch.chdir(task.cwd)
+        model_dirs[task.name] = os.path.abspath(TfeRunConfig(model_dir="model").model_dir)
+    assert model_dirs["evaluator:0"] == model_dirs["chief:0"] == str(tmp_path / "chief-0" / "model")
