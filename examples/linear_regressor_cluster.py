@@ -4,12 +4,17 @@ This is the `train.py` that every chief, worker and evaluator task runs; the
 `tfe` tasks run `tfe-estimator server`. Each task runs in its own directory,
 where the owner's rows are in ``data/train.csv`` (and the evaluator's in
 ``data/test.csv``), with the columns of `COLUMNS` and no header. On one
-machine, try it with the loopback launcher::
+machine, try it with the loopback launcher (between-graph, the default: each
+owner runs only its own graph and keeps its own checkpoints)::
 
     python -c "from tfe_estimator.tools.demo_cluster import *; from tfe_estimator.tools.demo import *; \
         write_owner_data('owners', ['chief-0', 'worker-0'], *load_diabetes_split()[:4])"
     tfe-estimator launch --workers 1 --evaluator --task-cwd 'owners/{job}-{index}' -- \
-        python $PWD/examples/linear_regressor_cluster.py --model-dir $PWD/model
+        python $PWD/examples/linear_regressor_cluster.py
+
+Without ``--model-dir`` each owner checkpoints into the directory the launcher
+gives it (``owners/chief-0/model``, ``owners/worker-0/model``), and the
+evaluator, which belongs to the chief's organisation, reads the chief's.
 
 Lines specific to tfe_estimator are marked `# tfe_estimator:`.
 """
@@ -27,7 +32,9 @@ COLUMNS = ["age", "sex", "bmi", "bp", "s1", "s2", "s3", "s4", "s5", "s6", "targe
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model-dir", required=True, help="shared by the chief and the evaluator")
+    parser.add_argument("--model-dir", default=None,
+                        help="this owner's own directory (default: the one `tfe-estimator launch` gives each owner; "
+                        "the evaluator reads its owner's)")
     parser.add_argument("--steps", type=int, default=300, help="training steps")
     return parser.parse_args(argv)
 
@@ -36,7 +43,7 @@ def main(argv=None):
     args = parse_args(argv)
     config = tfe_estimator.TfeRunConfig(  # tfe_estimator: reads TF_CONFIG (chief/worker/evaluator + tfe job)
         model_dir=args.model_dir, protocol=os.environ.get("TFE_ESTIMATOR_PROTOCOL", "pond"),
-        save_checkpoints_steps=100, cluster_mode="in-graph")
+        save_checkpoints_steps=100)
     est = tf.estimator.LinearRegressor(
         feature_columns=[tf.feature_column.numeric_column(name) for name in COLUMNS[:-1]],
         optimizer=lambda: keras_optimizers().SGD(0.05), config=config)

@@ -51,20 +51,37 @@ def test_linear_regressor_example_twins_agree(tmp_path, capsys):
     assert "average_loss" in capsys.readouterr().out
 
 
+def _documented_launch(name):
+    """The `tfe-estimator launch` command in an example's docstring, parsed by the CLI's own parser."""
+    import shlex
+
+    from tfe_estimator.tools.cli import parse_args
+
+    doc = load_example(name).__doc__.replace("\\\n", " ")
+    (line,) = [l.strip() for l in doc.splitlines() if l.strip().startswith("tfe-estimator launch")]
+    return parse_args(shlex.split(line)[1:])
+
+
 @pytest.mark.multiprocess
-def test_linear_regressor_cluster_example_runs_under_launch(tmp_path):
+def test_linear_regressor_cluster_example_runs_as_documented(tmp_path, monkeypatch):
     import io
+    import json
     import sys
 
     from tfe_estimator.tools.demo import load_diabetes_split
     from tfe_estimator.tools.demo_cluster import write_owner_data
     from tfe_estimator.cluster.launcher import Launcher
 
-    write_owner_data(str(tmp_path), ["chief-0", "worker-0"], *load_diabetes_split()[:4])
+    args = _documented_launch("linear_regressor_cluster")  # the default mode, no --model-dir, no seed
+    monkeypatch.chdir(tmp_path)
+    write_owner_data("owners", ["chief-0", "worker-0"], *load_diabetes_split()[:4])
+    command = [sys.executable if a == "python" else a.replace("$PWD", str(EXAMPLES.parent)) for a in args.cmd[1:]]
     out = io.StringIO()
-    launcher = Launcher([sys.executable, str(EXAMPLES / "linear_regressor_cluster.py"),
-                         "--model-dir", str(tmp_path / "model"), "--steps", "30"],
-                        workers=1, evaluator=True, task_cwd=str(tmp_path / "{job}-{index}"), out=out,
-                        cluster_mode="in-graph")
+    launcher = Launcher(command + ["--steps", "30"], workers=args.workers, evaluator=args.evaluator,
+                        task_cwd=args.task_cwd, cluster_mode=args.cluster_mode, out=out, final_eval_timeout=120)
     assert launcher.run() == 0, out.getvalue()[-5000:]
-    assert "Saving dict for global step 30" in out.getvalue()
+    assert "Saving dict for global step 30" in out.getvalue()  # the evaluator read the chief's model_dir
+    for owner in ("chief-0", "worker-0"):  # each owner its own checkpoints, claimed
+        model_dir = tmp_path / "owners" / owner / "model"
+        assert (model_dir / "model.ckpt-30.index").exists(), owner
+        assert json.loads((model_dir / "tfe_owner.json").read_text())["owner"] == owner.replace("-", ":")

@@ -426,3 +426,14 @@ def test_active_deadline_bounds_every_job_and_validates():
     for job in jobs:
         utils.validate(job, utils.latest_version(), strict=True)
     assert all("activeDeadlineSeconds" not in m["spec"] for m in _render(1, True) if m["kind"] == "Job")
+
+
+@pytest.mark.parametrize("claim", ["{name}-model", "{name}-model-{job}-{index}"])
+def test_each_owner_pod_gets_its_own_model_dir_and_the_evaluator_the_chiefs(claim):
+    for mode, owners in (("between-graph", {("chief", 0), ("worker", 0), ("worker", 1)}), ("in-graph", {("chief", 0)})):
+        model_dirs = {_task_of(w): {e["name"]: e["value"] for e in _container(w)["env"]}.get("TFE_ESTIMATOR_MODEL_DIR")
+                      for w in _render(2, True, model_claim=claim, cluster_mode=mode) if w["kind"] == "Job"}
+        expected = {task: f"/model/{task[0]}-{task[1]}" for task in owners}
+        expected[("evaluator", 0)] = "/model/chief-0"  # the evaluator reads its organisation's (the chief's)
+        assert {t: d for t, d in model_dirs.items() if d is not None} == expected, mode
+    assert all("TFE_ESTIMATOR_MODEL_DIR" not in json.dumps(w) for w in _render(1, True))  # no claim, no default

@@ -38,6 +38,7 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfe_estimator.cluster import certs, peers
+from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV
 from tfe_estimator.cluster.sidecar import stunnel_config
 from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, NUM_TFE_TASKS, TFE_JOB, cluster_jobs, cluster_tasks,
                                         tf_config_json)
@@ -337,10 +338,16 @@ def render_manifests(
         mounted read-write in the chief pod, which writes checkpoints, and in
         the evaluator pod, which reads them and writes its summaries to
         ``model_dir/eval`` (Estimator's evaluator writes there).
-        The same placeholders work, but chief and evaluator must see the same
-        files, so it is usually one ReadWriteMany claim such as ``"{name}-model"``.
-        Without it, point the training script's ``model_dir`` at storage both
-        can reach (e.g. ``gs://...``).
+        The same placeholders work (``"{name}-model-{job}-{index}"``: each
+        owner's own volume; the evaluator mounts the chief's). Each owner pod's
+        ``TFE_ESTIMATOR_MODEL_DIR`` is ``<model_mount_path>/<job>-<index>`` and
+        the evaluator's ``<model_mount_path>/chief-0``, which `TfeRunConfig`
+        uses when the script passes no model_dir: owners never share a
+        directory, even on one ReadWriteMany claim such as ``"{name}-model"``
+        (a script that passes one model_dir to every owner is refused by the
+        second owner: `tfe_estimator.cluster.model_dir_claim`).
+        Without a claim, point the training script's ``model_dir`` at storage
+        the chief and the evaluator can reach (e.g. ``gs://...``).
       model_mount_path: where ``model_claim`` is mounted.
       active_deadline_seconds: optional bound on every Job's run time
         (``activeDeadlineSeconds``): a chief waiting for a task that never
@@ -470,6 +477,11 @@ def render_manifests(
                 mounts.append(("model", claim, model_mount_path, False))
             pod_spec = _pod_spec(job, image, command, tf_config, tf_port, "OnFailure", mounts, mode=cluster_mode,
                                  sidecar=sidecar)
+            if model_claim is not None and (job in ("chief", "evaluator") or owners_dir):
+                # Each owner its own directory even on one shared claim; the evaluator its owner's (the chief's).
+                owner = "chief-0" if job == "evaluator" else f"{job}-{index}"
+                pod_spec["containers"][0]["env"].append(
+                    {"name": MODEL_DIR_ENV, "value": f"{model_mount_path.rstrip('/')}/{owner}"})
             manifests.append(
                 {
                     "apiVersion": "batch/v1",
@@ -541,8 +553,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-claim",
         default=None,
-        help="PersistentVolumeClaim for model_dir, read-write in the chief pod (checkpoints) and the "
-        "evaluator pod (model_dir/eval); usually one ReadWriteMany claim such as '{name}-model'",
+        help="PersistentVolumeClaim for model_dir, read-write in every owner pod (between-graph; the chief's "
+        "only in-graph) and the evaluator pod (the chief's); each owner's TFE_ESTIMATOR_MODEL_DIR is "
+        "<mount>/<job>-<index>, so one claim such as '{name}-model' or one per owner, '{name}-model-{job}-{index}'",
     )
     parser.add_argument("--model-mount-path", default="/model", help="where --model-claim is mounted (default /model)")
     parser.add_argument("--active-deadline-seconds", type=int, default=None,

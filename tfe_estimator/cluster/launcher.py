@@ -50,6 +50,7 @@ import time
 from typing import Dict, List, Optional, Sequence, TextIO
 
 from tfe_estimator.cluster.isolation import IsolatedCluster
+from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV, OWNER_CWD_ENV
 from tfe_estimator.cluster.peers import BETWEEN_GRAPH, IN_GRAPH, SERVICE, validate_mode
 from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB,
                                         TLS_DIR_ENV, TfeCluster, cluster_jobs, cluster_tasks)
@@ -140,6 +141,13 @@ class Launcher:
       task_cwd: working directory of each chief/worker/evaluator task, with
         ``{job}`` and ``{index}`` replaced (e.g. ``"owners/{job}-{index}"``), so
         each data owner reads its own files through one relative path.
+        Each owner gets its own model_dir by default: ``TFE_ESTIMATOR_MODEL_DIR``
+        is ``<its task_cwd>/model`` (without `task_cwd`, ``./model/<job>-<index>``),
+        which `TfeRunConfig` uses when the script passes no model_dir. The
+        evaluator belongs to the chief's organisation: its
+        ``TFE_ESTIMATOR_MODEL_DIR`` is the chief's, and a relative model_dir
+        resolves in the chief's directory (``TFE_ESTIMATOR_OWNER_CWD``), not in
+        its own, where it would watch an empty directory.
       max_restarts: how often the chief, a worker or a ``tfe`` task that dies
         is restarted at the same address before the launch is given up.
       restart_delay: seconds to wait before such a restart.
@@ -262,9 +270,10 @@ class Launcher:
                     argv, cwd = list(self.server_command), None
                 else:
                     argv = list(self.command)
-                    cwd = self.task_cwd.format(job=job, index=index) if self.task_cwd else None
+                    cwd = self._task_dirs(job, index)[0]
                     if cwd:
                         os.makedirs(cwd, exist_ok=True)
+                    env.update(self._model_dir_env(job, index))
                 if self.isolation is not None:
                     argv = self.isolation.exec_argv((job, index), argv)
                 task = _Task(job, index, argv, env, cwd)
@@ -285,6 +294,23 @@ class Launcher:
     @property
     def _serving_jobs(self):
         return _SERVICE_SERVING_JOBS if self.cluster_mode == SERVICE else _SERVING_JOBS
+
+    def _task_dirs(self, job: str, index: int):
+        """(working directory or None, default model_dir) of data owner or evaluator `job:index`."""
+        if self.task_cwd:
+            cwd = os.path.abspath(self.task_cwd.format(job=job, index=index))
+            return cwd, os.path.join(cwd, "model")
+        return None, os.path.abspath(os.path.join("model", f"{job}-{index}"))
+
+    def _model_dir_env(self, job: str, index: int) -> Dict[str, str]:
+        """Each owner's own default model_dir; the evaluator belongs to the chief's organisation and reads its."""
+        if job != "evaluator":
+            return {MODEL_DIR_ENV: self._task_dirs(job, index)[1]}
+        owner_cwd, owner_model_dir = self._task_dirs("chief", 0)
+        env = {MODEL_DIR_ENV: owner_model_dir}
+        if owner_cwd:  # a relative model_dir means the chief's, not one under the evaluator's own cwd
+            env[OWNER_CWD_ENV] = owner_cwd
+        return env
 
     def say(self, line: str, task: str = "launch") -> None:
         """Writes one prefixed log line."""

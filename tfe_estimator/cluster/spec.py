@@ -21,6 +21,7 @@ Example::
         cluster.replica_devices()   # ('/job:chief/replica:0/task:0/device:CPU:0', ...)
 """
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -30,7 +31,7 @@ from tfe_estimator.secure.protocols import PROTOCOLS
 __all__ = [
     "TfeCluster", "TFE_JOB", "NUM_TFE_TASKS", "DATA_OWNER_JOBS", "KNOWN_JOBS", "LAUNCH_PROTOCOL_ENV",
     "LAUNCH_CLUSTER_MODE_ENV", "TLS_DIR_ENV",
-    "cluster_tasks", "cluster_jobs", "tf_config_json",
+    "cluster_tasks", "cluster_jobs", "tf_config_json", "cluster_digest",
 ]
 
 TFE_JOB = "tfe"
@@ -246,3 +247,14 @@ def tf_config_json(jobs: Mapping[str, Sequence[str]], task_type: str, task_index
     """The compact TF_CONFIG JSON of task `task_type:task_index` of a cluster of `jobs`."""
     cluster = {job: list(addresses) for job, addresses in jobs.items()}
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_index}}, separators=(",", ":"))
+
+
+def cluster_digest(jobs: Mapping[str, Sequence[str]]) -> bytes:
+    """SHA-256 of a cluster's canonical JSON (jobs sorted, no spaces): alike on every task of one cluster.
+
+    Every task's TF_CONFIG lists the same cluster, so each derives the same
+    digest without talking to the others (`TfeRunConfig`'s derived seed, the
+    cluster identity of a model_dir claim).
+    """
+    text = json.dumps({job: list(addresses) for job, addresses in jobs.items()}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).digest()

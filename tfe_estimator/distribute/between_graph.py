@@ -11,9 +11,11 @@ the owner's device). No op of an owner's graph is placed on another owner's
 task: the session's device filters name only the owner's task and the
 ``tfe`` job.
 
-- Identical initial values come from one `tf_random_seed` that every owner
-  passes (`TfeRunConfig` requires it in this mode); no initial value travels.
-- Every owner checkpoints its own copy into its own ``model_dir``, and every
+- Identical initial values come from one `tf_random_seed` on every owner (an
+  explicit one, or the one `TfeRunConfig` derives alike on every owner from
+  TF_CONFIG's cluster); no initial value travels.
+- Every owner checkpoints its own copy into its own ``model_dir`` (claimed:
+  `tfe_estimator.cluster.model_dir_claim` refuses a second owner), and every
   step the owners check through the servers that their copies are equal
   (`tfe_estimator.distribute.weight_check`, riding on the reported loss's sum).
 - Pond on tfe_estimator's fused kernels only (64-bit ring, or clipped

@@ -28,7 +28,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import mirrored_strategy
 from tensorflow_estimator.python.estimator import run_config as run_config_lib
 
-from tfe_estimator.cluster import peers
+from tfe_estimator.cluster import model_dir_claim, peers
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 from tfe_estimator.distribute.between_graph import BetweenGraphStrategy, check_between_graph_settings
@@ -154,7 +154,8 @@ class TfeRunConfig(tf.estimator.RunConfig):
         down (see `SecureAggregation`).
       cluster_mode: on a TF_CONFIG cluster, "between-graph" (the default:
         each data owner runs only its own graph, sums meet on the TFE servers;
-        needs `tf_random_seed`, Pond) or "in-graph" (one organisation on a
+        Pond; without `tf_random_seed` every owner derives the same one from
+        TF_CONFIG's cluster) or "in-graph" (one organisation on a
         trusted network: the chief runs ops on every task). Ignored without
         a cluster.
       step_timeout_secs: between-graph mode: how long one session run (a
@@ -198,10 +199,12 @@ class TfeRunConfig(tf.estimator.RunConfig):
                                clip_norm=clip_norm, dp=dp, update_ring_bits=update_ring_bits,
                                cluster_mode=cluster_mode, step_timeout_secs=step_timeout_secs)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
-        _check_seed(kwargs)
+        _default_seed(kwargs)
+        kwargs["model_dir"] = model_dir_claim.default_model_dir(kwargs.get("model_dir"))
         with _tf_config_hidden(isinstance(kwargs["train_distribute"], ServiceStrategy)):
             super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
+        _claim_owner_model_dir(self)
         _check_model_dir_replicas(self)
 
     @property
@@ -240,19 +243,17 @@ class TfeRunConfig(tf.estimator.RunConfig):
             kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config", self.session_config)))
         new = super().replace(**kwargs)
         new._tfe_settings = settings  # pylint: disable=protected-access
+        if "model_dir" in kwargs:
+            _claim_owner_model_dir(new)
         if "model_dir" in kwargs or "num_replicas" in ours:
             _check_model_dir_replicas(new)
         return new
 
 
-def _check_seed(kwargs) -> None:
-    """Between-graph owners start from identical variables only with one shared graph-level seed."""
-    if isinstance(kwargs["train_distribute"], (BetweenGraphStrategy, ServiceStrategy)) \
-            and kwargs.get("tf_random_seed") is None:
-        raise ValueError(
-            "TfeRunConfig(tf_random_seed=None) on a TF_CONFIG cluster in between-graph mode: every data owner "
-            "builds its own graph, so all owners must start from identical variables. Pass the same "
-            "tf_random_seed=<int> on every owner (or cluster_mode='in-graph' on a trusted network).")
+        _default_seed(kwargs)
+        kwargs["model_dir"] = model_dir_claim.default_model_dir(kwargs.get("model_dir"))
+        with _tf_config_hidden(isinstance(kwargs["train_distribute"], ServiceStrategy)):
+            super().__init__(protocol=grpc_protocol, **kwargs)
 
 
 def _check_model_dir_replicas(config: "TfeRunConfig") -> None:
