@@ -25,7 +25,17 @@ def cert_dirs(tmp_path_factory):
     tasks = OWNER_TASKS + [("tfe", 0), ("tfe", 1), ("tfe", 2), ("evaluator", 0)]
     ours, foreign = str(tmp_path_factory.mktemp("certs")), str(tmp_path_factory.mktemp("foreign_certs"))
     certs.make_cluster_certs(ours, tasks, cluster=CLUSTER)
-    certs.make_cluster_certs(foreign, tasks, cluster=CLUSTER)
+    # The foreign CA has another name (an attacker's own CA) but issues the same task names of cluster "t".
+    ca_cert, ca_key = certs.make_ca("evil")
+    with open(os.path.join(foreign, certs.CA_CERT), "wb") as f:
+        f.write(ca_cert)
+    for job, index in tasks:
+        key, csr = certs.make_key_and_csr(job, index, "evil", CLUSTER)
+        stem = os.path.join(foreign, certs.task_name(job, index))
+        with open(stem + ".crt", "wb") as f:
+            f.write(certs.sign_csr(csr, ca_cert, ca_key, CLUSTER))
+        with open(stem + ".key", "wb") as f:
+            f.write(key)
     return ours, foreign
 
 
