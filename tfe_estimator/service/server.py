@@ -295,7 +295,11 @@ class AggregationServer:
                          f"to step {step}, but the channel was set up with ring_bits={channel.settings[0]}, "
                          f"num_elements={channel.settings[1]} by its first put. Every owner must run the same "
                          "model with the same settings.")
-        rewound = channel.rewound[participant]
+        if participant < len(self._owners):
+            rewound = channel.rewound[participant]
+        else:  # server0 re-releases a stale step only once every owner rewound to it (its own rule per owner)
+            floors = channel.rewound[:len(self._owners)]
+            rewound = None if None in floors else max(floors)
         if channel.released is not None and step <= channel.released and (rewound is None or step < rewound):
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                          f"Channel {channel.name!r}: {me} puts step {step}, but this server already released step "

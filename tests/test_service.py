@@ -1,0 +1,321 @@
+"""The aggregation service: bit-exact sums against the kernels, the rules per channel, the API's one definition."""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from service_helpers import WAIT_SECS, cert_dirs, in_threads, make_service, owner_names  # noqa: F401 (fixtures)
+from tfe_estimator.secure.kernels import ops
+from tfe_estimator.service import ServiceError, get_client, release_client, ring, wire
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _run(fetches):
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=2, inter_op_parallelism_threads=1)
+    with tf.compat.v1.Session(config=config) as sess:
+        return sess.run(fetches)
+
+
+def _ring_value(words, ring_bits, n):
+    """Element values of ring words as Python ints modulo 2**ring_bits (for reference arithmetic)."""
+    words = np.asarray(words).view(np.uint64).reshape(-1)
+    if ring_bits == 32:
+        return [int(v) for v in words.view(np.uint32)[:n]]
+    if ring_bits == 64:
+        return [int(v) for v in words]
+    return [int(lo) | int(hi) << 64 for lo, hi in words.reshape(-1, 2)]
+
+
+# ------------------------------------------------------------------ ring.py --
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_ring_add_and_sub_equal_integer_arithmetic_modulo_the_ring(ring_bits):
+    rng = np.random.RandomState(ring_bits)
+    n = 1001
+    words = ring.ring_words(n, ring_bits)
+    a, b = (rng.randint(0, 2**63, size=words, dtype=np.int64).view(np.uint64) * np.uint64(3) for _ in range(2))
+    if ring_bits == 128:  # make carries and borrows certain in some elements
+        a[0:8:2], b[0:8:2] = np.uint64(2**64 - 1), np.uint64(2**64 - 2)
+    mod = 2**ring_bits
+    va, vb = _ring_value(a, ring_bits, n), _ring_value(b, ring_bits, n)
+    total, diff = ring.add_into(a.copy(), b, ring_bits), ring.sub_into(a.copy(), b, ring_bits)
+    assert _ring_value(total, ring_bits, n) == [(x + y) % mod for x, y in zip(va, vb)]
+    assert _ring_value(diff, ring_bits, n) == [(x - y) % mod for x, y in zip(va, vb)]
+
+
+def test_ring_refuses_bad_arguments_naming_them():
+    with pytest.raises(ValueError, match="ring_bits=48"):
+        ring.ring_words(3, 48)
+    with pytest.raises(ValueError, match="16 bytes, got 8"):
+        ring.keystream_words(b"12345678", 4)
+    with pytest.raises(ValueError, match="3 words and 4 words"):
+        ring.add_into(np.zeros(3, np.uint64), np.zeros(4, np.uint64), 64)
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_keystream_is_the_kernels_mask(ring_bits):
+    # mask_share of zeros gives share = -AES(seed): the NumPy keystream plus the share is 0 in the ring.
+    n = 777
+    with tf.Graph().as_default():
+        share, seed = _run(ops.mask_share(tf.zeros([n], tf.float32), 2.0**8, ring_bits, 16, "owner", "hint"))
+    acc = share.reshape(-1).view(np.uint64).copy()
+    ring.add_into(acc, ring.keystream_words(seed, acc.size), ring_bits)
+    assert not acc.any()
+
+
+# ------------------------------------------------------------ whole path --
+
+def _mask(values, ring_bits, fraction_bits, bound):
+    with tf.Graph().as_default():
+        return _run([ops.mask_share(tf.constant(x), bound, ring_bits, fraction_bits, f"owner {i}", "hint")
+                     for i, x in enumerate(values)])
+
+
+def _contribute_all(clients, channel, step, ring_bits, n, masked):
+    results = in_threads([lambda c=c, m=m: c.contribute(channel, step, ring_bits, n, m[1], m[0])
+                          for c, m in zip(clients, masked)])
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results
+
+
+@pytest.mark.parametrize("num_owners", [2, 4, 8])
+@pytest.mark.parametrize("ring_bits", [64, 128])
+def test_int64_sums_are_exact_and_bit_identical_to_the_kernels(make_service, num_owners, ring_bits):
+    rng = np.random.RandomState(num_owners)
+    n = 1000
+    values = [rng.randint(-2**40, 2**40, size=n).astype(np.int64) for _ in range(num_owners)]
+    masked = _mask(values, ring_bits, 0, 2.0**41)
+    service = make_service(owner_names(num_owners))
+    results = _contribute_all(service.clients_of(num_owners), "grads", 0, ring_bits, n, masked)
+    blind, w = results[0]
+    for other_blind, other_w in results[1:]:  # every owner got the same answer
+        np.testing.assert_array_equal(other_blind, blind)
+        np.testing.assert_array_equal(other_w, w)
+    with tf.Graph().as_default():
+        seeds, shares = [tf.constant(m[1]) for m in masked], [tf.constant(m[0]) for m in masked]
+        kernel_total = ops.server_sum(seeds, shares, ring_bits, n)  # the kernels' ring sum of the same inputs
+        ring_total = ops.server_sum([tf.constant(blind)], [tf.constant(w)], ring_bits, n)  # w + AES(blind)
+        revealed = ops.reveal_sum(tf.constant(w), None, tf.int64, ring_bits, 0, key=tf.constant(blind))
+        kernel_total, ring_total, revealed = _run([kernel_total, ring_total, revealed])
+    np.testing.assert_array_equal(ring_total, kernel_total)
+    np.testing.assert_array_equal(revealed, np.sum(values, axis=0))
+
+
+@pytest.mark.parametrize("ring_bits,fraction_bits,bound", [(32, 16, 2.0**8), (64, 32, 2.0**24), (128, 40, 2.0**24)])
+def test_float_sums_are_within_fixed_point(make_service, ring_bits, fraction_bits, bound):
+    rng = np.random.RandomState(ring_bits)
+    num_owners, n = 4, 2001
+    values = [(rng.randn(n) * 50).astype(np.float32) for _ in range(num_owners)]
+    masked = _mask(values, ring_bits, fraction_bits, bound)
+    service = make_service(owner_names(num_owners))
+    blind, w = _contribute_all(service.clients_of(num_owners), "grads", 3, ring_bits, n, masked)[0]
+    with tf.Graph().as_default():
+        revealed = _run(ops.reveal_sum(tf.constant(w), None, tf.float64, ring_bits, fraction_bits,
+                                       shapes=[[n // 2], [n - n // 2]], key=tf.constant(blind)))
+    expected = np.sum(np.asarray(values, np.float64), axis=0)
+    np.testing.assert_allclose(np.concatenate(revealed), expected, rtol=0, atol=num_owners * 2.0**-fraction_bits)
+
+
+def test_consecutive_steps_and_channels_at_once(make_service):
+    rng = np.random.RandomState(5)
+    n, owners = 64, owner_names(2)
+    service = make_service(owners)
+    clients = service.clients_of(2)
+    for step in range(3):
+        values = {c: [rng.randint(-1000, 1000, n).astype(np.int64) for _ in owners] for c in ("a", "b")}
+        masked = {c: _mask(values[c], 64, 0, 2.0**20) for c in values}
+        calls = [lambda c=c, k=k: clients[k].contribute(c, step, 64, n, masked[c][k][1], masked[c][k][0])
+                 for c in values for k in range(2)]
+        results = in_threads(calls)
+        for (c, k), (blind, w) in zip([(c, k) for c in values for k in range(2)], results):
+            total = (w.view(np.uint64) + ring.keystream_words(blind, n)).view(np.int64)
+            np.testing.assert_array_equal(total, values[c][0] + values[c][1])
+
+
+# ------------------------------------------------------------ bad input --
+
+def _numpy_mask(x, ring_bits=64):
+    """share, key of int64 values at ring 64 (NumPy: the tests of rules need no kernels)."""
+    key = np.frombuffer(os.urandom(16), np.int32)
+    share = (x.view(np.uint64) - ring.keystream_words(key, x.size)).view(np.int64)
+    return share, key
+
+
+def _put(client, step, n=8, channel="c"):
+    share, key = _numpy_mask(np.arange(n, dtype=np.int64))
+    return client.contribute(channel, step, 64, n, key, share)
+
+
+def _error(result):
+    assert isinstance(result, ServiceError), f"expected a refusal, got {result!r}"
+    return result
+
+
+def test_mismatched_settings_are_refused_naming_both(make_service):
+    service = make_service(owner_names(2))
+    chief, worker = service.clients_of(2)
+    first = threading.Thread(target=lambda: in_threads([lambda: _put(chief, 0, n=8)]))
+    first.start()
+    time.sleep(0.3)
+    with pytest.raises(ServiceError) as e:
+        _put(worker, 0, n=9)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "worker:0 puts ring_bits=64, num_elements=9" in e.value.details
+    assert "num_elements=8 by its first put" in e.value.details
+    _put(worker, 0, n=8)
+    first.join(WAIT_SECS)
+
+
+def test_stale_step_is_refused_until_the_owner_rewinds(make_service):
+    service = make_service(owner_names(2))
+    chief, worker = service.clients_of(2)
+    for step in (0, 1):
+        in_threads([lambda: _put(chief, step), lambda: _put(worker, step)])
+    with pytest.raises(ServiceError) as e:
+        _put(chief, 1)
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "chief:0 puts step 1, but this server already released step 1" in e.value.details
+    chief.rewind(1)
+    worker.rewind(1)
+    results = in_threads([lambda: _put(chief, 1), lambda: _put(worker, 1)])
+    assert all(isinstance(r, tuple) for r in results), results
+
+
+def test_owners_out_of_step_are_refused_naming_both_steps(make_service):
+    service = make_service(owner_names(2), step_timeout_secs=2.0)
+    chief, worker = service.clients_of(2)
+    results = in_threads([lambda: _put(chief, 5), lambda: (time.sleep(0.3), _put(worker, 6))[1]])
+    refused = _error(results[1])
+    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "worker:0 puts step 6, but step 5 is open with contributions of ['chief:0']" in refused.details
+
+
+def test_a_put_times_out_naming_each_missing_owner_and_its_last_step(make_service):
+    service = make_service(owner_names(3), step_timeout_secs=1.0)
+    chief, worker0, worker1 = service.clients_of(3)
+    in_threads([lambda: _put(chief, 0), lambda: _put(worker0, 0), lambda: _put(worker1, 0)])
+    results = in_threads([lambda: _put(chief, 1), lambda: _put(worker0, 1)])
+    for result in results:
+        error = _error(result)
+        assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "still missing worker:1 (last contributed step 0)" in error.details
+        assert "chief:0 (" not in error.details
+
+
+def test_a_duplicate_is_refused_and_a_rewind_lets_the_owner_contribute_again(make_service):
+    service = make_service(owner_names(2), step_timeout_secs=1.0)
+    chief, worker = service.clients_of(2)
+    assert _error(in_threads([lambda: _put(chief, 0)])[0]).code == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(ServiceError) as e:
+        _put(chief, 0)
+    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert "chief:0 already contributed to step 0" in e.value.details
+    chief.rewind(0)
+    results = in_threads([lambda: _put(chief, 0), lambda: _put(worker, 0)])
+    assert all(isinstance(r, tuple) for r in results), results
+    blind, w = results[0]
+    total = (w.view(np.uint64) + ring.keystream_words(blind, 8)).view(np.int64)
+    np.testing.assert_array_equal(total, 2 * np.arange(8))  # the dropped contribution is not counted twice
+
+
+def test_a_rewind_touches_only_the_callers_contribution(make_service):
+    service = make_service(owner_names(2))
+    chief, worker = service.clients_of(2)
+
+    def chief_rewinds_then_puts():
+        time.sleep(0.3)
+        chief.rewind(0)
+        return _put(chief, 0)
+
+    results = in_threads([lambda: _put(worker, 0), chief_rewinds_then_puts])
+    assert all(isinstance(r, tuple) for r in results), results
+
+
+def test_handshake_returns_every_owners_row_in_configured_order(make_service):
+    service = make_service(owner_names(3))
+    chief, worker0, _ = service.clients_of(3)
+    np.testing.assert_array_equal(worker0.handshake(4, [7, 8]), [[-1, -1], [7, 8], [-1, -1]])
+    np.testing.assert_array_equal(chief.handshake(4, [5, 6]), [[5, 6], [7, 8], [-1, -1]])
+    np.testing.assert_array_equal(worker0.handshake(5, [9, 9]), [[5, 6], [9, 9], [-1, -1]])  # replaced
+    with pytest.raises(ServiceError, match="its descriptor has 3 fields, chief:0's has 2"):
+        worker0.handshake(5, [1, 2, 3])
+
+
+def test_client_checks_its_arguments_before_any_call(make_service):
+    service = make_service(owner_names(2))
+    chief = service.client("chief", 0)
+    with pytest.raises(ValueError, match="int64 with 8"):
+        chief.contribute("c", 0, 64, 8, np.zeros(4, np.int32), np.zeros(7, np.int64))
+    with pytest.raises(ValueError, match="key has 8 bytes"):
+        chief.contribute("c", 0, 64, 8, np.zeros(2, np.int32), np.zeros(8, np.int64))
+
+
+def test_get_client_makes_one_client_per_key():
+    made = []
+
+    class Fake:
+        def close(self):
+            made.append("closed")
+
+    first = get_client("test-key", lambda: made.append("made") or Fake())
+    assert get_client("test-key", lambda: made.append("made") or Fake()) is first
+    release_client("test-key")
+    assert made == ["made", "closed"]
+
+
+# ------------------------------------------------------------ the API --
+
+def _parse_proto(text):
+    code = re.sub(r"//[^\n]*", "", text)
+    package = re.search(r"^\s*package\s+([\w.]+);", code, re.M).group(1)
+    messages = []
+    for name, body in re.findall(r"message\s+(\w+)\s*\{(.*?)\}", code, re.S):
+        fields = [(("repeated " if rep else "") + kind, field, int(number))
+                  for rep, kind, field, number in re.findall(r"(repeated\s+)?(\w+)\s+(\w+)\s*=\s*(\d+);", body)]
+        messages.append((name, tuple(fields)))
+    service = re.search(r"service\s+(\w+)\s*\{(.*?)\}", code, re.S)
+    rpcs = re.findall(r"rpc\s+(\w+)\s*\(\s*(\w+)\s*\)\s*returns\s*\(\s*(\w+)\s*\)", service.group(2))
+    return package, service.group(1), tuple(messages), tuple(rpcs)
+
+
+def _from_descriptor(proto):
+    names = {9: "string", 12: "bytes", 5: "int32", 3: "int64"}  # FieldDescriptorProto.TYPE_*
+    messages = tuple((m.name, tuple((("repeated " if f.label == f.LABEL_REPEATED else "") + names[f.type], f.name,
+                                     f.number) for f in m.field)) for m in proto.message_type)
+    rpcs = tuple((m.name, m.input_type.rsplit(".", 1)[1], m.output_type.rsplit(".", 1)[1])
+                 for m in proto.service[0].method)
+    return proto.package, proto.service[0].name, messages, rpcs
+
+
+def test_the_proto_file_and_the_runtime_descriptor_are_the_same_api():
+    text = (ROOT / "tfe_estimator" / "service" / "aggregation.proto").read_text()
+    assert _parse_proto(text) == _from_descriptor(wire.file_descriptor())
+    for method in wire.METHODS:  # the table of who may call what has a row per method
+        assert re.search(rf"^// {method.name}\s+\|", text, re.M), method.name
+
+
+def test_messages_round_trip():
+    classes = wire.messages()
+    request = classes["HandshakeRequest"](step=3, descriptor=[1, -1, 2**40])
+    assert classes["HandshakeRequest"].FromString(request.SerializeToString()) == request
+
+
+def test_the_service_imports_without_tensorflow():
+    # The parent package imports TensorFlow; a server image runs only the service (and cluster.certs).
+    code = (f"import sys, types\npkg = types.ModuleType('tfe_estimator')\npkg.__path__ = [{str(ROOT / 'tfe_estimator')!r}]\n"
+            "sys.modules['tfe_estimator'] = pkg\nimport tfe_estimator.service, tfe_estimator.service.server\n"
+            "tfe_estimator.service.wire.messages()\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=WAIT_SECS)
