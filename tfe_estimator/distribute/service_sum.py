@@ -107,6 +107,18 @@ def service_sum(
 
 
 def _call(contribute, channel, ring_bits, num_elements, step, key, share):
-    """The numpy side of the contribution op: one call to the service, its two answers as arrays."""
-    blind_key, masked_sum = contribute(channel, int(step), ring_bits, num_elements, key, share)
+    """The numpy side of the contribution op: one call to the service, its two answers as arrays.
+
+    A failed call becomes the TensorFlow error of its gRPC status (the codes are the same), with the
+    server's message: ``UNAVAILABLE`` (a server restarting) is one of the errors after which
+    Estimator's session recovers from the latest checkpoint (then the owners' handshake and rewind
+    run again); ``DEADLINE_EXCEEDED`` (an owner missing for `step_timeout_secs`) ends the run.
+    """
+    try:
+        blind_key, masked_sum = contribute(channel, int(step), ring_bits, num_elements, key, share)
+    except Exception as e:  # pylint: disable=broad-except
+        code = getattr(getattr(e, "code", None), "value", None)
+        if not code:
+            raise
+        raise tf.errors.exception_type_from_error_code(code[0])(None, None, str(e)) from e
     return np.asarray(blind_key, np.int32), np.asarray(masked_sum, np.int64)
