@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfe_estimator.distribute import step_wait
+from tfe_estimator.distribute.service_sum import tf_errors
 from tfe_estimator.distribute.weight_check_handshake import OwnersDisagreeError, descriptor, mismatch
 
 __all__ = ["ServiceHandshakeHook"]
@@ -59,7 +60,8 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
         rows = [None]
 
         def everyone_at_my_step():
-            rows[0] = np.asarray(client.handshake(int(mine[0]), [int(v) for v in mine]))
+            with tf_errors():
+                rows[0] = np.asarray(client.handshake(int(mine[0]), [int(v) for v in mine]))
             return bool(np.all(rows[0][:, 0] == mine[0]))
 
         timeout = 0.9 * self._binding.timeout_secs
@@ -67,4 +69,5 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
         message = mismatch(rows[0], owners.index(self._binding.owner), owners, timeout, arrived)
         if message:
             raise OwnersDisagreeError(message)
-        client.rewind(int(mine[0]))
+        with tf_errors():
+            client.rewind(int(mine[0]))

@@ -31,6 +31,7 @@ Example::
                          hint="clip gradients", scale=0.5, channel="sum_0", step=step,
                          contribute=client_call)
 """
+import contextlib
 import functools
 import weakref
 from typing import Callable, List, Sequence
@@ -41,7 +42,7 @@ import tensorflow as tf
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 
-__all__ = ["service_sum", "CONTRIBUTE_OP_NAME"]
+__all__ = ["service_sum", "tf_errors", "CONTRIBUTE_OP_NAME"]
 
 #: The name (scope) of the op through which a contribution leaves the graph: what the audit looks for.
 CONTRIBUTE_OP_NAME = "service_contribute"
@@ -114,11 +115,18 @@ def _call(contribute, channel, ring_bits, num_elements, step, key, share):
     Estimator's session recovers from the latest checkpoint (then the owners' handshake and rewind
     run again); ``DEADLINE_EXCEEDED`` (an owner missing for `step_timeout_secs`) ends the run.
     """
-    try:
+    with tf_errors():
         blind_key, masked_sum = contribute(channel, int(step), ring_bits, num_elements, key, share)
+    return np.asarray(blind_key, np.int32), np.asarray(masked_sum, np.int64)
+
+
+@contextlib.contextmanager
+def tf_errors():
+    """Turns a failed service call (an exception with a gRPC ``code``) into TensorFlow's error of that code."""
+    try:
+        yield
     except Exception as e:  # pylint: disable=broad-except
         code = getattr(getattr(e, "code", None), "value", None)
         if not code:
             raise
         raise tf.errors.exception_type_from_error_code(code[0])(None, None, str(e)) from e
-    return np.asarray(blind_key, np.int32), np.asarray(masked_sum, np.int64)
