@@ -250,10 +250,44 @@ class TfeRunConfig(tf.estimator.RunConfig):
         return new
 
 
-        _default_seed(kwargs)
-        kwargs["model_dir"] = model_dir_claim.default_model_dir(kwargs.get("model_dir"))
-        with _tf_config_hidden(isinstance(kwargs["train_distribute"], ServiceStrategy)):
-            super().__init__(protocol=grpc_protocol, **kwargs)
+def _default_seed(kwargs) -> None:
+    """Owners that each build their own graph start from identical variables only with one graph-level seed.
+
+    Without `tf_random_seed`, every owner derives the same one from the
+    cluster all of their TF_CONFIGs list: the first 31 bits of
+    `spec.cluster_digest` (SHA-256 of the cluster's canonical JSON). An
+    explicit seed wins.
+    """
+    if kwargs.get("tf_random_seed") is not None:
+        return
+    if not _each_owner_builds_its_graph(kwargs["train_distribute"]):
+        return
+    spec = cluster_lib.TfeCluster.from_environment()
+    seed = int.from_bytes(cluster_lib.cluster_digest(spec.jobs)[:4], "big") >> 1
+    kwargs["tf_random_seed"] = seed
+    logging.getLogger("tfe_estimator").info(
+        "tf_random_seed=%d derived from TF_CONFIG's cluster (first 31 bits of the SHA-256 of its canonical JSON), "
+        "alike on every owner, so all owners start from identical variables; pass tf_random_seed=<int> to choose "
+        "another.", seed)
+
+
+def _each_owner_builds_its_graph(strategy) -> bool:
+    """Between-graph and service mode: every data owner builds and runs only its own graph."""
+    return isinstance(strategy, ServiceStrategy) or getattr(strategy.extended, "experimental_between_graph", False)
+
+
+def _claim_owner_model_dir(config: "TfeRunConfig") -> None:
+    """A data owner that writes checkpoints claims its model_dir (`cluster.model_dir_claim`), before any write.
+
+    The chief always; a worker when each owner trains its own graph (between-graph, service); never the evaluator.
+    """
+    spec = cluster_lib.TfeCluster.from_environment()
+    if spec is None or config.model_dir is None:
+        return
+    if spec.task_type == "chief" or (spec.task_type == "worker" and _each_owner_builds_its_graph(
+            config.train_distribute)):
+        model_dir_claim.claim_model_dir(config.model_dir, f"{spec.task_type}:{spec.task_index}",
+                                        model_dir_claim.cluster_id(spec.jobs))
 
 
 def _check_model_dir_replicas(config: "TfeRunConfig") -> None:
