@@ -38,6 +38,7 @@ from typing import Callable, List, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import errors_impl
 
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
@@ -110,23 +111,27 @@ def service_sum(
 def _call(contribute, channel, ring_bits, num_elements, step, key, share):
     """The numpy side of the contribution op: one call to the service, its two answers as arrays.
 
-    A failed call becomes the TensorFlow error of its gRPC status (the codes are the same), with the
-    server's message: ``UNAVAILABLE`` (a server restarting) is one of the errors after which
-    Estimator's session recovers from the latest checkpoint (then the owners' handshake and rewind
-    run again); ``DEADLINE_EXCEEDED`` (an owner missing for `step_timeout_secs`) ends the run.
+    A failed call fails the session run with the server's message (TensorFlow reports an exception
+    raised inside a `tf.numpy_function` as ``UnknownError`` whatever its type, so Estimator does not
+    retry it in the same process): the owner's process exits, and its supervisor (the launcher's
+    ``--max-restarts``, Kubernetes' restart policy) restarts it from its latest checkpoint, where the
+    owners' handshake and rewind bring every owner back to one step.
     """
-    with tf_errors():
-        blind_key, masked_sum = contribute(channel, int(step), ring_bits, num_elements, key, share)
+    blind_key, masked_sum = contribute(channel, int(step), ring_bits, num_elements, key, share)
     return np.asarray(blind_key, np.int32), np.asarray(masked_sum, np.int64)
 
 
 @contextlib.contextmanager
 def tf_errors():
-    """Turns a failed service call (an exception with a gRPC ``code``) into TensorFlow's error of that code."""
+    """Turns a failed service call (an exception with a gRPC ``code``) into TensorFlow's error of that code.
+
+    For calls made from Python (the handshake hook): Estimator recreates a session whose creation
+    failed with ``UnavailableError`` (a server not up yet), and names the others.
+    """
     try:
         yield
     except Exception as e:  # pylint: disable=broad-except
         code = getattr(getattr(e, "code", None), "value", None)
         if not code:
             raise
-        raise tf.errors.exception_type_from_error_code(code[0])(None, None, str(e)) from e
+        raise errors_impl.exception_type_from_error_code(code[0])(None, None, str(e)) from e
