@@ -10,6 +10,9 @@ first field that differs and the owners it differs for (the same messages
 as the TensorFlow-runtime between-graph mode). The server learns these
 hashes and the step, nothing else.
 
+Before that, when the training graph is complete, `audit.owner_graph`
+checks that it lets out nothing but fresh keys and masked shares.
+
 Once the owners agree, the owner rewinds its own state on both servers
 (``Rewind``): a contribution left by a failed session is dropped, and it may
 contribute from the restored step again, so owners that all recovered from
@@ -25,6 +28,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
+from tfe_estimator.audit.owner_graph import audit_owner_graph
 from tfe_estimator.distribute import step_wait
 from tfe_estimator.distribute.service_sum import tf_errors
 from tfe_estimator.distribute.weight_check_handshake import OwnersDisagreeError, descriptor, mismatch
@@ -49,6 +53,8 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
         self._mine = None
 
     def begin(self):
+        # The training graph is complete: check what it lets out before it runs (`audit.owner_graph`).
+        audit_owner_graph(tf.compat.v1.get_default_graph())
         with tf.name_scope("service_handshake"):
             _, self._mine = descriptor(self._settings, len(self._binding.owners))
 

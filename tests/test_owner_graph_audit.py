@@ -1,0 +1,64 @@
+"""The service-mode owner graph audit: what a contribution may send, with a planted leak beside each rule."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfe_estimator.audit.owner_graph import OwnerGraphAuditError, audit_owner_graph
+from tfe_estimator.distribute.service_sum import service_sum
+from tfe_estimator.secure.fused_sum import Encoding
+from tfe_estimator.secure.kernels import ops
+
+ENCODING = Encoding(64, 32, 2.0**24)
+
+
+def _echo(channel, step, ring_bits, num_elements, key, share):
+    return key, share  # stands in for the service: the graph, not the answer, is audited here
+
+
+def _graph(leak=None):
+    graph = tf.Graph()
+    with graph.as_default():
+        step = tf.constant(3, tf.int64)
+        grads = [tf.constant([1.0, 2.0]), tf.constant([[3.0]])]
+        if leak is None:
+            service_sum([grads], ["/cpu:0"], ["/cpu:0"], ENCODING, tf.float32, "chief:0", "hint", 1.0, "sum_0",
+                        step, _echo)
+        else:
+            share, key = ops.mask_share(grads, ENCODING.bound, 64, 32, "chief:0", "hint")
+            inputs = {"raw": [step, key, tf.bitcast(tf.cast(tf.concat([tf.reshape(g, [-1]) for g in grads], 0),
+                                                            tf.float64), tf.int64)],
+                      "zero_key": [step, tf.zeros([4], tf.int32), share],
+                      "other_key": [step, ops.mask_share(grads, ENCODING.bound, 64, 32, "x", "h")[1], share]}[leak]
+            tf.numpy_function(lambda *a: (a[1], a[2]), inputs, [tf.int32, tf.int64], name="service_contribute")
+    return graph
+
+
+def test_an_owners_contribution_sends_the_step_a_fresh_key_and_its_masked_share():
+    assert audit_owner_graph(_graph()) == 1
+
+
+@pytest.mark.parametrize("leak", ["raw", "zero_key", "other_key"])
+def test_a_contribution_of_anything_else_is_refused_naming_it(leak):
+    with pytest.raises(OwnerGraphAuditError, match=r"service_contribute would send \[.*\], but a contribution"):
+        audit_owner_graph(_graph(leak))
+
+
+def test_an_op_on_another_task_is_refused():
+    graph = _graph()
+    with graph.as_default(), tf.device("/job:worker/task:0/device:CPU:0"):
+        tf.constant(1.0, name="elsewhere")
+    with pytest.raises(OwnerGraphAuditError, match=r"elsewhere \(Const\) is placed on /job:worker/task:0"):
+        audit_owner_graph(graph)
+
+
+def test_the_audited_sum_reveals_each_part_through_a_stand_in_service():
+    # With a service that hands back the owner's own key and share (one owner), the reveal is the owner's values.
+    graph = tf.Graph()
+    with graph.as_default():
+        grads = [tf.constant([1.0, 2.0]), tf.constant([[3.0]])]
+        totals = service_sum([grads], ["/cpu:0"], ["/cpu:0"], ENCODING, tf.float32, "chief:0", "hint", 1.0,
+                             "sum_0", tf.constant(3, tf.int64), _echo)
+        with tf.compat.v1.Session(graph=graph) as session:
+            first, second = session.run(totals[0])
+    np.testing.assert_allclose(first, [1.0, 2.0])
+    np.testing.assert_allclose(second, [[3.0]])

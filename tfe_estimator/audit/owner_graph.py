@@ -1,0 +1,65 @@
+"""What a service-mode owner's graph lets out: per contribution, the step, a fresh key and a masked share.
+
+In service mode (`tfe_estimator.distribute.service_aggregation`) an owner's
+graph runs in its own process (no TensorFlow server, no remote device) and
+talks to the aggregation service only through its contribution ops (one
+``tf.numpy_function`` per sum, `service_sum.CONTRIBUTE_OP_NAME`).
+`audit_owner_graph` checks, on the graph itself, that
+
+- no op is placed on another task (every device is this process's), and
+- every contribution op takes exactly the step (a scalar int64) and the two
+  outputs of one ``TfeMaskShare`` op: its key (output 1) and its masked share
+  (output 0), so the only values that leave are a fresh key and a value
+  masked by that key's keystream.
+
+`ServiceStrategy` runs it when a training graph is finalized (the owners'
+handshake hook), so a graph that would send anything else stops before its
+first step.
+
+Example::
+
+    audit_owner_graph(tf.compat.v1.get_default_graph())   # raises OwnerGraphAuditError naming the op
+"""
+import tensorflow as tf
+
+from tfe_estimator.errors import PlaintextOnServerError
+
+__all__ = ["audit_owner_graph", "OwnerGraphAuditError", "CONTRIBUTION_OP_TYPES"]
+
+#: The op types a `tf.numpy_function` / `tf.py_function` becomes.
+CONTRIBUTION_OP_TYPES = ("PyFunc", "EagerPyFunc")
+
+
+class OwnerGraphAuditError(PlaintextOnServerError):
+    """An owner's graph would let out something other than a fresh key and a masked share."""
+
+
+def _local(device: str) -> bool:
+    return not device or device.startswith("/job:localhost/") or device.startswith("/device:")
+
+
+def audit_owner_graph(graph: tf.Graph, contribution_name: str = "service_contribute") -> int:
+    """Checks `graph` (module docstring); returns how many contributions it holds.
+
+    Raises:
+      OwnerGraphAuditError: naming the op placed elsewhere, or the contribution and what it would send.
+    """
+    count = 0
+    for op in graph.get_operations():
+        if not _local(op.device):
+            raise OwnerGraphAuditError(
+                f"owner graph audit: {op.name} ({op.type}) is placed on {op.device}, another task: in service mode "
+                "an owner's graph runs in its own process only.")
+        if op.type not in CONTRIBUTION_OP_TYPES or not op.name.split("/")[-1].startswith(contribution_name):
+            continue
+        count += 1
+        inputs = list(op.inputs)
+        sent = ", ".join(f"{t.op.name}:{t.value_index} ({t.op.type})" for t in inputs)
+        ok = (len(inputs) == 3 and inputs[0].dtype == tf.int64 and inputs[0].shape.rank == 0
+              and inputs[1].op.type == "TfeMaskShare" and inputs[1].value_index == 1
+              and inputs[2].op is inputs[1].op and inputs[2].value_index == 0)
+        if not ok:
+            raise OwnerGraphAuditError(
+                f"owner graph audit: the contribution {op.name} would send [{sent}], but a contribution may send "
+                "only the step and one TfeMaskShare's key (output 1) and masked share (output 0).")
+    return count
