@@ -17,6 +17,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from tfe_estimator._version import __version__
 from tfe_estimator.cluster.server import SERVER_SUBCOMMAND
 
 __all__ = ["parse_args", "main"]
@@ -32,6 +33,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if argv[:1] and argv[0] in _PASS_THROUGH:
         return argparse.Namespace(command=argv[0], args=argv[1:])
     parser = argparse.ArgumentParser(prog="tfe-estimator", description="Secure aggregation for TensorFlow Estimator.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser(SERVER_SUBCOMMAND, help="run this task's TFE party server from TF_CONFIG and block")
