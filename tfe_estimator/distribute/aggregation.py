@@ -326,7 +326,8 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                         f"clipped per example ({tensor.name}): without per-example clipping the noise "
                         "bounds nothing. Use our model_fns (they clip when the RunConfig carries dp), or "
                         "a tensorflow-privacy DP head/estimator (e.g. tensorflow_privacy.DNNClassifier) "
-                        "with optimizer=tfe_estimator.privacy.dp.make_dp_optimizer(tf.keras.optimizers.legacy.SGD(...), "
+                        "with optimizer=tfe_estimator.privacy.dp.make_dp_optimizer("
+                        "tf.keras.optimizers.legacy.SGD(...), "
                         "l2_norm_clip) instead of an ordinary optimizer or a canned tf.estimator model.")
                 if clip > self._dp.l2_norm_clip:
                     raise ValueError(

@@ -105,7 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 old = [x[i][col] for x in results[("old", threads)]]
                 new = [x[i][col] for x in results[("new", threads)]]
                 pinned = " pinned" if args.pin else ""
-                print(f"[sampler compare] v = 2**{math.log2(v):.1f}, {threads} thread(s){pinned}, {kind}: old best {min(old):.1f} median {statistics.median(old):.1f}, new best {min(new):.1f} "
+                print(f"[sampler compare] v = 2**{math.log2(v):.1f}, {threads} thread(s){pinned}, {kind}: "
+                      f"old best {min(old):.1f} median {statistics.median(old):.1f}, new best {min(new):.1f} "
                       f"median {statistics.median(new):.1f} ns per value; new/old {min(new) / min(old):.2f} (best), "
                       f"{statistics.median(new) / statistics.median(old):.2f} (median)", flush=True)
     return 0

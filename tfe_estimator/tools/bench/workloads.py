@@ -49,7 +49,8 @@ class Workload:
 
     def describe(self) -> str:
         model = "LinearRegressor" if self.model == "linear" else f"DNNRegressor{list(self.hidden_units)}"
-        link = {"": "loopback", "tls": "namespaces, TLS vs none", "isolated": "namespaces"}.get(self.transport, f"{self.transport} links")
+        link = {"": "loopback", "tls": "namespaces, TLS vs none", "isolated": "namespaces"}.get(
+            self.transport, f"{self.transport} links")
         where = (f"between-graph cluster ({link}), {self.replicas} owners" if self.between_graph else
                  f"loopback cluster, {self.replicas} owners" if self.cluster else f"{self.replicas} local replicas")
         return f"{model}, {self.features:,} features, {where}"
