@@ -194,6 +194,25 @@ def _check_dropout(where, key, value):
         )
 
 
+def _check_label_vocabulary(where, key, value):
+    if value is None:
+        return
+    words = list(value) if isinstance(value, (list, tuple)) else None
+    if not words or not all(isinstance(w, str) for w in words) or len(set(words)) != len(words):
+        raise ValueError(
+            f"{where}: params[{key!r}] must be None or a list of distinct strings, the class names in class-id "
+            f"order (e.g. ['no', 'yes']); got {value!r}."
+        )
+
+
+def _check_weight_column(where, key, value):
+    if value is not None and not (isinstance(value, str) and value) and not hasattr(value, "key"):
+        raise ValueError(
+            f"{where}: params[{key!r}] must be None, a feature name or a numeric_column whose values weight "
+            f"each example's loss; got {value!r}."
+        )
+
+
 _CHECKS = {
     "feature_columns": _check_feature_columns,
     "learning_rate": _check_learning_rate,
@@ -202,4 +221,6 @@ _CHECKS = {
     "label_dimension": _check_label_dimension,
     "hidden_units": _check_hidden_units,
     "dropout": _check_dropout,
+    "label_vocabulary": _check_label_vocabulary,
+    "weight_column": _check_weight_column,
 }
