@@ -13,7 +13,7 @@ Example::
     k8s_common.labels("demo", "chief", 0)[k8s_common.JOB_LABEL]  # 'chief'
 """
 import re
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfe_estimator.cluster.server import server_command
 from tfe_estimator.cluster.spec import NUM_TFE_TASKS, cluster_tasks
@@ -31,6 +31,13 @@ __all__ = [
     "DEFAULT_COMMAND",
     "SERVER_COMMAND",
     "NUM_TFE_TASKS",
+    "DEFAULT_RESOURCES",
+    "DEFAULT_RUN_AS_USER",
+    "RENDERED_KINDS",
+    "container_security_context",
+    "pod_security_context",
+    "parse_quantities",
+    "teardown_command",
     "check_arguments",
     "check_active_deadline_seconds",
     "check_tls",
@@ -58,6 +65,16 @@ TLS_DIR = "/etc/tfe-tls"
 DEFAULT_COMMAND: Tuple[str, ...] = ("python", "train.py")
 #: What a ``tfe`` pod runs: a TensorFlow server configured by TF_CONFIG (the one server command).
 SERVER_COMMAND: Tuple[str, ...] = server_command()
+
+#: Requests and limits of every TensorFlow container (owners and tfe servers); `--requests`/`--limits` change them.
+#: No CPU limit: throttling a party stalls every owner's step.
+DEFAULT_RESOURCES: Dict[str, Dict[str, str]] = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+#: The user every pod runs as (the training image, deploy/Dockerfile, creates it); never root.
+DEFAULT_RUN_AS_USER = 1000
+#: Every kind `render_manifests` emits (`render_tfjob`: a TFJob and NetworkPolicies): what `teardown_command` deletes.
+RENDERED_KINDS: Tuple[str, ...] = ("jobs.batch", "deployments.apps", "services", "configmaps",
+                                   "networkpolicies.networking.k8s.io")
+_TFJOB_KIND = "tfjobs.kubeflow.org"
 
 _DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -178,3 +195,38 @@ def labels(name: str, job: Optional[str] = None, index: Optional[int] = None) ->
 def selector(name: str, job: str, index: int) -> Dict[str, str]:
     """The labels that pick exactly one task's pod."""
     return {CLUSTER_LABEL: name, JOB_LABEL: job, INDEX_LABEL: str(index)}
+
+
+def pod_security_context(run_as_user: int = DEFAULT_RUN_AS_USER) -> Dict[str, Any]:
+    """The pod's securityContext: a non-root user and the runtime's default seccomp profile."""
+    check_int(run_as_user, f"run_as_user={run_as_user!r} must be an integer user id >= 1 (not root).", minimum=1)
+    return {"runAsNonRoot": True, "runAsUser": run_as_user, "runAsGroup": run_as_user, "fsGroup": run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context(read_only_root: bool) -> Dict[str, Any]:
+    """A container's securityContext: no privilege escalation, no capabilities, optionally a read-only root."""
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": bool(read_only_root),
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def parse_quantities(text: str, flag: str) -> Dict[str, str]:
+    """``"cpu=1,memory=2Gi"`` -> ``{"cpu": "1", "memory": "2Gi"}``; ``""`` -> ``{}``."""
+    result = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in ("cpu", "memory", "ephemeral-storage") or not value.strip():
+            raise ValueError(f"{flag} {text!r}: expected resource=quantity pairs separated by commas, e.g. "
+                             "'cpu=1,memory=2Gi' (resources: cpu, memory, ephemeral-storage).")
+        result[key.strip()] = value.strip()
+    return result
+
+
+def teardown_command(name: str, namespace: str = "default", tfjob: bool = False) -> List[str]:
+    """The kubectl command that deletes every object rendered for cluster `name` (TLS ConfigMaps included).
+
+    With `tfjob` also the TFJob (kubectl refuses a kind whose CRD is not installed, so only then).
+    """
+    kinds = RENDERED_KINDS + ((_TFJOB_KIND,) if tfjob else ())
+    return ["kubectl", "-n", namespace, "delete", ",".join(kinds), "-l", f"{CLUSTER_LABEL}={name}",
+            "--ignore-not-found"]

@@ -22,13 +22,15 @@ or from a shell::
         --workers 2 -- python train.py | kubectl apply -f -
 """
 import argparse
+import shlex
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from tfe_estimator.cluster import peers
 from tfe_estimator.cluster.k8s_common import (CLUSTER_LABEL, DEFAULT_COMMAND, DEFAULT_PORT, DEFAULT_SIDECAR_IMAGE,
                                               DEFAULT_TLS_SECRET, INDEX_LABEL, JOB_LABEL, NUM_TFE_TASKS,
-                                              SERVER_COMMAND, TLS_PORT)
+                                              SERVER_COMMAND, TLS_PORT, DEFAULT_RESOURCES, DEFAULT_RUN_AS_USER,
+                                              parse_quantities, teardown_command)
 from tfe_estimator.cluster.manifests import render_manifests, to_yaml
 from tfe_estimator.cluster.tfjob import render_tfjob
 
@@ -64,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Example: %(prog)s --name demo --image example.com/train:1 --workers 2 -- python train.py",
     )
     parser.add_argument("--name", required=True, help="cluster name (DNS-1123 label starting with a letter)")
-    parser.add_argument("--image", required=True, help="container image with the training script and tfe_estimator")
+    parser.add_argument("--image", default=None, help="container image with the training script and tfe_estimator")
     parser.add_argument("--workers", type=int, default=1, help="data owners besides the chief (default 1)")
     parser.add_argument("--no-evaluator", dest="evaluator", action="store_false", help="leave out the evaluator task")
     parser.add_argument("--namespace", default="default", help="namespace of every object (default 'default')")
@@ -96,6 +98,17 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"the TLS sidecar's image (default {DEFAULT_SIDECAR_IMAGE}; deploy/sidecar/Dockerfile)")
     parser.add_argument("--tls-secret", default=DEFAULT_TLS_SECRET,
                         help=f"Secret per task with ca.crt and <job>-<index>.crt/.key (default {DEFAULT_TLS_SECRET!r})")
+    parser.add_argument("--requests", default=_quantities(DEFAULT_RESOURCES["requests"]),
+                        help="resource requests of every TensorFlow container (default %(default)r; '' for none)")
+    parser.add_argument("--limits", default=_quantities(DEFAULT_RESOURCES["limits"]),
+                        help="resource limits of every TensorFlow container (default %(default)r; '' for none)")
+    parser.add_argument("--run-as-user", type=int, default=DEFAULT_RUN_AS_USER,
+                        help=f"non-root user id of every pod (default {DEFAULT_RUN_AS_USER}, deploy/Dockerfile's user)")
+    parser.add_argument("--read-only-root", action="store_true",
+                        help="read-only root filesystem for the TensorFlow containers (/tmp an emptyDir)")
+    parser.add_argument("--teardown", action="store_true",
+                        help="print the kubectl command that deletes everything rendered for --name (TLS ConfigMaps "
+                        "included) instead of manifests; --image is then not needed")
     parser.add_argument("--tfjob", action="store_true",
                         help="render one Kubeflow TFJob (kubeflow.org/v1) and a NetworkPolicy per replica type "
                         "instead (no --tls, no claims: see tfe_estimator.cluster.tfjob)")
@@ -104,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
         "command", nargs=argparse.REMAINDER, help=f"training command after '--' (default: {' '.join(DEFAULT_COMMAND)})"
     )
     return parser
+
+
+def _quantities(values: Dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in values.items())
 
 
 def _tfjob(args, command) -> List[Dict[str, Any]]:
@@ -116,7 +133,10 @@ def _tfjob(args, command) -> List[Dict[str, Any]]:
                          "writes TF_CONFIG from Service addresses). Render plain manifests instead (drop --tfjob).")
     return render_tfjob(args.name, args.image, args.workers, evaluator=args.evaluator,
                         command=command or DEFAULT_COMMAND, namespace=args.namespace, port=args.port,
-                        cluster_mode=args.cluster_mode, active_deadline_seconds=args.active_deadline_seconds)
+                        cluster_mode=args.cluster_mode, active_deadline_seconds=args.active_deadline_seconds,
+                        resources={"requests": parse_quantities(args.requests, "--requests"),
+                                   "limits": parse_quantities(args.limits, "--limits")},
+                        run_as_user=args.run_as_user)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -131,6 +151,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.teardown:
+        print(shlex.join(teardown_command(args.name, args.namespace, tfjob=args.tfjob)))
+        return 0
+    if args.image is None:
+        parser.error("the following arguments are required: --image")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -152,6 +177,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tls=args.tls,
             sidecar_image=args.sidecar_image,
             tls_secret=args.tls_secret,
+            resources={"requests": parse_quantities(args.requests, "--requests"),
+                       "limits": parse_quantities(args.limits, "--limits")},
+            run_as_user=args.run_as_user,
+            read_only_root=args.read_only_root,
         ))
     except ValueError as e:
         parser.error(str(e))

@@ -39,6 +39,8 @@ or from a shell::
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from tfe_estimator.cluster import certs, peers
+from tfe_estimator.cluster.k8s_common import (DEFAULT_RESOURCES, DEFAULT_RUN_AS_USER, container_security_context,
+                                              pod_security_context)
 from tfe_estimator.cluster.k8s_common import (DEFAULT_COMMAND, DEFAULT_PORT, DEFAULT_SIDECAR_IMAGE, DEFAULT_TLS_SECRET,
                                               SERVER_COMMAND, TLS_DIR, TLS_PORT, CLUSTER_LABEL, JOB_LABEL,
                                               check_active_deadline_seconds, check_arguments, check_tls, labels,
@@ -60,17 +62,29 @@ def _pod_spec(
     mounts: Sequence[Tuple[str, str, str, bool]] = (),
     mode: str = peers.BETWEEN_GRAPH,
     sidecar: Optional[Dict[str, Any]] = None,
+    resources: Optional[Dict[str, Dict[str, str]]] = None,
+    run_as_user: int = DEFAULT_RUN_AS_USER,
+    read_only_root: bool = False,
 ) -> Dict[str, Any]:
-    """A pod spec; `mounts` are (volume name, claim name, mount path, read-only); `sidecar` adds the TLS sidecar."""
+    """A pod spec; `mounts` are (volume name, claim name, mount path, read-only); `sidecar` adds the TLS sidecar.
+
+    Every pod runs as `run_as_user` (non-root) under the RuntimeDefault seccomp profile, its containers without
+    capabilities or privilege escalation; with `read_only_root` the TensorFlow container's root filesystem is
+    read-only and /tmp an emptyDir.
+    """
     container: Dict[str, Any] = {
         "name": "tensorflow" if job != TFE_JOB else "tfe-server",
         "image": image,
         "command": list(command),
         "env": [{"name": "TF_CONFIG", "value": tf_config}, {"name": LAUNCH_CLUSTER_MODE_ENV, "value": mode}],
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
+        "securityContext": container_security_context(read_only_root),
     }
+    if resources:
+        container["resources"] = {kind: dict(values) for kind, values in resources.items() if values}
     spec: Dict[str, Any] = {
         "restartPolicy": restart_policy,
+        "securityContext": pod_security_context(run_as_user),
         # Nothing here talks to the Kubernetes API: keep its credentials out of the pod.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -89,6 +103,9 @@ def _pod_spec(
             {"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}}
             for volume, claim, _, read_only in mounts
         ]
+    if read_only_root:
+        container.setdefault("volumeMounts", []).append({"name": "tmp", "mountPath": "/tmp"})
+        spec["volumes"] = spec.get("volumes", []) + [{"name": "tmp", "emptyDir": {}}]
     return spec
 
 
@@ -159,6 +176,9 @@ def render_manifests(
     tls: bool = False,
     sidecar_image: str = DEFAULT_SIDECAR_IMAGE,
     tls_secret: str = DEFAULT_TLS_SECRET,
+    resources: Optional[Dict[str, Dict[str, str]]] = None,
+    run_as_user: int = DEFAULT_RUN_AS_USER,
+    read_only_root: bool = False,
 ) -> List[Dict[str, Any]]:
     """Renders the Kubernetes objects of one secure-aggregation cluster.
 
@@ -218,6 +238,13 @@ def render_manifests(
       tls_secret: the Secret name per task, with ``{name}``, ``{job}`` and
         ``{index}``; it must hold ``ca.crt`` and ``<job>-<index>.crt/.key``
         made for cluster `name` (``tfe-estimator certs --cluster NAME``).
+      resources: requests and limits of every TensorFlow container (default
+        `k8s_common.DEFAULT_RESOURCES`; ``{}`` for none).
+      run_as_user: the non-root user id every pod runs as (default 1000, the
+        user of ``deploy/Dockerfile``'s image).
+      read_only_root: a read-only root filesystem for the TensorFlow
+        containers, with an emptyDir at /tmp (the sidecar's root is always
+        read-only).
 
     Returns:
       The manifests as JSON-compatible dicts: Services and workloads task by
@@ -245,6 +272,8 @@ def render_manifests(
         {"data": (data_claim, data_mount_path), "model": (model_claim, model_mount_path)},
     )
     check_active_deadline_seconds(active_deadline_seconds)
+    resources = DEFAULT_RESOURCES if resources is None else resources
+    pod_security_context(run_as_user)  # refuses root before anything is rendered
     peers.validate_mode(cluster_mode, "cluster_mode")
     command = tuple(command)
     tasks = all_tasks(workers, evaluator)
@@ -260,6 +289,7 @@ def render_manifests(
     cluster = cluster_jobs(tasks, address)
     tls_addresses = {t: f"{name}-{certs.task_name(*t)}.{namespace}.svc:{TLS_PORT}" for t in tasks}
 
+    pod_options = {"resources": resources, "run_as_user": run_as_user, "read_only_root": read_only_root}
     manifests: List[Dict[str, Any]] = []
     for job, index in tasks:
         task_name = f"{name}-{job}-{index}"
@@ -294,7 +324,7 @@ def render_manifests(
         if job == TFE_JOB:
             # The TFE parties never see data or the model: no volumes.
             pod_spec = _pod_spec(job, image, SERVER_COMMAND, tf_config, tf_port, "Always", mode=cluster_mode,
-                                 sidecar=sidecar)
+                                 sidecar=sidecar, **pod_options)
             manifests.append(
                 {
                     "apiVersion": "apps/v1",
@@ -321,7 +351,7 @@ def render_manifests(
                 # Read-write for all: owners write checkpoints, the evaluator model_dir/eval.
                 mounts.append(("model", claim, model_mount_path, False))
             pod_spec = _pod_spec(job, image, command, tf_config, tf_port, "OnFailure", mounts, mode=cluster_mode,
-                                 sidecar=sidecar)
+                                 sidecar=sidecar, **pod_options)
             manifests.append(
                 {
                     "apiVersion": "batch/v1",

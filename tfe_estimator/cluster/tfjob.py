@@ -34,7 +34,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from tfe_estimator.cluster import peers
 from tfe_estimator.cluster.k8s_common import (CLUSTER_LABEL, DEFAULT_COMMAND, DEFAULT_PORT, JOB_LABEL, SERVER_COMMAND,
-                                              check_active_deadline_seconds, check_arguments, labels)
+                                              DEFAULT_RESOURCES, DEFAULT_RUN_AS_USER, check_active_deadline_seconds,
+                                              check_arguments, container_security_context, labels,
+                                              pod_security_context)
 from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, NUM_TFE_TASKS, TFE_JOB
 
 __all__ = ["render_tfjob", "REPLICA_TYPES", "CONTAINER_NAME", "PORT_NAME"]
@@ -50,7 +52,9 @@ PORT_NAME = "tfjob-port"
 def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
                  command: Sequence[str] = DEFAULT_COMMAND, namespace: str = "default", port: int = DEFAULT_PORT,
                  cluster_mode: str = peers.BETWEEN_GRAPH,
-                 active_deadline_seconds: Optional[int] = None) -> List[Dict[str, Any]]:
+                 active_deadline_seconds: Optional[int] = None,
+                 resources: Optional[Dict[str, Dict[str, str]]] = None,
+                 run_as_user: int = DEFAULT_RUN_AS_USER) -> List[Dict[str, Any]]:
     """The TFJob of one cluster and one NetworkPolicy per replica type.
 
     Args:
@@ -58,6 +62,7 @@ def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
       image, workers, evaluator, command, namespace, port: as `manifests.render_manifests`.
       cluster_mode: "between-graph" (default) or "in-graph": exported to the pods and deciding the policies.
       active_deadline_seconds: optional bound on the whole job (``runPolicy.activeDeadlineSeconds``).
+      resources, run_as_user: as `manifests.render_manifests` (requests/limits; the non-root user).
 
     Raises:
       ValueError: for an invalid argument, naming it and the fix.
@@ -66,6 +71,8 @@ def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
     check_arguments(name, image, workers, command, namespace, port, no_claims)
     peers.validate_mode(cluster_mode, "cluster_mode")
     check_active_deadline_seconds(active_deadline_seconds)
+    resources = DEFAULT_RESOURCES if resources is None else resources
+    pod_security = pod_security_context(run_as_user)
     replicas = {"chief": 1, "worker": workers, "evaluator": int(evaluator), TFE_JOB: NUM_TFE_TASKS}
     specs = {}
     for job, count in replicas.items():
@@ -77,14 +84,17 @@ def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
             "command": list(SERVER_COMMAND if job == TFE_JOB else command),
             "env": [{"name": LAUNCH_CLUSTER_MODE_ENV, "value": cluster_mode}],
             "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+            "securityContext": container_security_context(read_only_root=False),
         }
+        if resources:
+            container["resources"] = {kind: dict(values) for kind, values in resources.items() if values}
         specs[REPLICA_TYPES[job]] = {
             "replicas": count,
             "restartPolicy": "Always" if job == TFE_JOB else "OnFailure",
             "template": {
                 "metadata": {"labels": _job_labels(name, job)},
                 "spec": {"automountServiceAccountToken": False, "enableServiceLinks": False,
-                         "containers": [container]},
+                         "securityContext": dict(pod_security), "containers": [container]},
             },
         }
     run_policy: Dict[str, Any] = {"cleanPodPolicy": "All", "backoffLimit": 4}
