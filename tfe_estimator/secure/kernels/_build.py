@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import List
+from typing import List, Optional
 
 __all__ = ["KernelBuildError", "build", "cache_key", "library_path", "compile_command", "compile_flags", "SOURCE_DIR"]
 
@@ -90,16 +90,17 @@ def _cache_root() -> pathlib.Path:
     return pathlib.Path(base) / "tfe_estimator" / "kernels"
 
 
-def cache_key(source_dir: pathlib.Path = SOURCE_DIR) -> str:
+def cache_key(source_dir: Optional[pathlib.Path] = None) -> str:
     """The cache entry's name: TensorFlow and Python versions and a hash of what the build depends on.
 
     The hash covers the sources' names and contents, the compiler and its flags and the link flags, with
     TensorFlow's own directories replaced by a placeholder: not where the sources or TensorFlow live, so a
-    second checkout (or virtualenv) of the same code reuses the build.
+    second checkout (or virtualenv) of the same code reuses the build. `source_dir` defaults to
+    `SOURCE_DIR` as it is when called (a tool may point it at other sources).
     """
     tf = _tf()
     digest = hashlib.sha256()
-    for path in sorted(pathlib.Path(source_dir).iterdir()):
+    for path in sorted(pathlib.Path(SOURCE_DIR if source_dir is None else source_dir).iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     flags = [*compile_flags(), *tf.sysconfig.get_link_flags()]
     tf_dirs = sorted({tf.sysconfig.get_include(), tf.sysconfig.get_lib()}, key=len, reverse=True)
