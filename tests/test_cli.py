@@ -116,3 +116,12 @@ def test_k8s_renders_without_tensorflow_in_under_3_seconds(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "kind: NetworkPolicy" in out_file.read_text()
     assert elapsed < 3.0, f"tfe-estimator k8s took {elapsed:.1f} s"
+
+
+def test_bench_and_attack_come_from_the_checkout_not_the_package():
+    # The developer tools live in tools/ (not installed); from a checkout the CLI finds them.
+    import pathlib
+
+    root = pathlib.Path(cli.__file__).resolve().parents[2]
+    for name in ("bench", "attack"):
+        assert pathlib.Path(cli._checkout_tool(name).__file__).resolve().is_relative_to(root / "tools")

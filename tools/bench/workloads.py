@@ -30,7 +30,7 @@ class Workload:
       replicas: local replicas, or data owners on the cluster.
       cluster: run on a loopback cluster (chief + workers + 3 tfe servers), in-graph.
       between_graph: run on a loopback cluster in between-graph mode, one process per owner
-        (`tfe_estimator.tools.bench.between_graph_case`).
+        (`tools.bench.between_graph_case`).
       transport: between-graph only: "" (secure vs MultiWorkerMirroredStrategy on loopback),
         "tls" (secure with `launch --isolate --tls` vs `--isolate` alone: the cost of TLS),
         "isolated" (secure vs MultiWorkerMirroredStrategy, each task in its own namespace: the

@@ -21,7 +21,7 @@ from typing import Dict, List
 
 import tensorflow as tf
 
-from tfe_estimator.tools.bench.traffic import cross_device_bytes
+from tools.bench.traffic import cross_device_bytes
 
 __all__ = ["run_secure_sum"]
 

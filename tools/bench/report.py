@@ -161,7 +161,7 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
         "",
         "Secure aggregation (`TfeRunConfig`, Pond, `precision=\"low\"`) against its plaintext twin "
         "(`MirroredStrategy` with `ReductionToOneDevice` on the same devices), measured side by side "
-        "in one run by `tfe-estimator bench` (`python -m tfe_estimator.tools.bench`).",
+        "in one run by `tfe-estimator bench` (`python -m tools.bench`).",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores; {m['platform']}; {m['date']}. "
         f"Python {v['python']}, TensorFlow {v['tensorflow']}, tensorflow-estimator {v['tensorflow_estimator']}, "
