@@ -43,7 +43,7 @@ test: venv
 	$(VENV_PY) -m pytest $(TESTS)
 
 bench: venv
-	$(VENV_PY) -m tfe_estimator.tools.bench
+	$(VENV_PY) -m tools.bench
 
 test-fast: venv
 	$(VENV_PY) -m pytest $(TESTS) -m "not slow and not multiprocess"

@@ -46,6 +46,7 @@ EXTRAS_REQUIRE = {
         "matplotlib>=3.7,<3.12",  # the benchmark's smoke test draws its plot
         "kubernetes-validate>=1.28,<2",  # rendered manifests are checked against the schemas, offline
         "mkdocs>=1.5,<2",  # docs/ is built with `mkdocs build --strict` by tests/test_docs.py
+        "ruff>=0.6",  # tests/test_lint.py lints the package (ruff.toml)
     ],
     "bench": ["matplotlib>=3.7,<3.12"],
     # Distributed DP; tensorflow-privacy 0.9.0 needs TensorFlow 2.14/2.15 and

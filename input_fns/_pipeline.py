@@ -3,6 +3,8 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tfe_estimator.validation import is_int
+
 __all__ = ["SHUFFLE_BUFFER_SIZE", "check_epochs", "shuffle_repeat_batch"]
 
 SHUFFLE_BUFFER_SIZE = 10_000  # records held for shuffling files; numpy shuffles fully
@@ -10,9 +12,7 @@ SHUFFLE_BUFFER_SIZE = 10_000  # records held for shuffling files; numpy shuffles
 
 def check_epochs(num_epochs: Optional[int], caller: str) -> None:
     """Raises ValueError unless `num_epochs` is None (forever) or an int >= 1."""
-    if num_epochs is not None and (
-        isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1
-    ):
+    if num_epochs is not None and not is_int(num_epochs, minimum=1):
         raise ValueError(
             f"{caller}: num_epochs must be None (repeat forever) or an int >= 1, got {num_epochs!r}."
         )

@@ -12,9 +12,9 @@ when the graph is built; a header row is data, which only the dataset ops read
 when the graph runs. The two are reconciled like this:
 
 * ``column_names=[...]`` (recommended; required in cluster mode when the files
-  exist only on the workers): nothing is read in Python. A file's first line
-  that equals ``",".join(column_names)`` is a header and is skipped, so files
-  with and without a header row both work.
+  exist only on the workers). A file's first line that equals
+  ``",".join(column_names)`` is a header and is skipped, so files with and
+  without a header row both work.
 * ``column_names=None``: the names come from the header row. This is the one
   documented exception to "no Python file access": when the input_fn is
   called, the first line of the first file matching the (resolved) pattern is
@@ -22,6 +22,12 @@ when the graph runs. The two are reconciled like this:
   records are still read only by dataset ops, and every file's first line is
   checked, when it is read, to equal that header, so files whose columns
   differ fail loudly instead of being parsed wrongly.
+
+Either way, when the input_fn is called, the first line of every file matching
+the pattern on this machine is read with `tf.io.gfile`, so a header row for
+other columns, or a first record with the wrong number of fields, fails at once
+with a `ValueError` naming the file, the expected and the found line and the
+fix (not minutes later inside `DecodeCSV`).
 
 Example::
 
@@ -76,7 +82,9 @@ def csv_input_fn(
       ValueError: if `label_key` is not a column (naming the columns), for
         bad `column_names`/`column_defaults`, `batch_size` or `num_epochs`,
         or, with ``column_names=None``, if no file to read the header from
-        matches on this machine. No matching file at run time is an
+        matches on this machine; when the input_fn is called, if a matching
+        file's first line is a header row for other columns or has the wrong
+        number of fields (naming the file, both lines and the fix). No matching file at run time is an
         `InvalidArgumentError` naming the pattern.
     """
     _pipeline.check_epochs(num_epochs, _CALLER)
@@ -87,11 +95,13 @@ def csv_input_fn(
 
     def input_fn(input_context: Optional[tf.distribute.InputContext] = None) -> tf.data.Dataset:
         per_replica = sharding.per_replica_batch_size(batch_size, input_context, _CALLER)
+        pattern = sharding.resolve_pattern(file_pattern, input_context)
         if column_names is None:
-            header = _read_header(sharding.resolve_pattern(file_pattern, input_context))
+            header = _read_header(pattern)
             names = _check_names(next(csv.reader([header])), label_key, "the header row")
         else:
             header, names = ",".join(column_names), column_names
+        _check_first_lines(pattern, header, names, require_header=column_names is None)
         defaults = _record_defaults(names, column_defaults)
 
         def read_file(filename):
@@ -159,6 +169,32 @@ def _read_header(pattern):
     if not header:
         raise ValueError(f"{_CALLER}: the first line of {files[0]} is empty; expected a header row.")
     return header
+
+
+def _check_first_lines(pattern, header, names, require_header):
+    """Fails now, naming the file, if a local file's first line cannot be `header` or a record of `names`.
+
+    Reads the first line of every file matching `pattern` on this machine with `tf.io.gfile` (none in
+    cluster mode when the files exist only on the workers; their pipelines still check at run time).
+    A first line that is not `header` must have one field per column and share no field with the
+    column names (else it is a header row for other columns).
+    """
+    source = "the header row of the first matching file" if require_header else "column_names"
+    for filename in sorted(tf.io.gfile.glob(pattern)):
+        with tf.io.gfile.GFile(filename, "r") as handle:
+            first = handle.readline().strip()
+        if not first or first == header:
+            continue
+        fields = [f.strip() for f in next(csv.reader([first]))]
+        if require_header or len(fields) != len(names) or set(fields) & set(names):
+            raise ValueError(
+                f"{_CALLER}: the first line of {filename} does not match {source}.\n"
+                f"  expected: {header}\n"
+                f"  found:    {first}\n"
+                f"({len(fields)} fields, {len(names)} columns.) Fix: give column_names=[...] the file's columns in "
+                "file order (a first line equal to them is skipped as the header row), or column_names=None to "
+                "take the names from the header row; or fix the file."
+            )
 
 
 def _data_lines(filename, header, require_header):

@@ -28,6 +28,8 @@ from typing import Callable, Optional
 
 import tensorflow as tf
 
+from tfe_estimator.validation import check_int
+
 __all__ = [
     "WORKER_PLACEHOLDER",
     "pipeline_id",
@@ -71,8 +73,7 @@ def per_replica_batch_size(
       ValueError: if `batch_size` is not a positive int or does not divide by
         the number of replicas in sync.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"{caller}: batch_size must be an int >= 1, got {batch_size!r}.")
+    check_int(batch_size, f"{caller}: batch_size must be an int >= 1, got {batch_size!r}.", minimum=1)
     if input_context is None:
         return batch_size
     replicas = input_context.num_replicas_in_sync

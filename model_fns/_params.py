@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import tensorflow as tf
 
+from tfe_estimator.validation import check_int, is_int, is_number
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "keras_optimizers", "validate_params", "make_optimizer"]
 
 
@@ -146,7 +147,7 @@ def _check_feature_columns(where, key, value):
 
 
 def _check_learning_rate(where, key, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not is_number(value) or not value > 0:
         raise ValueError(f"{where}: params[{key!r}] must be a number > 0; got {value!r}.")
 
 
@@ -170,18 +171,16 @@ def _check_optimizer(where, key, value):
 
 
 def _check_n_classes(where, key, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValueError(f"{where}: params[{key!r}] must be an int >= 2; got {value!r}.")
+    check_int(value, f"{where}: params[{key!r}] must be an int >= 2; got {value!r}.", minimum=2)
 
 
 def _check_label_dimension(where, key, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: params[{key!r}] must be an int >= 1; got {value!r}.")
+    check_int(value, f"{where}: params[{key!r}] must be an int >= 1; got {value!r}.", minimum=1)
 
 
 def _check_hidden_units(where, key, value):
     units = list(value) if isinstance(value, collections.abc.Iterable) and not isinstance(value, str) else None
-    if not units or any(isinstance(u, bool) or not isinstance(u, int) or u < 1 for u in units):
+    if not units or not all(is_int(u, minimum=1) for u in units):
         raise ValueError(
             f"{where}: params[{key!r}] must be a non-empty list of positive ints, one per "
             f"hidden layer (e.g. [64, 32]); got {value!r}."
@@ -189,10 +188,28 @@ def _check_hidden_units(where, key, value):
 
 
 def _check_dropout(where, key, value):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                              or not 0 <= value < 1):
+    if value is not None and (not is_number(value) or not 0 <= value < 1):
         raise ValueError(
             f"{where}: params[{key!r}] must be None or a drop probability in [0, 1); got {value!r}."
+        )
+
+
+def _check_label_vocabulary(where, key, value):
+    if value is None:
+        return
+    words = list(value) if isinstance(value, (list, tuple)) else None
+    if not words or not all(isinstance(w, str) for w in words) or len(set(words)) != len(words):
+        raise ValueError(
+            f"{where}: params[{key!r}] must be None or a list of distinct strings, the class names in class-id "
+            f"order (e.g. ['no', 'yes']); got {value!r}."
+        )
+
+
+def _check_weight_column(where, key, value):
+    if value is not None and not (isinstance(value, str) and value) and not hasattr(value, "key"):
+        raise ValueError(
+            f"{where}: params[{key!r}] must be None, a feature name or a numeric_column whose values weight "
+            f"each example's loss; got {value!r}."
         )
 
 
@@ -204,4 +221,6 @@ _CHECKS = {
     "label_dimension": _check_label_dimension,
     "hidden_units": _check_hidden_units,
     "dropout": _check_dropout,
+    "label_vocabulary": _check_label_vocabulary,
+    "weight_column": _check_weight_column,
 }

@@ -23,6 +23,10 @@ Params:
     `indicator_column` or `embedding_column`).
   hidden_units: required; units per hidden layer, e.g. ``[64, 32]``.
   n_classes: default 2; labels are class ids in ``[0, n_classes)``.
+  label_vocabulary: default None; the class names (strings) in class-id order,
+    for string labels (as Estimator's canned heads).
+  weight_column: default None; a feature name or numeric column weighting
+    each example's loss.
   dropout: default None; the probability of dropping a hidden unit in training.
   learning_rate: default 0.05; used when `optimizer` is a name.
   optimizer: default "adagrad"; a name (see `model_fns.OPTIMIZERS`), a Keras
@@ -34,7 +38,8 @@ from model_fns import _params, _spec
 
 __all__ = ["DEFAULTS", "model_fn"]
 
-DEFAULTS = {"learning_rate": 0.05, "optimizer": "adagrad", "n_classes": 2, "dropout": None}
+DEFAULTS = {"learning_rate": 0.05, "optimizer": "adagrad", "n_classes": 2, "dropout": None,
+            "label_vocabulary": None, "weight_column": None}
 
 
 def model_fn(features, labels, mode, params, config=None) -> tf.estimator.EstimatorSpec:
@@ -42,7 +47,8 @@ def model_fn(features, labels, mode, params, config=None) -> tf.estimator.Estima
     seed = config.tf_random_seed if config is not None else None
     params = _params.validate_params(
         "dnn_classifier", params, DEFAULTS, required=("feature_columns", "hidden_units"))
-    head = _spec.classification_head(params["n_classes"])
+    head = _spec.classification_head(params["n_classes"], weight_column=params["weight_column"],
+                                     label_vocabulary=params["label_vocabulary"])
     training = mode == tf.estimator.ModeKeys.TRAIN
     layers = []
     net = _spec.dense_inputs(features, params["feature_columns"], layers)

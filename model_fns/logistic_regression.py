@@ -23,6 +23,9 @@ Params:
   feature_columns: required; dense columns (wrap categorical ones in
     `indicator_column` or `embedding_column`).
   n_classes: default 2; labels are class ids in ``[0, n_classes)``.
+  label_vocabulary: default None; the class names (strings) in class-id order.
+  weight_column: default None; a feature name or numeric column weighting
+    each example's loss.
   learning_rate: default 0.05; used when `optimizer` is a name.
   optimizer: default "adam"; a name (see `model_fns.OPTIMIZERS`), a Keras
     optimizer instance (copied per graph) or a callable returning one.
@@ -33,13 +36,15 @@ from model_fns import _params, _spec
 
 __all__ = ["DEFAULTS", "model_fn"]
 
-DEFAULTS = {"learning_rate": 0.05, "optimizer": "adam", "n_classes": 2}
+DEFAULTS = {"learning_rate": 0.05, "optimizer": "adam", "n_classes": 2, "label_vocabulary": None,
+            "weight_column": None}
 
 
 def model_fn(features, labels, mode, params, config=None) -> tf.estimator.EstimatorSpec:
     """Builds a logistic regression; see the module docstring for `params`."""
     params = _params.validate_params("logistic_regression", params, DEFAULTS)
-    head = _spec.classification_head(params["n_classes"])
+    head = _spec.classification_head(params["n_classes"], weight_column=params["weight_column"],
+                                     label_vocabulary=params["label_vocabulary"])
     layers = []
     inputs = _spec.dense_inputs(features, params["feature_columns"], layers)
     dense = tf.keras.layers.Dense(head.logits_dimension, kernel_initializer="zeros", name="logits")

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tfe_estimator.tools import bench
+from tools import bench
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ def test_quick_benchmark_reports_every_case(tmp_path):
     assert status == 0
     results = json.loads((tmp_path / "results.json").read_text())
     names = [c["name"] for c in results["cases"]]
-    from tfe_estimator.tools.bench.between_graph_case import transport_missing
+    from tools.bench.between_graph_case import transport_missing
 
     assert names == [c.name for c in bench.quick_cases() if not transport_missing(c)]
     for case in results["cases"]:

@@ -17,7 +17,7 @@ import tensorflow as tf
 from tfe_estimator.distribute.aggregation import narrow_update_encoding
 from tfe_estimator.distribute.step_sum import step_sum
 from tfe_estimator.secure.fused_sum import Encoding
-from tfe_estimator.tools.bench.traffic import cross_device_bytes
+from tools.bench.traffic import cross_device_bytes
 from test_wire import plant_unblinded_server0
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4)]

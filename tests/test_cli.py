@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -87,3 +88,40 @@ def test_the_cluster_demo_uses_isolate_tls_when_it_can_and_says_why_not(missing,
         assert "every link mutual TLS (--isolate --tls)" in out and "cluster (namespaces with mutual TLS)" in out
     else:
         assert f"without --isolate --tls (it needs {missing})" in out
+
+
+def test_version_prints_the_package_version(capsys):
+    from tfe_estimator._version import __version__
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tfe-estimator {__version__}"
+
+
+def test_k8s_renders_without_tensorflow_in_under_3_seconds(tmp_path):
+    # Prepare: the real command, then a check that TensorFlow was never imported.
+    code = ("import sys\nfrom tfe_estimator.tools import cli\n"
+            "rc = cli.main(sys.argv[1:])\n"
+            "assert 'tensorflow' not in sys.modules, 'tfe-estimator k8s imported TensorFlow'\n"
+            "sys.exit(rc)\n")
+    out_file = tmp_path / "cluster.yaml"
+    argv = ["k8s", "--name", "demo", "--image", "example.com/train:1", "--workers", "2", "--tls",
+            "-o", str(out_file), "--", "python", "train.py"]
+    # Execute
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    # Assert
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "kind: NetworkPolicy" in out_file.read_text()
+    assert elapsed < 3.0, f"tfe-estimator k8s took {elapsed:.1f} s"
+
+
+def test_bench_and_attack_come_from_the_checkout_not_the_package():
+    # The developer tools live in tools/ (not installed); from a checkout the CLI finds them.
+    import pathlib
+
+    root = pathlib.Path(cli.__file__).resolve().parents[2]
+    for name in ("bench", "attack"):
+        assert pathlib.Path(cli._checkout_tool(name).__file__).resolve().is_relative_to(root / "tools")

@@ -4,6 +4,7 @@ Datasets are iterated eagerly with an explicit `tf.distribute.InputContext`,
 as Estimator would pass one per input pipeline.
 """
 import re
+import time
 
 import numpy as np
 import pytest
@@ -222,8 +223,27 @@ def test_csv_header_mismatch_fails_naming_the_file(tmp_path):
     write_csv(tmp_path / "a.csv", [1])
     (tmp_path / "b.csv").write_text("id,label,x\n2,0,0.2\n")
 
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"first line of.*b\.csv.*is not the header"):
-        list(csv_fn(str(tmp_path / "*.csv"), batch_size=2, num_epochs=1, shuffle=False)())
+    # Checked when the input_fn is called, in Python, before any dataset runs.
+    with pytest.raises(ValueError, match=r"first line of .*b\.csv does not match the header row") as info:
+        csv_fn(str(tmp_path / "*.csv"), batch_size=2, num_epochs=1, shuffle=False)()
+    assert "expected: id,x,label" in str(info.value) and "found:    id,label,x" in str(info.value)
+
+
+@pytest.mark.parametrize("first_line", ["id,x", "id,label,x", "1,0.1"])
+def test_csv_first_line_not_matching_column_names_fails_at_once(tmp_path, first_line):
+    # Prepare: a header row lacking a column, one with the columns reordered, a record with too few fields.
+    (tmp_path / "good.csv").write_text("id,x,label\n1,0.1,0\n")
+    (tmp_path / "bad.csv").write_text(f"{first_line}\n2,0.2,1\n")
+    fn = csv_fn(str(tmp_path / "*.csv"), batch_size=2, column_names=["id", "x", "label"])
+    start = time.monotonic()
+    # Execute
+    with pytest.raises(ValueError) as info:
+        fn()
+    # Assert: the file, both lines and the fix, within seconds.
+    text = str(info.value)
+    assert f"the first line of {tmp_path / 'bad.csv'} does not match column_names" in text
+    assert "expected: id,x,label" in text and f"found:    {first_line}" in text and "Fix: give column_names" in text
+    assert time.monotonic() - start < 5
 
 
 def test_no_matching_files_names_the_pattern(tmp_path, file_format):

@@ -1,6 +1,7 @@
 """tfe_estimator's own kernels: the AES-CTR generator, the fused Pond sum, the build."""
 import os
 import pathlib
+import shutil
 import subprocess
 
 import numpy as np
@@ -160,6 +161,21 @@ def test_random_ops_are_never_constant_folded():
         config = tf.compat.v1.ConfigProto()
         with tf.compat.v1.Session(config=config) as sess:
             assert not np.array_equal(sess.run(seed), sess.run(seed))
+
+
+def test_cache_key_depends_on_the_sources_contents_not_their_path(tmp_path):
+    # Prepare: two copies of the sources in different directories, and a third with one byte changed.
+    copies = [tmp_path / "checkout-a" / "src", tmp_path / "elsewhere" / "b" / "src", tmp_path / "edited" / "src"]
+    for copy in copies:
+        shutil.copytree(_build.SOURCE_DIR, copy)
+    edited = sorted(copies[2].glob("*.cc"))[0]
+    edited.write_text(edited.read_text() + "\n// edited\n")
+    # Execute
+    keys = [_build.cache_key(copy) for copy in copies]
+    # Assert
+    assert keys[0] == keys[1] == _build.cache_key()
+    assert keys[2] != keys[0]
+    assert str(tmp_path) not in keys[0] and str(_build.SOURCE_DIR) not in keys[0]
 
 
 def test_library_is_cached_per_tensorflow_and_source(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ import shlex
 import pytest
 import yaml
 
-from tfe_estimator.cluster import kubernetes, peers
+from tfe_estimator.cluster import k8s_common, kubernetes, peers
+from tfe_estimator.cluster import tfjob as tfjob_lib
 from tfe_estimator.cluster.spec import TfeCluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -437,3 +438,43 @@ def test_each_owner_pod_gets_its_own_model_dir_and_the_evaluator_the_chiefs(clai
         expected[("evaluator", 0)] = "/model/chief-0"  # the evaluator reads its organisation's (the chief's)
         assert {t: d for t, d in model_dirs.items() if d is not None} == expected, mode
     assert all("TFE_ESTIMATOR_MODEL_DIR" not in json.dumps(w) for w in _render(1, True))  # no claim, no default
+
+
+def test_pods_run_non_root_without_capabilities_and_with_resources():
+    objs = kubernetes.render_manifests("demo", "example.com/train:1", workers=1, tls=True, read_only_root=True)
+    for obj in objs:
+        if obj["kind"] not in ("Job", "Deployment"):
+            continue
+        spec = obj["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True and spec["securityContext"]["runAsUser"] == 1000
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in spec["containers"] + spec.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}
+            assert context["readOnlyRootFilesystem"] is True
+        (tf_container,) = spec["containers"]
+        assert tf_container["resources"] == k8s_common.DEFAULT_RESOURCES
+        assert {"name": "tmp", "mountPath": "/tmp"} in tf_container["volumeMounts"]
+
+
+def test_resources_and_user_are_configurable_and_root_is_refused(capsys):
+    assert kubernetes.main(["--name", "demo", "--image", "example.com/train:1", "--requests", "cpu=2",
+                            "--limits", "", "--run-as-user", "4242"]) == 0
+    objs = list(yaml.safe_load_all(capsys.readouterr().out))
+    job = next(o for o in objs if o["kind"] == "Job")
+    assert job["spec"]["template"]["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "2"}}
+    assert job["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 4242
+    with pytest.raises(ValueError, match=r"run_as_user=0 must be an integer user id >= 1 \(not root\)"):
+        kubernetes.render_manifests("demo", "example.com/train:1", workers=1, run_as_user=0)
+
+
+@pytest.mark.parametrize("tfjob", [False, True])
+def test_teardown_deletes_every_rendered_kind(capsys, tfjob):
+    objs = (tfjob_lib.render_tfjob("demo", "example.com/train:1", workers=1) if tfjob else
+            kubernetes.render_manifests("demo", "example.com/train:1", workers=1, tls=True))
+    assert kubernetes.main(["--name", "demo", "--namespace", "ml", "--teardown"] + (["--tfjob"] if tfjob else [])) == 0
+    command = capsys.readouterr().out.split()
+    assert command[:4] == ["kubectl", "-n", "ml", "delete"] and "tfe-estimator/cluster=demo" in command
+    kinds = {k.split(".")[0] for k in command[4].split(",")}
+    plural = {"NetworkPolicy": "networkpolicies"}
+    assert {plural.get(o["kind"], o["kind"].lower() + "s") for o in objs} <= kinds

@@ -7,6 +7,8 @@ under a `tf.estimator.RunConfig` without a strategy (the whole batch on one
 device). The gradients then differ only by float summation order and the
 fixed-point resolution (2**-32), so the stated tolerances are tight.
 """
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -192,7 +194,8 @@ def call_model_fn(model_fn, params, mode=tf.estimator.ModeKeys.TRAIN):
 @pytest.mark.parametrize("model_fn,params,error,match", [
     (dnn_classifier.model_fn, {"feature_columns": columns(4), "hiden_units": [8]}, ValueError,
      r"unknown params key 'hiden_units'\. Allowed keys: \['dropout', 'feature_columns', "
-     r"'hidden_units', 'learning_rate', 'n_classes', 'optimizer'\]\. Fix: remove or rename"),
+     r"'hidden_units', 'label_vocabulary', 'learning_rate', 'n_classes', 'optimizer', 'weight_column'\]\. "
+     r"Fix: remove or rename"),
     (dnn_classifier.model_fn, {"feature_columns": columns(4)}, ValueError,
      r"model_fns\.dnn_classifier\.model_fn: params key 'hidden_units' is required but missing"),
     (logistic_regression.model_fn, {}, ValueError,
@@ -240,3 +243,51 @@ def test_new_keras_optimizer_is_refused_with_the_legacy_fix(as_callable):
     with pytest.raises(TypeError, match=r"needs a tf\.keras\.optimizers\.legacy optimizer; use "
                                         r"tf\.keras\.optimizers\.legacy\.SGD"):
         call_model_fn(linear_regression.model_fn, {"feature_columns": columns(4), "optimizer": optimizer})
+
+
+def _string_label_spec(model_fn, params):
+    with tf.Graph().as_default():
+        features = {"x": tf.constant([[0.5], [1.5]])}
+        labels = tf.constant([["no"], ["yes"]], name="label")
+        return model_fn(features, labels, tf.estimator.ModeKeys.TRAIN, params)
+
+
+@pytest.mark.parametrize("model_fn, fix", [
+    (dnn_classifier.model_fn, r"params\['label_vocabulary'\]=\[\.\.\.\]"),
+    (logistic_regression.model_fn, r"params\['label_vocabulary'\]=\[\.\.\.\]"),
+    (linear_regression.model_fn, r"read the label column as a number"),
+])
+def test_string_labels_without_a_vocabulary_fail_naming_the_labels_and_the_fix(model_fn, fix):
+    params = {"feature_columns": [tf.feature_column.numeric_column("x")]}
+    if model_fn is dnn_classifier.model_fn:
+        params["hidden_units"] = [2]
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"The labels \(label:0\) are strings \(dtype string\).*Fix: .*" + fix):
+        _string_label_spec(model_fn, params)
+    assert time.monotonic() - start < 10
+
+
+def test_dnn_classifier_trains_on_string_labels_with_a_vocabulary_and_weights(tmp_path):
+    # Prepare: string labels and a per-example weight column, as Estimator's canned heads take them.
+    x = np.array([[-2.0], [-1.0], [1.0], [2.0]] * 8, dtype=np.float32)
+    labels = np.array([["no"], ["no"], ["yes"], ["yes"]] * 8)
+    weights = np.ones((32, 1), dtype=np.float32)
+
+    def input_fn():
+        return tf.data.Dataset.from_tensor_slices(({"x": x, "w": weights}, labels)).repeat().batch(8)
+
+    est = tf.estimator.Estimator(dnn_classifier.model_fn, model_dir=str(tmp_path), params={
+        "feature_columns": [tf.feature_column.numeric_column("x")], "hidden_units": [4],
+        "label_vocabulary": ["no", "yes"], "weight_column": "w", "optimizer": "adam", "learning_rate": 0.1})
+    # Execute
+    est.train(input_fn, steps=30)
+    metrics = est.evaluate(input_fn, steps=2)
+    # Assert
+    assert metrics["accuracy"] == 1.0, metrics
+
+
+def test_label_vocabulary_must_match_n_classes():
+    params = {"feature_columns": [tf.feature_column.numeric_column("x")], "hidden_units": [2],
+              "label_vocabulary": ["a", "b", "c"]}
+    with pytest.raises(ValueError, match=r"label_vocabulary has 3 class names but n_classes is 2.*n_classes'\]=3"):
+        _string_label_spec(dnn_classifier.model_fn, params)

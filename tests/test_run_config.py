@@ -118,3 +118,16 @@ def test_every_protocol_and_precision_builds_or_is_refused_by_name(protocol, pre
     config = TfeRunConfig(protocol=protocol, precision=precision)
     ops = config.train_distribute.secure_aggregation
     assert (ops.protocol, ops.precision.name) == (protocol, precision)
+
+
+def test_the_secure_aggregation_summary_is_logged_once(caplog, monkeypatch):
+    # Prepare: nothing logged yet in this process.
+    from tfe_estimator.distribute import strategy as strategy_lib
+
+    monkeypatch.setattr(strategy_lib, "_LOGGED", set())
+    # Execute: a config builds a train and an eval strategy; replace() builds both again.
+    with caplog.at_level("INFO", logger="tfe_estimator"):
+        TfeRunConfig(num_replicas=3, model_dir="/tmp/unused").replace(save_checkpoints_steps=5)
+    # Assert
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("secure aggregation: protocol=")]
+    assert len(lines) == 1, lines

@@ -17,7 +17,7 @@ from tfe_estimator.distribute.aggregation import narrow_update_encoding
 from tfe_estimator.distribute.strategy import TfeStrategy
 from tfe_estimator.secure import fused_sum
 from tfe_estimator.secure.kernels import ops as kernel_ops
-from tfe_estimator.tools.bench.traffic import cross_device_bytes
+from tools.bench.traffic import cross_device_bytes
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(5)]
 REPLICAS, SERVERS = DEVICES[:2], DEVICES[2:5]

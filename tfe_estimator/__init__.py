@@ -11,24 +11,62 @@ Encrypted servers::
     est = tf.estimator.LinearRegressor(feature_columns=cols, config=config)
     tf.estimator.train_and_evaluate(est, train_spec, eval_spec)
 
-Importing this package imports TensorFlow but neither starts its runtime nor
-imports tf-encrypted; that happens when a reduction is first built.
+Importing this package imports neither TensorFlow nor tf-encrypted: the public
+names below are imported on first use (TensorFlow then, tf-encrypted when a
+reduction is first built), so the Kubernetes renderer and the certificate tools
+run without TensorFlow.
 """
+import importlib
+import sys
+
 from tfe_estimator._version import __version__
 from tfe_estimator.compat import check_tensorflow_version
 
-check_tensorflow_version()  # before any module below touches TensorFlow's private APIs
+if "tensorflow" in sys.modules:  # already imported: checking costs nothing, and refuses early
+    check_tensorflow_version()
 
-from tfe_estimator.distribute.aggregation import SecureAggregation
-from tfe_estimator.audit.party_audit import PartyAuditError, PartyAuditHook, assert_no_plaintext_on_servers, audit_party_inputs
-from tfe_estimator.cluster.spec import TfeCluster
-from tfe_estimator.privacy.dp import DistributedDP, dp_epsilon
-from tfe_estimator.errors import InsecureRandomnessError, PlaintextOnServerError
-from tfe_estimator.secure.precision import PRECISIONS, Precision
-from tfe_estimator.secure.protocols import PROTOCOLS
-from tfe_estimator.distribute.run_config import TfeRunConfig, TfeSettings, default_session_config, plaintext_twin_config
-from tfe_estimator.distribute.strategy import TfeStrategy
-from tfe_estimator.distribute.between_graph import BetweenGraphStrategy
+#: Public name -> the module defining it. Imported on first use (PEP 562), so that
+#: TensorFlow-free parts (`tfe-estimator k8s`, `cluster.spec`, `cluster.certs`) start
+#: in well under a second; `tfe_estimator.distribute` checks the TensorFlow version
+#: before any of its modules touches TensorFlow's private APIs.
+_EXPORTS = {
+    "SecureAggregation": "tfe_estimator.distribute.aggregation",
+    "PartyAuditError": "tfe_estimator.audit.party_audit",
+    "PartyAuditHook": "tfe_estimator.audit.party_audit",
+    "assert_no_plaintext_on_servers": "tfe_estimator.audit.party_audit",
+    "audit_party_inputs": "tfe_estimator.audit.party_audit",
+    "TfeCluster": "tfe_estimator.cluster.spec",
+    "DistributedDP": "tfe_estimator.privacy.dp",
+    "dp_epsilon": "tfe_estimator.privacy.dp",
+    "InsecureRandomnessError": "tfe_estimator.errors",
+    "PlaintextOnServerError": "tfe_estimator.errors",
+    "PRECISIONS": "tfe_estimator.secure.precision",
+    "Precision": "tfe_estimator.secure.precision",
+    "PROTOCOLS": "tfe_estimator.secure.protocols",
+    "TfeRunConfig": "tfe_estimator.distribute.run_config",
+    "TfeSettings": "tfe_estimator.distribute.run_config",
+    "default_session_config": "tfe_estimator.distribute.run_config",
+    "plaintext_twin_config": "tfe_estimator.distribute.run_config",
+    "TfeStrategy": "tfe_estimator.distribute.strategy",
+    "BetweenGraphStrategy": "tfe_estimator.distribute.between_graph",
+}
+_SUBPACKAGES = ("audit", "cluster", "distribute", "privacy", "secure", "tools")
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        check_tensorflow_version()
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES))
+
 
 __all__ = [
     "__version__",

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import tfe_estimator
 from tfe_estimator.secure.kernels import ops
-from tfe_estimator.tools.bench.traffic import cross_device_bytes
+from tools.bench.traffic import cross_device_bytes
 
 
 #: With --update-ring-bits-32: a clipping bound these steps' gradients stay below (the twin does not clip).

@@ -111,7 +111,7 @@ def partition_graphs_of(source) -> List:
             f"{type(source).__name__}. A tf.Graph only says where ops were requested, not where "
             "they ran: use tfe_estimator.audit.party_audit.PartyAuditHook in training, or run a step with "
             "those options."
-        )
+        ) from None
     return list(graphs)
 
 

@@ -5,7 +5,9 @@
 - `certs`, `sidecar`: certificates and the stunnel TLS sidecar's configuration.
 - `server`: the `tfe-estimator server` process of a TFE party.
 - `launcher`: `tfe-estimator launch`, a local multi-process cluster.
-- `kubernetes`: manifests for `tfe-estimator k8s`.
+- `k8s_common`: labels, defaults and argument checks of the Kubernetes renderers.
+- `manifests`: plain Kubernetes manifests; `tfjob`: one Kubeflow TFJob.
+- `kubernetes`: `tfe-estimator k8s` (and the re-exported rendering names).
 - `evaluator`: an evaluator that survives checkpoint rotation.
 
 Example::

@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tfe_estimator.validation import check_int
 __all__ = ["make_ca", "make_key_and_csr", "sign_csr", "make_cluster_certs", "task_name", "task_dns_name",
            "task_uri", "CA_CERT", "CA_KEY", "DEFAULT_VALIDITY_DAYS"]
 
@@ -48,8 +49,7 @@ def _check_name(what: str, value: str) -> str:
 
 def task_name(job: str, index: int) -> str:
     """``<job>-<index>``: the task's file name stem and certificate CN."""
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise ValueError(f"task index {index!r} must be an integer >= 0.")
+    check_int(index, f"task index {index!r} must be an integer >= 0.", minimum=0)
     return f"{_check_name('job', job)}-{index}"
 
 
@@ -72,8 +72,7 @@ def _pem_key(key) -> bytes:
 
 
 def _validity(days: int, not_before: Optional[datetime.datetime]) -> Tuple[datetime.datetime, datetime.datetime]:
-    if isinstance(days, bool) or not isinstance(days, int) or days < 1:
-        raise ValueError(f"validity_days={days!r} must be an integer >= 1.")
+    check_int(days, f"validity_days={days!r} must be an integer >= 1.", minimum=1)
     start = not_before or datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
     return start, start + datetime.timedelta(days=days)
 

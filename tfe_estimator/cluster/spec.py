@@ -27,6 +27,7 @@ import os
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfe_estimator.secure.protocols import PROTOCOLS
+from tfe_estimator.validation import check_int, is_int
 
 __all__ = [
     "TfeCluster", "TFE_JOB", "NUM_TFE_TASKS", "DATA_OWNER_JOBS", "KNOWN_JOBS", "LAUNCH_PROTOCOL_ENV",
@@ -167,7 +168,7 @@ class TfeCluster:
             task_index = int(task_index)
         if task_type not in jobs:
             raise ValueError(f"TF_CONFIG task type {task_type!r} is not a job of the cluster {sorted(jobs)}. {_SOURCE}")
-        if isinstance(task_index, bool) or not isinstance(task_index, int) or not 0 <= task_index < len(jobs[task_type]):
+        if not is_int(task_index, 0, len(jobs[task_type]) - 1):
             raise ValueError(
                 f"TF_CONFIG task index {task_index!r} is out of range for job {task_type!r}, "
                 f"which has {len(jobs[task_type])} tasks. {_SOURCE}"
@@ -227,8 +228,7 @@ def cluster_tasks(workers: int, evaluator: bool, num_tfe: int = NUM_TFE_TASKS) -
         >>> cluster_tasks(1, evaluator=True)
         [('chief', 0), ('worker', 0), ('evaluator', 0), ('tfe', 0), ('tfe', 1), ('tfe', 2)]
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-        raise ValueError(f"workers={workers!r} must be an integer >= 0 (the data owners besides the chief).")
+    check_int(workers, f"workers={workers!r} must be an integer >= 0 (the data owners besides the chief).", minimum=0)
     tasks = [("chief", 0)] + [("worker", i) for i in range(workers)]
     if evaluator:
         tasks.append(("evaluator", 0))

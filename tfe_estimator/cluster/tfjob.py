@@ -22,19 +22,21 @@ that follow from how the operator behaves:
 Not rendered: mutual TLS. The operator's TF_CONFIG names every task by its
 Service address, where the TLS layout needs ``localhost:<port of task k>``;
 and all workers share one pod template, so per-organisation certificates
-cannot be mounted per worker. Use `tfe_estimator.cluster.kubernetes` with
+cannot be mounted per worker. Use `tfe_estimator.cluster.manifests` with
 ``tls=True`` for that.
 
 Example::
 
-    from tfe_estimator.cluster import kubernetes, tfjob
-    print(kubernetes.to_yaml(tfjob.render_tfjob("demo", "registry.example.com/train:1", workers=2)))
+    from tfe_estimator.cluster import manifests, tfjob
+    print(manifests.to_yaml(tfjob.render_tfjob("demo", "registry.example.com/train:1", workers=2)))
 """
 from typing import Any, Dict, List, Optional, Sequence
 
 from tfe_estimator.cluster import peers
-from tfe_estimator.cluster.kubernetes import CLUSTER_LABEL, DEFAULT_COMMAND, DEFAULT_PORT, JOB_LABEL, SERVER_COMMAND
-from tfe_estimator.cluster.kubernetes import _check_arguments, _labels  # pylint: disable=protected-access
+from tfe_estimator.cluster.k8s_common import (CLUSTER_LABEL, DEFAULT_COMMAND, DEFAULT_PORT, JOB_LABEL, SERVER_COMMAND,
+                                              DEFAULT_RESOURCES, DEFAULT_RUN_AS_USER, check_active_deadline_seconds,
+                                              check_arguments, container_security_context, labels,
+                                              pod_security_context)
 from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, NUM_TFE_TASKS, TFE_JOB
 
 __all__ = ["render_tfjob", "REPLICA_TYPES", "CONTAINER_NAME", "PORT_NAME"]
@@ -50,25 +52,27 @@ PORT_NAME = "tfjob-port"
 def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
                  command: Sequence[str] = DEFAULT_COMMAND, namespace: str = "default", port: int = DEFAULT_PORT,
                  cluster_mode: str = peers.BETWEEN_GRAPH,
-                 active_deadline_seconds: Optional[int] = None) -> List[Dict[str, Any]]:
+                 active_deadline_seconds: Optional[int] = None,
+                 resources: Optional[Dict[str, Dict[str, str]]] = None,
+                 run_as_user: int = DEFAULT_RUN_AS_USER) -> List[Dict[str, Any]]:
     """The TFJob of one cluster and one NetworkPolicy per replica type.
 
     Args:
       name: the TFJob's name (a DNS-1035 label; the operator names pods ``<name>-<type>-<index>``).
-      image, workers, evaluator, command, namespace, port: as `kubernetes.render_manifests`.
+      image, workers, evaluator, command, namespace, port: as `manifests.render_manifests`.
       cluster_mode: "between-graph" (default) or "in-graph": exported to the pods and deciding the policies.
       active_deadline_seconds: optional bound on the whole job (``runPolicy.activeDeadlineSeconds``).
+      resources, run_as_user: as `manifests.render_manifests` (requests/limits; the non-root user).
 
     Raises:
       ValueError: for an invalid argument, naming it and the fix.
     """
     no_claims = {"data": (None, "/data"), "model": (None, "/model")}
-    _check_arguments(name, image, workers, command, namespace, port, no_claims)
+    check_arguments(name, image, workers, command, namespace, port, no_claims)
     peers.validate_mode(cluster_mode, "cluster_mode")
-    if active_deadline_seconds is not None and (
-            isinstance(active_deadline_seconds, bool) or not isinstance(active_deadline_seconds, int)
-            or active_deadline_seconds < 1):
-        raise ValueError(f"active_deadline_seconds={active_deadline_seconds!r} must be an integer >= 1 (seconds).")
+    check_active_deadline_seconds(active_deadline_seconds)
+    resources = DEFAULT_RESOURCES if resources is None else resources
+    pod_security = pod_security_context(run_as_user)
     replicas = {"chief": 1, "worker": workers, "evaluator": int(evaluator), TFE_JOB: NUM_TFE_TASKS}
     specs = {}
     for job, count in replicas.items():
@@ -80,14 +84,17 @@ def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
             "command": list(SERVER_COMMAND if job == TFE_JOB else command),
             "env": [{"name": LAUNCH_CLUSTER_MODE_ENV, "value": cluster_mode}],
             "ports": [{"name": PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+            "securityContext": container_security_context(read_only_root=False),
         }
+        if resources:
+            container["resources"] = {kind: dict(values) for kind, values in resources.items() if values}
         specs[REPLICA_TYPES[job]] = {
             "replicas": count,
             "restartPolicy": "Always" if job == TFE_JOB else "OnFailure",
             "template": {
                 "metadata": {"labels": _job_labels(name, job)},
                 "spec": {"automountServiceAccountToken": False, "enableServiceLinks": False,
-                         "containers": [container]},
+                         "securityContext": dict(pod_security), "containers": [container]},
             },
         }
     run_policy: Dict[str, Any] = {"cleanPodPolicy": "All", "backoffLimit": 4}
@@ -96,7 +103,7 @@ def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
     job_object = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "TFJob",
-        "metadata": {"name": name, "namespace": namespace, "labels": _labels(name)},
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
         "spec": {"runPolicy": run_policy, "tfReplicaSpecs": specs},
     }
     jobs = [job for job, count in replicas.items() if count]
@@ -104,9 +111,9 @@ def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
 
 
 def _job_labels(name: str, job: str) -> Dict[str, str]:
-    labels = _labels(name)
-    labels.update({"app.kubernetes.io/component": job, JOB_LABEL: job})
-    return labels
+    result = labels(name)
+    result.update({"app.kubernetes.io/component": job, JOB_LABEL: job})
+    return result
 
 
 def _policy(name: str, namespace: str, job: str, jobs: Sequence[str], mode: str, port: int) -> Dict[str, Any]:

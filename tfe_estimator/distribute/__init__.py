@@ -11,4 +11,8 @@ Example::
     from tfe_estimator.distribute.run_config import TfeRunConfig
     config = TfeRunConfig(model_dir="/tmp/model", protocol="pond")
 """
+from tfe_estimator.compat import check_tensorflow_version
+
+check_tensorflow_version()  # before any module here touches TensorFlow's private APIs
+
 __all__ = []

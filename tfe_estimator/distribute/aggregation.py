@@ -46,6 +46,7 @@ from tfe_estimator.secure import secure_sum
 from tfe_estimator.distribute.devices import validate_party_devices
 from tfe_estimator.secure.precision import READ_PRECISION, get_precision
 from tfe_estimator.secure.protocols import check_supported, load_backend, validate_protocol
+from tfe_estimator.validation import is_number
 
 __all__ = ["SecureAggregation", "narrow_update_encoding"]
 
@@ -344,7 +345,8 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                         f"clipped per example ({tensor.name}): without per-example clipping the noise "
                         "bounds nothing. Use our model_fns (they clip when the RunConfig carries dp), or "
                         "a tensorflow-privacy DP head/estimator (e.g. tensorflow_privacy.DNNClassifier) "
-                        "with optimizer=tfe_estimator.privacy.dp.make_dp_optimizer(tf.keras.optimizers.legacy.SGD(...), "
+                        "with optimizer=tfe_estimator.privacy.dp.make_dp_optimizer("
+                        "tf.keras.optimizers.legacy.SGD(...), "
                         "l2_norm_clip) instead of an ordinary optimizer or a canned tf.estimator model.")
                 if clip > self._dp.l2_norm_clip:
                     raise ValueError(
@@ -422,7 +424,7 @@ def validate_clip_norm(clip_norm) -> Optional[float]:
     """Returns `clip_norm` as a float if it is None or a finite number > 0."""
     if clip_norm is None:
         return None
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)):
+    if not is_number(clip_norm):
         raise TypeError(f"clip_norm must be a positive number or None, got {clip_norm!r}.")
     if not math.isfinite(clip_norm) or clip_norm <= 0:
         raise ValueError(f"clip_norm must be a finite number > 0 or None, got {clip_norm!r}.")

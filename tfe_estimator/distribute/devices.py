@@ -20,6 +20,7 @@ from typing import Optional, Sequence, Tuple
 import tensorflow as tf
 
 from tfe_estimator.secure.protocols import PROTOCOLS
+from tfe_estimator.validation import is_int
 
 __all__ = ["DEFAULT_NUM_REPLICAS", "validate_num_replicas", "validate_party_devices", "local_layout", "cpus_needed"]
 
@@ -35,7 +36,7 @@ def validate_num_replicas(num_replicas) -> int:
     """
     if num_replicas is None:
         return DEFAULT_NUM_REPLICAS
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int):
+    if not is_int(num_replicas):
         raise TypeError(
             f"num_replicas must be an int >= 1, got {num_replicas!r} of type "
             f"{type(num_replicas).__name__}."

@@ -20,6 +20,8 @@ Example::
 """
 from typing import Sequence, Union
 
+from tfe_estimator.validation import check_int
+
 __all__ = ["logical_cpus_needed", "check_logical_cpus", "configure_logical_cpus"]
 
 _HOW = ("call, before anything else runs TensorFlow ops:\n"
@@ -81,8 +83,7 @@ def configure_logical_cpus(count: int) -> None:
     """
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"count must be an integer >= 1, got {count!r}.")
+    check_int(count, f"count must be an integer >= 1, got {count!r}.", minimum=1)
     cpu = tf.config.list_physical_devices("CPU")[0]
     try:
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)

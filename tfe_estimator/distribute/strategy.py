@@ -25,6 +25,17 @@ from tfe_estimator.secure.protocols import check_supported, validate_protocol
 
 __all__ = ["TfeStrategy"]
 
+#: Summary lines already logged by this process: TfeRunConfig builds a train and an eval strategy
+#: (and `replace()` builds them again) with the same layout; a user needs to read it once.
+_LOGGED = set()
+
+
+def _log_once(message: str, *args) -> None:
+    line = message % args
+    if line not in _LOGGED:
+        _LOGGED.add(line)
+        logging.getLogger("tfe_estimator").info(line)
+
 
 class _TfeExtended(mirrored_strategy.MirroredExtended):
     """`MirroredExtended` whose every cross-replica path is `SecureAggregation`.
@@ -232,10 +243,9 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
             )
         # MirroredStrategyV1.__init__ would build a plain MirroredExtended.
         distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
-        logging.getLogger("tfe_estimator").info(
-            "secure aggregation: protocol=%s precision=%s implementation=%s, %d replicas %s, parties %s",
-            protocol, ops.precision.name, ops.implementation, len(devices), list(devices),
-            list(ops.server_devices))
+        _log_once("secure aggregation: protocol=%s precision=%s implementation=%s, %d replicas %s, parties %s",
+                  protocol, ops.precision.name, ops.implementation, len(devices), list(devices),
+                  list(ops.server_devices))
 
     def scope(self):
         """The strategy's scope; for Keras, first checks the process has the CPU devices it needs."""

@@ -147,7 +147,7 @@ def load_backend(require_secure_randomness: bool = True):
 
     if "tfe_estimator.secure.tfe_backend" not in sys.modules:
         with tf.Graph().as_default():
-            import tfe_estimator.secure.tfe_backend  # pylint: disable=import-outside-toplevel,unused-import
+            import tfe_estimator.secure.tfe_backend  # noqa: F401 (imported for its effect: it loads tf-encrypted)
     backend = sys.modules["tfe_estimator.secure.tfe_backend"]
     backend.install_secure_random()
     if require_secure_randomness:

@@ -6,17 +6,20 @@ Example::
     $ tfe-estimator demo --cluster            # the same on a loopback cluster
     $ tfe-estimator launch --workers 1 --evaluator -- python train.py
     $ TF_CONFIG=... tfe-estimator server      # one TFE party of a real cluster
-    $ tfe-estimator bench                     # secure vs plaintext step time
+    $ tfe-estimator bench                     # secure vs plaintext step time (from a checkout: tools/bench)
     $ tfe-estimator build-kernels             # compile the AES-CTR kernels ahead of time
     $ tfe-estimator k8s --name demo --image my/train:1 --workers 2 -- python train.py
     $ tfe-estimator certs --dir certs --workers 2 --cluster demo   # a CA and every task's key and cert
 """
 import argparse
 import gc
+import importlib
 import logging
+import pathlib
 import sys
 from typing import Optional, Sequence
 
+from tfe_estimator._version import __version__
 from tfe_estimator.cluster.server import SERVER_SUBCOMMAND
 
 __all__ = ["parse_args", "main"]
@@ -32,6 +35,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if argv[:1] and argv[0] in _PASS_THROUGH:
         return argparse.Namespace(command=argv[0], args=argv[1:])
     parser = argparse.ArgumentParser(prog="tfe-estimator", description="Secure aggregation for TensorFlow Estimator.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser(SERVER_SUBCOMMAND, help="run this task's TFE party server from TF_CONFIG and block")
@@ -91,7 +95,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     certs.add_argument("--cluster", default="tfe", help="cluster name in the certificates' DNS names (default tfe)")
     certs.add_argument("--validity-days", type=int, default=30, help="certificate lifetime (default 30)")
 
-    sub.add_parser("bench", help="secure vs plaintext step time, side by side (see bench --help)")
+    sub.add_parser("bench", help="secure vs plaintext step time, side by side (see bench --help; from a checkout)")
     sub.add_parser("k8s", help="print Kubernetes manifests for a cluster (see k8s --help)")
     return parser.parse_args(argv)
 
@@ -112,8 +116,7 @@ def _run(args: argparse.Namespace) -> int:
                         log_dir=args.log_dir, cluster_mode=args.cluster_mode, isolate=args.isolate,
                         tls=args.tls, network_file=args.network_file, link_rate=args.link_rate).run()
     if args.command == "attack":
-        from tfe_estimator.tools import attack  # pylint: disable=import-outside-toplevel
-
+        attack = _checkout_tool("attack")
         return attack.main(["--network", args.network, "--read-file", args.read_file])
     if args.command == "demo":
         return _demo(args)
@@ -133,14 +136,36 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {certs.CA_CERT}, {certs.CA_KEY} and {len(paths)} task keys and certificates to {args.dir}")
         return 0
     if args.command == "bench":
-        from tfe_estimator.tools import bench  # pylint: disable=import-outside-toplevel
-
-        return bench.main(args.args)
+        return _checkout_tool("bench").main(args.args)
     if args.command == "k8s":
         from tfe_estimator.cluster import kubernetes  # pylint: disable=import-outside-toplevel
 
         return kubernetes.main(args.args)
     raise AssertionError(args.command)  # argparse allows only the commands above
+
+
+def _checkout_tool(name: str):
+    """`tools.<name>` of the source checkout: developer tools are not part of the installed package.
+
+    Found when the checkout is on sys.path (``python -m tfe_estimator.tools.cli`` from its root) or when
+    this package is the checkout's own (an editable install).
+
+    Raises:
+      ValueError: naming the tool, where it lives and how to run it.
+    """
+    checkout = pathlib.Path(__file__).resolve().parents[2]
+    if (checkout / "tools" / "__init__.py").is_file() and str(checkout) not in sys.path:
+        sys.path.append(str(checkout))
+    try:
+        return importlib.import_module(f"tools.{name}")
+    except ImportError as e:
+        if not (e.name or "").startswith("tools"):
+            raise
+        raise ValueError(
+            f"`tfe-estimator {name}` is a developer tool that lives in the source checkout (tools/{name}), not "
+            f"in the installed package. Run it from a checkout of tfe_estimator: `python -m tools.{name} ...` "
+            "(with the package installed, e.g. `pip install -e .`)."
+        ) from None
 
 
 def _demo(args: argparse.Namespace) -> int:

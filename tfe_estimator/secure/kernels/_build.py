@@ -8,8 +8,8 @@ symbols ``libtensorflow_framework.so.2`` exports. ``-Wl,--no-undefined`` makes
 the link step prove that every symbol (``EVP_aes_128_ctr``, ``RAND_bytes``, ...)
 is there.
 
-The result is cached per TensorFlow version, Python version and source hash
-under ``$TFE_ESTIMATOR_KERNEL_CACHE`` (default
+The result is cached per TensorFlow version, Python version and a hash of the
+sources' contents and the flags (`cache_key`; not the checkout's path) under ``$TFE_ESTIMATOR_KERNEL_CACHE`` (default
 ``$XDG_CACHE_HOME/tfe_estimator/kernels`` or ``~/.cache/tfe_estimator/kernels``),
 and built under a file lock: the tasks of a cluster start at the same moment,
 and exactly one of them compiles.
@@ -31,9 +31,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import List
+from typing import List, Optional
 
-__all__ = ["KernelBuildError", "build", "library_path", "compile_command", "compile_flags", "SOURCE_DIR"]
+__all__ = ["KernelBuildError", "build", "cache_key", "library_path", "compile_command", "compile_flags", "SOURCE_DIR"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -90,15 +90,30 @@ def _cache_root() -> pathlib.Path:
     return pathlib.Path(base) / "tfe_estimator" / "kernels"
 
 
-def library_path() -> pathlib.Path:
-    """Where the library for this TensorFlow, Python and source version lives."""
+def cache_key(source_dir: Optional[pathlib.Path] = None) -> str:
+    """The cache entry's name: TensorFlow and Python versions and a hash of what the build depends on.
+
+    The hash covers the sources' names and contents, the compiler and its flags and the link flags, with
+    TensorFlow's own directories replaced by a placeholder: not where the sources or TensorFlow live, so a
+    second checkout (or virtualenv) of the same code reuses the build. `source_dir` defaults to
+    `SOURCE_DIR` as it is when called (a tool may point it at other sources).
+    """
     tf = _tf()
     digest = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.iterdir()):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    digest.update(" ".join(compile_command(pathlib.Path("out"))).encode())
-    key = f"tf{tf.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest.hexdigest()[:16]}"
-    return _cache_root() / key / LIBRARY_NAME
+    for path in sorted(pathlib.Path(SOURCE_DIR if source_dir is None else source_dir).iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    flags = [*compile_flags(), *tf.sysconfig.get_link_flags()]
+    tf_dirs = sorted({tf.sysconfig.get_include(), tf.sysconfig.get_lib()}, key=len, reverse=True)
+    for flag in flags:
+        for tf_dir in tf_dirs:
+            flag = flag.replace(tf_dir, "<tensorflow>")
+        digest.update(flag.encode() + b"\0")
+    return f"tf{tf.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{digest.hexdigest()[:16]}"
+
+
+def library_path() -> pathlib.Path:
+    """Where the library for this TensorFlow, Python and source version lives (see `cache_key`)."""
+    return _cache_root() / cache_key() / LIBRARY_NAME
 
 
 def build(force: bool = False) -> pathlib.Path:

@@ -5,8 +5,8 @@ import os
 import sys
 from typing import Dict
 
-from tfe_estimator.tools.bench import timing, traffic
-from tfe_estimator.tools.bench.workloads import Workload, input_fn, make_estimator, plaintext_config, secure_config
+from tools.bench import timing, traffic
+from tools.bench.workloads import Workload, input_fn, make_estimator, plaintext_config, secure_config
 
 __all__ = ["measure", "run_local_case", "run_cluster_case"]
 
@@ -71,7 +71,7 @@ def run_cluster_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
     os.makedirs(workdir, exist_ok=True)
     result = os.path.join(workdir, "result.json")
     task = {"workload": dataclasses.asdict(workload), "settings": settings, "workdir": workdir, "result": result}
-    command = [sys.executable, "-m", "tfe_estimator.tools.bench", "--cluster-task", json.dumps(task)]
+    command = [sys.executable, "-m", "tools.bench", "--cluster-task", json.dumps(task)]
     log_path = os.path.join(workdir, "launch.log")
     with open(log_path, "w") as log:
         status = Launcher(command, workers=workload.replicas - 1, evaluator=False,

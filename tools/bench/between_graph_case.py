@@ -2,7 +2,7 @@
 
 In between-graph mode every data owner is its own process with its own graph
 and session, so the two twins cannot take turns inside one process as the
-local cases do (`tfe_estimator.tools.bench.timing`). Instead the case
+local cases do (`tools.bench.timing`). Instead the case
 launches the same loopback cluster (`tfe-estimator launch`, 2 owners and the
 three ``tfe`` servers) once per twin and round, alternating the order per
 round:
@@ -39,8 +39,8 @@ from typing import Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
-from tfe_estimator.tools.bench import traffic
-from tfe_estimator.tools.bench.workloads import Workload, estimator_settings, input_fn, make_estimator
+from tools.bench import traffic
+from tools.bench.workloads import Workload, estimator_settings, input_fn, make_estimator
 
 __all__ = ["run_between_graph_case", "run_owner_task", "transport_missing", "TWINS", "TLS_TWINS"]
 
@@ -97,7 +97,7 @@ def _launch(workload: Workload, settings: Dict, twin: str, timed: int, workdir: 
 
     os.makedirs(workdir, exist_ok=True)
     task = {"workload": dataclasses.asdict(workload), "settings": settings, "twin": twin, "timed": timed}
-    command = [sys.executable, "-m", "tfe_estimator.tools.bench", "--owner-task", json.dumps(task)]
+    command = [sys.executable, "-m", "tools.bench", "--owner-task", json.dumps(task)]
     log_path = os.path.join(workdir, "launch.log")
     with open(log_path, "w") as log:
         status = Launcher(command, workers=workload.replicas - 1, evaluator=False, protocol=settings["protocol"],

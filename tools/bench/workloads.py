@@ -30,7 +30,7 @@ class Workload:
       replicas: local replicas, or data owners on the cluster.
       cluster: run on a loopback cluster (chief + workers + 3 tfe servers), in-graph.
       between_graph: run on a loopback cluster in between-graph mode, one process per owner
-        (`tfe_estimator.tools.bench.between_graph_case`).
+        (`tools.bench.between_graph_case`).
       transport: between-graph only: "" (secure vs MultiWorkerMirroredStrategy on loopback),
         "tls" (secure with `launch --isolate --tls` vs `--isolate` alone: the cost of TLS),
         "isolated" (secure vs MultiWorkerMirroredStrategy, each task in its own namespace: the
@@ -49,7 +49,8 @@ class Workload:
 
     def describe(self) -> str:
         model = "LinearRegressor" if self.model == "linear" else f"DNNRegressor{list(self.hidden_units)}"
-        link = {"": "loopback", "tls": "namespaces, TLS vs none", "isolated": "namespaces"}.get(self.transport, f"{self.transport} links")
+        link = {"": "loopback", "tls": "namespaces, TLS vs none", "isolated": "namespaces"}.get(
+            self.transport, f"{self.transport} links")
         where = (f"between-graph cluster ({link}), {self.replicas} owners" if self.between_graph else
                  f"loopback cluster, {self.replicas} owners" if self.cluster else f"{self.replicas} local replicas")
         return f"{model}, {self.features:,} features, {where}"

@@ -9,8 +9,8 @@ wall clock (as `dp_bench` measures it) and of the process's CPU time.
 
 Run::
 
-    python -m tfe_estimator.tools.bench.sampler_compare --old main --rounds 7
-    python -m tfe_estimator.tools.bench.sampler_compare --old main --pin   # one core (taskset -c 0)
+    python -m tools.bench.sampler_compare --old main --rounds 7
+    python -m tools.bench.sampler_compare --old main --pin   # one core (taskset -c 0)
 
 ``--old`` is a git revision of this repository (its ``kernels/src`` is
 extracted) or a directory of kernel sources; ``--new`` defaults to the working
@@ -31,7 +31,7 @@ __all__ = ["main"]
 
 VARIANCES = (2.0**40, 1.21 * 2.0**64 + 2.0**20, 2.0**88)
 SRC = "tfe_estimator/secure/kernels/src"
-REPO = pathlib.Path(__file__).resolve().parents[3]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
 import json, math, pathlib, sys, time
@@ -60,7 +60,7 @@ print("RESULT", json.dumps(out))
 def _sources(spec: str, workdir: pathlib.Path, name: str) -> pathlib.Path:
     if pathlib.Path(spec).is_dir():
         return pathlib.Path(spec).resolve()
-    target = workdir / name / "src"  # the directory name keys the compile command, so each build is cached apart
+    target = workdir / name / "src"  # the cache key hashes the sources' contents: each version is built apart
     target.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(REPO), "archive", spec, SRC], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(target), "--strip-components", str(SRC.count("/") + 1)], input=archive,
@@ -78,7 +78,7 @@ def _run(src: pathlib.Path, threads: int, n: int, pin: bool, cache: pathlib.Path
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Builds both kernels, times them in alternating rounds, prints the table. Returns 0."""
-    parser = argparse.ArgumentParser(prog="python -m tfe_estimator.tools.bench.sampler_compare",
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.sampler_compare",
                                      description="TfeDiscreteGaussian: old vs new kernel source, side by side.")
     parser.add_argument("--old", required=True, help="git revision or directory of the old kernel sources")
     parser.add_argument("--new", default=str(REPO / SRC), help="directory of the new sources (default: this tree)")
@@ -105,7 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 old = [x[i][col] for x in results[("old", threads)]]
                 new = [x[i][col] for x in results[("new", threads)]]
                 pinned = " pinned" if args.pin else ""
-                print(f"[sampler compare] v = 2**{math.log2(v):.1f}, {threads} thread(s){pinned}, {kind}: old best {min(old):.1f} median {statistics.median(old):.1f}, new best {min(new):.1f} "
+                print(f"[sampler compare] v = 2**{math.log2(v):.1f}, {threads} thread(s){pinned}, {kind}: "
+                      f"old best {min(old):.1f} median {statistics.median(old):.1f}, new best {min(new):.1f} "
                       f"median {statistics.median(new):.1f} ns per value; new/old {min(new) / min(old):.2f} (best), "
                       f"{statistics.median(new) / statistics.median(old):.2f} (median)", flush=True)
     return 0

@@ -18,7 +18,7 @@ Two measurements, in one run:
 
 Run::
 
-    python -m tfe_estimator.tools.bench.dp_bench --out bench-results
+    python -m tools.bench.dp_bench --out bench-results
 """
 import argparse
 import json
@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
+
+from tools import checkout_on_pythonpath
 
 __all__ = ["sampler_ns_per_value", "dp_step_case", "main"]
 
@@ -80,9 +82,9 @@ def dp_step_case(settings: Dict, workdir: str) -> Dict:
 
     from tfe_estimator.distribute.run_config import TfeRunConfig, plaintext_twin_config  # pylint: disable=import-outside-toplevel
     from tfe_estimator.privacy.dp import DistributedDP, make_dp_optimizer  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.tools.bench import timing  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.tools.bench.traffic import trainable_parameters  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.tools.bench.workloads import estimator_settings  # pylint: disable=import-outside-toplevel
+    from tools.bench import timing  # pylint: disable=import-outside-toplevel
+    from tools.bench.traffic import trainable_parameters  # pylint: disable=import-outside-toplevel
+    from tools.bench.workloads import estimator_settings  # pylint: disable=import-outside-toplevel
 
     clip, multiplier, rate = 1.0, 1.1, 0.05
     columns = [tf.feature_column.numeric_column(FEATURES, shape=[settings["features"]])]
@@ -121,7 +123,7 @@ def dp_step_case(settings: Dict, workdir: str) -> Dict:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tfe_estimator.tools.bench.dp_bench",
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.dp_bench",
                                      description="Distributed DP: sampler ns/value; secure vs central DP-SGD.")
     parser.add_argument("--out", default="bench-results", help="output directory (default bench-results/)")
     parser.add_argument("--features", type=int, default=256)
@@ -140,7 +142,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _sampler_in_child(variances: Sequence[float], threads: int, n: int) -> List[float]:
     # A process per thread count: the intra-op pool is sized once per process.
-    command = [sys.executable, "-m", "tfe_estimator.tools.bench.dp_bench", "--sampler-threads", str(threads),
+    command = [sys.executable, "-m", "tools.bench.dp_bench", "--sampler-threads", str(threads),
                "--variances", ",".join(repr(v) for v in variances), "--sampler-values", str(n)]
     out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=600).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -150,6 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs both measurements; prints them and writes <out>/dp_bench.json. Returns 0."""
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    checkout_on_pythonpath()  # the sampler runs in a child `-m tools.bench.dp_bench`
     if args.sampler_threads:
         values = [float(v) for v in args.variances.split(",")]
         print(json.dumps([sampler_ns_per_value(v, args.sampler_threads, args.sampler_values) for v in values]))
@@ -157,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     from tfe_estimator.privacy.dp import DistributedDP, replica_noise_variance  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.tools.bench import report  # pylint: disable=import-outside-toplevel
+    from tools.bench import report  # pylint: disable=import-outside-toplevel
 
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
     settings = dict(features=args.features, hidden_units=[int(h) for h in args.hidden_units.split(",")],

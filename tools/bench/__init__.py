@@ -2,19 +2,19 @@
 
 Runs every case's secure Estimator (`TfeRunConfig`) and its plaintext twin
 (`MirroredStrategy` + `ReductionToOneDevice` on the same devices) in one run,
-alternating rounds of steps between them (see `tfe_estimator.tools.bench.timing`),
+alternating rounds of steps between them (see `tools.bench.timing`),
 and reports the median ms/step and the ratio per case; the bytes each
 replica uploads to the TFE servers per parameter and step, counted from the
-training graph (`tfe_estimator.tools.bench.traffic`); and the secure sum alone
-against `ReductionToOneDevice` (`tfe_estimator.tools.bench.secure_sum_micro`).
+training graph (`tools.bench.traffic`); and the secure sum alone
+against `ReductionToOneDevice` (`tools.bench.secure_sum_micro`).
 
 Writes ``results.json``, ``benchmark.png`` and ``BENCHMARKS.md`` into
 ``--out`` (default ``bench-results/``) and prints one line per case.
 
 Example::
 
-    $ python -m tfe_estimator.tools.bench                  # the default cases, a few minutes on 2 cores
-    $ python -m tfe_estimator.tools.bench --quick --out /tmp/b   # tiny sizes, a smoke test
+    $ python -m tools.bench                  # the default cases, a few minutes on 2 cores
+    $ python -m tools.bench --quick --out /tmp/b   # tiny sizes, a smoke test
 """
 import argparse
 import json
@@ -24,7 +24,8 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence
 
-from tfe_estimator.tools.bench.workloads import Workload
+from tools import checkout_on_pythonpath
+from tools.bench.workloads import Workload
 
 __all__ = ["main", "parse_args", "default_cases", "quick_cases", "cluster_case_supported"]
 
@@ -121,20 +122,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the benchmark; returns 0. See the module docstring."""
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    checkout_on_pythonpath()  # the cluster cases' tasks run `-m tools.bench` in their own directories
     if args.cluster_task:
-        from tfe_estimator.tools.bench.cluster_task import run_task  # pylint: disable=import-outside-toplevel
+        from tools.bench.cluster_task import run_task  # pylint: disable=import-outside-toplevel
 
         return run_task(json.loads(args.cluster_task))
     if args.owner_task:
-        from tfe_estimator.tools.bench.between_graph_case import run_owner_task  # pylint: disable=import-outside-toplevel
+        from tools.bench.between_graph_case import run_owner_task  # pylint: disable=import-outside-toplevel
 
         return run_owner_task(json.loads(args.owner_task))
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-    from tfe_estimator.tools.bench import report  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.tools.bench.between_graph_case import run_between_graph_case, transport_missing  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.tools.bench.cases import run_cluster_case, run_local_case  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.tools.bench.secure_sum_micro import run_secure_sum  # pylint: disable=import-outside-toplevel
+    from tools.bench import report  # pylint: disable=import-outside-toplevel
+    from tools.bench.between_graph_case import run_between_graph_case, transport_missing  # pylint: disable=import-outside-toplevel
+    from tools.bench.cases import run_cluster_case, run_local_case  # pylint: disable=import-outside-toplevel
+    from tools.bench.secure_sum_micro import run_secure_sum  # pylint: disable=import-outside-toplevel
 
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
     settings = _settings(args)
@@ -143,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cases = quick_cases() if args.quick else default_cases()
     if not cluster_case_supported():
         print(f"[bench] the loopback-cluster case is skipped on TensorFlow {tf.__version__} "
-              "(see tfe_estimator.tools.bench.cluster_case_supported)", flush=True)
+              "(see tools.bench.cluster_case_supported)", flush=True)
     if args.cases:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c.name in wanted]

@@ -21,7 +21,7 @@ from typing import Dict, List
 
 import tensorflow as tf
 
-from tfe_estimator.tools.bench.traffic import cross_device_bytes
+from tools.bench.traffic import cross_device_bytes
 
 __all__ = ["run_secure_sum"]
 
@@ -106,7 +106,7 @@ def run_secure_sum(sizes: List[int], rounds: int, steps: int, replicas: int = 2,
                     start = time.perf_counter()
                     session.run(step)
                     times[name].append(time.perf_counter() - start)
-        def count(name, src, dst):  # the edges one step needs (not the initializers' copies)
+        def count(name, src, dst, twins=twins):  # the edges one step needs (not the initializers' copies)
             graph, _, step = twins[name]
             return cross_device_bytes(graph, src, dst, fetches=[step])[0]
 

@@ -41,6 +41,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence
 
+from tools import checkout_on_pythonpath
+
 __all__ = ["main", "parse_args", "ATTACKS"]
 
 #: Every kind of attempt, and whether it must fail (True) or succeed (the probe's own check).
@@ -62,6 +64,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs every attempt; returns 1 if one went the wrong way."""
     args = parse_args(argv)
+    checkout_on_pythonpath()  # the probes run `-m tools.attack` inside the namespaces
     with open(args.network, encoding="utf-8") as f:
         network = json.load(f)
     if args.probe:
@@ -87,7 +90,7 @@ def _run_probes(network: Dict, args) -> List[Dict]:
     """The outsider's probes from a namespace of its own on the bridge, then each owner's."""
     from tfe_estimator.cluster.netns import join_network  # pylint: disable=import-outside-toplevel
 
-    here = [sys.executable, "-m", "tfe_estimator.tools.attack", "--network", args.network,
+    here = [sys.executable, "-m", "tools.attack", "--network", args.network,
             "--read-file", args.read_file, "--probe"]
     namespace = f"tfe-attack-{os.getpid()}"
     join_network(network["hub"], namespace, network["observer_address"], f"a{os.getpid() % 10**6}")

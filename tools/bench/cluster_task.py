@@ -15,8 +15,8 @@ __all__ = ["run_task"]
 def run_task(task: Dict) -> int:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-    from tfe_estimator.tools.bench.cases import measure  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.tools.bench.workloads import Workload, plaintext_config, secure_config  # pylint: disable=import-outside-toplevel
+    from tools.bench.cases import measure  # pylint: disable=import-outside-toplevel
+    from tools.bench.workloads import Workload, plaintext_config, secure_config  # pylint: disable=import-outside-toplevel
     from tfe_estimator.cluster.spec import TfeCluster  # pylint: disable=import-outside-toplevel
     from tfe_estimator.secure.protocols import load_backend  # pylint: disable=import-outside-toplevel
 

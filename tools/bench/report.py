@@ -161,7 +161,7 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
         "",
         "Secure aggregation (`TfeRunConfig`, Pond, `precision=\"low\"`) against its plaintext twin "
         "(`MirroredStrategy` with `ReductionToOneDevice` on the same devices), measured side by side "
-        "in one run by `tfe-estimator bench` (`python -m tfe_estimator.tools.bench`).",
+        "in one run by `tfe-estimator bench` (`python -m tools.bench`).",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores; {m['platform']}; {m['date']}. "
         f"Python {v['python']}, TensorFlow {v['tensorflow']}, tensorflow-estimator {v['tensorflow_estimator']}, "
@@ -186,7 +186,8 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
         "namespace; `-1gbit`, `-100mbit`: the same with every task's link limited to that rate (a token bucket; "
         "this kernel has neither netem nor fq, so no latency can be added).",
         "",
-        "| case | workload | params | secure ms/step | plaintext ms/step | ratio | target | upload B/param/replica/step | download |",
+        "| case | workload | params | secure ms/step | plaintext ms/step | ratio | target "
+        "| upload B/param/replica/step | download |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for c in results["cases"]:
@@ -221,7 +222,8 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
                 f"**{r['extra_ns_per_param_per_replica']:.2f}**{mark} | "
                 f"{r['reference_extra_ns_per_param_per_replica']:.2f} | "
                 f"{r['upload_bytes_per_param_per_replica']:.3f} + {r['download_bytes_per_param_per_replica']:.3f} | "
-                f"{r['secure32_extra_ns_per_param_per_replica']:.2f}, {r['secure32_bytes_per_param_per_replica']:.3f} | "
+                f"{r['secure32_extra_ns_per_param_per_replica']:.2f}, "
+                f"{r['secure32_bytes_per_param_per_replica']:.3f} | "
                 f"{r['plaintext_bytes_per_param_per_replica']:.3f} |"
             )
         kinds = sorted({k for r in micro for k in r["secure_op_ms_by_kind"]})

@@ -1,0 +1,6 @@
+"""`python -m tools.bench`."""
+import sys
+
+from tools.bench import main
+
+sys.exit(main())
