@@ -128,9 +128,11 @@ class AggregationServer:
             raise ValueError(f"role={role!r} must be 0 (server0, tfe:0) or 1 (server1, tfe:1).")
         owners = list(owners)
         if not owners or len(set(owners)) != len(owners) or not all(isinstance(o, str) for o in owners):
-            raise ValueError(f"owners={owners!r} must be distinct identities like 'chief:0', 'worker:0' (at least one).")
+            raise ValueError(f"owners={owners!r} must be distinct identities like 'chief:0', 'worker:0' "
+                             "(at least one).")
         if _FORWARDER in owners:
-            raise ValueError(f"owners={owners!r} includes {_FORWARDER}, the aggregation server0: it cannot be an owner.")
+            raise ValueError(f"owners={owners!r} includes {_FORWARDER}, the aggregation server0: it cannot be "
+                             "an owner.")
         if (role == 0) != (peer_address is not None):
             raise ValueError(f"peer_address={peer_address!r} for role {role}: server0 needs server1's address "
                              "(it forwards its blinded part there); server1 takes none.")
