@@ -259,8 +259,11 @@ class AggregationServer:
     def _name(self, participant: int) -> str:
         return self._owners[participant] if participant < len(self._owners) else f"{_FORWARDER} (server0's part)"
 
-    def _check_request(self, request, what: str) -> int:
-        """Validates a put's settings and payload size; returns the ring words."""
+    def _check_request(self, request, payload: bytes, what: str) -> int:
+        """Validates a put's settings and payload size; returns the ring words.
+
+        `payload` is ``request.payload`` read once: every read of a bytes field copies it (upb).
+        """
         if not request.channel:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: empty channel name; name the sum.")
         if request.ring_bits not in ring.RING_BITS or request.num_elements < 0:
@@ -269,10 +272,10 @@ class AggregationServer:
                          f"{request.num_elements}; ring_bits must be 32, 64 or 128 and num_elements >= 0.")
         words = ring.ring_words(request.num_elements, request.ring_bits)
         expected = ring.KEY_BYTES if what.startswith("Contribute") and self._role == 0 else 8 * words
-        if len(request.payload) != expected:
+        if len(payload) != expected:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{what} to channel {request.channel!r} step {request.step}: payload has "
-                         f"{len(request.payload)} bytes, expected {expected} ("
+                         f"{len(payload)} bytes, expected {expected} ("
                          f"{'a 16-byte key' if expected == ring.KEY_BYTES else 'the masked share: ring words'} "
                          f"for {request.num_elements} elements at ring {request.ring_bits}).")
         return words
@@ -280,7 +283,7 @@ class AggregationServer:
     def _addend(self, payload: bytes, words: int, is_key: bool) -> np.ndarray:
         return ring.keystream_words(payload, words) if is_key else np.frombuffer(payload, "<u8")
 
-    def _put(self, channel: _Channel, participant: int, request, words: int, addend: np.ndarray):
+    def _put(self, channel: _Channel, participant: int, request, words: int, payload: bytes, addend: np.ndarray):
         """Adds one contribution under the channel's lock.
 
         Returns ``(released step, its _Result)`` if it completed the step, else None.
@@ -323,7 +326,7 @@ class AggregationServer:
         if current is None:
             current = channel.open = _Open(step, words)
         ring.add_into(current.acc, addend, request.ring_bits)
-        current.parts[participant] = request.payload
+        current.parts[participant] = payload
         channel.last_step[participant] = step
         for result in list(channel.results.values()):  # an answer this owner gave up on
             if result.step != step:
@@ -367,12 +370,13 @@ class AggregationServer:
 
     def _contribute(self, identity: str, request, context, reply):
         what = f"Contribute of {identity}"
-        words = self._check_request(request, what)
+        payload = request.payload
+        words = self._check_request(request, payload, what)
         owner = self._owners.index(identity)
-        addend = self._addend(request.payload, words, is_key=self._role == 0)  # server0: the key's keystream
+        addend = self._addend(payload, words, is_key=self._role == 0)  # server0: the key's keystream
         channel = self._channel(request.channel)
         with channel.cond:
-            released = self._put(channel, owner, request, words, addend)
+            released = self._put(channel, owner, request, words, payload, addend)
         if released is not None:
             self._finish(channel, released, request)
         return reply(step=request.step, payload=self._await(channel, owner, request.step, context))
@@ -411,10 +415,11 @@ class AggregationServer:
 
     def _forwarded(self, identity: str, request, context, reply):
         del identity, context
-        words = self._check_request(request, "ForwardBlinded")
+        payload = request.payload
+        words = self._check_request(request, payload, "ForwardBlinded")
         channel = self._channel(request.channel)
         with channel.cond:
-            released = self._put(channel, len(self._owners), request, words, np.frombuffer(request.payload, "<u8"))
+            released = self._put(channel, len(self._owners), request, words, payload, np.frombuffer(payload, "<u8"))
         if released is not None:
             self._finish(channel, released, request)
         return reply()
