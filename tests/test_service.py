@@ -319,3 +319,20 @@ def test_the_service_imports_without_tensorflow():
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=WAIT_SECS)
+
+
+def test_server_checks_its_arguments(cert_dirs):
+    from tfe_estimator.service import AggregationServer, TlsFiles  # pylint: disable=import-outside-toplevel
+    tls = TlsFiles.from_dir(cert_dirs[0], "tfe", 0)
+    with pytest.raises(ValueError, match="role=2"):
+        AggregationServer(2, "localhost:0", ["chief:0"], tls)
+    with pytest.raises(ValueError, match="server0 needs server1's address"):
+        AggregationServer(0, "localhost:0", ["chief:0"], tls)
+    with pytest.raises(ValueError, match=r"owners=\['chief-0'\] must be distinct task identities"):
+        AggregationServer(1, "localhost:0", ["chief-0"], tls)
+    with pytest.raises(ValueError, match="includes tfe:0"):
+        AggregationServer(1, "localhost:0", ["chief:0", "tfe:0"], tls)
+    with pytest.raises(TypeError, match="there is no plaintext mode"):
+        AggregationServer(1, "localhost:0", ["chief:0"], None)
+    with pytest.raises(FileNotFoundError, match="tfe-estimator certs"):
+        TlsFiles.from_dir(cert_dirs[0], "tfe", 9)

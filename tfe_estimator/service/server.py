@@ -36,6 +36,7 @@ Example::
 """
 import concurrent.futures
 import logging
+import re
 import secrets
 import threading
 import time
@@ -127,8 +128,10 @@ class AggregationServer:
         if role not in (0, 1) or isinstance(role, bool):
             raise ValueError(f"role={role!r} must be 0 (server0, tfe:0) or 1 (server1, tfe:1).")
         owners = list(owners)
-        if not owners or len(set(owners)) != len(owners) or not all(isinstance(o, str) for o in owners):
-            raise ValueError(f"owners={owners!r} must be distinct identities like 'chief:0', 'worker:0' (at least one).")
+        if not owners or len(set(owners)) != len(owners) or \
+                not all(isinstance(o, str) and re.match(r"^[a-z0-9-]+:\d+$", o) for o in owners):
+            raise ValueError(f"owners={owners!r} must be distinct task identities 'job:index' like 'chief:0', "
+                             "'worker:0' (at least one), as the owners' certificates name them (CN job-index).")
         if _FORWARDER in owners:
             raise ValueError(f"owners={owners!r} includes {_FORWARDER}, the aggregation server0: it cannot be an owner.")
         if (role == 0) != (peer_address is not None):
