@@ -27,9 +27,9 @@ def _as_task(monkeypatch, job, index=0):
     monkeypatch.delenv("TFE_ESTIMATOR_CLUSTER_MODE", raising=False)
 
 
-def test_a_cluster_defaults_to_between_graph_whose_sessions_see_only_their_task_and_the_servers(monkeypatch, tmp_path):
+def test_between_graph_sessions_see_only_their_task_and_the_servers(monkeypatch, tmp_path):
     _as_task(monkeypatch, "worker")
-    config = TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path))
+    config = TfeRunConfig(cluster_mode="between-graph", tf_random_seed=1, model_dir=str(tmp_path))
     assert isinstance(config.train_distribute, BetweenGraphStrategy)
     assert type(config.train_distribute).__name__ == "CollectiveAllReduceStrategyV1"  # Estimator's per-owner path
     assert config.train_distribute.extended.experimental_between_graph
@@ -45,19 +45,19 @@ def test_between_graph_derives_one_seed_on_every_owner_and_an_explicit_seed_wins
     for job in ("chief", "worker"):
         _as_task(monkeypatch, job)
         with caplog.at_level("INFO", logger="tfe_estimator"):
-            seeds[job] = TfeRunConfig(model_dir=str(tmp_path / job)).tf_random_seed
+            seeds[job] = TfeRunConfig(cluster_mode="between-graph", model_dir=str(tmp_path / job)).tf_random_seed
     assert seeds["chief"] == seeds["worker"] and 0 <= seeds["chief"] < 2**31
     assert f"tf_random_seed={seeds['chief']} derived from TF_CONFIG's cluster" in caplog.text
-    assert TfeRunConfig(model_dir=str(tmp_path / "worker"), tf_random_seed=5).tf_random_seed == 5
+    assert TfeRunConfig(cluster_mode="between-graph", model_dir=str(tmp_path / "worker"), tf_random_seed=5).tf_random_seed == 5
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": dict(CLUSTER, worker=["localhost:9"]),
                                                 "task": {"type": "worker", "index": 0}}))
-    assert TfeRunConfig(model_dir=str(tmp_path / "other")).tf_random_seed != seeds["worker"]  # another cluster
+    assert TfeRunConfig(cluster_mode="between-graph", model_dir=str(tmp_path / "other")).tf_random_seed != seeds["worker"]  # another cluster
 
 
 def test_between_graph_refuses_another_protocol_and_a_bad_mode(monkeypatch):
     _as_task(monkeypatch, "chief")
     with pytest.raises(ValueError, match=r"protocol='aby3' is not available in between-graph cluster mode"):
-        TfeRunConfig(protocol="aby3", tf_random_seed=1)
+        TfeRunConfig(cluster_mode="between-graph", protocol="aby3", tf_random_seed=1)
     with pytest.raises(ValueError, match=r"cluster_mode='mixed' is not a cluster mode"):
         TfeRunConfig(cluster_mode="mixed", tf_random_seed=1)
 
@@ -65,7 +65,7 @@ def test_between_graph_refuses_another_protocol_and_a_bad_mode(monkeypatch):
 def test_a_task_follows_the_mode_it_was_launched_for_and_refuses_another(monkeypatch, tmp_path):
     _as_task(monkeypatch, "worker")
     monkeypatch.setenv("TFE_ESTIMATOR_CLUSTER_MODE", "in-graph")  # what `tfe-estimator launch` sets
-    assert isinstance(TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path)).train_distribute, TfeStrategy)
+    assert isinstance(TfeRunConfig(cluster_mode="between-graph", tf_random_seed=1, model_dir=str(tmp_path)).train_distribute, TfeStrategy)
     with pytest.raises(ValueError, match=r"cluster_mode='between-graph'.*launched for 'in-graph'.*--cluster-mode"):
         TfeRunConfig(tf_random_seed=1, cluster_mode="between-graph", model_dir=str(tmp_path))
 
@@ -248,16 +248,16 @@ def test_a_step_accumulator_refuses_other_settings_an_unknown_owner_and_a_missha
 
 def test_a_step_waits_at_most_step_timeout_secs_and_a_bad_timeout_is_refused(monkeypatch, tmp_path):
     _as_task(monkeypatch, "chief")
-    config = TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path))
+    config = TfeRunConfig(cluster_mode="between-graph", tf_random_seed=1, model_dir=str(tmp_path))
     assert config.session_config.operation_timeout_in_ms == 300_000  # never forever
-    assert TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path),
+    assert TfeRunConfig(cluster_mode="between-graph", tf_random_seed=1, model_dir=str(tmp_path),
                         step_timeout_secs=15).session_config.operation_timeout_in_ms == 15_000
     own = tf.compat.v1.ConfigProto(operation_timeout_in_ms=1234)
-    assert TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path),
+    assert TfeRunConfig(cluster_mode="between-graph", tf_random_seed=1, model_dir=str(tmp_path),
                         session_config=own).session_config.operation_timeout_in_ms == 1234
     for bad in (0, -1, "60", True, float("inf")):
         with pytest.raises(ValueError, match=rf"step_timeout_secs={bad!r} must be a number of seconds > 0"):
-            TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path), step_timeout_secs=bad)
+            TfeRunConfig(cluster_mode="between-graph", tf_random_seed=1, model_dir=str(tmp_path), step_timeout_secs=bad)
 
 
 def test_the_handshake_names_the_first_field_that_differs_and_the_owners():

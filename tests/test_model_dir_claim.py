@@ -9,7 +9,9 @@ from tfe_estimator.cluster import model_dir_claim
 from tfe_estimator.cluster.model_dir_claim import CLAIM_FILE, claim_model_dir
 
 CLUSTER = {"chief": ["localhost:1"], "worker": ["localhost:2"], "evaluator": ["localhost:6"],
-           "tfe": ["localhost:3", "localhost:4", "localhost:5"]}
+           "tfe": ["localhost:3", "localhost:4"]}  # service mode, the default: two aggregation servers
+#: In-graph mode's cluster: Pond's three TensorFlow servers.
+IN_GRAPH_CLUSTER = dict(CLUSTER, tfe=["localhost:3", "localhost:4", "localhost:5"])
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +23,7 @@ def _clean_env(monkeypatch):
 
 def _as_task(monkeypatch, job, index=0, cluster=None):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster or CLUSTER, "task": {"type": job, "index": index}}))
+    monkeypatch.setenv("TFE_ESTIMATOR_TLS_DIR", "/unused/certs")  # service mode: read when a sum first runs
 
 
 def _files(directory):
@@ -59,7 +62,7 @@ def test_the_evaluator_and_an_in_graph_worker_claim_nothing(monkeypatch, tmp_pat
     TfeRunConfig(model_dir=str(tmp_path))
     _as_task(monkeypatch, "evaluator")
     TfeRunConfig(model_dir=str(tmp_path))  # reads its owner's directory
-    _as_task(monkeypatch, "worker")
+    _as_task(monkeypatch, "worker", cluster=IN_GRAPH_CLUSTER)
     TfeRunConfig(model_dir=str(tmp_path), cluster_mode="in-graph")  # only the chief writes in-graph
     assert _files(str(tmp_path)) == [CLAIM_FILE]
     assert json.loads((tmp_path / CLAIM_FILE).read_text())["owner"] == "chief:0"

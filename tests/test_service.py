@@ -138,7 +138,7 @@ def test_consecutive_steps_and_channels_at_once(make_service):
         calls = [lambda c=c, k=k: clients[k].contribute(c, step, 64, n, masked[c][k][1], masked[c][k][0])
                  for c in values for k in range(2)]
         results = in_threads(calls)
-        for (c, k), (blind, w) in zip([(c, k) for c in values for k in range(2)], results):
+        for c, (blind, w) in zip([c for c in values for _ in range(2)], results):
             total = (w.view(np.uint64) + ring.keystream_words(blind, n)).view(np.int64)
             np.testing.assert_array_equal(total, values[c][0] + values[c][1])
 
@@ -313,9 +313,27 @@ def test_messages_round_trip():
 
 def test_the_service_imports_without_tensorflow():
     # The parent package imports TensorFlow; a server image runs only the service (and cluster.certs).
-    code = (f"import sys, types\npkg = types.ModuleType('tfe_estimator')\npkg.__path__ = [{str(ROOT / 'tfe_estimator')!r}]\n"
+    package = str(ROOT / "tfe_estimator")
+    code = (f"import sys, types\npkg = types.ModuleType('tfe_estimator')\npkg.__path__ = [{package!r}]\n"
             "sys.modules['tfe_estimator'] = pkg\nimport tfe_estimator.service, tfe_estimator.service.server\n"
             "tfe_estimator.service.wire.messages()\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=WAIT_SECS)
+
+
+def test_server_checks_its_arguments(cert_dirs):
+    from tfe_estimator.service import AggregationServer, TlsFiles  # pylint: disable=import-outside-toplevel
+    tls = TlsFiles.from_dir(cert_dirs[0], "tfe", 0)
+    with pytest.raises(ValueError, match="role=2"):
+        AggregationServer(2, "localhost:0", ["chief:0"], tls)
+    with pytest.raises(ValueError, match="server0 needs server1's address"):
+        AggregationServer(0, "localhost:0", ["chief:0"], tls)
+    with pytest.raises(ValueError, match=r"owners=\['chief-0'\] must be distinct task identities"):
+        AggregationServer(1, "localhost:0", ["chief-0"], tls)
+    with pytest.raises(ValueError, match="includes tfe:0"):
+        AggregationServer(1, "localhost:0", ["chief:0", "tfe:0"], tls)
+    with pytest.raises(TypeError, match="there is no plaintext mode"):
+        AggregationServer(1, "localhost:0", ["chief:0"], None)
+    with pytest.raises(FileNotFoundError, match="tfe-estimator certs"):
+        TlsFiles.from_dir(cert_dirs[0], "tfe", 9)

@@ -186,7 +186,8 @@ def test_only_server0_may_forward_its_part(make_service, cert_dirs):
 
 
 def test_mutation_owners_allowed_to_forward_is_detected(make_service, cert_dirs, monkeypatch):
-    monkeypatch.setattr(server_module.AggregationServer, "_callers", lambda self, method: list(self._owners) + ["tfe:0"])
+    monkeypatch.setattr(server_module.AggregationServer, "_callers",
+                        lambda self, method: list(self._owners) + ["tfe:0"])
     _detects(check_only_server0_may_forward, make_service, cert_dirs)
 
 

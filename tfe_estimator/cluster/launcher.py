@@ -163,11 +163,14 @@ class Launcher:
       final_eval_timeout: seconds the evaluator may take after the chief finished.
       log_dir: if set, each task's output goes to ``<log_dir>/<job>-<index>.log``.
       port_retries: how often to re-plan the ports when one was taken meanwhile.
-      cluster_mode: "in-graph" (workers serve the chief until it finishes) or
-        "between-graph" (`tfe_estimator.cluster.peers`: every owner trains and
-        finishes on its own; a worker that exits with status 0 has finished, and
-        the run ends when the chief and every worker have finished, within
-        `final_eval_timeout` s of the chief).
+      cluster_mode: "service" (the default; `tfe_estimator.cluster.peers`: two
+        ``tfe`` tasks run the aggregation service with certificates made for the
+        run, every owner trains on its own and opens no port), "between-graph"
+        (every owner trains and finishes on its own through TensorFlow servers)
+        or "in-graph" (workers serve the chief until it finishes). In the first
+        two a worker that exits with status 0 has finished, and the run ends
+        when the chief and every worker have finished, within
+        `final_eval_timeout` s of the chief.
       isolate: run every task in its own network namespace on a private bridge
         (`tfe_estimator.cluster.isolation`; root).
       tls: with `isolate`, mutual TLS sidecars on every link, certificates for
@@ -202,7 +205,7 @@ class Launcher:
         final_eval_timeout: float = 600.0,
         log_dir: Optional[str] = None,
         port_retries: int = 3,
-        cluster_mode: str = BETWEEN_GRAPH,
+        cluster_mode: str = SERVICE,
         isolate: bool = False,
         tls: bool = False,
         network_file: Optional[str] = None,
@@ -282,14 +285,18 @@ class Launcher:
                 self.tasks.append(task)
 
     def _make_certs(self) -> str:
-        """A CA and a certificate per task for this run (service mode), in a directory removed at the end."""
+        """Where this run's certificates go (service mode): made by `run`, removed at its end."""
+        if self._cert_dir is None:
+            self._cert_dir = os.path.join(tempfile.gettempdir(), f"tfe-launch-certs-{os.getpid()}-{id(self):x}")
+        return self._cert_dir
+
+    def _write_certs(self) -> None:
+        """A CA and every task's key and certificate, in a directory only this user can read."""
         from tfe_estimator.cluster.certs import make_cluster_certs  # pylint: disable=import-outside-toplevel
 
-        if self._cert_dir is None:
-            self._cert_dir = tempfile.mkdtemp(prefix="tfe-launch-certs-")
-            tasks = [(job, index) for job, addresses in self.cluster.jobs.items() for index in range(len(addresses))]
-            make_cluster_certs(self._cert_dir, tasks, cluster="launch")
-        return self._cert_dir
+        os.makedirs(self._cert_dir, mode=0o700, exist_ok=False)
+        tasks = [(job, index) for job, addresses in self.cluster.jobs.items() for index in range(len(addresses))]
+        make_cluster_certs(self._cert_dir, tasks, cluster="launch")
 
     @property
     def _serving_jobs(self):
@@ -333,6 +340,8 @@ class Launcher:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 handlers[sig] = signal.signal(sig, lambda signum, frame: self._stop.set())
         try:
+            if self._cert_dir is not None:
+                self._write_certs()
             if self.isolation is not None:
                 self.isolation.start()
                 if self.network_file:

@@ -10,8 +10,8 @@ two servers (`tfe_estimator.service`: Contribute, Handshake, Rewind over
 mutual TLS), and server0 calls server1 (ForwardBlinded). The table below is
 the TensorFlow-runtime modes'.
 
-Between-graph mode (one organisation; each data owner runs only its own
-graph, the servers are TensorFlow servers):
+Between-graph mode (one organisation on a trusted network; each data owner
+runs only its own graph, the servers are TensorFlow servers):
 
 ===========  ====================================================  =====================
 caller       callee and RPCs                                       why
@@ -42,13 +42,15 @@ from typing import Dict, Tuple
 
 from tfe_estimator.cluster.spec import DATA_OWNER_JOBS, TFE_JOB
 
-__all__ = ["CLUSTER_MODES", "SERVICE", "BETWEEN_GRAPH", "IN_GRAPH", "allowed_callers", "allowed_callees",
+__all__ = ["CLUSTER_MODES", "DEFAULT_MODE", "SERVICE", "BETWEEN_GRAPH", "IN_GRAPH", "allowed_callers", "allowed_callees",
            "validate_mode"]
 
 BETWEEN_GRAPH = "between-graph"
 IN_GRAPH = "in-graph"
 SERVICE = "service"
 CLUSTER_MODES = (SERVICE, BETWEEN_GRAPH, IN_GRAPH)
+#: The mode of a TF_CONFIG cluster unless `TfeRunConfig(cluster_mode=...)` or the launcher says otherwise.
+DEFAULT_MODE = SERVICE
 
 _TRAINING_JOBS = DATA_OWNER_JOBS + (TFE_JOB,)
 

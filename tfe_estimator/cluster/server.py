@@ -23,7 +23,7 @@ import signal
 import threading
 from typing import Mapping, Optional, Tuple
 
-from tfe_estimator.cluster.peers import BETWEEN_GRAPH, SERVICE, validate_mode
+from tfe_estimator.cluster.peers import DEFAULT_MODE, SERVICE, validate_mode
 from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, TLS_DIR_ENV, TfeCluster
 from tfe_estimator.secure.protocols import load_backend
 
@@ -78,7 +78,7 @@ def start_server(cluster: TfeCluster):
 def _cluster_mode(environ: Optional[Mapping[str, str]]) -> str:
     """The cluster mode this server was started for (`tfe-estimator launch` and the renderers set it)."""
     environ = os.environ if environ is None else environ
-    return validate_mode(environ.get(LAUNCH_CLUSTER_MODE_ENV) or BETWEEN_GRAPH, LAUNCH_CLUSTER_MODE_ENV)
+    return validate_mode(environ.get(LAUNCH_CLUSTER_MODE_ENV) or DEFAULT_MODE, LAUNCH_CLUSTER_MODE_ENV)
 
 
 def _bind_address(address: str) -> str:

@@ -152,12 +152,16 @@ class TfeRunConfig(tf.estimator.RunConfig):
       update_ring_bits: 64 (default), or 32: gradients clipped to `clip_norm`
         travel on a 32-bit ring with random rounding, half the bytes up and
         down (see `SecureAggregation`).
-      cluster_mode: on a TF_CONFIG cluster, "between-graph" (the default:
-        each data owner runs only its own graph, sums meet on the TFE servers;
-        Pond; without `tf_random_seed` every owner derives the same one from
-        TF_CONFIG's cluster) or "in-graph" (one organisation on a
-        trusted network: the chief runs ops on every task). Ignored without
-        a cluster.
+      cluster_mode: on a TF_CONFIG cluster, "service" (the default, across
+        organisations: each data owner trains as a local Estimator, with
+        `num_replicas` local replicas (default 1), and sums only through the
+        two aggregation servers of the ``tfe`` job, with mutual TLS from the
+        certificates in ``TFE_ESTIMATOR_TLS_DIR``; evaluation is federated;
+        Pond), "between-graph" (one organisation: each data owner runs only its
+        own graph, sums meet on TensorFlow servers; Pond) or "in-graph" (one
+        organisation on a trusted network: the chief runs ops on every task).
+        In the first two, without `tf_random_seed` every owner derives the same
+        one from TF_CONFIG's cluster. Ignored without a cluster.
       step_timeout_secs: between-graph mode: how long one session run (a
         training step, whose sums wait for every other owner and both servers)
         may take before it fails with ``DeadlineExceededError: Operation timed
@@ -332,14 +336,14 @@ def _check_launch_protocol(protocol: str) -> None:
 
 
 def _cluster_mode(mode: Optional[str]) -> str:
-    """`mode`, else the one `tfe-estimator launch` started the cluster for, else between-graph."""
+    """`mode`, else the one `tfe-estimator launch` started the cluster for, else service mode."""
     launched = os.environ.get(cluster_lib.LAUNCH_CLUSTER_MODE_ENV)
     if launched and mode and launched != mode:
         raise ValueError(
             f"TfeRunConfig(cluster_mode={mode!r}) but this task was launched for {launched!r} "
             f"({cluster_lib.LAUNCH_CLUSTER_MODE_ENV}={launched}): every task of a cluster must run the same "
             f"mode. Drop cluster_mode (the launched one applies) or launch with --cluster-mode {mode}.")
-    return peers.validate_mode(mode or launched or peers.BETWEEN_GRAPH, "cluster_mode")
+    return peers.validate_mode(mode or launched or peers.DEFAULT_MODE, "cluster_mode")
 
 
 def _service_kwargs(spec: cluster_lib.TfeCluster, settings: TfeSettings, session_config) -> dict:

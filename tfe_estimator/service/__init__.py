@@ -8,6 +8,7 @@ that does. `aggregation.proto` is the API with the table of who may call what.
 - `wire`: the messages and methods (one table; ``aggregation.proto`` says the same).
 - `ring`: ring arithmetic and AES-CTR keystreams in NumPy, bit-identical to the kernels.
 - `tls`: certificates, pinned server names, the caller's identity.
+- `steps`: the rules of one channel's steps (no gRPC).
 - `server`: `AggregationServer` (server0 or server1).
 - `client`: `OwnerClient`, `get_client`.
 

@@ -137,11 +137,13 @@ class OwnerClient:
             if reply.step != step:
                 raise ServiceError("Contribute", self._addresses[server], grpc.StatusCode.INTERNAL,
                                    f"the reply is for step {reply.step}, not for step {step}.")
-        blind_key = np.frombuffer(replies[0].payload, "<i4").astype(np.int32)
-        w = np.frombuffer(replies[1].payload, "<i8").astype(np.int64).reshape(share.shape)
-        if blind_key.size != 4:
+        key_reply, w_reply = replies[0].payload, replies[1].payload  # each read of a bytes field copies it
+        if len(key_reply) != ring.KEY_BYTES or len(w_reply) != 8 * words:
             raise ServiceError("Contribute", self._addresses[0], grpc.StatusCode.INTERNAL,
-                               f"server0 answered {len(replies[0].payload)} bytes, not a 16-byte blind key.")
+                               f"the servers answered {len(key_reply)} and {len(w_reply)} bytes, not a 16-byte "
+                               f"blind key and {8 * words} bytes of ring words.")
+        blind_key = np.frombuffer(key_reply, "<i4").astype(np.int32)
+        w = np.frombuffer(w_reply, "<i8").astype(np.int64).reshape(share.shape)
         return blind_key, w
 
     def handshake(self, step: int, descriptor) -> np.ndarray:

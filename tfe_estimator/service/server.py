@@ -13,14 +13,10 @@ The protocol per (channel, step) with N owners (`aggregation.proto` has the API)
 Server0 holds only fresh random keys and their sum, server1 only masked
 vectors, and server0's part blinded under a key it never sees.
 
-Rules, per channel (mirroring the step accumulators of the TF-runtime version,
-``step_accumulator_ops.cc``; every refusal names the channel, owners and steps):
-the first put fixes ``ring_bits``/``num_elements``; one contribution per owner
-and step (ALREADY_EXISTS); a stale step, at or below the last released step
-unless that owner rewound to it (FAILED_PRECONDITION); owners out of step
-(FAILED_PRECONDITION); a put waits at most ``step_timeout_secs``
-(DEADLINE_EXCEEDED naming each missing owner and its last step). A caller is
-who its certificate says (`tls.peer_identity`), never what a request says;
+The rules of a channel's steps (settings fixed by the first put, one
+contribution per owner and step, stale and out-of-step puts, the step timeout,
+rewinds) live in `steps.StepChannel`; this module wires gRPC to them. A caller
+is who its certificate says (`tls.peer_identity`), never what a request says;
 methods refuse callers the table in `wire.METHODS` does not list
 (PERMISSION_DENIED) and methods this role does not serve (UNIMPLEMENTED).
 
@@ -36,15 +32,16 @@ Example::
 """
 import concurrent.futures
 import logging
+import re
 import secrets
 import threading
-import time
 from typing import Dict, List, Optional, Sequence
 
 import grpc
 import numpy as np
 
 from tfe_estimator.service import ring, wire
+from tfe_estimator.service.steps import Released, StepChannel, StepRefused
 from tfe_estimator.service.tls import TlsFiles, peer_identity, server_name_option
 
 __all__ = ["AggregationServer", "SERVER_OPTIONS"]
@@ -55,9 +52,11 @@ _LOG = logging.getLogger("tfe_estimator")
 SERVER_OPTIONS = (("grpc.so_reuseport", 0), ("grpc.max_send_message_length", -1),
                   ("grpc.max_receive_message_length", -1))
 _FORWARDER = "tfe:0"
-_POLL_SECS = 0.25  # how often a waiting put checks that its call is still alive
-_RESTART = (" Rewind every owner to the same checkpoint step (the owners' handshake does) or restart the "
-            "cluster's tasks from one checkpoint.")
+
+
+def _serialize(reply) -> bytes:
+    """A reply message's bytes; a reply serialized ahead (a step's answer, shared by its owners) as it is."""
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
 
 
 class _Abort(Exception):
@@ -66,39 +65,6 @@ class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
-
-
-class _Result:
-    """A released step's answer, kept until every owner took it."""
-
-    def __init__(self, step: int, owners: int):
-        self.step, self.pending = step, set(range(owners))
-        self.payload: Optional[bytes] = None
-        self.error: Optional[_Abort] = None
-
-    @property
-    def done(self) -> bool:
-        return self.payload is not None or self.error is not None
-
-
-class _Open:
-    """The step being summed: its ring accumulator and who put what (to subtract it again on a rewind)."""
-
-    def __init__(self, step: int, words: int):
-        self.step, self.acc = step, np.zeros(words, np.uint64)
-        self.parts: Dict[int, bytes] = {}  # participant -> its payload (a key or ring words), for a rewind
-
-
-class _Channel:
-    def __init__(self, name: str, participants: int):
-        self.name = name
-        self.cond = threading.Condition()
-        self.settings = None  # (ring_bits, num_elements), fixed by the first put
-        self.open: Optional[_Open] = None
-        self.released: Optional[int] = None
-        self.rewound: List[Optional[int]] = [None] * participants  # since the last release
-        self.last_step: List[Optional[int]] = [None] * participants
-        self.results: Dict[int, _Result] = {}
 
 
 class AggregationServer:
@@ -127,12 +93,13 @@ class AggregationServer:
         if role not in (0, 1) or isinstance(role, bool):
             raise ValueError(f"role={role!r} must be 0 (server0, tfe:0) or 1 (server1, tfe:1).")
         owners = list(owners)
-        if not owners or len(set(owners)) != len(owners) or not all(isinstance(o, str) for o in owners):
-            raise ValueError(f"owners={owners!r} must be distinct identities like 'chief:0', 'worker:0' "
-                             "(at least one).")
+        if not owners or len(set(owners)) != len(owners) or \
+                not all(isinstance(o, str) and re.match(r"^[a-z0-9-]+:\d+$", o) for o in owners):
+            raise ValueError(f"owners={owners!r} must be distinct task identities 'job:index' like 'chief:0', "
+                             "'worker:0' (at least one), as the owners' certificates name them (CN job-index).")
         if _FORWARDER in owners:
-            raise ValueError(f"owners={owners!r} includes {_FORWARDER}, the aggregation server0: it cannot be "
-                             "an owner.")
+            raise ValueError(f"owners={owners!r} includes {_FORWARDER}, the aggregation server0, which cannot be "
+                             "an owner: list the data owners only.")
         if (role == 0) != (peer_address is not None):
             raise ValueError(f"peer_address={peer_address!r} for role {role}: server0 needs server1's address "
                              "(it forwards its blinded part there); server1 takes none.")
@@ -144,7 +111,7 @@ class AggregationServer:
         self._peer_address, self._timeout = peer_address, float(step_timeout_secs)
         self._max_workers = max_workers or 16 + 8 * len(owners)
         self._lock = threading.Lock()  # the channel table and the handshake rows
-        self._channels: Dict[str, _Channel] = {}
+        self._channels: Dict[str, StepChannel] = {}
         self._rows: Dict[int, List[int]] = {}
         self._server = None
         self._peer = None
@@ -162,7 +129,7 @@ class AggregationServer:
         for m in wire.METHODS:
             handlers[m.name] = grpc.unary_unary_rpc_method_handler(
                 self._handler(m), request_deserializer=classes[m.request].FromString,
-                response_serializer=classes[m.reply].SerializeToString)
+                response_serializer=_serialize)
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=self._max_workers,
                                                                    thread_name_prefix=f"tfe-agg{self._role}"),
                              options=list(SERVER_OPTIONS))
@@ -196,8 +163,7 @@ class AggregationServer:
         with self._lock:
             channels = list(self._channels.values())
         for channel in channels:
-            with channel.cond:
-                channel.cond.notify_all()
+            channel.wake()
         if self._server is not None:
             self._server.stop(grace).wait()
         if self._peer is not None:
@@ -242,27 +208,30 @@ class AggregationServer:
             try:
                 identity = self._authorize(method, context)
                 return work(identity, request, context, reply)
-            except _Abort as e:
-                _LOG.warning("aggregation server%d: %s: %s", self._role, e.code.name, e.message)
-                context.abort(e.code, e.message)
+            except (StepRefused, _Abort) as e:
+                code = grpc.StatusCode[e.code] if isinstance(e, StepRefused) else e.code
+                message = e.message
+            _LOG.warning("aggregation server%d: %s: %s", self._role, code.name, message)
+            context.abort(code, message)
             return None  # unreachable: abort raises
 
         return handle
 
     # ------------------------------------------------------------- methods --
 
-    def _channel(self, name: str) -> _Channel:
+    def _channel(self, name: str) -> StepChannel:
         with self._lock:
             channel = self._channels.get(name)
             if channel is None:
-                channel = self._channels[name] = _Channel(name, len(self._owners) + 1)
+                forwarder = f"{_FORWARDER} (server0's part)" if self._role == 1 else None
+                channel = self._channels[name] = StepChannel(name, self._owners, forwarder, self._addend)
             return channel
 
-    def _name(self, participant: int) -> str:
-        return self._owners[participant] if participant < len(self._owners) else f"{_FORWARDER} (server0's part)"
+    def _check_request(self, request, payload: bytes, what: str) -> int:
+        """Validates a put's settings and payload size; returns the ring words.
 
-    def _check_request(self, request, what: str) -> int:
-        """Validates a put's settings and payload size; returns the ring words."""
+        `payload` is ``request.payload`` read once: every read of a bytes field copies it (upb).
+        """
         if not request.channel:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: empty channel name; name the sum.")
         if request.ring_bits not in ring.RING_BITS or request.num_elements < 0:
@@ -271,154 +240,63 @@ class AggregationServer:
                          f"{request.num_elements}; ring_bits must be 32, 64 or 128 and num_elements >= 0.")
         words = ring.ring_words(request.num_elements, request.ring_bits)
         expected = ring.KEY_BYTES if what.startswith("Contribute") and self._role == 0 else 8 * words
-        if len(request.payload) != expected:
+        if len(payload) != expected:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{what} to channel {request.channel!r} step {request.step}: payload has "
-                         f"{len(request.payload)} bytes, expected {expected} ("
+                         f"{len(payload)} bytes, expected {expected} ("
                          f"{'a 16-byte key' if expected == ring.KEY_BYTES else 'the masked share: ring words'} "
                          f"for {request.num_elements} elements at ring {request.ring_bits}).")
         return words
 
-    def _addend(self, payload: bytes, words: int, is_key: bool) -> np.ndarray:
+    def _addend(self, payload: bytes, words: int) -> np.ndarray:
+        """What an owner's payload adds to the sum: server0 its key's keystream, server1 its ring words."""
+        is_key = self._role == 0 and len(payload) == ring.KEY_BYTES
         return ring.keystream_words(payload, words) if is_key else np.frombuffer(payload, "<u8")
 
-    def _put(self, channel: _Channel, participant: int, request, words: int, addend: np.ndarray):
-        """Adds one contribution under the channel's lock.
-
-        Returns ``(released step, its _Result)`` if it completed the step, else None.
-        """
-        me, step = self._name(participant), request.step
-        settings = (request.ring_bits, request.num_elements)
-        if channel.settings is None:
-            channel.settings = settings
-        elif channel.settings != settings:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"Channel {channel.name!r}: {me} puts ring_bits={settings[0]}, num_elements={settings[1]} "
-                         f"to step {step}, but the channel was set up with ring_bits={channel.settings[0]}, "
-                         f"num_elements={channel.settings[1]} by its first put. Every owner must run the same "
-                         "model with the same settings.")
-        if participant < len(self._owners):
-            rewound = channel.rewound[participant]
-        else:  # server0 re-releases a stale step only once every owner rewound to it (its own rule per owner)
-            floors = channel.rewound[:len(self._owners)]
-            rewound = None if None in floors else max(floors)
-        if channel.released is not None and step <= channel.released and (rewound is None or step < rewound):
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"Channel {channel.name!r}: {me} puts step {step}, but this server already released step "
-                         f"{channel.released} (a stale step: a replay, or an owner restored without rewinding)."
-                         + _RESTART)
-        current = channel.open
-        if current is not None and participant in current.parts:
-            if current.step == step:
-                raise _Abort(grpc.StatusCode.ALREADY_EXISTS,
-                             f"Channel {channel.name!r}: {me} already contributed to step {step}; a second "
-                             f"contribution is refused (two processes run as {me}? Give every owner its own "
-                             "certificate).")
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"Channel {channel.name!r}: {me} puts step {step} while its contribution to step "
-                         f"{current.step} was never released (the owners are out of step)." + _RESTART)
-        if current is not None and current.step != step:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"Channel {channel.name!r}: {me} puts step {step}, but step {current.step} is open with "
-                         f"contributions of {[self._name(p) for p in sorted(current.parts)]} (the owners are "
-                         "out of step)." + _RESTART)
-        if current is None:
-            current = channel.open = _Open(step, words)
-        ring.add_into(current.acc, addend, request.ring_bits)
-        current.parts[participant] = request.payload
-        channel.last_step[participant] = step
-        for result in list(channel.results.values()):  # an answer this owner gave up on
-            if result.step != step:
-                self._taken(channel, result, participant)
-        complete = len(current.parts) == len(self._owners) + (self._role == 1)
-        if not complete:
-            return None
-        channel.open, channel.released = None, step
-        channel.rewound = [None] * len(channel.rewound)  # a replay of a released step is stale again
-        result = channel.results[step] = _Result(step, len(self._owners))
-        return current, result
-
-    @staticmethod
-    def _taken(channel: _Channel, result: _Result, participant: int) -> None:
-        result.pending.discard(participant)
-        if not result.pending and channel.results.get(result.step) is result:
-            del channel.results[result.step]
-
-    def _finish(self, channel: _Channel, released, request) -> None:
-        """Computes a released step's answer outside the lock (server0 also forwards) and wakes the owners."""
-        released, result = released
-        payload, error = None, None
+    def _finish(self, channel: StepChannel, released: Released) -> None:
+        """Computes a released step's answer outside the channel's lock (server0 also forwards); wakes the owners."""
         if self._role == 1:
             payload = released.acc.tobytes()
         else:
             blind = secrets.token_bytes(ring.KEY_BYTES)
-            ring.sub_into(released.acc, ring.keystream_words(blind, released.acc.size), request.ring_bits)
+            ring.sub_into(released.acc, ring.keystream_words(blind, released.acc.size), released.ring_bits)
             forward = wire.messages()["ForwardRequest"](
-                channel=channel.name, step=released.step, ring_bits=request.ring_bits,
-                num_elements=request.num_elements, payload=released.acc.tobytes())
+                channel=channel.name, step=released.step, ring_bits=released.ring_bits,
+                num_elements=released.num_elements, payload=released.acc.tobytes())
             try:
                 self._forward(forward, timeout=self._timeout, wait_for_ready=True)
-                payload = blind
             except grpc.RpcError as e:
-                error = _Abort(e.code() or grpc.StatusCode.UNKNOWN,
-                               f"Channel {channel.name!r} step {released.step}: server0 could not forward its "
-                               f"blinded part to server1 at {self._peer_address}: {e.details()}")
-        with channel.cond:
-            result.payload, result.error = payload, error
-            channel.cond.notify_all()
+                code = (e.code() or grpc.StatusCode.UNKNOWN).name
+                channel.finish(released, None, StepRefused(
+                    code, f"Channel {channel.name!r} step {released.step}: server0 could not forward its blinded "
+                          f"part to server1 at {self._peer_address}: {e.details()}"))
+                return
+            payload = blind
+        reply = wire.messages()["ContributeReply"](step=released.step, payload=payload).SerializeToString()
+        channel.finish(released, reply)
 
     def _contribute(self, identity: str, request, context, reply):
-        what = f"Contribute of {identity}"
-        words = self._check_request(request, what)
+        del reply  # the answer is serialized once per step (see _serialize)
+        payload = request.payload
+        words = self._check_request(request, payload, f"Contribute of {identity}")
         owner = self._owners.index(identity)
-        addend = self._addend(request.payload, words, is_key=self._role == 0)  # server0: the key's keystream
+        addend = self._addend(payload, words)  # server0: the key's keystream, outside any lock
         channel = self._channel(request.channel)
-        with channel.cond:
-            released = self._put(channel, owner, request, words, addend)
+        released = channel.put(owner, request.step, request.ring_bits, request.num_elements, payload, addend)
         if released is not None:
-            self._finish(channel, released, request)
-        return reply(step=request.step, payload=self._await(channel, owner, request.step, context))
-
-    def _await(self, channel: _Channel, owner: int, step: int, context) -> bytes:
-        deadline = time.monotonic() + self._timeout
-        with channel.cond:
-            while True:
-                result = channel.results.get(step)
-                if result is not None and result.done and owner in result.pending:
-                    self._taken(channel, result, owner)
-                    if result.error is not None:
-                        raise result.error
-                    return result.payload
-                if self._stopped.is_set():
-                    raise _Abort(grpc.StatusCode.UNAVAILABLE, f"aggregation server{self._role} is stopping.")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise _Abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._missing(channel, step))
-                if not context.is_active():
-                    raise _Abort(grpc.StatusCode.CANCELLED, f"{self._owners[owner]}'s call for step {step} ended.")
-                channel.cond.wait(min(_POLL_SECS, remaining))
-
-    def _missing(self, channel: _Channel, step: int) -> str:
-        if channel.open is None or channel.open.step != step:
-            return (f"Channel {channel.name!r}: step {step} was not answered within {self._timeout:g} s "
-                    "(server0's forward to server1 is late, or the caller's contribution was dropped by a rewind).")
-        missing = []
-        for p in range(len(self._owners) + (self._role == 1)):
-            if p not in channel.open.parts:
-                last = channel.last_step[p]
-                missing.append(f"{self._name(p)} (" + ("no contribution yet" if last is None else
-                                                       f"last contributed step {last}") + ")")
-        return (f"Channel {channel.name!r}: step {step} is still missing {', '.join(missing)} after "
-                f"{self._timeout:g} s (step_timeout_secs). Check that those tasks run and reach this server.")
+            self._finish(channel, released)
+        return channel.wait(owner, request.step, self._timeout,
+                            alive=lambda: context.is_active() and not self._stopped.is_set())
 
     def _forwarded(self, identity: str, request, context, reply):
         del identity, context
-        words = self._check_request(request, "ForwardBlinded")
+        payload = request.payload
+        self._check_request(request, payload, "ForwardBlinded")
         channel = self._channel(request.channel)
-        with channel.cond:
-            released = self._put(channel, len(self._owners), request, words, np.frombuffer(request.payload, "<u8"))
+        released = channel.put(len(self._owners), request.step, request.ring_bits, request.num_elements, payload,
+                               np.frombuffer(payload, "<u8"))
         if released is not None:
-            self._finish(channel, released, request)
+            self._finish(channel, released)
         return reply()
 
     def _handshake(self, identity: str, request, context, reply):
@@ -446,16 +324,6 @@ class AggregationServer:
         with self._lock:
             channels = list(self._channels.values())
         for channel in channels:
-            with channel.cond:
-                current = channel.open
-                if current is not None and owner in current.parts:
-                    part = self._addend(current.parts.pop(owner), current.acc.size, is_key=self._role == 0)
-                    ring.sub_into(current.acc, part, channel.settings[0])
-                    if not any(p < len(self._owners) for p in current.parts):
-                        channel.open = None  # nothing of any owner left (a forwarded part goes with it)
-                channel.rewound[owner] = request.step
-                for result in list(channel.results.values()):
-                    self._taken(channel, result, owner)
-                channel.cond.notify_all()
+            channel.rewind(owner, request.step)
         _LOG.info("aggregation server%d: %s rewound to step %d", self._role, identity, request.step)
         return reply()

@@ -57,11 +57,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="seconds the evaluator may take after the chief finished (default 600)")
     launch.add_argument("--log-dir", default=None,
                         help="write each task's output to LOG_DIR/<job>-<index>.log instead of the terminal")
-    launch.add_argument("--cluster-mode", default="between-graph",
-                        help="service (across organisations: every owner trains alone and only connects out to "
-                             "two aggregation servers with mutual TLS), between-graph (the default: every owner "
-                             "runs only its own graph, the servers are TensorFlow servers) or in-graph (the chief "
-                             "runs every task's graph; one organisation on a trusted network)")
+    launch.add_argument("--cluster-mode", default="service",
+                        help="service (the default, across organisations: every owner trains alone and only "
+                             "connects out to two aggregation servers with mutual TLS), between-graph (one "
+                             "organisation: every owner runs only its own graph, the servers are TensorFlow "
+                             "servers) or in-graph (the chief runs every task's graph; one organisation on a "
+                             "trusted network)"
     launch.add_argument("--isolate", action="store_true",
                         help="run every task in its own network namespace on a private bridge (root)")
     launch.add_argument("--tls", action="store_true",
