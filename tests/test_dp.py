@@ -388,7 +388,7 @@ def _assert_std(weights, expected):
 def test_one_step_update_carries_noise_of_the_stated_scale(num_replicas, tmp_path, caplog):
     dims, batch = 3000, 4
     dp = tfe_estimator.DistributedDP(l2_norm_clip=0.5, noise_multiplier=1.5, num_examples=1000)
-    with caplog.at_level(logging.INFO, logger="tfe_estimator"):
+    with caplog.at_level(logging.INFO, logger="tensorflow"):  # TensorFlow's logger: where a user sees it
         est, input_fn = _zero_feature_step(tmp_path, num_replicas, dims, batch, dp)
     weights = est.get_variable_value("logits/kernel").ravel()
     global_batch = batch * num_replicas
@@ -685,3 +685,80 @@ def test_poisson_batches_of_unequal_sizes_keep_mirrored_variables_equal(expected
     # Divided by the expected global batch: equal. The mutation (each replica divides by its own
     # batch times N, the fixed-size-batch mode, given unequal batches) must break the equality.
     assert equal == (expected is not None), hook.copies
+
+
+@needs_dp
+def test_one_clipping_group_shared_twice_in_a_step_is_refused():
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0)
+    with tf.Graph().as_default():
+        strategy = tfe_estimator.TfeStrategy(devices=_DEVICES[:2], server_devices=_DEVICES[2:5], dp=dp)
+        with strategy.scope():
+            def replica_fn():
+                value = tf.zeros([4])
+                dp_lib.mark_clipped_sums([value], dp.l2_norm_clip)
+                return value
+
+            values = strategy.extended.call_for_each_replica(replica_fn)
+            strategy.extended.reduce_to(SUM, values, values)
+            # The same clipped sums again: a second noisy release of every example's gradient this step.
+            with pytest.raises(ValueError, match=r"one clipping group twice.*counts one release per step"):
+                strategy.extended.reduce_to(SUM, values, values)
+
+
+def _poisson_estimator(tmp_path, num_replicas, dp):
+    from model_fns import logistic_regression  # pylint: disable=import-outside-toplevel
+
+    config = tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), num_replicas=num_replicas, dp=dp,
+                                        save_summary_steps=None, log_step_count_steps=None)
+    return tf.estimator.Estimator(
+        logistic_regression.model_fn, config=config,
+        params={"feature_columns": [tf.feature_column.numeric_column("x", shape=(3,))],
+                "optimizer": "sgd", "learning_rate": 1.0})
+
+
+def _sized_batches(sizes):
+    rng = np.random.RandomState(0)
+    batches = [(rng.randn(k, 3).astype(np.float32), np.ones((k, 1), np.int64)) for k in sizes]
+
+    def input_fn():
+        return tf.data.Dataset.from_generator(
+            lambda: (({"x": x}, y) for x, y in batches),
+            output_signature=({"x": tf.TensorSpec([None, 3], tf.float32)}, tf.TensorSpec([None, 1], tf.int64)))
+
+    return input_fn
+
+
+@needs_dp
+@pytest.mark.slow
+def test_an_empty_poisson_batch_contributes_noise_only_and_no_batch_size_crosses_owners(tmp_path):
+    # Replica 0 samples no example in either step (Poisson sampling can): it contributes a zero
+    # gradient sum plus its noise part. pfor used to fail on it (AddN of [0, ...] shapes).
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=0.5, expected_batch_size=4,
+                                     num_examples=100)
+    est = _poisson_estimator(tmp_path, 2, dp)
+    hook = _ReplicaCopies("logits/kernel")
+    est.train(_sized_batches([0, 5, 0, 3]), steps=2, hooks=[hook])
+    assert len(hook.copies) == 2 and np.all(np.isfinite(hook.copies[0]))
+    np.testing.assert_array_equal(hook.copies[0], hook.copies[1])
+    assert not np.allclose(hook.copies[0], 0.0)
+    # With expected_batch_size the accounting uses it: no sum of the replicas' sampled batch sizes
+    # (it would tell every owner the others' Poisson batch sizes, un-noised) in the graph or checkpoint.
+    names = [name for name, _ in tf.train.list_variables(str(tmp_path))]
+    assert "dp_global_batch_size" not in names and "dp_noise_parties" in names
+    metrics = est.evaluate(_sized_batches([4, 4]), steps=1)
+    assert metrics["dp_epsilon"] == pytest.approx(tfe_estimator.dp_epsilon(0.5, 4, 100, 2, 1e-5), rel=1e-12)
+
+
+@needs_dp
+@pytest.mark.slow
+def test_an_evaluator_with_another_replica_count_reports_the_trainings_epsilon(tmp_path):
+    # The issue's case: 4 replicas trained, 2 evaluate. The outsiders' epsilon depends on N (noise
+    # sqrt(N / (N - t)) sigma): here 0.309 for the training's N = 4, where N = 2 would give 0.194.
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=0.5, noise_multiplier=1.5, num_examples=1000)
+    _zero_feature_step(tmp_path, 4, 3, 4, dp)
+    evaluator = _poisson_estimator(tmp_path, 2, dp)
+    metrics = evaluator.evaluate(_sized_batches([4, 4]), steps=1)
+    outsiders, colluders = dp.epsilons(16, 1, 4)
+    assert metrics["dp_epsilon_outsiders"] == pytest.approx(outsiders, rel=1e-12)
+    assert metrics["dp_epsilon"] == pytest.approx(colluders, rel=1e-12)
+    assert outsiders != pytest.approx(dp.epsilons(16, 1, 2)[0], rel=1e-3)

@@ -36,7 +36,9 @@ import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
+from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import values as value_lib
 
 from tfe_estimator.distribute import service_sum as service_sum_lib
 from tfe_estimator.distribute import step_sum
@@ -187,6 +189,19 @@ class _ServiceExtended(_TfeExtended):
     def _num_replicas_in_sync(self):
         # Every owner's replicas take part in each sum: optimizers scale a MEAN loss by this.
         return len(self.worker_devices) * len(self._cross_device_ops.binding.owners)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        # With one local replica MirroredStrategy hands a replica function's result back unwrapped (its
+        # regroup), and MirroredExtended's rule for such a "shared" value refuses a SUM over the owners'
+        # replicas (Estimator SUMs a Keras optimizer's reported loss). It is this owner's own value: reduce
+        # it across owners as a PerReplica of one, like any other.
+        if len(self.worker_devices) == 1:
+            value = tf.nest.map_structure(
+                lambda v: value_lib.PerReplica([v]) if tf.is_tensor(v) and not isinstance(
+                    v, value_lib.DistributedValues) else v, value)
+        if isinstance(destinations, str):  # Estimator's "/replica:0/task:0/device:CPU:0": this process's device
+            destinations = device_util.canonicalize(destinations, self.worker_devices[0])
+        return super()._reduce_to(reduce_op, value, destinations, options)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         def with_handshake(*fn_args, **fn_kwargs):
