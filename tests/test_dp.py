@@ -285,6 +285,72 @@ def test_mutation_of_the_sampler_k_table_fails_the_variance_test(tmp_path):
         assert abs(std - 1.0) < 5 / math.sqrt(2 * 20000), std
 
 
+def _region_ends(variance, regions=8):
+    """Karney's regions of |X| for N_Z(0, v): k's is [ceil(k sigma), ceil((k + 1) sigma)), exactly (integers).
+
+    Returns (the first integers of regions 1.., the last integers of regions 0..).
+    """
+    v = int(variance)
+    starts = [0] + [math.isqrt(k * k * v - 1) + 1 for k in range(1, regions + 1)]
+    return np.array(starts[1:regions]), np.array(starts[1:regions + 1]) - 1
+
+
+def _assert_region_boundary_counts(samples, variance):
+    # The sampler builds |X| region by region (k, then m = ceil(k sigma) + j); an off-by-one at a
+    # region's end or start removes (or doubles) 1 integer in sigma: invisible to the variance, tails
+    # and chi-square tests at ring scale, but not to a count of samples at those integers. Each count
+    # is Poisson with mean n Pr[|X| in set]; tolerance 5 of its standard deviations (alpha < 1e-6).
+    v = float(variance)
+    norm = 1 + 2 * sum(math.exp(-x * x / (2 * v)) for x in range(1, int(40 * math.sqrt(v))))
+    magnitudes = np.abs(samples)
+    for name, ends in zip(("first", "last"), _region_ends(variance)):
+        expected = len(samples) * sum(2 * math.exp(-float(x) ** 2 / (2 * v)) for x in ends) / norm
+        observed = int(np.isin(magnitudes, ends).sum())
+        assert expected > 400, expected  # enough to see a missing integer
+        assert abs(observed - expected) < 5 * math.sqrt(expected), (name, observed, expected)
+
+
+#: Regions of about 1000 integers (sigma ~ 1000.9): 6e-4 of the samples fall on their last integers.
+BOUNDARY_VARIANCE = 1001803.0
+
+
+def test_sampler_puts_the_right_mass_on_every_region_boundary():
+    samples, _ = _discrete_gaussian(3_000_000, BOUNDARY_VARIANCE)
+    _assert_region_boundary_counts(samples, BOUNDARY_VARIANCE)
+
+
+_BOUNDARY_RUNNER = r"""
+import pathlib, sys
+import numpy as np
+from tfe_estimator.secure.kernels import _build
+_build.SOURCE_DIR = pathlib.Path(sys.argv[1])
+import tensorflow as tf
+from tfe_estimator.secure.kernels import ops
+with tf.Graph().as_default():
+    noise = ops.discrete_gaussian(int(sys.argv[3]), float(sys.argv[2]))
+    with tf.compat.v1.Session() as sess:
+        np.save(sys.argv[4], sess.run(noise))
+"""
+
+#: The last integer of each region dropped (m < ceil((k + 1) sigma) - 1), only where regions are
+#: wider than 64 integers: ring-scale variances, where the variance, tails and lattice tests run (a
+#: missing 1/sigma of the mass), while the chi-square tests (variance <= 30) and check_fast_paths see
+#: the unmutated sampler.
+REGION_END_MUTATION = ("ok &= (m < Ceil(k + 1)) & !((m == 0) & negative);",
+                       "ok &= (m + (width_ > 64) < Ceil(k + 1)) & !((m == 0) & negative);")
+
+
+@pytest.mark.slow
+def test_mutation_dropping_the_last_integer_of_each_region_fails_the_boundary_count(tmp_path):
+    path = tmp_path / "samples.npy"
+    _run_mutant(tmp_path, *REGION_END_MUTATION, _BOUNDARY_RUNNER, (repr(BOUNDARY_VARIANCE), 3_000_000, path),
+                timeout=300)
+    samples = np.load(path)
+    _assert_gaussian_with_variance(samples[:200000], BOUNDARY_VARIANCE)  # the mutant passes this test
+    with pytest.raises(AssertionError, match="last"):
+        _assert_region_boundary_counts(samples, BOUNDARY_VARIANCE)
+
+
 def test_sampler_refuses_a_non_integer_variance():
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"variance must be an integer in \[1, 2\*\*100\]"):
         _discrete_gaussian(4, 2.5)
