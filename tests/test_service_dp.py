@@ -144,12 +144,12 @@ def _central_dp_sgd_accuracy(train, test, batch):
     return model.evaluate(test[:, :DIMS], test[:, DIMS:], verbose=0)[1]
 
 
-def _run(workdir, *flags):
+def _run(workdir, *flags, steps=STEPS, learning_rate=LEARNING_RATE):
     from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
 
     out = io.StringIO()
     num_examples = 2 * OWNER_ROWS
-    launcher = Launcher([sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), str(CLIP), str(MULTIPLIER), str(Q),
+    launcher = Launcher([sys.executable, SCRIPT, str(steps), str(learning_rate), str(CLIP), str(MULTIPLIER), str(Q),
                          str(num_examples), *flags], workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"),
                         out=out, cluster_mode="service", down_timeout=120)
     status = launcher.run()
@@ -198,3 +198,25 @@ def test_two_owners_with_two_local_replicas_each_train_dp_sgd(tmp_path):
         assert result["accuracy"] > 0.8
     np.testing.assert_allclose(results[0]["weights"], results[1]["weights"], atol=1e-6)
     assert log.count("against 1 colluding owner(s) of 2") == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_one_step_through_the_service_carries_each_owners_noise_at_the_stated_scale(tmp_path):
+    # All-zero features: the kernel's clipped gradients are 0, so after one SGD step (learning rate 1)
+    # from zero weights the kernel is the summed noise / expected_batch_size: two owners' parts of
+    # sigma^2 / (N - t) = sigma^2 each (N = 2 owners, t = 1), std sqrt(2) sigma / 40.
+    workdir, dims = str(tmp_path), 3000
+    rows = np.column_stack([np.zeros((OWNER_ROWS, dims)), np.ones(OWNER_ROWS)])
+    for owner in ("chief-0", "worker-0"):
+        os.makedirs(os.path.join(workdir, owner))
+        for name in ("train.csv", "test.csv"):
+            np.savetxt(os.path.join(workdir, owner, name), rows[:40] if name == "test.csv" else rows,
+                       delimiter=",", fmt="%g")
+    results, _ = _run(workdir, steps=1, learning_rate=1.0)
+    weights = np.array(results[0]["weights"])
+    np.testing.assert_array_equal(weights, results[1]["weights"])
+    expected = math.sqrt(2) * MULTIPLIER * CLIP / round(Q * 2 * OWNER_ROWS)
+    # Standard error of the sample std: expected / sqrt(2n), 1.3 % at n = 3000; tolerance 4.5 (alpha < 1e-5).
+    assert abs(weights.std() - expected) < 4.5 * expected / math.sqrt(2 * dims), (weights.std(), expected)
+    assert abs(weights.mean()) < 4.5 * expected / math.sqrt(dims)
