@@ -9,9 +9,23 @@ optimizer applies the noisy sum divided by the global batch size. The
 head's losses, metrics, predictions and exports are unchanged; evaluation
 adds the metrics `dp_epsilon` (against `colluding_owners` owners who pool
 their own noise: the guarantee) and `dp_epsilon_outsiders`, and training logs
-both at its end, when the `DistributedDP` has `num_examples`. Under DP the
-reported loss and metrics are the chief's replica's own (see
-`SecureAggregation`): no un-noised value from another owner's data.
+both at its end (TensorFlow's logger), when the `DistributedDP` has
+`num_examples`. Under DP the reported loss and metrics are the chief's
+replica's own (see `SecureAggregation`): no un-noised value from another
+owner's data.
+
+What the checkpoint keeps for the epsilon of evaluation:
+
+- ``dp_noise_parties``: N of the training's accounting (`noise_parties`: its
+  replicas, or its owners through the aggregation service), a constant of the
+  training graph, so that an evaluator with another number of replicas reports
+  the training's epsilon, not one for its own replica count.
+- ``dp_global_batch_size``, only without ``expected_batch_size`` (fixed-size
+  batches, each replica the same size, so the sum tells no owner anything it
+  does not know): the sum of the replicas' batch sizes of the last step, through
+  the secure sum. With ``expected_batch_size`` (Poisson-sampled batches) the
+  accounting uses the expected size and no batch size is summed across owners:
+  the sum, un-noised, would tell every owner the others' sampled batch sizes.
 
 Example::
 
@@ -33,6 +47,7 @@ EPSILON_METRIC = "dp_epsilon"
 #: The same against outsiders (anyone who knows none of the noise parts).
 OUTSIDER_EPSILON_METRIC = "dp_epsilon_outsiders"
 _BATCH_VARIABLE = "dp_global_batch_size"
+_PARTIES_VARIABLE = "dp_noise_parties"
 
 
 def dp_settings(config):
@@ -61,17 +76,25 @@ def _batch_variable():
         trainable=False, aggregation=tf.VariableAggregation.SUM)
 
 
-def _epsilon_metrics(dp, batch_variable):
-    num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
+def _parties_variable(parties: int):
+    # N of the training's accounting, in the checkpoint: a constant of the training graph (never
+    # assigned), restored by evaluation, whatever its own number of replicas.
+    return tf.compat.v1.get_variable(
+        _PARTIES_VARIABLE, shape=[], dtype=tf.int64, initializer=tf.compat.v1.constant_initializer(parties),
+        trainable=False, aggregation=tf.VariableAggregation.NONE)
 
-    def epsilons(steps, batch):
-        if int(batch) <= 0:
+
+def _epsilon_metrics(dp, batch_variable, parties_variable):
+    def epsilons(steps, batch, parties):
+        batch = dp.expected_batch_size or int(batch)
+        if batch <= 0:
             return [float("nan")] * 2  # no training step recorded yet
-        return list(dp.epsilons(int(batch), int(steps), num_replicas))
+        return list(dp.epsilons(batch, int(steps), int(parties)))
 
     def value(_=None):
         step = tf.compat.v1.train.get_global_step()
-        return tf.py_function(epsilons, [tf.identity(step), tf.identity(batch_variable)], [tf.float64] * 2)
+        batch = tf.constant(0, tf.int64) if batch_variable is None else tf.identity(batch_variable)
+        return tf.py_function(epsilons, [tf.identity(step), batch, tf.identity(parties_variable)], [tf.float64] * 2)
 
     # Like tf.compat.v1.metrics: the value is built once, in cross-replica context.
     context = tf.distribute.get_replica_context()
@@ -90,15 +113,20 @@ def dp_estimator_spec(
     layers: Sequence[tf.keras.layers.Layer],
 ) -> tf.estimator.EstimatorSpec:
     """The head's `EstimatorSpec` with DP-SGD training (see the module docstring)."""
-    from tfe_estimator.privacy.dp import EpsilonLoggingHook, make_dp_optimizer  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.privacy.dp import EpsilonLoggingHook, make_dp_optimizer, noise_parties  # pylint: disable=import-outside-toplevel
 
     trainable = [v for layer in layers for v in layer.trainable_variables]
-    batch_variable = _batch_variable() if mode != tf.estimator.ModeKeys.PREDICT else None
+    parties = noise_parties()
+    batch_variable = parties_variable = None
+    if mode != tf.estimator.ModeKeys.PREDICT:
+        parties_variable = _parties_variable(parties)
+        if dp.expected_batch_size is None:
+            batch_variable = _batch_variable()
     if mode != tf.estimator.ModeKeys.TRAIN:
         spec = head.create_estimator_spec(features=features, mode=mode, logits=logits, labels=labels)
         if mode == tf.estimator.ModeKeys.EVAL and dp.num_examples is not None:
             metrics = dict(spec.eval_metric_ops or {})
-            metrics.update(_epsilon_metrics(dp, batch_variable))
+            metrics.update(_epsilon_metrics(dp, batch_variable, parties_variable))
             spec = spec._replace(eval_metric_ops=metrics)
         return spec
     optimizer = make_dp_optimizer(make_optimizer(params), dp.l2_norm_clip, dp.expected_batch_size)
@@ -110,6 +138,8 @@ def dp_estimator_spec(
     def train_op_fn(scalar_loss):
         del scalar_loss  # the head's reduced loss: reported, not differentiated
         update = optimizer.get_updates(per_example, trainable)[0]
+        if batch_variable is None:  # Poisson batches: accounted with expected_batch_size, sizes stay local
+            return update
         with tf.control_dependencies([update]):
             return batch_variable.assign(tf.cast(tf.shape(logits)[0], tf.int64)).op  # summed: the global batch
 
@@ -117,6 +147,6 @@ def dp_estimator_spec(
                                       train_op_fn=train_op_fn, trainable_variables=trainable)
     hooks = list(spec.training_hooks or ())
     if dp.num_examples is not None:
-        hooks.append(EpsilonLoggingHook(dp, global_batch, num_replicas))
+        hooks.append(EpsilonLoggingHook(dp, global_batch, parties))
     return spec._replace(training_hooks=hooks)
 

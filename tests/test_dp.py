@@ -285,6 +285,72 @@ def test_mutation_of_the_sampler_k_table_fails_the_variance_test(tmp_path):
         assert abs(std - 1.0) < 5 / math.sqrt(2 * 20000), std
 
 
+def _region_ends(variance, regions=8):
+    """Karney's regions of |X| for N_Z(0, v): k's is [ceil(k sigma), ceil((k + 1) sigma)), exactly (integers).
+
+    Returns (the first integers of regions 1.., the last integers of regions 0..).
+    """
+    v = int(variance)
+    starts = [0] + [math.isqrt(k * k * v - 1) + 1 for k in range(1, regions + 1)]
+    return np.array(starts[1:regions]), np.array(starts[1:regions + 1]) - 1
+
+
+def _assert_region_boundary_counts(samples, variance):
+    # The sampler builds |X| region by region (k, then m = ceil(k sigma) + j); an off-by-one at a
+    # region's end or start removes (or doubles) 1 integer in sigma: invisible to the variance, tails
+    # and chi-square tests at ring scale, but not to a count of samples at those integers. Each count
+    # is Poisson with mean n Pr[|X| in set]; tolerance 5 of its standard deviations (alpha < 1e-6).
+    v = float(variance)
+    norm = 1 + 2 * sum(math.exp(-x * x / (2 * v)) for x in range(1, int(40 * math.sqrt(v))))
+    magnitudes = np.abs(samples)
+    for name, ends in zip(("first", "last"), _region_ends(variance)):
+        expected = len(samples) * sum(2 * math.exp(-float(x) ** 2 / (2 * v)) for x in ends) / norm
+        observed = int(np.isin(magnitudes, ends).sum())
+        assert expected > 400, expected  # enough to see a missing integer
+        assert abs(observed - expected) < 5 * math.sqrt(expected), (name, observed, expected)
+
+
+#: Regions of about 1000 integers (sigma ~ 1000.9): 6e-4 of the samples fall on their last integers.
+BOUNDARY_VARIANCE = 1001803.0
+
+
+def test_sampler_puts_the_right_mass_on_every_region_boundary():
+    samples, _ = _discrete_gaussian(3_000_000, BOUNDARY_VARIANCE)
+    _assert_region_boundary_counts(samples, BOUNDARY_VARIANCE)
+
+
+_BOUNDARY_RUNNER = r"""
+import pathlib, sys
+import numpy as np
+from tfe_estimator.secure.kernels import _build
+_build.SOURCE_DIR = pathlib.Path(sys.argv[1])
+import tensorflow as tf
+from tfe_estimator.secure.kernels import ops
+with tf.Graph().as_default():
+    noise = ops.discrete_gaussian(int(sys.argv[3]), float(sys.argv[2]))
+    with tf.compat.v1.Session() as sess:
+        np.save(sys.argv[4], sess.run(noise))
+"""
+
+#: The last integer of each region dropped (m < ceil((k + 1) sigma) - 1), only where regions are
+#: wider than 64 integers: ring-scale variances, where the variance, tails and lattice tests run (a
+#: missing 1/sigma of the mass), while the chi-square tests (variance <= 30) and check_fast_paths see
+#: the unmutated sampler.
+REGION_END_MUTATION = ("ok &= (m < Ceil(k + 1)) & !((m == 0) & negative);",
+                       "ok &= (m + (width_ > 64) < Ceil(k + 1)) & !((m == 0) & negative);")
+
+
+@pytest.mark.slow
+def test_mutation_dropping_the_last_integer_of_each_region_fails_the_boundary_count(tmp_path):
+    path = tmp_path / "samples.npy"
+    _run_mutant(tmp_path, *REGION_END_MUTATION, _BOUNDARY_RUNNER, (repr(BOUNDARY_VARIANCE), 3_000_000, path),
+                timeout=300)
+    samples = np.load(path)
+    _assert_gaussian_with_variance(samples[:200000], BOUNDARY_VARIANCE)  # the mutant passes this test
+    with pytest.raises(AssertionError, match="last"):
+        _assert_region_boundary_counts(samples, BOUNDARY_VARIANCE)
+
+
 def test_sampler_refuses_a_non_integer_variance():
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"variance must be an integer in \[1, 2\*\*100\]"):
         _discrete_gaussian(4, 2.5)
@@ -388,7 +454,7 @@ def _assert_std(weights, expected):
 def test_one_step_update_carries_noise_of_the_stated_scale(num_replicas, tmp_path, caplog):
     dims, batch = 3000, 4
     dp = tfe_estimator.DistributedDP(l2_norm_clip=0.5, noise_multiplier=1.5, num_examples=1000)
-    with caplog.at_level(logging.INFO, logger="tfe_estimator"):
+    with caplog.at_level(logging.INFO, logger="tensorflow"):  # TensorFlow's logger: where a user sees it
         est, input_fn = _zero_feature_step(tmp_path, num_replicas, dims, batch, dp)
     weights = est.get_variable_value("logits/kernel").ravel()
     global_batch = batch * num_replicas
@@ -685,3 +751,80 @@ def test_poisson_batches_of_unequal_sizes_keep_mirrored_variables_equal(expected
     # Divided by the expected global batch: equal. The mutation (each replica divides by its own
     # batch times N, the fixed-size-batch mode, given unequal batches) must break the equality.
     assert equal == (expected is not None), hook.copies
+
+
+@needs_dp
+def test_one_clipping_group_shared_twice_in_a_step_is_refused():
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0)
+    with tf.Graph().as_default():
+        strategy = tfe_estimator.TfeStrategy(devices=_DEVICES[:2], server_devices=_DEVICES[2:5], dp=dp)
+        with strategy.scope():
+            def replica_fn():
+                value = tf.zeros([4])
+                dp_lib.mark_clipped_sums([value], dp.l2_norm_clip)
+                return value
+
+            values = strategy.extended.call_for_each_replica(replica_fn)
+            strategy.extended.reduce_to(SUM, values, values)
+            # The same clipped sums again: a second noisy release of every example's gradient this step.
+            with pytest.raises(ValueError, match=r"one clipping group twice.*counts one release per step"):
+                strategy.extended.reduce_to(SUM, values, values)
+
+
+def _poisson_estimator(tmp_path, num_replicas, dp):
+    from model_fns import logistic_regression  # pylint: disable=import-outside-toplevel
+
+    config = tfe_estimator.TfeRunConfig(model_dir=str(tmp_path), num_replicas=num_replicas, dp=dp,
+                                        save_summary_steps=None, log_step_count_steps=None)
+    return tf.estimator.Estimator(
+        logistic_regression.model_fn, config=config,
+        params={"feature_columns": [tf.feature_column.numeric_column("x", shape=(3,))],
+                "optimizer": "sgd", "learning_rate": 1.0})
+
+
+def _sized_batches(sizes):
+    rng = np.random.RandomState(0)
+    batches = [(rng.randn(k, 3).astype(np.float32), np.ones((k, 1), np.int64)) for k in sizes]
+
+    def input_fn():
+        return tf.data.Dataset.from_generator(
+            lambda: (({"x": x}, y) for x, y in batches),
+            output_signature=({"x": tf.TensorSpec([None, 3], tf.float32)}, tf.TensorSpec([None, 1], tf.int64)))
+
+    return input_fn
+
+
+@needs_dp
+@pytest.mark.slow
+def test_an_empty_poisson_batch_contributes_noise_only_and_no_batch_size_crosses_owners(tmp_path):
+    # Replica 0 samples no example in either step (Poisson sampling can): it contributes a zero
+    # gradient sum plus its noise part. pfor used to fail on it (AddN of [0, ...] shapes).
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=0.5, expected_batch_size=4,
+                                     num_examples=100)
+    est = _poisson_estimator(tmp_path, 2, dp)
+    hook = _ReplicaCopies("logits/kernel")
+    est.train(_sized_batches([0, 5, 0, 3]), steps=2, hooks=[hook])
+    assert len(hook.copies) == 2 and np.all(np.isfinite(hook.copies[0]))
+    np.testing.assert_array_equal(hook.copies[0], hook.copies[1])
+    assert not np.allclose(hook.copies[0], 0.0)
+    # With expected_batch_size the accounting uses it: no sum of the replicas' sampled batch sizes
+    # (it would tell every owner the others' Poisson batch sizes, un-noised) in the graph or checkpoint.
+    names = [name for name, _ in tf.train.list_variables(str(tmp_path))]
+    assert "dp_global_batch_size" not in names and "dp_noise_parties" in names
+    metrics = est.evaluate(_sized_batches([4, 4]), steps=1)
+    assert metrics["dp_epsilon"] == pytest.approx(tfe_estimator.dp_epsilon(0.5, 4, 100, 2, 1e-5), rel=1e-12)
+
+
+@needs_dp
+@pytest.mark.slow
+def test_an_evaluator_with_another_replica_count_reports_the_trainings_epsilon(tmp_path):
+    # The issue's case: 4 replicas trained, 2 evaluate. The outsiders' epsilon depends on N (noise
+    # sqrt(N / (N - t)) sigma): here 0.309 for the training's N = 4, where N = 2 would give 0.194.
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=0.5, noise_multiplier=1.5, num_examples=1000)
+    _zero_feature_step(tmp_path, 4, 3, 4, dp)
+    evaluator = _poisson_estimator(tmp_path, 2, dp)
+    metrics = evaluator.evaluate(_sized_batches([4, 4]), steps=1)
+    outsiders, colluders = dp.epsilons(16, 1, 4)
+    assert metrics["dp_epsilon_outsiders"] == pytest.approx(outsiders, rel=1e-12)
+    assert metrics["dp_epsilon"] == pytest.approx(colluders, rel=1e-12)
+    assert outsiders != pytest.approx(dp.epsilons(16, 1, 2)[0], rel=1e-3)

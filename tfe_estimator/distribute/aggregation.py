@@ -291,6 +291,17 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         """How many replicas' values a sum adds up: here, one per source device."""
         return num_sources
 
+    def _noise_parties(self, num_summands: int) -> int:
+        """How many parties add a part of the DP noise to a sum of `num_summands` values: here, each replica."""
+        return num_summands
+
+    def noise_parties(self, num_replicas_in_sync: int) -> int:
+        """N of the DP accounting for a strategy of `num_replicas_in_sync` replicas: who adds a noise part.
+
+        Every replica here; one per owner through the aggregation service (`ServiceAggregation`).
+        """
+        return self._noise_parties(num_replicas_in_sync)
+
     def _check_devices(self, sources, targets) -> None:
         """Refuses a party on a replica's or destination's device."""
         validate_party_devices(self._protocol, self._server_devices, sources, targets)
@@ -304,16 +315,15 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         """Under DP, reported float values (loss, metrics) are not summed across owners."""
         return self._dp is not None and kind == _FLOAT and not update
 
-    @staticmethod
-    def _dp_local_read(reduce_op, values, sources, targets):
+    def _dp_local_read(self, reduce_op, values, sources, targets):
         """Under DP, a reported value (loss, metric) is read from one replica's own data, never summed.
 
         The secure sum of the reported loss or a metric would reveal an
         un-noised value derived from the other owners' data. Each target gets
         the value of the replica on that device (else replica 0): as is for a
-        MEAN, times N for a SUM (the local value extrapolated to N replicas).
+        MEAN, times N for a SUM (the local value extrapolated to the N replicas of every owner).
         """
-        num = len(sources)
+        num = self._num_summands(len(sources))
         results = []
         for value in values:
             on_targets = []
@@ -330,7 +340,13 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         """Each replica's noise variance (ring units^2) for a DP update, else None.
 
         Refuses an update whose values are not marked as sums of gradients
-        clipped per example to at most the `DistributedDP`'s l2_norm_clip.
+        clipped per example to at most the `DistributedDP`'s l2_norm_clip, a
+        step that shares two clipping groups, and a clipping group shared
+        twice in one step (two noisy releases per step, accounted as one).
+
+        The noise parties (`_noise_parties`: the replicas, or the owners of a
+        service sum) each add ``sigma**2 / (N - t)`` to their contribution,
+        which is bounded by the per-replica bound times the replicas it sums.
         """
         if self._dp is None or kind != _FLOAT or not update:
             return None
@@ -354,7 +370,15 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                         f"DistributedDP.l2_norm_clip={self._dp.l2_norm_clip}: the noise would be too small. "
                         "Use the same l2_norm_clip in make_dp_optimizer and DistributedDP.")
         graph = tf.compat.v1.get_default_graph()
-        groups |= set(graph.get_collection(_DP_GROUPS_COLLECTION))
+        shared = set(graph.get_collection(_DP_GROUPS_COLLECTION))
+        if groups & shared:
+            raise ValueError(
+                f"SecureAggregation(dp={self._dp}): this step shares the gradients of one clipping group twice "
+                "(e.g. apply_gradients or an all-reduce of the same clipped sums called twice): each share adds "
+                "its own noisy release of every example's gradient, but the accounting (epsilon) counts one "
+                "release per step. Fix: reduce the clipped gradients once per step (one optimizer, one "
+                "apply_gradients).")
+        groups |= shared
         if len(groups) > 1:
             raise ValueError(
                 f"SecureAggregation(dp={self._dp}): this step shares gradients of {len(groups)} clipping "
@@ -365,8 +389,10 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
                 "DNNEstimator or LinearEstimator instead of DNNLinearCombined.")
         for group in groups - set(graph.get_collection(_DP_GROUPS_COLLECTION)):
             graph.add_to_collection(_DP_GROUPS_COLLECTION, group)
-        variance = dp_lib.check_noise_headroom(self._dp, num, encoding.ring_bits, encoding.fraction_bits,
-                                               encoding.bound, num_elements)
+        parties = self._noise_parties(num)
+        # Each party's contribution sums num / parties replicas (one, or an owner's local replicas).
+        variance = dp_lib.check_noise_headroom(self._dp, parties, encoding.ring_bits, encoding.fraction_bits,
+                                               encoding.bound * (num // parties), num_elements)
         return variance or None
 
     def _tfe_sum(self, tfe_backend, vectors, sources, targets, encoding, dtype, owners, hint, scale):

@@ -348,11 +348,10 @@ def _cluster_mode(mode: Optional[str]) -> str:
 
 def _service_kwargs(spec: cluster_lib.TfeCluster, settings: TfeSettings, session_config) -> dict:
     """Service mode: this owner trains alone (a local Estimator) and sums through the aggregation service."""
-    if settings.protocol != "pond" or settings.dp is not None:
+    if settings.protocol != "pond":
         raise ValueError(
-            f"TfeRunConfig(protocol={settings.protocol!r}, dp={settings.dp!r}) in cluster_mode='service': the "
-            "aggregation service runs Pond's sum (two servers) without differential privacy so far. Use "
-            "protocol='pond' and no dp, or cluster_mode='in-graph' on a trusted network.")
+            f"TfeRunConfig(protocol={settings.protocol!r}) in cluster_mode='service': the aggregation service "
+            "runs Pond's sum (two servers). Use protocol='pond', or cluster_mode='in-graph' on a trusted network.")
     servers = spec.jobs[cluster_lib.TFE_JOB]
     if len(servers) != 2:
         raise ValueError(
@@ -371,7 +370,8 @@ def _service_kwargs(spec: cluster_lib.TfeCluster, settings: TfeSettings, session
                              timeout_secs=settings.step_timeout_secs)
     train, evaluate = (ServiceStrategy(binding, num_replicas=settings.num_replicas or 1,
                                        precision=settings.precision, clip_norm=settings.clip_norm,
-                                       update_ring_bits=settings.update_ring_bits, evaluation=evaluation)
+                                       update_ring_bits=settings.update_ring_bits, evaluation=evaluation,
+                                       dp=settings.dp)
                        for evaluation in (False, True))
     session_config = train.update_config_proto(session_config or default_session_config())
     return {"train_distribute": train, "eval_distribute": evaluate, "session_config": session_config}

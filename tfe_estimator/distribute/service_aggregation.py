@@ -36,7 +36,9 @@ import weakref
 from typing import Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
+from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import values as value_lib
 
 from tfe_estimator.distribute import service_sum as service_sum_lib
 from tfe_estimator.distribute import step_sum
@@ -107,10 +109,14 @@ class ServiceAggregation(SecureAggregation):
       precision, clip_norm, update_ring_bits: as `SecureAggregation` (Pond on the fused kernels).
       channel_prefix: prefixes every sum's name ("eval_" for federated evaluation: its sums, keyed
         by the evaluated checkpoint's step, never meet the training's).
+      dp: optional `tfe_estimator.DistributedDP`: each OWNER (not each local replica) adds its
+        discrete Gaussian part to its local sum before masking, sized against t colluding owners of
+        N = the number of owners; the reported loss and metrics stay local (`SecureAggregation`).
     """
 
     def __init__(self, binding: ServiceBinding, local_replicas: int = 1, precision: str = "low",
-                 clip_norm: Optional[float] = None, update_ring_bits: int = 64, channel_prefix: str = "") -> None:
+                 clip_norm: Optional[float] = None, update_ring_bits: int = 64, channel_prefix: str = "",
+                 dp=None) -> None:
         if local_replicas not in (1, 2, 4, 8):
             raise ValueError(f"num_replicas={local_replicas!r} local replicas per owner: use 1, 2, 4 or 8 (a "
                              "power of two: the owner's plaintext sum of its replicas is checked against the "
@@ -119,7 +125,7 @@ class ServiceAggregation(SecureAggregation):
         self._local_replicas = local_replicas
         self._channel_prefix = channel_prefix
         super().__init__(protocol="pond", precision=precision, server_devices=None, clip_norm=clip_norm,
-                         update_ring_bits=update_ring_bits)
+                         update_ring_bits=update_ring_bits, dp=dp)
 
     @property
     def binding(self) -> ServiceBinding:
@@ -140,12 +146,14 @@ class ServiceAggregation(SecureAggregation):
     def _num_summands(self, num_sources: int) -> int:
         return num_sources * len(self._binding.owners)
 
+    def _noise_parties(self, num_summands: int) -> int:
+        del num_summands  # one noise part per owner, on its local sum of its replicas
+        return len(self._binding.owners)
+
     def _check_devices(self, sources, targets) -> None:
         del sources, targets  # every device is this owner's: nothing but the contribution op leaves it
 
     def _fused_sum(self, vectors, sources, targets, encoding, dtype, owners, hint, scale, noise_variance):
-        if noise_variance is not None:
-            raise NotImplementedError("differential privacy through the aggregation service is not built yet.")
         if len(sources) != self._local_replicas:
             raise ValueError(f"this owner sums {len(sources)} replicas, but its ServiceAggregation was made for "
                              f"{self._local_replicas}.")
@@ -156,7 +164,7 @@ class ServiceAggregation(SecureAggregation):
             return service_client(binding).contribute(*args)
 
         return service_sum_lib.service_sum(vectors, sources, targets, encoding, dtype, binding.owner, hint, scale,
-                                           channel, step, contribute)
+                                           channel, step, contribute, noise_variance=noise_variance)
 
     def _next_channel(self):
         """The graph's next sum's name (equal on every owner: they build the same graph) and the step."""
@@ -182,6 +190,19 @@ class _ServiceExtended(_TfeExtended):
         # Every owner's replicas take part in each sum: optimizers scale a MEAN loss by this.
         return len(self.worker_devices) * len(self._cross_device_ops.binding.owners)
 
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        # With one local replica MirroredStrategy hands a replica function's result back unwrapped (its
+        # regroup), and MirroredExtended's rule for such a "shared" value refuses a SUM over the owners'
+        # replicas (Estimator SUMs a Keras optimizer's reported loss). It is this owner's own value: reduce
+        # it across owners as a PerReplica of one, like any other.
+        if len(self.worker_devices) == 1:
+            value = tf.nest.map_structure(
+                lambda v: value_lib.PerReplica([v]) if tf.is_tensor(v) and not isinstance(
+                    v, value_lib.DistributedValues) else v, value)
+        if isinstance(destinations, str):  # Estimator's "/replica:0/task:0/device:CPU:0": this process's device
+            destinations = device_util.canonicalize(destinations, self.worker_devices[0])
+        return super()._reduce_to(reduce_op, value, destinations, options)
+
     def _call_for_each_replica(self, fn, args, kwargs):
         def with_handshake(*fn_args, **fn_kwargs):
             result = fn(*fn_args, **fn_kwargs)
@@ -190,7 +211,7 @@ class _ServiceExtended(_TfeExtended):
 
                 agg = self._cross_device_ops
                 settings = (f"pond/{agg.precision.name}/clip={agg.clip_norm}/ring={agg.update_ring_bits}"
-                            f"/replicas={len(self.worker_devices)}")
+                            f"/replicas={len(self.worker_devices)}" + (f"/dp={agg.dp}" if agg.dp else ""))
                 result = result._replace(training_hooks=(
                     *result.training_hooks, ServiceHandshakeHook(agg.binding, settings, service_client)))
             return result
@@ -210,7 +231,10 @@ class ServiceStrategy(TfeStrategy):
         checkpoint on its own data; the metrics' sums and counts are summed through the service
         once per evaluation (keyed by the checkpoint's step), so every owner reads the metrics
         of the union of the owners' evaluation data, exactly. Every owner must evaluate the
-        same checkpoints: ``EvalSpec(throttle_secs=0)`` with step-based checkpoints.
+        same checkpoints: ``EvalSpec(throttle_secs=0)`` with step-based checkpoints. Under
+        `dp` the metrics are not summed (an un-noised value of the other owners' data): each
+        owner reads its own.
+      dp: optional `tfe_estimator.DistributedDP` (see `ServiceAggregation`).
 
     Example::
 
@@ -219,11 +243,12 @@ class ServiceStrategy(TfeStrategy):
 
     def __init__(self, binding: ServiceBinding, num_replicas: int = 1, devices: Optional[Sequence[str]] = None,
                  precision: str = "low", clip_norm: Optional[float] = None, update_ring_bits: int = 64,
-                 evaluation: bool = False) -> None:  # pylint: disable=super-init-not-called
+                 evaluation: bool = False, dp=None) -> None:  # pylint: disable=super-init-not-called
         if devices is None:
             devices, _ = local_layout(num_replicas, "pond")
         ops = ServiceAggregation(binding, len(devices), precision=precision, clip_norm=clip_norm,
-                                 update_ring_bits=update_ring_bits, channel_prefix="eval_" if evaluation else "")
+                                 update_ring_bits=update_ring_bits, channel_prefix="eval_" if evaluation else "",
+                                 dp=dp)
         ops.precision.check_headroom(len(devices) * len(binding.owners))
         with tf.Graph().as_default():
             extended = _ServiceExtended(self, list(devices), ops, cpus_needed(list(devices)),

@@ -34,7 +34,7 @@ Example::
 import contextlib
 import functools
 import weakref
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -64,6 +64,7 @@ def service_sum(
     channel: str,
     step: tf.Tensor,
     contribute: Callable[[str, int, int, int, np.ndarray, np.ndarray], tuple],
+    noise_variance: Optional[float] = None,
 ) -> List[List[tf.Tensor]]:
     """This owner's contribution to the sum over all owners of `vectors`, revealed on each target.
 
@@ -78,6 +79,8 @@ def service_sum(
       step: scalar int64 tensor, equal on every owner for one step (the global step).
       contribute: ``contribute(channel, step, ring_bits, num_elements, key, share) -> (blind_key, w)``,
         the service call (`tfe_estimator.service.OwnerClient.contribute` behind a process-wide client).
+      noise_variance: DP (`tfe_estimator.DistributedDP`): this owner's discrete Gaussian part, in ring
+        units^2, added to its encoded local sum inside the mask op (before masking), or None.
 
     Returns:
       Per target, the decoded sums shaped like ``vectors[0]``.
@@ -87,8 +90,9 @@ def service_sum(
     with tf.device(sources[0]), tf.name_scope("service_local_sum"):
         local = list(vectors[0]) if len(vectors) == 1 else [tf.add_n(list(parts)) for parts in zip(*vectors)]
     with tf.device(sources[0]), tf.name_scope("service_mask_share"):
+        noise = None if noise_variance is None else ops.discrete_gaussian(num_elements, noise_variance)
         share, key = ops.mask_share(local, encoding.bound * len(vectors), encoding.ring_bits,
-                                    encoding.fraction_bits, owner, hint)
+                                    encoding.fraction_bits, owner, hint, noise=noise)
     graph = tf.compat.v1.get_default_graph()
     after = [_LAST[graph]] if graph in _LAST else []
     call = functools.partial(_call, contribute, channel, encoding.ring_bits, num_elements)

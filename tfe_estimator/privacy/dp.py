@@ -76,6 +76,7 @@ __all__ = [
     "clipped_sum_norm",
     "clipped_sum_group",
     "EpsilonLoggingHook",
+    "noise_parties",
     "NOISE_TAIL_SIGMAS",
     "MAX_REPLICA_VARIANCE",
 ]
@@ -410,6 +411,11 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
                     "DistributedDP needs the unreduced per-example loss (a vector), got a scalar. Use a "
                     "tensorflow-privacy DP head (e.g. tensorflow_privacy.DPBinaryClassHead) or our model_fns.")
             per_example = tf.reshape(loss, [tf.shape(loss)[0], -1])
+            # An empty (Poisson-sampled) batch: pfor cannot vectorise over zero examples (its gradient's
+            # AddN sees mismatched [0, ...] shapes), so a batch of none gets one row of zero loss, which
+            # depends on no variable: its clipped gradient is zero, and the sum stays the empty sum, 0.
+            empty = tf.cast(tf.equal(tf.shape(per_example)[0], 0), tf.int32)
+            per_example = tf.concat([per_example, tf.zeros([empty, tf.shape(per_example)[1]], per_example.dtype)], 0)
 
             def clipped(example_loss):
                 grads = base.get_gradients(self, tf.reduce_mean(example_loss), params)
@@ -450,13 +456,30 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
     return DPClippingOptimizer.from_config(optimizer.get_config())
 
 
+def noise_parties(strategy=None) -> int:
+    """N of the DP accounting under `strategy` (default: the current one): how many parties add a noise part.
+
+    Each replica in-graph (`num_replicas_in_sync`); each owner, not each of its local replicas,
+    through the aggregation service (`ServiceStrategy`, whose ``num_replicas_in_sync`` is owners
+    times local replicas).
+    """
+    strategy = strategy or tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    parties = getattr(getattr(strategy.extended, "_cross_device_ops", None), "noise_parties", None)
+    return int(parties(replicas)) if callable(parties) else replicas
+
+
 class EpsilonLoggingHook(tf.estimator.SessionRunHook):
-    """Logs the epsilon spent so far at the end of training (chief): against outsiders and t owners.
+    """Logs the epsilon spent so far at the end of training: against outsiders and t owners.
+
+    Logged through TensorFlow's logger (``tf.compat.v1.logging.info``, where Estimator logs the
+    loss), so a user who sees the training log sees epsilon.
 
     Args:
       dp: the `DistributedDP` (with `num_examples`).
-      global_batch_size: a scalar tensor, the global batch size of a step.
-      num_replicas: N, the number of replicas (owners).
+      global_batch_size: a scalar tensor, the global batch size of a step (unused with
+        ``dp.expected_batch_size``).
+      num_replicas: N, the number of noise parties (`noise_parties`: replicas, or owners).
     """
 
     def __init__(self, dp: DistributedDP, global_batch_size, num_replicas: int = 1):
@@ -478,9 +501,10 @@ class EpsilonLoggingHook(tf.estimator.SessionRunHook):
         steps = int(session.run(self._step))
         outsiders, colluders = self._dp.epsilons(self._last, steps, self._replicas)
         batch = self._dp.expected_batch_size or self._last
-        _LOG.info("DistributedDP: %d steps of global batch %d over %d examples: epsilon = %.4g at delta = %g "
-                  "against %d colluding owner(s) of %d (noise_multiplier %g); epsilon = %.4g against outsiders "
-                  "(noise_multiplier %.4g); Poisson-sampling RDP accounting.", steps, batch,
-                  self._dp.num_examples, colluders, self._dp.delta, self._dp.colluders(self._replicas),
-                  self._replicas, self._dp.noise_multiplier, outsiders,
-                  self._dp.noise_multipliers(self._replicas)[0])
+        tf.compat.v1.logging.info(
+            "DistributedDP: %d steps of global batch %d over %d examples: epsilon = %.4g at delta = %g "
+            "against %d colluding owner(s) of %d (noise_multiplier %g); epsilon = %.4g against outsiders "
+            "(noise_multiplier %.4g); Poisson-sampling RDP accounting.", steps, batch,
+            self._dp.num_examples, colluders, self._dp.delta, self._dp.colluders(self._replicas),
+            self._replicas, self._dp.noise_multiplier, outsiders,
+            self._dp.noise_multipliers(self._replicas)[0])

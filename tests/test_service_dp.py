@@ -1,0 +1,222 @@
+"""DistributedDP across organisations: DP-SGD through the aggregation service (service mode).
+
+Each owner (not each of its local replicas) adds its discrete Gaussian part to its local sum
+before masking, sized against t colluding owners of N = the number of owners; epsilon is
+accounted with N = owners. The unit tests check the numbers on a graph built without the service;
+the cluster tests (`Launcher(cluster_mode="service")`) train 2 owners with Poisson-sampled batches
+and compare the accuracy with tensorflow-privacy's central DP-SGD on the union of their data.
+"""
+import io
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.distribute import values as value_lib
+
+import tfe_estimator
+from tfe_estimator.privacy import dp as dp_lib
+
+pytest.importorskip("tensorflow_privacy")
+pytest.importorskip("dp_accounting")
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "service_dp_owner.py")
+SUM = tf.distribute.ReduceOp.SUM
+
+
+def _binding(owners=2):
+    from tfe_estimator.distribute.service_aggregation import ServiceBinding  # pylint: disable=import-outside-toplevel
+
+    names = tuple(["chief:0"] + [f"worker:{i}" for i in range(owners - 1)])
+    return ServiceBinding(addresses=("127.0.0.1:1", "127.0.0.1:2"), tls_dir="/nonexistent", owner="chief:0",
+                          owners=names)
+
+
+def _noise_requests(dp, owners, local_replicas, num_elements, monkeypatch, groups=(0,)):
+    """(num_elements, variance) of every noise part this owner's graph draws for one DP update per group."""
+    from tfe_estimator.distribute.service_aggregation import ServiceStrategy  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.secure.kernels import ops  # pylint: disable=import-outside-toplevel
+
+    requests = []
+    real = ops.discrete_gaussian
+    monkeypatch.setattr(ops, "discrete_gaussian", lambda n, v, **k: requests.append((n, v)) or real(n, v, **k))
+    with tf.Graph().as_default():
+        tf.compat.v1.train.get_or_create_global_step()
+        devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(local_replicas)]
+        strategy = ServiceStrategy(_binding(owners), devices=devices, dp=dp)
+        with strategy.scope():
+            for group in groups:
+                parts = []
+                for device in devices:
+                    with tf.device(device):
+                        parts.append(tf.zeros([num_elements]))
+                dp_lib.mark_clipped_sums(parts, dp.l2_norm_clip, group=group)
+                values = value_lib.PerReplica(parts)
+                strategy.extended.reduce_to(SUM, values, values)
+            assert dp_lib.noise_parties(strategy) == owners
+            assert strategy.num_replicas_in_sync == owners * local_replicas
+    return requests
+
+
+@pytest.mark.parametrize("owners, local_replicas", [(2, 1), (2, 2), (3, 4)])
+def test_each_owner_adds_one_part_sized_against_colluding_owners(owners, local_replicas, monkeypatch):
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.1)
+    requests = _noise_requests(dp, owners, local_replicas, 1000, monkeypatch)
+    # One part per owner (its local sum), not one per local replica: F = 32 on the 64-bit ring.
+    assert requests == [(1000, dp_lib.replica_noise_variance(dp, owners, 32, 1000))]
+    # = ceil((1.1 * (2**32 + sqrt(1000)))**2 / (N - t)), t = 1: the in-graph formula with N = owners.
+    assert requests[0][1] == pytest.approx((1.1 * (2.0**32 + math.sqrt(1000))) ** 2 / (owners - 1), rel=1e-12)
+    # Not the per-replica split of N = owners * local replicas (the outsiders' total stays N / (N - t) sigma^2).
+    if local_replicas > 1:
+        assert requests[0][1] > dp_lib.replica_noise_variance(dp, owners * local_replicas, 32, 1000)
+
+
+def test_the_headroom_counts_the_owners_local_replicas(monkeypatch):
+    calls = []
+    real = dp_lib.check_noise_headroom
+    monkeypatch.setattr(dp_lib, "check_noise_headroom", lambda *a: calls.append(a[1:]) or real(*a))
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0)
+    _noise_requests(dp, 2, 4, 10, monkeypatch)
+    # N = 2 owners, each contributing the sum of 4 replicas' values, each below the 2**24 bound.
+    assert calls == [(2, 64, 32, 4 * 2.0**24, 10)]
+
+
+def test_two_clipping_groups_or_one_shared_twice_in_a_step_are_refused_through_the_service(monkeypatch):
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"2 clipping groups"):
+        _noise_requests(dp, 2, 1, 10, monkeypatch, groups=(0, 1))
+    with pytest.raises(ValueError, match=r"one clipping group twice.*accounting \(epsilon\) counts one release"):
+        _noise_requests(dp, 2, 1, 10, monkeypatch, groups=(0, 0))
+
+
+def test_epsilon_counts_owners_not_local_replicas():
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=800, expected_batch_size=40)
+    outsiders, colluders = dp.epsilons(40, 50, 2)  # 2 owners x 2 local replicas: N = 2
+    assert colluders == tfe_estimator.dp_epsilon(1.0, 40, 800, 50, 1e-5)
+    assert outsiders == tfe_estimator.dp_epsilon(math.sqrt(2), 40, 800, 50, 1e-5)
+    assert dp.epsilons(40, 50, 4)[0] > outsiders  # what N = num_replicas_in_sync = 4 would wrongly report
+
+
+# ------------------------------------------------------------ cluster runs --
+
+OWNER_ROWS, TEST_ROWS, DIMS = 400, 2000, 5
+STEPS, LEARNING_RATE, CLIP, MULTIPLIER, Q = 60, 2.0, 1.0, 1.0, 0.05
+TRUE_W = np.array([1.5, -1.0, 0.5, 1.0, -0.5])
+
+
+def _rows(rng, n):
+    x = rng.randn(n, DIMS)
+    y = (x @ TRUE_W > 0).astype(np.float64)
+    flip = rng.rand(n) < 0.05
+    y[flip] = 1 - y[flip]
+    return np.column_stack([x, y]).astype(np.float32)
+
+
+def _write_data(workdir, owners):
+    rng = np.random.RandomState(0)
+    test = _rows(rng, TEST_ROWS)
+    data = {}
+    for owner in owners:
+        data[owner] = _rows(rng, OWNER_ROWS)
+        os.makedirs(os.path.join(workdir, owner))
+        np.savetxt(os.path.join(workdir, owner, "train.csv"), data[owner], delimiter=",", fmt="%.8g")
+        np.savetxt(os.path.join(workdir, owner, "test.csv"), test, delimiter=",", fmt="%.8g")
+    return np.concatenate(list(data.values())), test
+
+
+def _central_dp_sgd_accuracy(train, test, batch):
+    """tensorflow-privacy's central DP-SGD (one trusted party, noise_multiplier MULTIPLIER) on the union."""
+    import tensorflow_privacy  # pylint: disable=import-outside-toplevel
+
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1, kernel_initializer="zeros", input_shape=(DIMS,))])
+    optimizer = tensorflow_privacy.VectorizedDPKerasSGDOptimizer(
+        l2_norm_clip=CLIP, noise_multiplier=MULTIPLIER, num_microbatches=batch, learning_rate=LEARNING_RATE)
+    model.compile(optimizer=optimizer, loss=tf.keras.losses.BinaryCrossentropy(
+        from_logits=True, reduction=tf.keras.losses.Reduction.NONE), metrics=["accuracy"])
+    x, y = train[:, :DIMS], train[:, DIMS:]
+    idx = np.random.RandomState(1).randint(0, len(train), (STEPS, batch))  # STEPS steps of `batch` rows
+    for rows in idx:
+        model.train_on_batch(x[rows], y[rows])
+    return model.evaluate(test[:, :DIMS], test[:, DIMS:], verbose=0)[1]
+
+
+def _run(workdir, *flags, steps=STEPS, learning_rate=LEARNING_RATE):
+    from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
+
+    out = io.StringIO()
+    num_examples = 2 * OWNER_ROWS
+    launcher = Launcher([sys.executable, SCRIPT, str(steps), str(learning_rate), str(CLIP), str(MULTIPLIER), str(Q),
+                         str(num_examples), *flags], workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"),
+                        out=out, cluster_mode="service", down_timeout=120)
+    status = launcher.run()
+    log = out.getvalue()
+    assert status == 0, log[-6000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT {" in line]
+    assert len(results) == 2, log[-6000:]
+    return results, log
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_owners_train_dp_sgd_through_the_service_near_central_dp_sgd(tmp_path):
+    workdir = str(tmp_path)
+    train, test = _write_data(workdir, ["chief-0", "worker-0"])
+    results, log = _run(workdir)
+    num_examples, batch = len(train), round(Q * len(train))
+    colluders = tfe_estimator.dp_epsilon(MULTIPLIER, batch, num_examples, STEPS, 1e-5)
+    outsiders = tfe_estimator.dp_epsilon(MULTIPLIER * math.sqrt(2), batch, num_examples, STEPS, 1e-5)
+    central = _central_dp_sgd_accuracy(train, test, batch)
+    print(f"service DP-SGD accuracy {[r['accuracy'] for r in results]}, central DP-SGD {central:.4f}, "
+          f"epsilon {colluders:.4g} (outsiders {outsiders:.4g})")
+    for result in results:
+        assert result["step"] == STEPS and result["finite"]
+        # Epsilon with N = 2 owners: against the other owner (t = 1) and against outsiders.
+        assert result["dp_epsilon"] == pytest.approx(colluders, rel=1e-12)
+        assert result["dp_epsilon_outsiders"] == pytest.approx(outsiders, rel=1e-12)
+        assert abs(result["accuracy"] - central) < 0.05, (result["accuracy"], central)
+    # Both owners applied the same noisy sum: equal weights.
+    np.testing.assert_allclose(results[0]["weights"], results[1]["weights"], atol=1e-6)
+    # Logged through TensorFlow's logger by both owners.
+    assert log.count(f"epsilon = {colluders:.4g} at delta = 1e-05 against 1 colluding owner(s) of 2") == 2, log[-6000:]
+    assert log.count(f"epsilon = {outsiders:.4g} against outsiders") == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_owners_with_two_local_replicas_each_train_dp_sgd(tmp_path):
+    workdir = str(tmp_path)
+    train, _ = _write_data(workdir, ["chief-0", "worker-0"])
+    results, log = _run(workdir, "--num-replicas", "2")
+    colluders = tfe_estimator.dp_epsilon(MULTIPLIER, round(Q * len(train)), len(train), STEPS, 1e-5)
+    for result in results:
+        assert result["step"] == STEPS and result["finite"]
+        assert result["dp_epsilon"] == pytest.approx(colluders, rel=1e-12)  # N = 2 owners, not 4 replicas
+        assert result["accuracy"] > 0.8
+    np.testing.assert_allclose(results[0]["weights"], results[1]["weights"], atol=1e-6)
+    assert log.count("against 1 colluding owner(s) of 2") == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_one_step_through_the_service_carries_each_owners_noise_at_the_stated_scale(tmp_path):
+    # All-zero features: the kernel's clipped gradients are 0, so after one SGD step (learning rate 1)
+    # from zero weights the kernel is the summed noise / expected_batch_size: two owners' parts of
+    # sigma^2 / (N - t) = sigma^2 each (N = 2 owners, t = 1), std sqrt(2) sigma / 40.
+    workdir, dims = str(tmp_path), 3000
+    rows = np.column_stack([np.zeros((OWNER_ROWS, dims)), np.ones(OWNER_ROWS)])
+    for owner in ("chief-0", "worker-0"):
+        os.makedirs(os.path.join(workdir, owner))
+        for name in ("train.csv", "test.csv"):
+            np.savetxt(os.path.join(workdir, owner, name), rows[:40] if name == "test.csv" else rows,
+                       delimiter=",", fmt="%g")
+    results, _ = _run(workdir, steps=1, learning_rate=1.0)
+    weights = np.array(results[0]["weights"])
+    np.testing.assert_array_equal(weights, results[1]["weights"])
+    expected = math.sqrt(2) * MULTIPLIER * CLIP / round(Q * 2 * OWNER_ROWS)
+    # Standard error of the sample std: expected / sqrt(2n), 1.3 % at n = 3000; tolerance 4.5 (alpha < 1e-5).
+    assert abs(weights.std() - expected) < 4.5 * expected / math.sqrt(2 * dims), (weights.std(), expected)
+    assert abs(weights.mean()) < 4.5 * expected / math.sqrt(dims)
