@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 def _launcher(workdir, steps, *flags, **kwargs):
     return Launcher([sys.executable, SCRIPT, str(steps), str(LEARNING_RATE), *flags], workers=1,
-                    task_cwd=os.path.join(workdir, "{job}-{index}"), out=io.StringIO(), grace_seconds=5, **kwargs)
+                    task_cwd=os.path.join(workdir, "{job}-{index}"), out=io.StringIO(), grace_seconds=5,
+                    cluster_mode="between-graph", **kwargs)
 
 
 def _started_training(workdir, steps=10):

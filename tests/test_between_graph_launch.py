@@ -1,7 +1,7 @@
 """The between-graph acceptance run through the command line a user types.
 
-`tfe-estimator launch --workers 1 --evaluator -- python train.py` (no mode
-flag: between-graph is the launcher's default) with a script that gives each
+`tfe-estimator launch --cluster-mode between-graph --workers 1 --evaluator -- python train.py`
+with a script that gives each
 owner its own `TfeRunConfig(model_dir=...)` and data file; the evaluator
 belongs to the chief's organisation and evaluates the chief's checkpoints on
 the chief's data.
@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 def _launch(workdir, *flags):
     """`tfe-estimator launch` as a user runs it; returns its output and the pids of every task it started."""
-    command = [sys.executable, "-m", "tfe_estimator.tools.cli", "launch", "--workers", "1", "--evaluator",
+    command = [sys.executable, "-m", "tfe_estimator.tools.cli", "launch", "--cluster-mode", "between-graph",
+               "--workers", "1", "--evaluator",
                "--task-cwd", os.path.join(workdir, "{job}-{index}"), "--final-eval-timeout", "120",
                "--", sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), *flags]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
@@ -35,7 +36,7 @@ def _mse(rows, w):
     return float(np.mean((x @ w - rows[:, 2]) ** 2))
 
 
-def test_the_launcher_default_trains_each_owner_on_its_own_and_evaluates_the_chiefs_checkpoints(tmp_path):
+def test_the_launcher_trains_each_owner_on_its_own_and_evaluates_the_chiefs_checkpoints(tmp_path):
     workdir = str(tmp_path)
     data = _owner_data(workdir)
     twin = _plaintext_twin(data, STEPS)

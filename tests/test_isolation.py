@@ -54,6 +54,7 @@ class _Background:
     def __init__(self, workdir, command, tls, **kwargs):
         self.network_file = os.path.join(workdir, "network.json")
         self.out = io.StringIO()
+        kwargs.setdefault("cluster_mode", "between-graph")  # namespaces isolate the TensorFlow-runtime modes
         self.launcher = Launcher(command, task_cwd=os.path.join(workdir, "{job}-{index}"), out=self.out,
                                  isolate=True, tls=tls, network_file=self.network_file, down_timeout=120, **kwargs)
         self.status = None

@@ -81,7 +81,8 @@ def _train(workdir, workers, *flags, steps=STEPS):
 def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_own_process(tmp_path):
     workdir = str(tmp_path)
     owners = _owners(1)
-    twin = _plaintext_twin(_owner_data(workdir, owners), STEPS)
+    data = _owner_data(workdir, owners)
+    twin = _plaintext_twin(data, STEPS)
     status, log = _train(workdir, 1)
     assert status == 0, log[-5000:]
     assert log.count(f"owner finished at step {STEPS}") == 2, log[-5000:]
@@ -89,6 +90,17 @@ def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_
     np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
     np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
     assert not np.allclose(twin, 0.0, atol=0.1)  # it learned from the data
+    # Federated evaluation: each owner evaluated its own rows; every owner reads the loss of the union.
+    union = np.concatenate(list(data.values())).astype(np.float64)
+    x = np.column_stack([union[:, :2], np.ones(len(union))])
+    union_mse = float(np.mean((x @ weights["chief-0"].astype(np.float64) - union[:, 2]) ** 2))
+    own_mse = float(np.mean((x[:64] @ weights["chief-0"].astype(np.float64) - union[:64, 2]) ** 2))
+    for owner in owners:
+        with open(os.path.join(workdir, owner, "eval_metrics.json")) as f:
+            metrics = json.load(f)
+        assert metrics["global_step"] == STEPS
+        assert metrics["average_loss"] == pytest.approx(union_mse, rel=1e-5), (owner, metrics, union_mse)
+    assert union_mse != pytest.approx(own_mse, rel=1e-2)  # the union's loss, not one owner's
     for owner in owners:
         with open(os.path.join(workdir, owner, "graph_audit.json")) as f:
             audit = json.load(f)

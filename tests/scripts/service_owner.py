@@ -1,7 +1,7 @@
 """One data owner of a service-mode test cluster: trains a LinearRegressor on ./data.csv into ./model.
 
 Run by `tfe-estimator launch --cluster-mode service` in each owner's own directory
-(tests/test_service_mode.py). Writes ./graph_audit.json: the devices of the training graph's ops
+(tests/test_service_mode.py). Writes ./eval_metrics.json (the final, federated evaluation) and ./graph_audit.json: the devices of the training graph's ops
 and, per contribution op (the only op that talks to the service), the ops its inputs come from.
 Usage: service_owner.py STEPS LEARNING_RATE [--num-replicas L] [--step-timeout-secs S] [--step-seconds S]
 """
@@ -64,9 +64,11 @@ def main(argv):
         feature_columns=[tf.feature_column.numeric_column("x", shape=[x.shape[1]])],
         optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
         loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE, config=config)
-    tf.estimator.train_and_evaluate(
+    metrics, _ = tf.estimator.train_and_evaluate(
         estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=hooks),
         tf.estimator.EvalSpec(input_fn, steps=1, throttle_secs=0, start_delay_secs=0))
+    with open("eval_metrics.json", "w") as f:  # federated: the metrics of every owner's evaluation data
+        json.dump({k: float(v) for k, v in metrics.items()}, f)
     print("owner finished at step", estimator.get_variable_value("global_step"))
 
 

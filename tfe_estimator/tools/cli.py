@@ -62,7 +62,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "connects out to two aggregation servers with mutual TLS), between-graph (one "
                              "organisation: every owner runs only its own graph, the servers are TensorFlow "
                              "servers) or in-graph (the chief runs every task's graph; one organisation on a "
-                             "trusted network)"
+                             "trusted network)")
     launch.add_argument("--isolate", action="store_true",
                         help="run every task in its own network namespace on a private bridge (root)")
     launch.add_argument("--tls", action="store_true",
