@@ -478,3 +478,100 @@ def test_teardown_deletes_every_rendered_kind(capsys, tfjob):
     kinds = {k.split(".")[0] for k in command[4].split(",")}
     plural = {"NetworkPolicy": "networkpolicies"}
     assert {plural.get(o["kind"], o["kind"].lower() + "s") for o in objs} <= kinds
+
+
+# ------------------------------------------------------------------ service mode (across organisations)
+
+def _service_tasks(workers, evaluator):
+    return [t for t in _expected_tasks(workers, evaluator) if t != ("tfe", 2)]
+
+
+def _egress(manifests, port):
+    """(caller, callee) pairs the callers' egress rules let connect on `port` (rules without `to`: anyone)."""
+    pods = _pod_labels(manifests)
+    policies = [m for m in manifests if m["kind"] == "NetworkPolicy"]
+    pairs = set()
+    for caller, caller_labels in pods.items():
+        mine = [p["spec"] for p in policies if _selects(p["spec"]["podSelector"], caller_labels)]
+        assert mine and all("Egress" in spec["policyTypes"] for spec in mine), caller
+        for callee, callee_labels in pods.items():
+            if caller != callee and any(
+                    ("to" not in rule or any(_selects(peer["podSelector"], callee_labels) for peer in rule["to"]))
+                    and any(p["port"] == port for p in rule.get("ports", []))
+                    for spec in mine for rule in spec["egress"]):
+                pairs.add((caller, callee))
+    return pairs
+
+
+@pytest.mark.parametrize("workers,evaluator", [(1, True), (3, False), (0, True)])
+def test_service_mode_owners_accept_nothing_and_servers_only_owners_and_server0(workers, evaluator):
+    manifests = _render(workers, evaluator, cluster_mode="service", port=7000)
+    tasks = _service_tasks(workers, evaluator)
+    owners = [t for t in tasks if t[0] in ("chief", "worker")]
+    workloads = [w for w in manifests if w["kind"] in ("Job", "Deployment")]
+    assert sorted(_task_of(w) for w in workloads) == sorted(tasks)  # exactly 2 tfe pods
+    assert sorted(_task_of(w) for w in workloads if w["kind"] == "Deployment") == [("tfe", 0), ("tfe", 1)]
+    # Only the servers have a Service; nobody else has an address anyone could resolve.
+    assert sorted(_task_of(s) for s in _by_kind(manifests)["Service"]) == [("tfe", 0), ("tfe", 1)]
+    assert all(s["spec"]["ports"][0]["port"] == 7000 for s in _by_kind(manifests)["Service"])
+    expected = {(o, ("tfe", k)) for o in owners for k in (0, 1)} | {(("tfe", 0), ("tfe", 1))}
+    for port in (7000, kubernetes.TLS_PORT, 2222):
+        assert _reachable(manifests, port) == (expected if port == 7000 else set()), port
+    assert _egress(manifests, 7000) == expected  # server1 calls nobody, owners only the servers
+    for policy in _by_kind(manifests)["NetworkPolicy"]:
+        if _task_of(policy)[0] != "tfe":  # owners and the evaluator: deny all ingress
+            assert policy["spec"]["ingress"] == [] and "Ingress" in policy["spec"]["policyTypes"]
+    for w in workloads:
+        job, index = _task_of(w)
+        spec = _pod_template(w)["spec"]
+        assert "initContainers" not in spec and len(spec["containers"]) == 1  # no stunnel sidecar
+        env = {e["name"]: e["value"] for e in _container(w)["env"]}
+        assert env["TFE_ESTIMATOR_CLUSTER_MODE"] == "service"
+        assert env["TFE_ESTIMATOR_TLS_DIR"] == "/etc/tfe-tls/certs"
+        (mount,) = [m for m in _container(w)["volumeMounts"] if m["name"] == "tls-certs"]
+        assert mount == {"name": "tls-certs", "mountPath": "/etc/tfe-tls/certs", "readOnly": True}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["tls-certs"]["secret"]["secretName"] == f"demo-{job}-{index}-tls"  # one Secret per task
+        assert ("ports" in _container(w)) == (job == "tfe")  # only the servers listen
+        cluster = json.loads(_tf_config(w))["cluster"]
+        assert cluster["tfe"] == ["demo-tfe-0.ml.svc:7000", "demo-tfe-1.ml.svc:7000"]
+        TfeCluster.from_json(_tf_config(w))
+
+
+def test_the_service_policy_check_catches_an_owner_that_accepts_a_server():
+    """Mutation: the chief's policy admits the servers (as between-graph's does); the check must fail."""
+    manifests = _render(1, True, cluster_mode="service")
+    (chief,) = [m for m in manifests if m["kind"] == "NetworkPolicy" and _task_of(m) == ("chief", 0)]
+    chief["spec"]["ingress"] = [{"from": [{"podSelector": {"matchLabels": {kubernetes.JOB_LABEL: "tfe"}}}],
+                                 "ports": [{"protocol": "TCP", "port": 2222}]}]
+    assert (("tfe", 0), ("chief", 0)) in _reachable(manifests, 2222)
+
+
+@pytest.mark.parametrize("workers,evaluator", [(0, False), (2, True)])
+def test_service_mode_manifests_are_valid_against_the_kubernetes_schemas(workers, evaluator):
+    utils = _schema_validator()
+    for tls in (False, True):  # --tls changes nothing in service mode: the service speaks TLS itself
+        manifests = _render(workers, evaluator, data_claim="{name}-data-{job}-{index}", model_claim="{name}-model",
+                            cluster_mode="service", tls=tls, read_only_root=True)
+        assert manifests == _render(workers, evaluator, data_claim="{name}-data-{job}-{index}",
+                                    model_claim="{name}-model", cluster_mode="service", read_only_root=True)
+        for manifest in yaml.safe_load_all(kubernetes.to_yaml(manifests)):
+            utils.validate(manifest, utils.latest_version(), strict=True)
+
+
+def test_service_mode_from_the_command_line_and_its_teardown(capsys):
+    assert kubernetes.main(["--name", "demo", "--image", IMAGE, "--cluster-mode", "service",
+                            "--tls-secret", "{name}-tls-{job}-{index}", "--", "python", "train.py"]) == 0
+    objs = list(yaml.safe_load_all(capsys.readouterr().out))
+    secrets = {v["secret"]["secretName"] for o in objs if o["kind"] in ("Job", "Deployment")
+               for v in _pod_template(o)["spec"]["volumes"] if "secret" in v}
+    assert secrets == {"demo-tls-chief-0", "demo-tls-worker-0", "demo-tls-evaluator-0", "demo-tls-tfe-0",
+                       "demo-tls-tfe-1"}
+    assert kubernetes.main(["--name", "demo", "--namespace", "ml", "--teardown"]) == 0
+    kinds = {k.split(".")[0] for k in capsys.readouterr().out.split()[4].split(",")}
+    plural = {"NetworkPolicy": "networkpolicies"}
+    assert {plural.get(o["kind"], o["kind"].lower() + "s") for o in objs} <= kinds
+    with pytest.raises(SystemExit):
+        kubernetes.main(["--name", "demo", "--image", IMAGE, "--cluster-mode", "service", "--tfjob"])
+    err = capsys.readouterr().err
+    assert "cannot be rendered as a TFJob" in err and "without --tfjob" in err

@@ -8,6 +8,8 @@ from tfe_estimator.cluster import kubernetes, peers, tfjob
 from tfe_estimator.cluster.spec import TfeCluster
 
 IMAGE = "registry.example.com/train:1.0"
+#: Service mode is refused (per-owner certificates need per-task pods: plain manifests).
+TFJOB_MODES = [m for m in peers.CLUSTER_MODES if m != peers.SERVICE]
 
 
 def _render(workers=2, evaluator=True, **kwargs):
@@ -62,7 +64,7 @@ def test_pod_templates_and_policies_are_valid_kubernetes():
         from kubernetes_validate import utils
     except ImportError:
         pytest.skip("kubernetes-validate is not installed (it is in the test extra)")
-    for mode in peers.CLUSTER_MODES:
+    for mode in TFJOB_MODES:
         job, *policies = _render(cluster_mode=mode, active_deadline_seconds=600)
         for spec in job["spec"]["tfReplicaSpecs"].values():
             template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
@@ -78,7 +80,7 @@ def _admitted(policies, caller, callee):
                for rule in policy["spec"]["ingress"] for peer in rule["from"])
 
 
-@pytest.mark.parametrize("mode", peers.CLUSTER_MODES)
+@pytest.mark.parametrize("mode", TFJOB_MODES)
 def test_policies_admit_exactly_the_peer_table_per_replica_type(mode):
     _, *policies = _render(cluster_mode=mode)
     jobs = ["chief", "worker", "evaluator", "tfe"]
@@ -96,3 +98,8 @@ def test_tfjob_refuses_what_one_shared_pod_template_cannot_do(capsys):
     assert kubernetes.main(["--name", "demo", "--image", IMAGE, "--tfjob", "--workers", "2"]) == 0
     kinds = [m["kind"] for m in yaml.safe_load_all(capsys.readouterr().out)]
     assert kinds == ["TFJob"] + ["NetworkPolicy"] * 4
+
+
+def test_service_mode_is_refused_naming_the_plain_manifests():
+    with pytest.raises(ValueError, match=r"cannot be rendered as a TFJob.*--cluster-mode service` without --tfjob"):
+        _render(cluster_mode="service")

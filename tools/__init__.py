@@ -2,7 +2,8 @@
 
 - `tools.bench`: secure vs plaintext step time and bytes (``python -m tools.bench``, ``make bench``);
   `tools.bench.sampler_compare` compares two versions of the DP noise kernel.
-- `tools.attack`: tries what ``launch --isolate --tls`` must stop (``python -m tools.attack``).
+- `tools.attack`: tries what ``launch --isolate --tls`` must stop (``python -m tools.attack``);
+  `tools.attack_service` what a service-mode cluster (``launch --cluster-mode service``) must stop.
 
 `tfe-estimator bench` and `tfe-estimator attack` run these when the checkout is at hand.
 """

@@ -23,6 +23,11 @@ that the probe itself works).
 Prints one line per attempt and exits 1 if any attack got through (or a
 check that must succeed did not), 0 otherwise. Needs root.
 
+Against a service-mode cluster (``launch --cluster-mode service
+--network-file NET.json``, no root needed) it runs `tools.attack_service`
+instead: an owner with a valid certificate against the aggregation servers,
+outsiders without one, and every owner's TF_CONFIG port on both loopbacks.
+
 Example::
 
     $ tfe-estimator launch --isolate --tls --network-file /tmp/net.json -- python train.py &
@@ -57,6 +62,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--network", required=True, help="the --network-file written by `launch --isolate`")
     parser.add_argument("--read-file", default="/etc/hostname",
                         help="the file the readfile attack asks each owner's task to read (default /etc/hostname)")
+    parser.add_argument("--as", dest="attacker", default=None,
+                        help="service mode: the owner whose certificate attacks (default the chief, chief:0)")
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # "outside" or an owner: run here
     return parser.parse_args(argv)
 
@@ -67,6 +74,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     checkout_on_pythonpath()  # the probes run `-m tools.attack` inside the namespaces
     with open(args.network, encoding="utf-8") as f:
         network = json.load(f)
+    if network.get("mode") == "service":
+        return _report_service(network, args.attacker)
     if args.probe:
         results = _probe_outside(network, args.read_file) if args.probe == "outside" else \
             _probe_owner(network, args.probe)
@@ -81,6 +90,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         verdict = ("refused" if must_fail else "accepted (as it must)") if ok else \
             ("GOT THROUGH" if must_fail else "REFUSED, but must be accepted")
         print(f"[attack] {result['from']} -> {result['to']} {result['attack']} {result['target']}: "
+              f"{verdict} ({result['detail']})", flush=True)
+    print(f"[attack] {len(results)} attempts, {wrong} went the wrong way", flush=True)
+    return 1 if wrong else 0
+
+
+def _report_service(network: Dict, attacker: Optional[str]) -> int:
+    """Service mode: `tools.attack_service`'s attempts, one line each; 1 if one went the wrong way."""
+    from tools.attack_service import service_attacks  # pylint: disable=import-outside-toplevel
+
+    results = service_attacks(network, attacker)
+    wrong = 0
+    for result in results:
+        wrong += not result["ok"]
+        if result["control"]:
+            verdict = "accepted (as it must)" if result["ok"] else "REFUSED, but must be accepted"
+        else:
+            verdict = "refused" if result["ok"] else "GOT THROUGH"
+        prefix = "control " if result["control"] else ""
+        print(f"[attack] {prefix}{result['from']} -> {result['to']} {result['attack']} {result['target']}: "
               f"{verdict} ({result['detail']})", flush=True)
     print(f"[attack] {len(results)} attempts, {wrong} went the wrong way", flush=True)
     return 1 if wrong else 0
@@ -187,6 +215,7 @@ def _grpc_answers(host: str, port: int, tls=None, ca: Optional[str] = None):
         if tls is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             context.minimum_version = ssl.TLSVersion.TLSv1_3
+            context.set_alpn_protocols(["h2"])  # grpcio's own TLS closes connections that do not offer h2
             if ca:
                 context.load_verify_locations(ca)
                 context.check_hostname = False  # the far end's identity is the sidecar's checkHost's job

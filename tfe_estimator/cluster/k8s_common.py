@@ -41,6 +41,8 @@ __all__ = [
     "check_arguments",
     "check_active_deadline_seconds",
     "check_tls",
+    "check_tls_secret",
+    "SERVICE_TFE_TASKS",
     "tasks",
     "labels",
     "selector",
@@ -63,6 +65,8 @@ DEFAULT_TLS_SECRET = "{name}-{job}-{index}-tls"
 #: With --tls: where the sidecar finds its config and certificates.
 TLS_DIR = "/etc/tfe-tls"
 DEFAULT_COMMAND: Tuple[str, ...] = ("python", "train.py")
+#: Service mode: the aggregation service's two servers, tfe:0 and tfe:1 (as `launcher.SERVICE_TFE_TASKS`).
+SERVICE_TFE_TASKS = 2
 #: What a ``tfe`` pod runs: a TensorFlow server configured by TF_CONFIG (the one server command).
 SERVER_COMMAND: Tuple[str, ...] = server_command()
 
@@ -162,6 +166,11 @@ def check_tls(name: str, tasks, port: int, sidecar_image: str, tls_secret: str) 
     if not isinstance(sidecar_image, str) or not sidecar_image.strip() or any(c.isspace() for c in sidecar_image):
         raise ValueError(f"sidecar_image={sidecar_image!r} must be a container image reference without spaces "
                          "(build one from deploy/sidecar/Dockerfile).")
+    check_tls_secret(name, tasks, tls_secret)
+
+
+def check_tls_secret(name: str, tasks, tls_secret: str) -> None:
+    """Raises ValueError unless `tls_secret` gives a valid Secret name for every task."""
     for job, index in tasks:
         try:
             secret = tls_secret.format(name=name, job=job, index=index)
@@ -173,9 +182,9 @@ def check_tls(name: str, tasks, port: int, sidecar_image: str, tls_secret: str) 
                              "letters, digits, '-' and '.').")
 
 
-def tasks(workers: int, evaluator: bool) -> List[Tuple[str, int]]:
+def tasks(workers: int, evaluator: bool, num_tfe: int = NUM_TFE_TASKS) -> List[Tuple[str, int]]:
     """`(job, index)` of every task, in TF_CONFIG order (the one layout, `cluster_tasks`)."""
-    return cluster_tasks(workers, evaluator, NUM_TFE_TASKS)
+    return cluster_tasks(workers, evaluator, num_tfe)
 
 
 def labels(name: str, job: Optional[str] = None, index: Optional[int] = None) -> Dict[str, str]:

@@ -90,15 +90,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="bound every Job's run time (a chief waiting for a task that never comes back fails "
                         "after this long)")
     parser.add_argument("--cluster-mode", default=peers.BETWEEN_GRAPH,
-                        help="between-graph (default: each owner runs only its own graph) or in-graph; decides "
-                        "who may reach whom (one NetworkPolicy per task)")
+                        help="between-graph (default: each owner runs only its own graph), in-graph, or service "
+                        "(across organisations: 2 aggregation servers with mutual TLS, owners with no Service and "
+                        "no ingress, each pod's certificate from its --tls-secret); decides who may reach whom "
+                        "(one NetworkPolicy per task)")
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS on every link: a stunnel sidecar per pod, certificates from a Secret per "
                         "task, only the TLS port exposed")
     parser.add_argument("--sidecar-image", default=DEFAULT_SIDECAR_IMAGE,
                         help=f"the TLS sidecar's image (default {DEFAULT_SIDECAR_IMAGE}; deploy/sidecar/Dockerfile)")
     parser.add_argument("--tls-secret", default=DEFAULT_TLS_SECRET,
-                        help=f"Secret per task with ca.crt and <job>-<index>.crt/.key (default {DEFAULT_TLS_SECRET!r})")
+                        help=f"Secret per task with ca.crt and <job>-<index>.crt/.key, with --tls and in service mode "
+                        f"(default {DEFAULT_TLS_SECRET!r})")
     parser.add_argument("--requests", default=_quantities(DEFAULT_RESOURCES["requests"]),
                         help="resource requests of every TensorFlow container (default %(default)r; '' for none)")
     parser.add_argument("--limits", default=_quantities(DEFAULT_RESOURCES["limits"]),

@@ -180,7 +180,11 @@ class Launcher:
         (tc's notation, e.g. ``"1gbit"``).
       network_file: with `isolate`, write the namespaces, addresses and ports
         there once they exist (`IsolatedCluster.describe`; read by
-        `tfe-estimator attack`).
+        `tfe-estimator attack`). In service mode (no `isolate`): write
+        ``{"mode": "service", "cluster": "launch", "cert_dir": ..., "jobs":
+        {job: [address, ...]}}`` there before the tasks start (every start,
+        re-plans included): the run's certificate directory and TF_CONFIG's
+        addresses, for `tfe-estimator attack`.
 
     Example::
 
@@ -238,7 +242,7 @@ class Launcher:
             raise ValueError("--tls needs --isolate: the sidecars and the firewall that closes TensorFlow's ports "
                              "live in each task's own network namespace. Pass --isolate --tls.")
         for flag, value in (("--network-file", network_file), ("--link-rate", link_rate)):
-            if value and not isolate:
+            if value and not isolate and not (flag == "--network-file" and self.cluster_mode == SERVICE):
                 raise ValueError(f"{flag} applies to the namespaces of --isolate: pass --isolate too.")
         self.network_file = network_file
         self.isolation: Optional[IsolatedCluster] = None
@@ -373,6 +377,10 @@ class Launcher:
     def _run_once(self) -> int:
         layout = " ".join(f"{t.name}={self.cluster.jobs[t.job][t.index]}" for t in self.tasks)
         self.say(f"cluster ({self.protocol}): {layout}")
+        if self.network_file and self.cluster_mode == SERVICE:  # for `tfe-estimator attack`
+            with open(self.network_file, "w", encoding="utf-8") as f:
+                json.dump({"mode": SERVICE, "cluster": "launch", "cert_dir": self._cert_dir,
+                           "jobs": {job: list(addresses) for job, addresses in self.cluster.jobs.items()}}, f, indent=1)
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             self.say(f"task logs: {os.path.join(self.log_dir, '<job>-<index>.log')} "

@@ -42,15 +42,19 @@ from tfe_estimator.cluster import certs, peers
 from tfe_estimator.cluster.k8s_common import (DEFAULT_RESOURCES, DEFAULT_RUN_AS_USER, container_security_context,
                                               pod_security_context)
 from tfe_estimator.cluster.k8s_common import (DEFAULT_COMMAND, DEFAULT_PORT, DEFAULT_SIDECAR_IMAGE, DEFAULT_TLS_SECRET,
-                                              SERVER_COMMAND, TLS_DIR, TLS_PORT, CLUSTER_LABEL, JOB_LABEL,
-                                              check_active_deadline_seconds, check_arguments, check_tls, labels,
-                                              selector)
+                                              NUM_TFE_TASKS, SERVER_COMMAND, SERVICE_TFE_TASKS, TLS_DIR, TLS_PORT,
+                                              CLUSTER_LABEL, JOB_LABEL, check_active_deadline_seconds,
+                                              check_arguments, check_tls, check_tls_secret, labels, selector)
 from tfe_estimator.cluster.k8s_common import tasks as all_tasks
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV
 from tfe_estimator.cluster.sidecar import stunnel_config
-from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, cluster_jobs, tf_config_json
+from tfe_estimator.cluster.spec import (DATA_OWNER_JOBS, LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, TLS_DIR_ENV, cluster_jobs,
+                                        tf_config_json)
 
-__all__ = ["render_manifests", "to_yaml"]
+__all__ = ["render_manifests", "to_yaml", "SERVICE_CERT_DIR"]
+
+#: Service mode: where every pod's certificate Secret is mounted (its ``TFE_ESTIMATOR_TLS_DIR``).
+SERVICE_CERT_DIR = f"{TLS_DIR}/certs"
 
 
 def _pod_spec(
@@ -66,8 +70,14 @@ def _pod_spec(
     resources: Optional[Dict[str, Dict[str, str]]] = None,
     run_as_user: int = DEFAULT_RUN_AS_USER,
     read_only_root: bool = False,
+    cert_secret: Optional[str] = None,
+    listens: bool = True,
 ) -> Dict[str, Any]:
     """A pod spec; `mounts` are (volume name, claim name, mount path, read-only); `sidecar` adds the TLS sidecar.
+
+    `cert_secret` (service mode) mounts that Secret read-only at `SERVICE_CERT_DIR` in the container and names
+    the directory in ``TFE_ESTIMATOR_TLS_DIR``; without `listens` the container declares no port (a service-mode
+    owner accepts no connection).
 
     Every pod runs as `run_as_user` (non-root) under the RuntimeDefault seccomp profile, its containers without
     capabilities or privilege escalation; with `read_only_root` the TensorFlow container's root filesystem is
@@ -81,6 +91,8 @@ def _pod_spec(
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
         "securityContext": container_security_context(read_only_root),
     }
+    if not listens:
+        del container["ports"]
     if resources:
         container["resources"] = {kind: dict(values) for kind, values in resources.items() if values}
     spec: Dict[str, Any] = {
@@ -104,6 +116,13 @@ def _pod_spec(
             {"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": read_only}}
             for volume, claim, _, read_only in mounts
         ]
+    if cert_secret is not None:
+        container["env"].append({"name": TLS_DIR_ENV, "value": SERVICE_CERT_DIR})
+        container.setdefault("volumeMounts", []).append(
+            {"name": "tls-certs", "mountPath": SERVICE_CERT_DIR, "readOnly": True})
+        # 0440: the pod's fsGroup makes the key readable by the non-root user, and by nobody else.
+        spec["volumes"] = spec.get("volumes", []) + [
+            {"name": "tls-certs", "secret": {"secretName": cert_secret, "defaultMode": 0o440}}]
     if read_only_root:
         container.setdefault("volumeMounts", []).append({"name": "tmp", "mountPath": "/tmp"})
         spec["volumes"] = spec.get("volumes", []) + [{"name": "tmp", "emptyDir": {}}]
@@ -157,6 +176,44 @@ def _network_policy(name: str, namespace: str, task: Tuple[str, int], tasks, mod
         "metadata": {"name": f"{name}-{job}-{index}-peers", "namespace": namespace,
                      "labels": labels(name, job, index)},
         "spec": spec,
+    }
+
+
+def _service_network_policy(name: str, namespace: str, task: Tuple[str, int], tasks, port: int) -> Dict[str, Any]:
+    """Service mode: who may connect to and from `task`'s pod.
+
+    An owner (chief, worker) and the evaluator accept nothing (deny-all ingress); an owner may connect out to
+    the two aggregation servers' port only (and DNS), the evaluator to nothing but DNS. Server0 accepts the
+    owners; server1 the owners and server0 (its blinded part), on the service port; server0 may connect out
+    to server1 only, server1 to nothing (and DNS). The peer table's SERVICE row
+    (`tfe_estimator.cluster.peers`), narrowed to the task: tfe-1 calls nobody.
+    """
+    job, index = task
+    owner_jobs = sorted({j for j, _ in tasks if j in DATA_OWNER_JOBS})
+    owners = {"podSelector": {"matchLabels": {CLUSTER_LABEL: name},
+                              "matchExpressions": [{"key": JOB_LABEL, "operator": "In", "values": owner_jobs}]}}
+
+    def server(k: int) -> Dict[str, Any]:
+        return {"podSelector": {"matchLabels": selector(name, TFE_JOB, k)}}
+
+    service_port = [{"protocol": "TCP", "port": port}]
+    dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    ingress: List[Dict[str, Any]] = []
+    egress: List[Dict[str, Any]] = []
+    if job == TFE_JOB:
+        ingress = [{"from": [owners] + ([server(0)] if index == 1 else []), "ports": service_port}]
+        if index == 0:
+            egress.append({"to": [server(1)], "ports": service_port})
+    elif job in DATA_OWNER_JOBS:
+        egress.append({"to": [server(k) for k in range(SERVICE_TFE_TASKS)], "ports": service_port})
+    egress.append(dns)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": f"{name}-{job}-{index}-peers", "namespace": namespace,
+                     "labels": labels(name, job, index)},
+        "spec": {"podSelector": {"matchLabels": selector(name, job, index)}, "policyTypes": ["Ingress", "Egress"],
+                 "ingress": ingress, "egress": egress},
     }
 
 
@@ -230,10 +287,20 @@ def render_manifests(
         then fails after that long instead of waiting indefinitely.
       cluster_mode: "between-graph" (default: every owner runs only its own
         graph; `model_claim` is mounted in every owner's pod, and the
-        evaluator gets the chief's) or "in-graph"; exported to the pods as
-        ``TFE_ESTIMATOR_CLUSTER_MODE`` and deciding the NetworkPolicies: one
-        per task, admitting only the tasks `tfe_estimator.cluster.peers` lets
-        call it.
+        evaluator gets the chief's), "in-graph" or "service"; exported to the
+        pods as ``TFE_ESTIMATOR_CLUSTER_MODE`` and deciding the
+        NetworkPolicies: one per task, admitting only the tasks
+        `tfe_estimator.cluster.peers` lets call it. "service" (across
+        organisations, `tfe_estimator.service`): exactly two ``tfe`` pods,
+        the aggregation servers, each with a Service on `port`; the owners
+        and the evaluator get no Service, declare no port and deny all
+        ingress; an owner may connect out only to the two servers' port (and
+        DNS); server0 admits the owners, server1 the owners and server0.
+        Every pod mounts its task's certificate Secret (`tls_secret`) at
+        ``/etc/tfe-tls/certs``, named by ``TFE_ESTIMATOR_TLS_DIR``; the
+        service speaks mutual TLS itself, so there is no sidecar (`tls` changes
+        nothing). The owners' model_dir must be on `model_claim` (or on storage
+        you open an egress policy to: the rendered one admits only the servers).
       tls: mutual TLS on every link (`tfe_estimator.cluster.sidecar`): a
         ``tls-sidecar`` container (stunnel) per pod with its config in a
         ConfigMap per task and its key and certificates from the Secret
@@ -242,9 +309,11 @@ def render_manifests(
         the TLS port (8443), so TensorFlow's own port is reachable from its
         pod only, and each pod may connect out only to the tasks it may call.
       sidecar_image: the sidecar's image (``deploy/sidecar/Dockerfile``).
-      tls_secret: the Secret name per task, with ``{name}``, ``{job}`` and
-        ``{index}``; it must hold ``ca.crt`` and ``<job>-<index>.crt/.key``
-        made for cluster `name` (``tfe-estimator certs --cluster NAME``).
+      tls_secret: the Secret name per task (with `tls`, and always in service
+        mode), with ``{name}``, ``{job}`` and ``{index}``; it must hold
+        ``ca.crt`` and ``<job>-<index>.crt/.key`` made for cluster `name`
+        (``tfe-estimator certs --cluster NAME``). One Secret per task, created
+        by the organisation that runs that pod: no key leaves it.
       resources: requests and limits of every TensorFlow container (default
         `k8s_common.DEFAULT_RESOURCES`; ``{}`` for none).
       run_as_user: the non-root user id every pod runs as (default 1000, the
@@ -283,13 +352,17 @@ def render_manifests(
     pod_security_context(run_as_user)  # refuses root before anything is rendered
     peers.validate_mode(cluster_mode, "cluster_mode")
     command = tuple(command)
-    tasks = all_tasks(workers, evaluator)
-    tf_ports = {t: (port + k if tls else port) for k, t in enumerate(tasks)}
-    if tls:
+    service = cluster_mode == peers.SERVICE  # the aggregation service speaks mutual TLS itself: no sidecars
+    tasks = all_tasks(workers, evaluator, SERVICE_TFE_TASKS if service else NUM_TFE_TASKS)
+    sidecars = tls and not service
+    tf_ports = {t: (port + k if sidecars else port) for k, t in enumerate(tasks)}
+    if sidecars:
         check_tls(name, tasks, port, sidecar_image, tls_secret)
+    if service:
+        check_tls_secret(name, tasks, tls_secret)
 
     def address(job: str, index: int) -> str:
-        if tls:  # the caller's own sidecar listens there for this task
+        if sidecars:  # the caller's own sidecar listens there for this task
             return f"localhost:{tf_ports[(job, index)]}"
         return f"{name}-{job}-{index}.{namespace}.svc:{port}"
 
@@ -302,10 +375,14 @@ def render_manifests(
         task_name = f"{name}-{job}-{index}"
         task_labels = labels(name, job, index)
         tf_config = tf_config_json(cluster, job, index)
-        exposed = ({"name": "tls", "port": TLS_PORT, "targetPort": TLS_PORT, "protocol": "TCP"} if tls else
+        exposed = ({"name": "tls", "port": TLS_PORT, "targetPort": TLS_PORT, "protocol": "TCP"} if sidecars else
                    {"name": "grpc", "port": port, "targetPort": port, "protocol": "TCP"})
-        manifests.append(
-            {
+        cert_options = {}
+        if service:  # every pod its own certificate; only the servers listen, so only they get a Service
+            cert_options = {"cert_secret": tls_secret.format(name=name, job=job, index=index),
+                            "listens": job == TFE_JOB}
+        if not service or job == TFE_JOB:
+            manifests.append({
                 "apiVersion": "v1",
                 "kind": "Service",
                 "metadata": {"name": task_name, "namespace": namespace, "labels": dict(task_labels)},
@@ -316,10 +393,9 @@ def render_manifests(
                     "selector": selector(name, job, index),
                     "ports": [exposed],
                 },
-            }
-        )
+            })
         sidecar = None
-        if tls:
+        if sidecars:
             config = stunnel_config((job, index), tasks, cluster_mode, f"{TLS_DIR}/certs", name, tf_ports,
                                     tls_addresses)
             manifests.append({"apiVersion": "v1", "kind": "ConfigMap",
@@ -331,7 +407,7 @@ def render_manifests(
         if job == TFE_JOB:
             # The TFE parties never see data or the model: no volumes.
             pod_spec = _pod_spec(job, image, SERVER_COMMAND, tf_config, tf_port, "Always", mode=cluster_mode,
-                                 sidecar=sidecar, **pod_options)
+                                 sidecar=sidecar, **pod_options, **cert_options)
             manifests.append(
                 {
                     "apiVersion": "apps/v1",
@@ -350,7 +426,7 @@ def render_manifests(
             mounts = []
             if data_claim is not None:
                 mounts.append(("data", data_claim.format(name=name, job=job, index=index), data_mount_path, True))
-            owners_dir = cluster_mode == peers.BETWEEN_GRAPH  # every owner checkpoints its own copy
+            owners_dir = cluster_mode in (peers.BETWEEN_GRAPH, peers.SERVICE)  # every owner its own checkpoints
             if model_claim is not None and (job in ("chief", "evaluator") or owners_dir):
                 # The evaluator evaluates the chief's organisation's checkpoints (between-graph: the chief's claim).
                 of = ("chief", 0) if job == "evaluator" and owners_dir else (job, index)
@@ -358,7 +434,7 @@ def render_manifests(
                 # Read-write for all: owners write checkpoints, the evaluator model_dir/eval.
                 mounts.append(("model", claim, model_mount_path, False))
             pod_spec = _pod_spec(job, image, command, tf_config, tf_port, "OnFailure", mounts, mode=cluster_mode,
-                                 sidecar=sidecar, **pod_options)
+                                 sidecar=sidecar, **pod_options, **cert_options)
             if model_claim is not None and (job in ("chief", "evaluator") or owners_dir):
                 # Each owner its own directory even on one shared claim; the evaluator its owner's (the chief's).
                 owner = "chief-0" if job == "evaluator" else f"{job}-{index}"
@@ -380,8 +456,8 @@ def render_manifests(
 
     # One NetworkPolicy per task: only the peers the cluster mode's table allows (cluster.peers).
     for task in tasks:
-        manifests.append(_network_policy(name, namespace, task, tasks, cluster_mode,
-                                         TLS_PORT if tls else port, tls))
+        manifests.append(_service_network_policy(name, namespace, task, tasks, port) if service else
+                         _network_policy(name, namespace, task, tasks, cluster_mode, TLS_PORT if tls else port, tls))
     return manifests
 
 

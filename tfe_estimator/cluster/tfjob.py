@@ -19,7 +19,9 @@ that follow from how the operator behaves:
   (`tfe_estimator.cluster.peers`) lets call it; between-graph workers do not
   admit each other.
 
-Not rendered: mutual TLS. The operator's TF_CONFIG names every task by its
+Not rendered: service mode (``cluster_mode="service"``, refused: every owner
+needs its own certificate and all workers share one pod template; the
+operator also gives every owner a Service), and mutual TLS. The operator's TF_CONFIG names every task by its
 Service address, where the TLS layout needs ``localhost:<port of task k>``;
 and all workers share one pod template, so per-organisation certificates
 cannot be mounted per worker. Use `tfe_estimator.cluster.manifests` with
@@ -70,6 +72,12 @@ def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
     no_claims = {"data": (None, "/data"), "model": (None, "/model")}
     check_arguments(name, image, workers, command, namespace, port, no_claims)
     peers.validate_mode(cluster_mode, "cluster_mode")
+    if cluster_mode == peers.SERVICE:
+        raise ValueError(
+            "cluster_mode='service' cannot be rendered as a TFJob: each data owner needs its own certificate "
+            "(a Secret per task) but all workers of a TFJob share one pod template, the operator gives every "
+            "owner a Service (service-mode owners accept no connection). Render plain manifests instead: "
+            "`tfe-estimator k8s --cluster-mode service` without --tfjob (manifests.render_manifests).")
     check_active_deadline_seconds(active_deadline_seconds)
     resources = DEFAULT_RESOURCES if resources is None else resources
     pod_security = pod_security_context(run_as_user)

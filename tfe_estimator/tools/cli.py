@@ -71,12 +71,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     launch.add_argument("--link-rate", default=None,
                         help="with --isolate: limit every task's link to this rate (tc notation, e.g. 1gbit)")
     launch.add_argument("--network-file", default=None,
-                        help="with --isolate: write the namespaces, addresses and ports to this JSON file "
+                        help="with --isolate: write the namespaces, addresses and ports to this JSON file; with "
+                             "--cluster-mode service: the addresses and the run's certificate directory "
                              "(for `tfe-estimator attack`)")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
     attack = sub.add_parser("attack", help="from outside the private network (and from each owner), try what "
                                            "--isolate --tls must stop; exit 1 if anything got through")
-    attack.add_argument("--network", required=True, help="the file `launch --isolate --network-file` wrote")
+    attack.add_argument("--network", required=True, help="the file `launch --isolate --network-file` (or `launch "
+                        "--cluster-mode service --network-file`) wrote")
     attack.add_argument("--read-file", default="/etc/hostname", help="the file the readfile attack tries to read")
 
     demo = sub.add_parser("demo", help="LinearRegressor on real data, secure vs plaintext")

@@ -1,0 +1,241 @@
+"""Service-mode attacks of `tfe-estimator attack`: what one organisation holding a valid certificate tries.
+
+Against a cluster started with ``tfe-estimator launch --cluster-mode service
+--network-file NET.json`` (the file names TF_CONFIG's addresses and the run's
+certificate directory; `tools.attack` dispatches here when its ``mode`` is
+``"service"``), with the first owner's VALID certificate (the attacker) and
+the second owner as the victim, against each aggregation server:
+
+- ``put-as-other-owner``: a first Contribute to a fresh channel, then a
+  second one for the same step from the same certificate whose metadata claims
+  the victim's identity: must be refused ALREADY_EXISTS while the first one
+  still waits (the victim's slot was not filled);
+- ``get-other-result``: there is no method that returns another owner's
+  result: a made-up ``GetResult`` must end UNIMPLEMENTED;
+- ``tf-runtime``: TensorFlow's RPCs (run an op, reset, clean up) must end
+  UNIMPLEMENTED: the service is not TensorFlow's runtime;
+- ``forward-as-owner``: ForwardBlinded (server0's call to server1) as an
+  owner: PERMISSION_DENIED;
+- ``handshake-on-server1``: Handshake is server0's: UNIMPLEMENTED on server1;
+- ``non-owner-cert``: a certificate of the run's own CA for ``tfe-2``, a task
+  with no role (as tfe:2 of the TensorFlow-runtime modes): Contribute,
+  Handshake and Rewind PERMISSION_DENIED;
+- ``no-cert`` / ``foreign-ca`` / ``plaintext``: TLS without a client
+  certificate, with the attacker's name issued by another CA, and plaintext
+  HTTP/2: the server must never answer with HTTP/2 SETTINGS;
+
+and ``owner-port``: a TCP connection to every owner's (and the evaluator's)
+TF_CONFIG port on 127.0.0.1 and ::1 must be refused: nothing listens there.
+A ``control`` line per server (the attacker's valid certificate gets HTTP/2
+SETTINGS back) proves the TLS probe itself works.
+
+Owner Rewind on either server is not attacked: it is allowed by design
+(`aggregation.proto`) and touches only the caller's own state, so running it
+against a cluster in training would only rewind the attacker. Needs no root.
+
+Example::
+
+    $ tfe-estimator launch --cluster-mode service --workers 1 --network-file /tmp/net.json -- python train.py &
+    $ python -m tools.attack --network /tmp/net.json
+    [attack] chief:0 -> tfe:0 put-as-other-owner 127.0.0.1:41231: refused (ALREADY_EXISTS: ...)
+    ...
+"""
+import os
+import shutil
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import grpc
+
+from tfe_estimator.cluster import certs
+from tfe_estimator.service import ring, wire
+from tfe_estimator.service.tls import TlsFiles, server_name_option
+
+__all__ = ["service_attacks", "OWNER_JOBS", "NON_OWNER"]
+
+OWNER_JOBS = ("chief", "worker")
+#: The identity the non-owner certificate is made for (signed by the run's own CA).
+NON_OWNER = ("tfe", 2)
+_TIMEOUT = 3.0
+#: How long the attacker's first put must still be waiting after the second one was answered.
+_STILL_WAITING = 0.5
+_TF_METHODS = ("/tensorflow.WorkerService/RunGraph", "/tensorflow.WorkerService/RecvTensor",
+               "/tensorflow.WorkerService/CleanupAll", "/tensorflow.MasterService/Reset",
+               "/tensorflow.eager.EagerService/Enqueue")
+
+
+def _result(origin: str, to: str, attack: str, target: str, ok: bool, detail: str, control: bool = False):
+    """One attempt; `ok`: it went the way it must (an attack refused, a `control` accepted)."""
+    return {"from": origin, "to": to, "attack": attack, "target": target, "ok": bool(ok), "detail": detail,
+            "control": control}
+
+
+def _host_port(address: str) -> Tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+class _Caller:
+    """Raw calls to one aggregation server with one identity's credentials (the server's name pinned)."""
+
+    def __init__(self, address: str, server: int, tls: TlsFiles):
+        self.address = address
+        self._channel = grpc.secure_channel(address, tls.channel_credentials(),
+                                            options=[server_name_option(tls, server)])
+
+    def stub(self, path: str):
+        return self._channel.unary_unary(path)  # bytes in, bytes out: any method name
+
+    def expect(self, path: str, request: bytes, refusals, metadata=None) -> Tuple[bool, str]:
+        """(refused with one of `refusals`, what happened)."""
+        try:
+            self.stub(path)(request, timeout=_TIMEOUT, metadata=metadata, wait_for_ready=False)
+        except grpc.RpcError as e:
+            return e.code() in refusals, f"{e.code().name}: {(e.details() or '').splitlines()[0][:140]}"
+        return False, "answered OK"
+
+    def close(self):
+        self._channel.close()
+
+
+def _contribute_request(channel: str, server: int) -> bytes:
+    payload = bytes(ring.KEY_BYTES) if server == 0 else bytes(8 * ring.ring_words(1, 64))
+    return wire.messages()["ContributeRequest"](channel=channel, step=0, ring_bits=64, num_elements=1,
+                                                payload=payload).SerializeToString()
+
+
+def _put_as_other_owner(caller: _Caller, server: int, victim: str) -> Tuple[bool, str]:
+    """A first put waits for the step; a second one for the same step, claiming `victim`, must be ALREADY_EXISTS."""
+    stub = caller.stub(wire.method_path("Contribute"))
+    request = _contribute_request(f"attack-{os.getpid()}-{time.time_ns()}-{server}", server)
+    first = stub.future(request, timeout=10 * _TIMEOUT, wait_for_ready=False)
+    try:
+        deadline = time.monotonic() + _STILL_WAITING
+        while not first.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if first.done():
+            return False, f"the first put did not wait for the other owners: {_outcome(first)}"
+        victim_job, victim_index = victim.split(":")
+        victim_cn = certs.task_name(victim_job, int(victim_index))
+        claims = [("tfe-identity", victim), ("x-tfe-owner", victim), ("x-ssl-client-cn", victim_cn)]
+        try:
+            stub(request, timeout=_TIMEOUT, metadata=claims, wait_for_ready=False)
+            return False, f"a second contribution claiming {victim} was accepted and its step released"
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return False, f"a second contribution claiming {victim} was taken (it waited for the step)"
+            detail = f"{e.code().name}: {(e.details() or '').splitlines()[0][:140]}"
+            if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                return False, detail
+        time.sleep(_STILL_WAITING)
+        if first.done():
+            return False, f"{detail}; but the first put ended: the victim's slot was filled ({_outcome(first)})"
+        return True, f"{detail}; the first put still waits for {victim}"
+    finally:
+        first.cancel()
+
+
+def _outcome(future) -> str:
+    try:
+        future.result(timeout=0)
+        return "OK"
+    except grpc.RpcError as e:
+        return f"{e.code().name}: {(e.details() or '')[:140]}"
+    except Exception as e:  # pylint: disable=broad-except
+        return f"{type(e).__name__}: {e}"
+
+
+def _mint(ca_dir: str, job: str, index: int, cluster: str, into: str, foreign: bool = False) -> TlsFiles:
+    """A key and certificate for `job`-`index` of `cluster`: from the run's CA, or from a new `foreign` one."""
+    if foreign:
+        ca_cert, ca_key = certs.make_ca(cluster)
+    else:
+        with open(os.path.join(ca_dir, certs.CA_CERT), "rb") as f:
+            ca_cert = f.read()
+        with open(os.path.join(ca_dir, certs.CA_KEY), "rb") as f:
+            ca_key = f.read()
+    key, csr = certs.make_key_and_csr(job, index, "intruder", cluster)
+    stem = os.path.join(into, certs.task_name(job, index))
+    for path, data in ((os.path.join(into, certs.CA_CERT), ca_cert), (stem + ".crt", certs.sign_csr(
+            csr, ca_cert, ca_key, cluster)), (stem + ".key", key)):
+        with open(path, "wb") as f:
+            f.write(data)
+    return TlsFiles.from_dir(into, job, index)
+
+
+def service_attacks(network: Dict, attacker: Optional[str] = None) -> List[Dict]:
+    """Every service-mode attempt against the cluster `network` describes (see the module's docstring)."""
+    from tools.attack import _grpc_answers, _tcp  # pylint: disable=import-outside-toplevel
+
+    jobs, cert_dir = network["jobs"], network["cert_dir"]
+    servers = list(jobs["tfe"])
+    owners = [f"{job}:{index}" for job in OWNER_JOBS for index in range(len(jobs.get(job, ())))]
+    attacker = attacker or owners[0]
+    if attacker not in owners:
+        raise ValueError(f"--as {attacker!r} is not an owner of this cluster: use one of {owners}.")
+    victims = [o for o in owners if o != attacker]
+    job, index = attacker.split(":")
+    mine = TlsFiles.from_dir(cert_dir, job, int(index))
+    cluster = mine.cluster()
+    scratch = tempfile.mkdtemp(prefix="tfe-attack-")
+    os.makedirs(os.path.join(scratch, "foreign"))
+    try:
+        non_owner = _mint(cert_dir, *NON_OWNER, cluster, scratch)
+        foreign = _mint(cert_dir, job, int(index), cluster, os.path.join(scratch, "foreign"), foreign=True)
+        results = []
+        for k, address in enumerate(servers):
+            results += _attack_server(k, address, attacker, victims, mine, non_owner, foreign, _grpc_answers)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for owner_job in OWNER_JOBS + ("evaluator",):
+        for owner_index, address in enumerate(jobs.get(owner_job, ())):
+            port = _host_port(address)[1]
+            for host in ("127.0.0.1", "::1"):
+                connected, detail = _tcp(host, port)
+                target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                results.append(_result(attacker, f"{owner_job}:{owner_index}", "owner-port", target, not connected,
+                                       detail))
+    return results
+
+
+def _attack_server(k: int, address: str, attacker: str, victims: Sequence[str], mine: TlsFiles,
+                   non_owner: TlsFiles, foreign: TlsFiles, grpc_answers) -> List[Dict]:
+    to, results = f"tfe:{k}", []
+    denied, unimplemented = {grpc.StatusCode.PERMISSION_DENIED}, {grpc.StatusCode.UNIMPLEMENTED}
+    messages = wire.messages()
+    caller, outsider = _Caller(address, k, mine), _Caller(address, k, non_owner)
+    try:
+        if victims:
+            results.append(_result(attacker, to, "put-as-other-owner", address,
+                                   *_put_as_other_owner(caller, k, victims[0])))
+        get = f"/{wire.SERVICE_NAME}/GetResult"
+        request = messages["ContributeRequest"](channel="grads", step=0).SerializeToString()
+        results.append(_result(attacker, to, "get-other-result", get, *caller.expect(get, request, unimplemented)))
+        for path in _TF_METHODS:
+            results.append(_result(attacker, to, "tf-runtime", path, *caller.expect(path, b"", unimplemented)))
+        forward = messages["ForwardRequest"](channel=f"attack-forward-{os.getpid()}", step=0, ring_bits=64,
+                                             num_elements=1, payload=bytes(8)).SerializeToString()
+        path = wire.method_path("ForwardBlinded")
+        results.append(_result(attacker, to, "forward-as-owner", path, *caller.expect(path, forward, denied)))
+        if k == 1:
+            path = wire.method_path("Handshake")
+            handshake = messages["HandshakeRequest"](step=0, descriptor=[1]).SerializeToString()
+            results.append(_result(attacker, to, "handshake-on-server1", path,
+                                   *caller.expect(path, handshake, unimplemented)))
+        who = ":".join(map(str, NON_OWNER))
+        for method, request in (("Contribute", _contribute_request(f"attack-{os.getpid()}-{k}", k)),
+                                ("Handshake", messages["HandshakeRequest"](step=0, descriptor=[1]).SerializeToString()),
+                                ("Rewind", messages["RewindRequest"](step=0).SerializeToString())):
+            path = wire.method_path(method)
+            results.append(_result(who, to, "non-owner-cert", path, *outsider.expect(path, request, denied)))
+    finally:
+        caller.close()
+        outsider.close()
+    host, port = _host_port(address)
+    answered, detail = grpc_answers(host, port, tls=(mine.cert, mine.key), ca=mine.ca)
+    results.append(_result(attacker, to, "valid-cert", address, answered, detail, control=True))
+    for attack, tls in (("no-cert", (None, None)), ("foreign-ca", (foreign.cert, foreign.key)), ("plaintext", None)):
+        answered, detail = grpc_answers(host, port, tls=tls, ca=mine.ca)
+        results.append(_result("outside", to, attack, address, not answered, detail))
+    return results
