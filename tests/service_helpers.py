@@ -42,17 +42,17 @@ def cert_dirs(tmp_path_factory):
 class Service:
     """server0 and server1 on free loopback ports, and the clients made for them."""
 
-    def __init__(self, certs_dir, owners, step_timeout_secs=WAIT_SECS):
+    def __init__(self, certs_dir, owners, step_timeout_secs=WAIT_SECS, **limits):
         self.certs_dir, self.owners = certs_dir, owners
         ports = [portpicker.pick_unused_port() for _ in range(2)]
         self.addresses = tuple(f"localhost:{p}" for p in ports)
         self.servers, self.clients = [], []
         server1 = AggregationServer(1, self.addresses[1], owners, TlsFiles.from_dir(certs_dir, "tfe", 1),
-                                    step_timeout_secs=step_timeout_secs)
+                                    step_timeout_secs=step_timeout_secs, **limits)
         self.servers.append(server1)
         server1.start()
         server0 = AggregationServer(0, self.addresses[0], owners, TlsFiles.from_dir(certs_dir, "tfe", 0),
-                                    peer_address=self.addresses[1], step_timeout_secs=step_timeout_secs)
+                                    peer_address=self.addresses[1], step_timeout_secs=step_timeout_secs, **limits)
         self.servers.append(server0)
         server0.start()
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from service_helpers import WAIT_SECS, cert_dirs, in_threads, make_service, owner_names  # noqa: F401 (fixtures)
 from tfe_estimator.secure.kernels import ops
-from tfe_estimator.service import ServiceError, get_client, release_client, ring, wire
+from tfe_estimator.service import AggregationServer, ServiceError, TlsFiles, get_client, release_client, ring, wire
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -337,3 +337,21 @@ def test_server_checks_its_arguments(cert_dirs):
         AggregationServer(1, "localhost:0", ["chief:0"], None)
     with pytest.raises(FileNotFoundError, match="tfe-estimator certs"):
         TlsFiles.from_dir(cert_dirs[0], "tfe", 9)
+
+
+def test_an_owner_cannot_make_a_server_allocate_past_its_limits(make_service):
+    # An authenticated owner fixes a channel's size with its first put and may name new channels: both are
+    # bounded, so one owner cannot exhaust a server's memory.
+    service = make_service(owner_names(1), max_elements=8, max_channels=2)
+    (chief,) = service.clients_of(1)
+    with pytest.raises(ServiceError) as e:
+        _put(chief, 0, n=9)
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "num_elements=9 is above this server's max_elements=8" in e.value.details
+    _put(chief, 0, channel="a")
+    _put(chief, 0, channel="b")
+    with pytest.raises(ServiceError) as e:
+        _put(chief, 0, channel="c")
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_channels=2" in e.value.details
+    with pytest.raises(ValueError, match=r"max_elements=0 must be an integer >= 1"):
+        AggregationServer(1, "localhost:0", ["chief:0"], TlsFiles.from_dir(service.certs_dir, "tfe", 1), max_elements=0)

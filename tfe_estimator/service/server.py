@@ -78,6 +78,10 @@ class AggregationServer:
       peer_address: server1's address (server0 only).
       step_timeout_secs: how long a put waits for the other owners.
       max_workers: handler threads; every waiting put holds one (default 16 + 8 per owner).
+      max_elements: the largest sum a channel may have (default 2**27: 1 GiB of 64-bit ring words); an
+        owner's first put fixes a channel's size and server0 expands every key to it, so this bounds
+        what one authenticated owner can make a server allocate per channel.
+      max_channels: how many channels (sums) the server keeps (default 4096; a model has a few).
 
     Example::
 
@@ -89,7 +93,7 @@ class AggregationServer:
 
     def __init__(self, role: int, address: str, owners: Sequence[str], tls: TlsFiles,
                  peer_address: Optional[str] = None, step_timeout_secs: float = 300.0,
-                 max_workers: Optional[int] = None):
+                 max_workers: Optional[int] = None, max_elements: int = 2**27, max_channels: int = 4096):
         if role not in (0, 1) or isinstance(role, bool):
             raise ValueError(f"role={role!r} must be 0 (server0, tfe:0) or 1 (server1, tfe:1).")
         owners = list(owners)
@@ -110,6 +114,10 @@ class AggregationServer:
         self._role, self._address, self._owners, self._tls = role, address, owners, tls
         self._peer_address, self._timeout = peer_address, float(step_timeout_secs)
         self._max_workers = max_workers or 16 + 8 * len(owners)
+        for name, value in (("max_elements", max_elements), ("max_channels", max_channels)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+        self._max_elements, self._max_channels = max_elements, max_channels
         self._lock = threading.Lock()  # the channel table and the handshake rows
         self._channels: Dict[str, StepChannel] = {}
         self._rows: Dict[int, List[int]] = {}
@@ -223,6 +231,11 @@ class AggregationServer:
         with self._lock:
             channel = self._channels.get(name)
             if channel is None:
+                if len(self._channels) >= self._max_channels:
+                    raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"channel {name!r}: this server already keeps {len(self._channels)} channels "
+                                 f"(max_channels={self._max_channels}); a model's sums need a few. Restart the "
+                                 "server with a larger max_channels if the model really has more.")
                 forwarder = f"{_FORWARDER} (server0's part)" if self._role == 1 else None
                 channel = self._channels[name] = StepChannel(name, self._owners, forwarder, self._addend)
             return channel
@@ -238,6 +251,11 @@ class AggregationServer:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{what} to channel {request.channel!r}: ring_bits={request.ring_bits}, num_elements="
                          f"{request.num_elements}; ring_bits must be 32, 64 or 128 and num_elements >= 0.")
+        if request.num_elements > self._max_elements:
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"{what} to channel {request.channel!r}: num_elements={request.num_elements} is above this "
+                         f"server's max_elements={self._max_elements}; start the server with a larger max_elements "
+                         "for a model that large.")
         words = ring.ring_words(request.num_elements, request.ring_bits)
         expected = ring.KEY_BYTES if what.startswith("Contribute") and self._role == 0 else 8 * words
         if len(payload) != expected:
