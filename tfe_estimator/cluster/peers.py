@@ -42,8 +42,8 @@ from typing import Dict, Tuple
 
 from tfe_estimator.cluster.spec import DATA_OWNER_JOBS, TFE_JOB
 
-__all__ = ["CLUSTER_MODES", "DEFAULT_MODE", "SERVICE", "BETWEEN_GRAPH", "IN_GRAPH", "allowed_callers", "allowed_callees",
-           "validate_mode"]
+__all__ = ["CLUSTER_MODES", "DEFAULT_MODE", "SERVICE", "BETWEEN_GRAPH", "IN_GRAPH", "allowed_callers",
+           "allowed_callees", "validate_mode"]
 
 BETWEEN_GRAPH = "between-graph"
 IN_GRAPH = "in-graph"
