@@ -145,7 +145,7 @@ def test_a_task_that_never_comes_back_ends_the_run_in_bounded_time():
     out = io.StringIO()
     launcher = Launcher(_fake("s = serve()\ntime.sleep(2 if t['task']['type'] == 'worker' else 600)\nsys.exit(1)"),
                         workers=1, out=out, server_command=_fake("s = serve(); time.sleep(600)"),
-                        max_restarts=1, restart_delay=600, down_timeout=3)
+                        max_restarts=1, restart_delay=600, down_timeout=3, cluster_mode="in-graph")
     start = time.monotonic()
     status = launcher.run()
     assert status == 1 and time.monotonic() - start < 30, out.getvalue()
@@ -157,7 +157,7 @@ def test_a_task_that_never_starts_serving_ends_the_run():
     out = io.StringIO()
     launcher = Launcher(_fake("time.sleep(600)"), workers=0, out=out,
                         server_command=_fake("s = serve() if t['task']['index'] != 2 else None; time.sleep(600)"),
-                        down_timeout=4)
+                        down_timeout=4, cluster_mode="in-graph")
     assert launcher.run() == 1
     assert "tfe:2 has been down for 4 s (not serving at 127.0.0.1:" in out.getvalue()
     _assert_all_gone(launcher)

@@ -55,14 +55,18 @@ def server_command(python: Optional[str] = None) -> Tuple[str, ...]:
     return (python, "-m", "tfe_estimator.tools.cli", SERVER_SUBCOMMAND)
 
 
-def start_server(cluster: TfeCluster):
-    """Starts the `tf.distribute.Server` of a ``tfe`` task and returns it."""
+def _check_tfe_task(cluster: TfeCluster) -> None:
     if cluster.task_type != TFE_JOB:
         raise ValueError(
             f"`tfe-estimator server` runs the '{TFE_JOB}' tasks, but TF_CONFIG says this task "
             f"is {cluster.task_type}:{cluster.task_index}. Chief, worker and evaluator tasks "
             "run the training script."
         )
+
+
+def start_server(cluster: TfeCluster):
+    """Starts the `tf.distribute.Server` of a ``tfe`` task and returns it."""
+    _check_tfe_task(cluster)
     load_backend()  # registers tf-encrypted's ops before the server starts
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
@@ -143,6 +147,7 @@ def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threa
             '{"cluster": {"chief": [...], "tfe": ["s0:2222", "s1:2222", "s2:2222"]}, '
             '"task": {"type": "tfe", "index": 0}}.'
         )
+    _check_tfe_task(cluster)
     stop = stop or threading.Event()
     if _cluster_mode(environ) == SERVICE:
         return _serve_aggregation(cluster, environ, stop)
