@@ -37,6 +37,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import values as value_lib
+from tensorflow.python.util import nest
 
 from tfe_estimator.distribute import service_sum as service_sum_lib
 from tfe_estimator.distribute import step_sum
@@ -181,6 +183,16 @@ class _ServiceExtended(_TfeExtended):
     def _num_replicas_in_sync(self):
         # Every owner's replicas take part in each sum: optimizers scale a MEAN loss by this.
         return len(self.worker_devices) * len(self._cross_device_ops.binding.owners)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if len(self.worker_devices) == 1 and reduce_op == tf.distribute.ReduceOp.SUM:
+            # With one local replica, call_for_each_replica hands back the replica's own value unwrapped
+            # (e.g. the loss Estimator reports for a Keras optimizer, a SUM): it is this owner's value, to
+            # be summed over the owners, not a value shared by every replica.
+            value = nest.map_structure(
+                lambda v: value_lib.PerReplica((v,)) if tf.is_tensor(v) and not isinstance(
+                    v, value_lib.DistributedValues) else v, value)
+        return super()._reduce_to(reduce_op, value, destinations, options)
 
     def _call_for_each_replica(self, fn, args, kwargs):
         def with_handshake(*fn_args, **fn_kwargs):

@@ -73,6 +73,9 @@ class OwnerClient:
         if isinstance(timeout_secs, bool) or not timeout_secs > 0:
             raise ValueError(f"timeout_secs={timeout_secs!r} must be a number > 0.")
         self._addresses, self._timeout, self._wait = addresses, float(timeout_secs), bool(wait_for_ready)
+        #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
+        #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
+        self.bytes_sent = self.bytes_received = self.contributions = 0
         credentials = tls.channel_credentials()
         self._channels = [grpc.secure_channel(address, credentials,
                                               options=list(CLIENT_OPTIONS) + [server_name_option(tls, k)])
@@ -122,9 +125,11 @@ class OwnerClient:
         request = self._messages["ContributeRequest"]
         calls = []
         for server, payload in ((0, key_bytes), (1, np.ascontiguousarray(share, "<i8").tobytes())):
-            calls.append(self._stubs[server]["Contribute"].future(
-                request(channel=channel, step=step, ring_bits=ring_bits, num_elements=num_elements, payload=payload),
-                timeout=self._timeout, wait_for_ready=self._wait))
+            message = request(channel=channel, step=step, ring_bits=ring_bits, num_elements=num_elements,
+                              payload=payload)
+            self.bytes_sent += message.ByteSize()
+            calls.append(self._stubs[server]["Contribute"].future(message, timeout=self._timeout,
+                                                                  wait_for_ready=self._wait))
         replies = []
         for server, call in enumerate(calls):
             try:
@@ -137,6 +142,8 @@ class OwnerClient:
             if reply.step != step:
                 raise ServiceError("Contribute", self._addresses[server], grpc.StatusCode.INTERNAL,
                                    f"the reply is for step {reply.step}, not for step {step}.")
+        self.bytes_received += sum(reply.ByteSize() for reply in replies)
+        self.contributions += 1
         blind_key = np.frombuffer(replies[0].payload, "<i4").astype(np.int32)
         w = np.frombuffer(replies[1].payload, "<i8").astype(np.int64).reshape(share.shape)
         if blind_key.size != 4:

@@ -62,7 +62,21 @@ def default_cases() -> List[Workload]:
         Workload("bg-linear-1e5-tls", "linear", 100_000, between_graph=True, transport="tls"),
         Workload("bg-linear-1e5-1gbit", "linear", 100_000, between_graph=True, transport="1gbit"),
         Workload("bg-linear-1e5-100mbit", "linear", 100_000, between_graph=True, transport="100mbit"),
-    ])
+    ] + service_cases())
+
+
+def service_cases() -> List[Workload]:
+    """Service mode (owners through the aggregation service, mTLS) vs MultiWorkerMirroredStrategy, loopback."""
+    service = dict(between_graph=True, transport="service")
+    return [
+        Workload("svc-linear-1e5", "linear", 100_000, **service),
+        Workload("svc-dnn-256", "dnn", 256, hidden_units=(512, 256, 128), **service),
+        Workload("svc-linear-1e6", "linear", 1_000_000, **service),
+        Workload("svc-linear-1e5-4own", "linear", 100_000, replicas=4, **service),
+        Workload("svc-linear-1e5-8own", "linear", 100_000, replicas=8, **service),
+        Workload("svc-linear-1e5-ring32", "linear", 100_000, update_ring_bits=32, clip_norm=10.0, **service),
+        Workload("svc-linear-1e7", "linear", 10_000_000, **service),
+    ]
 
 
 def quick_cases() -> List[Workload]:
