@@ -73,7 +73,7 @@ class _Result:
 
     def __init__(self, step: int, owners: int):
         self.step, self.pending = step, set(range(owners))
-        self.payload: Optional[bytes] = None
+        self.payload = None  # bytes (server0's blind key) or the uint64 ring words (server1's w), read-only
         self.error: Optional[_Abort] = None
 
     @property
@@ -162,7 +162,7 @@ class AggregationServer:
         for m in wire.METHODS:
             handlers[m.name] = grpc.unary_unary_rpc_method_handler(
                 self._handler(m), request_deserializer=classes[m.request].FromString,
-                response_serializer=classes[m.reply].SerializeToString)
+                response_serializer=wire.serialize)
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=self._max_workers,
                                                                    thread_name_prefix=f"tfe-agg{self._role}"),
                              options=list(SERVER_OPTIONS))
@@ -183,7 +183,7 @@ class AggregationServer:
                                                   ("grpc.max_reconnect_backoff_ms", 1000)]
             self._peer = grpc.secure_channel(self._peer_address, self._tls.channel_credentials(), options=options)
             self._forward = self._peer.unary_unary(
-                wire.method_path("ForwardBlinded"), request_serializer=classes["ForwardRequest"].SerializeToString,
+                wire.method_path("ForwardBlinded"), request_serializer=wire.serialize,
                 response_deserializer=classes["ForwardReply"].FromString)
         server.start()
         self._server = server
@@ -261,7 +261,7 @@ class AggregationServer:
     def _name(self, participant: int) -> str:
         return self._owners[participant] if participant < len(self._owners) else f"{_FORWARDER} (server0's part)"
 
-    def _check_request(self, request, what: str) -> int:
+    def _check_request(self, request, payload: bytes, what: str) -> int:
         """Validates a put's settings and payload size; returns the ring words."""
         if not request.channel:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: empty channel name; name the sum.")
@@ -271,10 +271,10 @@ class AggregationServer:
                          f"{request.num_elements}; ring_bits must be 32, 64 or 128 and num_elements >= 0.")
         words = ring.ring_words(request.num_elements, request.ring_bits)
         expected = ring.KEY_BYTES if what.startswith("Contribute") and self._role == 0 else 8 * words
-        if len(request.payload) != expected:
+        if len(payload) != expected:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{what} to channel {request.channel!r} step {request.step}: payload has "
-                         f"{len(request.payload)} bytes, expected {expected} ("
+                         f"{len(payload)} bytes, expected {expected} ("
                          f"{'a 16-byte key' if expected == ring.KEY_BYTES else 'the masked share: ring words'} "
                          f"for {request.num_elements} elements at ring {request.ring_bits}).")
         return words
@@ -282,7 +282,7 @@ class AggregationServer:
     def _addend(self, payload: bytes, words: int, is_key: bool) -> np.ndarray:
         return ring.keystream_words(payload, words) if is_key else np.frombuffer(payload, "<u8")
 
-    def _put(self, channel: _Channel, participant: int, request, words: int, addend: np.ndarray):
+    def _put(self, channel: _Channel, participant: int, request, payload: bytes, words: int, addend: np.ndarray):
         """Adds one contribution under the channel's lock.
 
         Returns ``(released step, its _Result)`` if it completed the step, else None.
@@ -325,7 +325,7 @@ class AggregationServer:
         if current is None:
             current = channel.open = _Open(step, words)
         ring.add_into(current.acc, addend, request.ring_bits)
-        current.parts[participant] = request.payload
+        current.parts[participant] = payload
         channel.last_step[participant] = step
         for result in list(channel.results.values()):  # an answer this owner gave up on
             if result.step != step:
@@ -349,13 +349,12 @@ class AggregationServer:
         released, result = released
         payload, error = None, None
         if self._role == 1:
-            payload = released.acc.tobytes()
+            payload = released.acc  # released: nothing adds to it any more; each answer copies it once
         else:
             blind = secrets.token_bytes(ring.KEY_BYTES)
             ring.sub_into(released.acc, ring.keystream_words(blind, released.acc.size), request.ring_bits)
-            forward = wire.messages()["ForwardRequest"](
-                channel=channel.name, step=released.step, ring_bits=request.ring_bits,
-                num_elements=request.num_elements, payload=released.acc.tobytes())
+            forward = wire.encode("ForwardRequest", released.acc, channel=channel.name, step=released.step,
+                                  ring_bits=request.ring_bits, num_elements=request.num_elements)
             try:
                 self._forward(forward, timeout=self._timeout, wait_for_ready=True)
                 payload = blind
@@ -369,17 +368,19 @@ class AggregationServer:
 
     def _contribute(self, identity: str, request, context, reply):
         what = f"Contribute of {identity}"
-        words = self._check_request(request, what)
+        payload = request.payload  # protobuf makes a new bytes object on every access: read it once
+        words = self._check_request(request, payload, what)
         owner = self._owners.index(identity)
-        addend = self._addend(request.payload, words, is_key=self._role == 0)  # server0: the key's keystream
+        addend = self._addend(payload, words, is_key=self._role == 0)  # server0: the key's keystream, right away
         channel = self._channel(request.channel)
         with channel.cond:
-            released = self._put(channel, owner, request, words, addend)
+            released = self._put(channel, owner, request, payload, words, addend)
         if released is not None:
             self._finish(channel, released, request)
-        return reply(step=request.step, payload=self._await(channel, owner, request.step, context))
+        del reply  # encoded directly: the answer's bytes are copied once, into the reply
+        return wire.encode("ContributeReply", self._await(channel, owner, request.step, context), step=request.step)
 
-    def _await(self, channel: _Channel, owner: int, step: int, context) -> bytes:
+    def _await(self, channel: _Channel, owner: int, step: int, context):
         deadline = time.monotonic() + self._timeout
         with channel.cond:
             while True:
@@ -413,10 +414,11 @@ class AggregationServer:
 
     def _forwarded(self, identity: str, request, context, reply):
         del identity, context
-        words = self._check_request(request, "ForwardBlinded")
+        payload = request.payload
+        words = self._check_request(request, payload, "ForwardBlinded")
         channel = self._channel(request.channel)
         with channel.cond:
-            released = self._put(channel, len(self._owners), request, words, np.frombuffer(request.payload, "<u8"))
+            released = self._put(channel, len(self._owners), request, payload, words, np.frombuffer(payload, "<u8"))
         if released is not None:
             self._finish(channel, released, request)
         return reply()
