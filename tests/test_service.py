@@ -355,3 +355,21 @@ def test_an_owner_cannot_make_a_server_allocate_past_its_limits(make_service):
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_channels=2" in e.value.details
     with pytest.raises(ValueError, match=r"max_elements=0 must be an integer >= 1"):
         AggregationServer(1, "localhost:0", ["chief:0"], TlsFiles.from_dir(service.certs_dir, "tfe", 1), max_elements=0)
+
+
+def test_encode_is_byte_identical_to_protobuf():
+    # The one-copy encoding of the payload messages is the same wire bytes protobuf writes.
+    import numpy as np
+
+    from tfe_estimator.service import wire
+
+    classes = wire.messages()
+    for n in (0, 1, 5, 1000):
+        payload = np.arange(n, dtype="<i8")
+        for name, fields in (("ContributeRequest", dict(channel="sum_0", step=7, ring_bits=64, num_elements=n)),
+                             ("ContributeReply", dict(step=3)),
+                             ("ForwardRequest", dict(channel="x", step=0, ring_bits=32, num_elements=2 * n))):
+            expected = classes[name](payload=payload.tobytes(), **fields).SerializeToString()
+            assert wire.encode(name, payload, **fields) == expected, (name, n)
+            assert wire.encoded_size(name, payload.nbytes, **fields) == len(expected)
+            assert classes[name].FromString(wire.encode(name, payload, **fields)).payload == payload.tobytes()

@@ -35,7 +35,10 @@ class OwnerGraphAuditError(PlaintextOnServerError):
 
 
 def _local(device: str) -> bool:
-    return not device or device.startswith("/job:localhost/") or device.startswith("/device:")
+    """Whether `device` is this process's: no job (e.g. ``/replica:0/task:0/device:CPU:0``, what a
+    strategy's reduction to the current device writes) or ``/job:localhost``; a session without a
+    TensorFlow server has no other."""
+    return not device or tf.DeviceSpec.from_string(device).job in (None, "localhost")
 
 
 def audit_owner_graph(graph: tf.Graph, contribution_name: str = "service_contribute") -> int:

@@ -73,14 +73,16 @@ class OwnerClient:
         if isinstance(timeout_secs, bool) or not timeout_secs > 0:
             raise ValueError(f"timeout_secs={timeout_secs!r} must be a number > 0.")
         self._addresses, self._timeout, self._wait = addresses, float(timeout_secs), bool(wait_for_ready)
+        #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
+        #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
+        self.bytes_sent = self.bytes_received = self.contributions = 0
         credentials = tls.channel_credentials()
         self._channels = [grpc.secure_channel(address, credentials,
                                               options=list(CLIENT_OPTIONS) + [server_name_option(tls, k)])
                           for k, address in enumerate(addresses)]
         classes = wire.messages()
         self._messages = classes
-        self._stubs = [{m.name: channel.unary_unary(wire.method_path(m.name),
-                                                    request_serializer=classes[m.request].SerializeToString,
+        self._stubs = [{m.name: channel.unary_unary(wire.method_path(m.name), request_serializer=wire.serialize,
                                                     response_deserializer=classes[m.reply].FromString)
                         for m in wire.METHODS} for channel in self._channels]
 
@@ -119,12 +121,14 @@ class OwnerClient:
         if share.dtype != np.int64 or share.size != words:
             raise ValueError(f"share is {share.dtype} with {share.size} elements; ops.mask_share of "
                              f"{num_elements} elements at ring {ring_bits} gives int64 with {words}.")
-        request = self._messages["ContributeRequest"]
         calls = []
-        for server, payload in ((0, key_bytes), (1, np.ascontiguousarray(share, "<i8").tobytes())):
-            calls.append(self._stubs[server]["Contribute"].future(
-                request(channel=channel, step=step, ring_bits=ring_bits, num_elements=num_elements, payload=payload),
-                timeout=self._timeout, wait_for_ready=self._wait))
+        for server, payload in ((0, key_bytes), (1, np.ascontiguousarray(share.reshape(-1), "<i8"))):
+            # The share's bytes are copied once, from the array into the message's wire bytes.
+            message = wire.encode("ContributeRequest", payload, channel=channel, step=step, ring_bits=ring_bits,
+                                  num_elements=num_elements)
+            self.bytes_sent += len(message)
+            calls.append(self._stubs[server]["Contribute"].future(message, timeout=self._timeout,
+                                                                  wait_for_ready=self._wait))
         replies = []
         for server, call in enumerate(calls):
             try:
@@ -137,13 +141,17 @@ class OwnerClient:
             if reply.step != step:
                 raise ServiceError("Contribute", self._addresses[server], grpc.StatusCode.INTERNAL,
                                    f"the reply is for step {reply.step}, not for step {step}.")
-        key_reply, w_reply = replies[0].payload, replies[1].payload  # each read of a bytes field copies it
-        if len(key_reply) != ring.KEY_BYTES or len(w_reply) != 8 * words:
-            raise ServiceError("Contribute", self._addresses[0], grpc.StatusCode.INTERNAL,
-                               f"the servers answered {len(key_reply)} and {len(w_reply)} bytes, not a 16-byte "
-                               f"blind key and {8 * words} bytes of ring words.")
-        blind_key = np.frombuffer(key_reply, "<i4").astype(np.int32)
-        w = np.frombuffer(w_reply, "<i8").astype(np.int64).reshape(share.shape)
+        payloads = [reply.payload for reply in replies]  # protobuf copies a bytes field on each access: once
+        self.bytes_received += sum(wire.encoded_size("ContributeReply", len(p), step=r.step)
+                                   for p, r in zip(payloads, replies))
+        self.contributions += 1
+        if len(payloads[0]) != ring.KEY_BYTES or len(payloads[1]) != 8 * words:
+            raise ServiceError("Contribute", self._addresses[0 if len(payloads[0]) != ring.KEY_BYTES else 1],
+                               grpc.StatusCode.INTERNAL,
+                               f"the servers answered {len(payloads[0])} and {len(payloads[1])} bytes, not a "
+                               f"16-byte blind key and {8 * words} bytes of ring words.")
+        blind_key = np.frombuffer(payloads[0], "<i4").copy()
+        w = np.frombuffer(payloads[1], "<i8").reshape(share.shape)  # read-only, over the reply's own bytes
         return blind_key, w
 
     def handshake(self, step: int, descriptor) -> np.ndarray:

@@ -28,6 +28,8 @@ __all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "add_into"
 RING_BITS = (32, 64, 128)
 KEY_BYTES = 16
 _ZERO_COUNTER = bytes(16)
+#: Zeros the keystream is encrypted from, a chunk at a time (no zero buffer of the vector's size per call).
+_ZEROS = memoryview(bytes(1 << 20))
 
 
 def _check_ring_bits(ring_bits: int) -> int:
@@ -55,8 +57,15 @@ def keystream_words(key16: bytes, words: int) -> np.ndarray:
         raise ValueError(f"an AES-128 key has {KEY_BYTES} bytes, got {len(key)}: pass the kernels' int32[4] "
                          "seed or 16 bytes.")
     encryptor = Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor()
-    stream = encryptor.update(bytes(8 * int(words)))
-    return np.frombuffer(stream, "<u8")
+    size = 8 * int(words)
+    out = np.empty(size + 15, np.uint8)  # update_into wants room for a block beyond what it writes
+    view = memoryview(out)
+    for start in range(0, size, len(_ZEROS)):
+        chunk = min(len(_ZEROS), size - start)
+        encryptor.update_into(_ZEROS[:chunk], view[start:start + chunk + 15])
+    stream = out[:size].view("<u8")
+    stream.flags.writeable = False
+    return stream
 
 
 def _operands(acc: np.ndarray, other: np.ndarray):

@@ -21,8 +21,8 @@ Example::
 import functools
 from typing import Dict, NamedTuple, Tuple
 
-__all__ = ["PACKAGE", "SERVICE", "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0",
-           "file_descriptor", "messages", "method", "method_path"]
+__all__ = ["encode", "encoded_size", "serialize", "PACKAGE", "SERVICE", "SERVICE_NAME", "PROTO_FILE", "MESSAGES",
+           "METHODS", "Method", "OWNERS", "SERVER0", "file_descriptor", "messages", "method", "method_path"]
 
 PACKAGE = "tfe_estimator.aggregation.v1"
 SERVICE = "Aggregation"
@@ -113,3 +113,48 @@ def messages() -> Dict[str, type]:
         else:  # protobuf 3.19 (the TF 2.9 stack)
             classes[name] = message_factory.MessageFactory(pool).GetPrototype(descriptor)
     return classes
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _payload_field(message: str) -> int:
+    fields = dict(MESSAGES)[message]
+    number = dict((name, n) for name, _, n in fields)["payload"]
+    if number != max(n for _, _, n in fields):
+        raise ValueError(f"{message}'s payload is not its last field: encode() would reorder the fields.")
+    return number
+
+
+def encode(message: str, payload, **fields) -> bytes:
+    """The wire bytes of `message` with `payload` (bytes or a contiguous array), copying the payload once.
+
+    Byte-identical to ``messages()[message](payload=bytes(payload), **fields).SerializeToString()``
+    (protobuf writes fields in number order; ``payload`` is the last field of every message that has
+    one; an empty payload is omitted as proto3 does), without protobuf's copies of a large payload
+    (into the message, then into the serialized string). Parse the bytes with protobuf as usual.
+    """
+    head = messages()[message](**fields).SerializeToString()
+    view = memoryview(payload).cast("B")
+    if not view.nbytes:
+        return head
+    return b"".join((head, _varint(_payload_field(message) << 3 | 2), _varint(view.nbytes), view))
+
+
+def encoded_size(message: str, payload_bytes: int, **fields) -> int:
+    """``len(encode(message, payload, **fields))`` for a payload of `payload_bytes` bytes, without encoding it."""
+    head = messages()[message](**fields).ByteSize()
+    if not payload_bytes:
+        return head
+    return head + len(_varint(_payload_field(message) << 3 | 2)) + len(_varint(payload_bytes)) + payload_bytes
+
+
+def serialize(message) -> bytes:
+    """gRPC serializer of the service's messages: bytes from `encode` as they are, a protobuf message serialized."""
+    return message if isinstance(message, bytes) else message.SerializeToString()

@@ -62,7 +62,21 @@ def default_cases() -> List[Workload]:
         Workload("bg-linear-1e5-tls", "linear", 100_000, between_graph=True, transport="tls"),
         Workload("bg-linear-1e5-1gbit", "linear", 100_000, between_graph=True, transport="1gbit"),
         Workload("bg-linear-1e5-100mbit", "linear", 100_000, between_graph=True, transport="100mbit"),
-    ])
+    ] + service_cases())
+
+
+def service_cases() -> List[Workload]:
+    """Service mode (owners through the aggregation service, mTLS) vs MultiWorkerMirroredStrategy, loopback."""
+    service = dict(between_graph=True, transport="service")
+    return [
+        Workload("svc-linear-1e5", "linear", 100_000, **service),
+        Workload("svc-dnn-256", "dnn", 256, hidden_units=(512, 256, 128), **service),
+        Workload("svc-linear-1e6", "linear", 1_000_000, **service),
+        Workload("svc-linear-1e5-4own", "linear", 100_000, replicas=4, **service),
+        Workload("svc-linear-1e5-8own", "linear", 100_000, replicas=8, **service),
+        Workload("svc-linear-1e5-ring32", "linear", 100_000, update_ring_bits=32, clip_norm=10.0, **service),
+        Workload("svc-linear-1e7", "linear", 10_000_000, **service),
+    ]
 
 
 def quick_cases() -> List[Workload]:
@@ -74,6 +88,7 @@ def quick_cases() -> List[Workload]:
         Workload("cluster-linear-1e2", "linear", 100, cluster=True),
         Workload("bg-linear-1e2", "linear", 100, between_graph=True),
         Workload("bg-linear-1e4-isolated", "linear", 10_000, between_graph=True, transport="isolated"),
+        Workload("svc-linear-1e2", "linear", 100, between_graph=True, transport="service"),
     ])
 
 
@@ -162,13 +177,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    run_cluster_case if case.cluster else run_local_case)
             row = run(case, settings, os.path.join(workdir, case.name))
             results["cases"].append(row)
+            service = ""
+            if case.transport == "service":
+                cpu = row["cpu_ms_per_step"]
+                service = (f"; CPU ms/step: servers {', '.join(f'{v:.1f}' for v in cpu['servers'])}, owners "
+                           f"{', '.join(f'{v:.1f}' for v in cpu['service_owners'].values())} (MWMS owners "
+                           f"{', '.join(f'{v:.1f}' for v in cpu['mwms_owners'].values())})")
             anchor = ("no TLS" if case.transport == "tls" else "MultiWorkerMirroredStrategy" if case.between_graph
                       else "plaintext")
             print(f"[bench] {case.name:>20}: {case.describe()}: secure {row['secure_ms_per_step']:.2f} ms/step, "
                   f"{anchor} {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "
                   f"(target <= {report.target_of(row):.2f}), upload "
                   f"{row['upload_bytes_per_param_per_replica_per_step']:.3f} B/param/replica/step, download "
-                  f"{row['download_bytes_per_param_per_replica_per_step']:.3f}{_link_text(row)}", flush=True)
+                  f"{row['download_bytes_per_param_per_replica_per_step']:.3f}{_link_text(row)}{service}", flush=True)
             report.write_json(os.path.join(out, "results.json"), results)
         if not args.no_secure_sum:
             sizes = [1_000, 10_000] if args.quick else [10_000, 100_000, 1_000_000]

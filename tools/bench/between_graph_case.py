@@ -48,23 +48,34 @@ __all__ = ["run_between_graph_case", "run_owner_task", "transport_missing", "TWI
 #: the secure twin through TLS sidecars and the same without.
 TWINS = ("secure", "mwms")
 TLS_TWINS = ("tls", "isolated")
+#: Service mode: owners through the aggregation service (mTLS) and the same MultiWorkerMirroredStrategy anchor.
+SERVICE_TWINS = ("service", "mwms")
+#: Environment of a service-mode owner task: the aggregation servers' pids (comma-separated), for their CPU.
+SERVER_PIDS_ENV = "TFE_BENCH_SERVER_PIDS"
+#: Parameters from which a case runs once, short (a 1e7-parameter step moves ~160 MB per owner).
+_SHORT_PARAMS = 10**7
 #: Bytes of one float32 value.
 _FLOAT_BYTES = 4
 
 
 def run_between_graph_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
     """Launches each twin once per round on a loopback cluster of `workload.replicas` owners."""
-    twins = TLS_TWINS if workload.transport == "tls" else TWINS
+    twins = TLS_TWINS if workload.transport == "tls" else SERVICE_TWINS if workload.transport == "service" else TWINS
     rounds = max(1, settings["rounds"] // 3)  # a launch costs seconds: fewer, longer rounds
     timed = settings["steps"] * 3
+    if workload.features >= _SHORT_PARAMS:  # "it works": one short launch per twin
+        rounds, timed, settings = 1, min(timed, 6), dict(settings, warmup=min(settings["warmup"], 2))
     launches: Dict[str, List[Dict]] = {twin: [] for twin in twins}
     for k in range(rounds):
         for twin in (twins if k % 2 == 0 else tuple(reversed(twins))):
             launches[twin].append(_launch(workload, settings, twin, timed, os.path.join(workdir, f"{twin}-{k}")))
     secure_ms = [r["chief"]["ms_per_step"] for r in launches[twins[0]]]
     plain_ms = [r["chief"]["ms_per_step"] for r in launches[twins[1]]]
-    traffic = launches[twins[0]][0]["chief"]
+    traffic = dict(launches[twins[0]][0]["chief"])
     owners, params = workload.replicas, traffic["params"]
+    if workload.transport == "service":  # no graph edges to the servers: what the owner's client sent and received
+        traffic.update(upload=traffic["client_sent"], download=traffic["client_received"],
+                       upload_edges=traffic["contributions_per_step"])
     ring = 2 * (owners - 1) / owners * _FLOAT_BYTES
     row = dict(dataclasses.asdict(workload), description=workload.describe())
     row.update(
@@ -84,6 +95,8 @@ def run_between_graph_case(workload: Workload, settings: Dict, workdir: str) -> 
         plaintext_bytes_per_param_per_owner_per_step={"up": ring, "down": ring},
         owner_ms_per_step={twin: [{o: r[o]["ms_per_step"] for o in r} for r in launches[twin]] for twin in twins},
     )
+    if workload.transport == "service":
+        row.update(_service_figures(launches, params, rounds))
     links = {twin: launches[twin][0]["chief"].get("link") for twin in twins}
     if all(links.values()):  # counted on the chief's own link (isolated runs): bytes per parameter per step
         row["link_bytes_per_param_per_owner_per_step"] = {
@@ -91,18 +104,62 @@ def run_between_graph_case(workload: Workload, settings: Dict, workdir: str) -> 
     return row
 
 
+def _service_figures(launches: Dict[str, List[Dict]], params: int, rounds: int) -> Dict:
+    """Service mode: bytes each owner's client sent and received, and CPU per step of servers and owners.
+
+    Bytes are the serialized Contribute messages of the owner's client (`OwnerClient.bytes_sent` and
+    ``bytes_received``: payloads plus the few bytes of the other fields, before gRPC framing and TLS),
+    per parameter and timed step; CPU is user + system time per timed step, of each owner's process
+    (``getrusage``) and of each aggregation server's (``/proc/<pid>/task/*/schedstat``) over the chief's
+    timed steps; the medians over rounds.
+    """
+    runs = launches["service"]
+    owners = sorted(runs[0])
+    median = lambda values: statistics.median(values) if values else None  # noqa: E731
+    figures = {
+        "service_bytes_per_param_per_owner_per_step": {
+            "up": median([r[o]["client_sent"] / params for r in runs for o in owners]),
+            "down": median([r[o]["client_received"] / params for r in runs for o in owners])},
+        "cpu_ms_per_step": {
+            "service_owners": {o: median([r[o]["cpu_ms_per_step"] for r in runs]) for o in owners},
+            "mwms_owners": {o: median([r[o]["cpu_ms_per_step"] for r in launches["mwms"]]) for o in owners},
+            "servers": [median([r["chief"]["server_cpu_ms_per_step"][k] for r in runs])
+                        for k in range(len(runs[0]["chief"].get("server_cpu_ms_per_step", [])))]},
+        "contributions_per_step": runs[0]["chief"]["contributions_per_step"],
+        "launches_per_twin": rounds,
+    }
+    return figures
+
+
+class _BenchLauncher:
+    """Makes a `Launcher` that tells each owner the aggregation servers' pids (started before the owners)."""
+
+    @staticmethod
+    def make(**kwargs):
+        from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
+        from tfe_estimator.cluster.spec import TFE_JOB  # pylint: disable=import-outside-toplevel
+
+        class Bench(Launcher):
+            def _start(self, task):  # pylint: disable=arguments-renamed
+                if task.job != TFE_JOB:
+                    pids = [str(t.process.pid) for t in sorted(self.tasks, key=lambda t: t.index)
+                            if t.job == TFE_JOB and t.process is not None]
+                    task.env = dict(task.env, **{SERVER_PIDS_ENV: ",".join(pids)})
+                super()._start(task)
+
+        return Bench(**kwargs)
+
+
 def _launch(workload: Workload, settings: Dict, twin: str, timed: int, workdir: str) -> Dict:
     """One run of `twin` on a fresh loopback cluster; every owner's result, by task."""
-    from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
-
     os.makedirs(workdir, exist_ok=True)
     task = {"workload": dataclasses.asdict(workload), "settings": settings, "twin": twin, "timed": timed}
     command = [sys.executable, "-m", "tools.bench", "--owner-task", json.dumps(task)]
     log_path = os.path.join(workdir, "launch.log")
     with open(log_path, "w") as log:
-        status = Launcher(command, workers=workload.replicas - 1, evaluator=False, protocol=settings["protocol"],
-                          task_cwd=os.path.join(workdir, "{job}-{index}"), out=log,
-                          cluster_mode="between-graph", **_transport(workload, twin)).run()
+        status = _BenchLauncher.make(command=command, workers=workload.replicas - 1, evaluator=False,
+                                     protocol=settings["protocol"], task_cwd=os.path.join(workdir, "{job}-{index}"),
+                                     out=log, **_transport(workload, twin)).run()
     results = {}
     for entry in sorted(os.listdir(workdir)):
         path = os.path.join(workdir, entry, "result.json")
@@ -117,19 +174,21 @@ def _launch(workload: Workload, settings: Dict, twin: str, timed: int, workdir: 
 
 
 def _transport(workload: Workload, twin: str) -> Dict:
-    """The launcher's isolation flags for `twin` of `workload`."""
+    """The launcher's mode and isolation flags for `twin` of `workload`."""
+    if workload.transport == "service":
+        return {"cluster_mode": "service" if twin == "service" else "between-graph"}
     if workload.transport == "tls":
-        return {"isolate": True, "tls": twin == "tls"}
+        return {"isolate": True, "tls": twin == "tls", "cluster_mode": "between-graph"}
     if workload.transport == "isolated":
-        return {"isolate": True}
+        return {"isolate": True, "cluster_mode": "between-graph"}
     if workload.transport:
-        return {"isolate": True, "link_rate": workload.transport}
-    return {}
+        return {"isolate": True, "link_rate": workload.transport, "cluster_mode": "between-graph"}
+    return {"cluster_mode": "between-graph"}
 
 
 def transport_missing(workload: Workload) -> Optional[str]:
     """What this machine lacks to run `workload`'s transport, or None."""
-    if not workload.transport:
+    if not workload.transport or workload.transport == "service":
         return None
     from tfe_estimator.cluster.isolation import IsolatedCluster  # pylint: disable=import-outside-toplevel
 
@@ -149,21 +208,24 @@ def run_owner_task(task: Dict) -> int:
     if twin != "mwms":  # secure: on loopback, isolated, or through TLS
         from tfe_estimator.distribute.run_config import TfeRunConfig  # pylint: disable=import-outside-toplevel
 
-        config = TfeRunConfig(protocol=settings["protocol"], **kwargs)
+        config = TfeRunConfig(protocol=settings["protocol"], update_ring_bits=workload.update_ring_bits,
+                              clip_norm=workload.clip_norm, **kwargs)
     else:
         tf_config = json.loads(os.environ["TF_CONFIG"])
         del tf_config["cluster"][TFE_JOB]  # MultiWorkerMirroredStrategy accepts chief/worker/evaluator/ps only
         os.environ["TF_CONFIG"] = json.dumps(tf_config)
         strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
         config = tf.estimator.RunConfig(train_distribute=strategy, **kwargs)
-    timer = _StepTimes(owner_device, cluster.server_devices()[:2] if twin != "mwms" else None, settings["warmup"],
-                       count_link=bool(workload.transport))  # isolated: this task has a link of its own
+    timer = _StepTimes(owner_device, cluster.server_devices()[:2] if twin in ("secure", "tls", "isolated") else None,
+                       settings["warmup"], count_link=bool(workload.transport) and workload.transport != "service",
+                       timed=task["timed"], service=twin == "service", chief=cluster.task_type == "chief")
     estimator = make_estimator(workload, config)
     data = input_fn(workload.features, settings["batch_size"])
     tf.estimator.train_and_evaluate(
         estimator, tf.estimator.TrainSpec(data, max_steps=settings["warmup"] + task["timed"], hooks=[timer]),
         tf.estimator.EvalSpec(data, steps=1))
-    result = {"ms_per_step": 1e3 * statistics.median(timer.times), "timed_steps": len(timer.times), **timer.graph}
+    result = {"ms_per_step": 1e3 * statistics.median(timer.times), "timed_steps": len(timer.times), **timer.graph,
+              **timer.usage}
     with open("result.json", "w") as f:
         json.dump(result, f)
     return 0
@@ -173,9 +235,12 @@ class _StepTimes(tf.estimator.SessionRunHook):
     """Records each step's wall time after `warmup` steps, and the graph's traffic to the servers."""
 
     def __init__(self, owner_device: str, servers: Optional[Sequence[str]], warmup: int,
-                 count_link: bool = False) -> None:
+                 count_link: bool = False, timed: int = 0, service: bool = False, chief: bool = False) -> None:
         self.times: List[float] = []
         self.graph: Dict = {}
+        self.usage: Dict = {}
+        self._timed, self._service, self._chief = timed, service, chief
+        self._usage_start: Optional[Dict] = None
         self._owner, self._servers, self._warmup = owner_device, servers, warmup
         self._start = 0.0
         self._steps = 0
@@ -199,11 +264,53 @@ class _StepTimes(tf.estimator.SessionRunHook):
             self.times.append(time.perf_counter() - self._start)
         elif self._steps == self._warmup and self._count_link:
             self._link = _link_bytes()
+        if self._steps == self._warmup:
+            self._usage_start = _usage(self._service, self._chief)
+        elif self._steps == self._warmup + self._timed and self._usage_start is not None:
+            end, start, steps = _usage(self._service, self._chief), self._usage_start, self._timed
+            self.usage["cpu_ms_per_step"] = 1e3 * (end["cpu"] - start["cpu"]) / steps
+            if self._service:
+                self.usage.update(client_sent=(end["sent"] - start["sent"]) / steps,
+                                  client_received=(end["received"] - start["received"]) / steps,
+                                  contributions_per_step=(end["calls"] - start["calls"]) / steps)
+            if "servers" in end:
+                self.usage["server_cpu_ms_per_step"] = [1e3 * (b - a) / steps
+                                                        for a, b in zip(start["servers"], end["servers"])]
 
     def end(self, session):
         after = _link_bytes() if self._count_link else None
         if after and self._link and self.times:  # what crossed this owner's link per timed step
             self.graph["link"] = {k: (after[k] - self._link[k]) / len(self.times) for k in after}
+
+
+def _usage(service: bool, chief: bool) -> Dict:
+    """This process's CPU seconds so far; in service mode its client's bytes, and on the chief the servers' CPU."""
+    import resource  # pylint: disable=import-outside-toplevel
+
+    rusage = resource.getrusage(resource.RUSAGE_SELF)
+    usage = {"cpu": rusage.ru_utime + rusage.ru_stime}
+    if service:
+        from tfe_estimator.distribute import service_aggregation  # pylint: disable=import-outside-toplevel
+
+        clients = list(service_aggregation._CLIENTS.values())  # pylint: disable=protected-access
+        usage.update(sent=sum(c.bytes_sent for c in clients), received=sum(c.bytes_received for c in clients),
+                     calls=sum(c.contributions for c in clients))
+    pids = [p for p in os.environ.get(SERVER_PIDS_ENV, "").split(",") if p]
+    if chief and pids:
+        usage["servers"] = [_process_cpu(int(pid)) for pid in pids]
+    return usage
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid`'s live threads, in nanoseconds' precision (schedstat)."""
+    total = 0
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{thread}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # the thread ended
+            pass
+    return total / 1e9
 
 
 #: This task's own link in its network namespace (`launch --isolate`); absent on loopback.

@@ -7,7 +7,7 @@ repeated, so each step reuses the cached batch and the step time is the
 model and the reduction, not the input.
 """
 import dataclasses
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -35,7 +35,10 @@ class Workload:
         "tls" (secure with `launch --isolate --tls` vs `--isolate` alone: the cost of TLS),
         "isolated" (secure vs MultiWorkerMirroredStrategy, each task in its own namespace: the
         bytes on each owner's link are counted), or a link rate such as "1gbit" (the same with
-        every task's link limited to that rate).
+        every task's link limited to that rate), or "service" (the cross-organisation service mode,
+        `launch --cluster-mode service`: owners sum through the two grpcio aggregation servers with
+        mutual TLS, vs MultiWorkerMirroredStrategy without TLS, both on loopback).
+      update_ring_bits, clip_norm: the secure twin's ring for the updates (32 needs `clip_norm`).
     """
 
     name: str
@@ -46,12 +49,16 @@ class Workload:
     cluster: bool = False
     between_graph: bool = False
     transport: str = ""
+    update_ring_bits: int = 64
+    clip_norm: Optional[float] = None
 
     def describe(self) -> str:
         model = "LinearRegressor" if self.model == "linear" else f"DNNRegressor{list(self.hidden_units)}"
         link = {"": "loopback", "tls": "namespaces, TLS vs none", "isolated": "namespaces"}.get(
             self.transport, f"{self.transport} links")
-        where = (f"between-graph cluster ({link}), {self.replicas} owners" if self.between_graph else
+        ring = f", {self.update_ring_bits}-bit ring" if self.update_ring_bits != 64 else ""
+        where = (f"service mode (mTLS, loopback){ring}, {self.replicas} owners" if self.transport == "service" else
+                 f"between-graph cluster ({link}), {self.replicas} owners" if self.between_graph else
                  f"loopback cluster, {self.replicas} owners" if self.cluster else f"{self.replicas} local replicas")
         return f"{model}, {self.features:,} features, {where}"
 
