@@ -2,10 +2,12 @@
 
 This is the `train.py` that every chief, worker and evaluator task runs; the
 `tfe` tasks run `tfe-estimator server`. Each task runs in its own directory,
-where the owner's rows are in ``data/train.csv`` (and the evaluator's in
-``data/test.csv``), with the columns of `COLUMNS` and no header. On one
-machine, try it with the loopback launcher (between-graph, the default: each
-owner runs only its own graph and keeps its own checkpoints)::
+where the owner's rows are in ``data/train.csv`` and ``data/test.csv`` (the
+evaluator's: the whole test set), with the columns of `COLUMNS` and no header.
+On one machine, try it with the loopback launcher (service mode, the default:
+each owner trains alone, keeps its own checkpoints and evaluates its own test
+rows, the metrics summed over all owners; the evaluator evaluates the chief's
+checkpoints on the whole test set)::
 
     python -c "from tfe_estimator.tools.demo_cluster import *; from tfe_estimator.tools.demo import *; \
         write_owner_data('owners', ['chief-0', 'worker-0'], *load_diabetes_split()[:4])"
@@ -52,7 +54,9 @@ def main(argv=None):
     test = input_fns.csv_input_fn("data/test.csv", "target", 90, column_names=COLUMNS, num_epochs=1, shuffle=False)
     tf.estimator.train_and_evaluate(
         est, tf.estimator.TrainSpec(train, max_steps=args.steps),
-        tf.estimator.EvalSpec(test, steps=None, start_delay_secs=0, throttle_secs=1))
+        # Every owner evaluates the same checkpoints (throttle_secs=0): in service mode the metrics are summed
+        # over every owner's own test rows (federated evaluation).
+        tf.estimator.EvalSpec(test, steps=None, start_delay_secs=0, throttle_secs=0))
     return 0
 
 

@@ -40,7 +40,11 @@ TRAIN_FILE, TEST_FILE = "data/train.csv", "data/test.csv"
 
 
 def write_owner_data(workdir: str, owners: Sequence[str], x_train, y_train, x_test, y_test) -> Dict[str, int]:
-    """Writes one share of the training data into each owner's directory.
+    """Writes one share of the training and of the test data into each owner's directory, all test data
+    into the evaluator's.
+
+    Each owner's test share is what it evaluates on in service mode (federated evaluation: the metrics of
+    all shares); the evaluator task evaluates the chief's checkpoints on the whole test set.
 
     Returns:
       owner directory name -> number of training rows written there.
@@ -49,6 +53,8 @@ def write_owner_data(workdir: str, owners: Sequence[str], x_train, y_train, x_te
     for i, owner in enumerate(owners):
         rows = np.arange(i, len(x_train), len(owners))
         counts[owner] = _write_csv(os.path.join(workdir, owner, TRAIN_FILE), x_train[rows], y_train[rows])
+        test_rows = np.arange(i, len(x_test), len(owners))
+        _write_csv(os.path.join(workdir, owner, TEST_FILE), x_test[test_rows], y_test[test_rows])
     _write_csv(os.path.join(workdir, "evaluator-0", TEST_FILE), x_test, y_test)
     return counts
 
