@@ -65,7 +65,7 @@ def test_between_graph_refuses_another_protocol_and_a_bad_mode(monkeypatch):
 def test_a_task_follows_the_mode_it_was_launched_for_and_refuses_another(monkeypatch, tmp_path):
     _as_task(monkeypatch, "worker")
     monkeypatch.setenv("TFE_ESTIMATOR_CLUSTER_MODE", "in-graph")  # what `tfe-estimator launch` sets
-    assert isinstance(TfeRunConfig(cluster_mode="between-graph", tf_random_seed=1, model_dir=str(tmp_path)).train_distribute, TfeStrategy)
+    assert isinstance(TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path)).train_distribute, TfeStrategy)
     with pytest.raises(ValueError, match=r"cluster_mode='between-graph'.*launched for 'in-graph'.*--cluster-mode"):
         TfeRunConfig(tf_random_seed=1, cluster_mode="between-graph", model_dir=str(tmp_path))
 

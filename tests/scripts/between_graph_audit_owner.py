@@ -15,6 +15,7 @@ import tfe_estimator
 def main(argv):
     steps = int(argv[1])
     if "--plant-foreign-channel" in argv:  # a planted leak: the servers' resources under another name scheme
+        from tfe_estimator.audit import step_channels  # noqa: F401  the audit keeps step_sum's own scheme
         from tfe_estimator.distribute import step_sum
         step_sum.SHARED_NAME_PREFIX = "foreign_channel"
     data = np.loadtxt("data.csv", delimiter=",", dtype=np.float32)  # this owner's file only
