@@ -162,10 +162,12 @@ class TfeRunConfig(tf.estimator.RunConfig):
         organisation on a trusted network: the chief runs ops on every task).
         In the first two, without `tf_random_seed` every owner derives the same
         one from TF_CONFIG's cluster. Ignored without a cluster.
-      step_timeout_secs: between-graph mode: how long one session run (a
+      step_timeout_secs: service and between-graph mode: how long one
+        contribution (service mode) or session run (between-graph: a
         training step, whose sums wait for every other owner and both servers)
-        may take before it fails with ``DeadlineExceededError: Operation timed
-        out`` and the owner's process exits, instead of waiting forever for an
+        may take before it fails (between-graph: ``DeadlineExceededError:
+        Operation timed out``; service mode: the server's DEADLINE_EXCEEDED
+        naming each missing owner) and the owner's process exits, instead of waiting forever for an
         owner or a server that died or is out of step (default 300; keep it
         above the slowest step, including the first, which registers the
         graphs). A `session_config` with its own `operation_timeout_in_ms`
