@@ -70,11 +70,11 @@ def test_a_task_follows_the_mode_it_was_launched_for_and_refuses_another(monkeyp
         TfeRunConfig(tf_random_seed=1, cluster_mode="between-graph", model_dir=str(tmp_path))
 
 
-def _owner_data(workdir):
+def _owner_data(workdir, owners=OWNERS):
     """Each owner's own rows, in its own directory."""
     rng = np.random.RandomState(0)
     data = {}
-    for owner in OWNERS:
+    for owner in owners:
         x = rng.randn(64, 2)
         y = x @ np.array([2.0, -3.0]) + 1.0 + 0.1 * rng.randn(64)
         data[owner] = np.column_stack([x, y]).astype(np.float32)

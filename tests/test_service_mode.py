@@ -19,52 +19,18 @@ import time
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
+from test_between_graph import LEARNING_RATE, _owner_data, _plaintext_twin, _weights  # noqa: F401 (re-exported)
 from tfe_estimator.cluster.launcher import Launcher
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "service_owner.py")
-LEARNING_RATE = 0.1
 STEPS = 12
 
 
 def _owners(workers):
     return ["chief-0"] + [f"worker-{i}" for i in range(workers)]
-
-
-def _owner_data(workdir, owners, rows=64):
-    """Each owner's own rows, in its own directory."""
-    rng = np.random.RandomState(0)
-    data = {}
-    for owner in owners:
-        x = rng.randn(rows, 2)
-        y = x @ np.array([2.0, -3.0]) + 1.0 + 0.1 * rng.randn(rows)
-        data[owner] = np.column_stack([x, y]).astype(np.float32)
-        os.makedirs(os.path.join(workdir, owner))
-        np.savetxt(os.path.join(workdir, owner, "data.csv"), data[owner], delimiter=",", fmt="%.8g")
-    return data
-
-
-def _plaintext_twin(data, steps):
-    """Full-batch gradient descent on the mean over owners of each owner's mean squared error."""
-    w = np.zeros(3)
-    for _ in range(steps):
-        grads = []
-        for rows in data.values():
-            rows = rows.astype(np.float64)
-            x = np.column_stack([rows[:, :2], np.ones(len(rows))])
-            grads.append(2 * x.T @ (x @ w - rows[:, 2]) / len(rows))
-        w -= LEARNING_RATE * np.mean(grads, axis=0)
-    return w
-
-
-def _weights(model_dir, steps):
-    checkpoint = tf.train.latest_checkpoint(model_dir)
-    assert checkpoint and checkpoint.endswith(f"model.ckpt-{steps}"), checkpoint
-    weights = tf.train.load_variable(checkpoint, "linear/linear_model/x/weights").ravel()
-    return np.append(weights, tf.train.load_variable(checkpoint, "linear/linear_model/bias_weights"))
 
 
 def _train(workdir, workers, *flags, steps=STEPS):
