@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from test_between_graph import LEARNING_RATE, _owner_data, _plaintext_twin, _weights  # noqa: F401 (re-exported)
 from tfe_estimator.cluster.launcher import Launcher
@@ -79,15 +80,34 @@ def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_
             assert inputs[1:] == ["TfeMaskShare:1", "TfeMaskShare:0"], inputs
 
 
-def test_four_owners_with_two_local_replicas_each_equal_the_twin(tmp_path):
+@pytest.mark.parametrize("workers, replicas", [(3, 1), (1, 2)])
+def test_four_owners_and_two_owners_with_two_local_replicas_equal_the_twin_after_1_and_4_steps(
+        workers, replicas, tmp_path):
+    # N = 4 owners with one replica each; 2 owners x 2 local replicas (summed in plaintext inside each owner,
+    # one secure contribution per owner and step). Trained to step 1, then resumed from it to step 4.
     workdir = str(tmp_path)
-    owners = _owners(3)
-    twin = _plaintext_twin(_owner_data(workdir, owners), 4)
-    status, log = _train(workdir, 3, "--num-replicas", "2", steps=4)
+    owners = _owners(workers)
+    data = _owner_data(workdir, owners)
+    for steps in (1, 4):
+        status, log = _train(workdir, workers, "--num-replicas", str(replicas), steps=steps)
+        assert status == 0, log[-5000:]
+        twin = _plaintext_twin(data, steps)
+        for owner in owners:
+            np.testing.assert_allclose(_weights(os.path.join(workdir, owner, "model"), steps), twin, atol=1e-5)
+
+
+@pytest.mark.skipif(len(tf.config.list_physical_devices("GPU")) < 2,
+                    reason="needs 2 GPUs (an owner's local replicas on its GPUs); this machine has "
+                           f"{len(tf.config.list_physical_devices('GPU'))}")
+def test_two_owners_with_their_replicas_on_two_gpus_each_equal_the_twin(tmp_path):
+    workdir = str(tmp_path)
+    owners = _owners(1)
+    data = _owner_data(workdir, owners)
+    status, log = _train(workdir, 1, "--num-replicas", "2", steps=4)
     assert status == 0, log[-5000:]
-    weights = {owner: _weights(os.path.join(workdir, owner, "model"), 4) for owner in owners}
     for owner in owners:
-        np.testing.assert_allclose(weights[owner], twin, atol=1e-5)
+        np.testing.assert_allclose(_weights(os.path.join(workdir, owner, "model"), 4), _plaintext_twin(data, 4),
+                                   atol=1e-5)
 
 
 def _listening_sockets(pid):
