@@ -66,10 +66,36 @@ SERVER_COMMAND = server_command(sys.executable)
 _BIND_FAILURES = ("Could not start gRPC server", "Address already in use")
 #: Jobs the chief waits for in every step (restartable, watched by `down_timeout`).
 _SERVING_JOBS = ("worker", TFE_JOB)
+#: How long the launcher waits, after a task failed, for the chief to fail of the same cause (named after it).
+_SAME_FAILURE_SECS = 2.0
 #: Service mode: only the aggregation servers serve; an owner accepts no connection.
 _SERVICE_SERVING_JOBS = (TFE_JOB,)
 #: Service mode: the aggregation service's two servers (Pond's server0 and server1; no crypto producer).
 SERVICE_TFE_TASKS = 2
+
+
+class _DeprecationFilter:
+    """Drops TensorFlow's deprecation warnings from a task's terminal output (`Launcher(tf_warnings=True)` keeps them).
+
+    TensorFlow 1.x-style APIs (Estimator) print, per deprecated call site, a
+    ``WARNING:tensorflow:From <file>: <name> ... is deprecated ...`` line, then
+    ``Instructions for updating:`` and one line of advice: about a third of a
+    short run's output. Log files (``log_dir``) keep every line.
+    """
+
+    def __init__(self):
+        self._skip = 0
+
+    def keep(self, line: str) -> bool:
+        if self._skip:
+            self._skip -= 1
+            return False
+        if "is deprecated" in line and ("WARNING:tensorflow:From" in line or "deprecation.py" in line):
+            return False
+        if line.startswith("Instructions for updating"):
+            self._skip = 1  # and its one line of advice
+            return False
+        return True
 
 
 class PortTakenError(RuntimeError):
@@ -214,6 +240,7 @@ class Launcher:
         tls: bool = False,
         network_file: Optional[str] = None,
         link_rate: Optional[str] = None,
+        tf_warnings: bool = False,
     ) -> None:
         if not command:
             raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")
@@ -250,6 +277,7 @@ class Launcher:
             self.isolation = IsolatedCluster(cluster_tasks(workers, evaluator, NUM_TFE_TASKS), tls, self.cluster_mode,
                                              link_rate)
         self._out = out
+        self.tf_warnings = bool(tf_warnings)
         self._cert_dir: Optional[str] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -405,18 +433,28 @@ class Launcher:
         task.reader.start()
 
     def _pump(self, task: _Task, process: subprocess.Popen, sink) -> None:
+        quiet = _DeprecationFilter() if sink is None and not self.tf_warnings else None
         try:
             for line in process.stdout:
                 if any(marker in line for marker in _BIND_FAILURES):
                     task.bind_failed = True
                 if sink is None:
-                    self.say(line.rstrip("\n"), task.name)
+                    if quiet is None or quiet.keep(line):
+                        self.say(line.rstrip("\n"), task.name)
                 else:
                     sink.write(line)
                     sink.flush()
         finally:
             if sink is not None:
                 sink.close()
+
+    @staticmethod
+    def _exit_within(task: _Task, seconds: float) -> Optional[int]:
+        """`task`'s exit status if it exits within `seconds`, else None."""
+        try:
+            return task.process.wait(seconds)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _serving(self, task: _Task) -> bool:
         if self.isolation is not None:  # only reachable from inside its namespace
@@ -534,7 +572,11 @@ class Launcher:
                     if task.down_since is not None and self._serving(task):
                         task.down_since = None
                 elif not self._schedule_restart(task, status, self.max_restarts, ""):
-                    self.say(f"{task.name} died with {_describe(status)} while the chief was training; "
+                    # The chief often dies of the same error a moment later: name both, this task first.
+                    chief_status = self._exit_within(chief, _SAME_FAILURE_SECS)
+                    also = (f"; chief:0 died too, after it, with {_describe(chief_status)}"
+                            if chief_status not in (None, 0) else "")
+                    self.say(f"{task.name} died with {_describe(status)} while the chief was training{also}; "
                              "stopping the cluster")
                     self._tail(task)
                     return status or 1

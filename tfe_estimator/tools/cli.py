@@ -57,6 +57,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="seconds the evaluator may take after the chief finished (default 600)")
     launch.add_argument("--log-dir", default=None,
                         help="write each task's output to LOG_DIR/<job>-<index>.log instead of the terminal")
+    launch.add_argument("--tf-warnings", action="store_true",
+                        help="show TensorFlow's deprecation warnings in the terminal (hidden by default; log files "
+                             "keep them)")
     launch.add_argument("--cluster-mode", default="service",
                         help="service (the default, across organisations: every owner trains alone and only "
                              "connects out to two aggregation servers with mutual TLS), between-graph (one "
@@ -117,6 +120,7 @@ def _run(args: argparse.Namespace) -> int:
                         restart_delay=args.restart_delay, evaluator_restarts=args.evaluator_restarts,
                         down_timeout=args.down_timeout, final_eval_timeout=args.final_eval_timeout,
                         log_dir=args.log_dir, cluster_mode=args.cluster_mode, isolate=args.isolate,
+                        tf_warnings=args.tf_warnings,
                         tls=args.tls, network_file=args.network_file, link_rate=args.link_rate).run()
     if args.command == "attack":
         attack = _checkout_tool("attack")

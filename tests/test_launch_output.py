@@ -1,0 +1,37 @@
+"""What the launcher prints: TensorFlow's deprecation noise hidden (with an opt-out), the first failure first."""
+import io
+
+import pytest
+
+from tfe_estimator.cluster.launcher import Launcher
+from test_faults import _fake
+from test_launch import _assert_all_gone
+
+pytestmark = [pytest.mark.multiprocess]
+
+NOISE = ("print('WARNING:tensorflow:From /x/estimator.py:12: Estimator.__init__ (from tensorflow) is deprecated and "
+         "will be removed in a future version.'); print('Instructions for updating:'); print('Use tf.keras instead.'); "
+         "print('step 10: loss 0.5')")
+
+
+@pytest.mark.parametrize("tf_warnings", [False, True])
+def test_tensorflows_deprecation_warnings_are_hidden_unless_asked_for(tf_warnings):
+    out = io.StringIO()
+    launcher = Launcher(_fake(NOISE), workers=0, out=out, server_command=_fake("s = serve(); time.sleep(600)"),
+                        tf_warnings=tf_warnings)
+    assert launcher.run() == 0, out.getvalue()
+    log = "\n".join(line for line in out.getvalue().splitlines() if line.startswith("[chief:0]"))  # its output
+    assert "[chief:0] step 10: loss 0.5" in log
+    for noise in ("is deprecated", "Instructions for updating", "Use tf.keras instead."):
+        assert (noise in log) == tf_warnings, (noise, log)
+    _assert_all_gone(launcher)
+
+
+def test_a_worker_and_the_chief_failing_of_one_cause_are_both_named_the_first_first():
+    out = io.StringIO()
+    launcher = Launcher(_fake("time.sleep(1.0 if t['task']['type'] == 'worker' else 1.5); sys.exit(3)"),
+                        workers=1, out=out, server_command=_fake("s = serve(); time.sleep(600)"))
+    assert launcher.run() == 3
+    assert ("worker:0 died with status 3 while the chief was training; chief:0 died too, after it, with status 3; "
+            "stopping the cluster") in out.getvalue(), out.getvalue()
+    _assert_all_gone(launcher)
