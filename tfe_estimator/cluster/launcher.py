@@ -56,6 +56,7 @@ from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL
                                         TLS_DIR_ENV, TfeCluster, cluster_jobs, cluster_tasks)
 from tfe_estimator.secure.protocols import validate_protocol
 from tfe_estimator.cluster.server import server_command
+from tfe_estimator.validation import is_int, is_number
 
 __all__ = ["Launcher", "plan_cluster", "free_ports", "SERVER_COMMAND", "PortTakenError"]
 
@@ -118,7 +119,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
 def plan_cluster(workers: int, evaluator: bool, protocol: str = "pond", host: str = "127.0.0.1",
                  num_tfe: int = NUM_TFE_TASKS) -> TfeCluster:
     """A cluster of one chief, `workers` workers, an optional evaluator and `num_tfe` ``tfe`` tasks, on free ports."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+    if not is_int(workers, minimum=0):
         raise ValueError(f"--workers must be an integer >= 0, got {workers!r}.")
     validate_protocol(protocol)
     tasks = cluster_tasks(workers, evaluator, num_tfe)
@@ -246,10 +247,10 @@ class Launcher:
             raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")
         for name, value in (("--max-restarts", max_restarts), ("--evaluator-restarts", evaluator_restarts),
                             ("port_retries", port_retries)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int(value, minimum=0):
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}.")
         for name, value in (("--down-timeout", down_timeout), ("--final-eval-timeout", final_eval_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if not is_number(value) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}.")
         self.protocol = validate_protocol(protocol)
         self.cluster_mode = validate_mode(cluster_mode, "--cluster-mode")

@@ -38,6 +38,7 @@ from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate
 from tfe_estimator.secure.precision import get_precision
 from tfe_estimator.secure.protocols import load_backend, validate_protocol
 from tfe_estimator.distribute.strategy import TfeStrategy
+from tfe_estimator.validation import is_number
 
 __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_twin_config"]
 
@@ -116,7 +117,7 @@ class TfeSettings:
 
     def __post_init__(self):
         value = self.step_timeout_secs
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 2**31 / 1000:
+        if not is_number(value) or not 0 < value < 2**31 / 1000:
             raise ValueError(
                 f"step_timeout_secs={value!r} must be a number of seconds > 0 (and below 2**31 ms): how long one "
                 "between-graph training step may wait for the other owners and the servers before it fails.")

@@ -43,6 +43,7 @@ import numpy as np
 from tfe_estimator.service import ring, wire
 from tfe_estimator.service.steps import Released, StepChannel, StepRefused
 from tfe_estimator.service.tls import TlsFiles, peer_identity, server_name_option
+from tfe_estimator.validation import is_int
 
 __all__ = ["AggregationServer", "SERVER_OPTIONS"]
 
@@ -115,7 +116,7 @@ class AggregationServer:
         self._peer_address, self._timeout = peer_address, float(step_timeout_secs)
         self._max_workers = max_workers or 16 + 8 * len(owners)
         for name, value in (("max_elements", max_elements), ("max_channels", max_channels)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value, minimum=1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1.")
         self._max_elements, self._max_channels = max_elements, max_channels
         self._lock = threading.Lock()  # the channel table and the handshake rows
