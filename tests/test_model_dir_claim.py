@@ -132,7 +132,8 @@ def test_the_evaluator_under_launch_with_task_cwd_reads_the_chiefs_relative_mode
     launcher = Launcher(["python", "train.py"], workers=1, evaluator=True, task_cwd=str(tmp_path / "{job}-{index}"))
     model_dirs = {}
     for task in (launcher.task("chief"), launcher.task("evaluator")):
-        for key in ("TF_CONFIG", model_dir_claim.MODEL_DIR_ENV, model_dir_claim.OWNER_CWD_ENV):
+        for key in ("TF_CONFIG", "TFE_ESTIMATOR_CLUSTER_MODE", "TFE_ESTIMATOR_TLS_DIR", model_dir_claim.MODEL_DIR_ENV,
+                    model_dir_claim.OWNER_CWD_ENV):
             if key in task.env:
                 monkeypatch.setenv(key, task.env[key])
             else:
