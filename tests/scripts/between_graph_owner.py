@@ -17,7 +17,11 @@ import tensorflow as tf
 
 import tfe_estimator
 from tfe_estimator.secure.kernels import ops
-from tools.bench.traffic import cross_device_bytes
+
+# The developer tools live in the checkout, not in the installed package: this script runs in a task's own
+# directory, so it finds them from its own path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tools.bench.traffic import cross_device_bytes  # noqa: E402
 
 
 #: With --update-ring-bits-32: a clipping bound these steps' gradients stay below (the twin does not clip).
