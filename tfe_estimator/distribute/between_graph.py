@@ -241,11 +241,7 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
         graph = tf.compat.v1.get_default_graph()
         state = self._channels.get(graph)
         if state is None:
-            global_step = tf.compat.v1.train.get_global_step(graph)
-            if global_step is None:
-                raise ValueError("BetweenGraphStrategy keys each sum by the global step, but this graph has none: "
-                                 "train with an Estimator (it creates one), or create it with "
-                                 "tf.compat.v1.train.get_or_create_global_step() first.")
+            global_step = step_sum.graph_global_step(graph, "BetweenGraphStrategy")
             with tf.device(self.worker_devices[0]):
                 step = step_sum.read_step(global_step, name="between_graph_step")
             # [sums built, the step, this step's weight fingerprint, whether a sum carries it]

@@ -171,11 +171,7 @@ class ServiceAggregation(SecureAggregation):
         graph = tf.compat.v1.get_default_graph()
         state = _CHANNELS.get(graph)
         if state is None:
-            global_step = tf.compat.v1.train.get_global_step(graph)
-            if global_step is None:
-                raise ValueError("ServiceAggregation keys each sum by the global step, but this graph has none: "
-                                 "train with an Estimator (it creates one), or create it with "
-                                 "tf.compat.v1.train.get_or_create_global_step() first.")
+            global_step = step_sum.graph_global_step(graph, "ServiceAggregation")
             step = step_sum.read_step(global_step, name="service_step")
             state = _CHANNELS[graph] = [0, step]
         state[0] += 1

@@ -45,7 +45,7 @@ import tensorflow as tf
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 
-__all__ = ["step_sum", "read_step", "rewind_ops", "SHARED_NAME_PREFIX"]
+__all__ = ["step_sum", "read_step", "graph_global_step", "rewind_ops", "SHARED_NAME_PREFIX"]
 
 #: Prefix of every server resource a between-graph sum creates (one name scheme for all owners).
 SHARED_NAME_PREFIX = "tfe_between_graph"
@@ -63,6 +63,16 @@ class _Channel(NamedTuple):
 
 #: Per graph, this owner's server resources: one `_Channel` per accumulator (what `rewind_ops` names again).
 _CHANNELS: "weakref.WeakKeyDictionary[tf.Graph, List[_Channel]]" = weakref.WeakKeyDictionary()
+
+
+def graph_global_step(graph: tf.Graph, who: str):
+    """`graph`'s global step, which keys every per-step sum; a clear error naming `who` when there is none."""
+    global_step = tf.compat.v1.train.get_global_step(graph)
+    if global_step is None:
+        raise ValueError(f"{who} keys each sum by the global step, but this graph has none: "
+                         "train with an Estimator (it creates one), or create it with "
+                         "tf.compat.v1.train.get_or_create_global_step() first.")
+    return global_step
 
 
 def read_step(global_step, name=None) -> tf.Tensor:
