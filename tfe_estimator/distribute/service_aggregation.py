@@ -31,9 +31,8 @@ Example::
 """
 import dataclasses
 import logging
-import threading
 import weakref
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python.distribute import device_util
@@ -78,25 +77,21 @@ class ServiceBinding:
             raise ValueError(f"owner {self.owner!r} is not one of the owners {list(self.owners)!r}.")
 
 
-_CLIENTS: Dict[ServiceBinding, object] = {}
 #: Per graph: [sums built, the step tensor] (module-level: Estimator deep-copies its config, and so
 #: the strategy, which must not copy graphs).
 _CHANNELS: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
-_CLIENTS_LOCK = threading.Lock()
 
 
 def service_client(binding: ServiceBinding):
     """This process's `tfe_estimator.service.OwnerClient` for `binding` (made on first use, then shared)."""
-    with _CLIENTS_LOCK:
-        client = _CLIENTS.get(binding)
-        if client is None:
-            from tfe_estimator.service import OwnerClient, TlsFiles  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.service import OwnerClient, TlsFiles, get_client  # pylint: disable=import-outside-toplevel
 
-            job, index = binding.owner.split(":")
-            client = OwnerClient(binding.addresses, TlsFiles.from_dir(binding.tls_dir, job, int(index)),
-                                 timeout_secs=binding.timeout_secs)
-            _CLIENTS[binding] = client
-        return client
+    def make():
+        job, index = binding.owner.split(":")
+        return OwnerClient(binding.addresses, TlsFiles.from_dir(binding.tls_dir, job, int(index)),
+                           timeout_secs=binding.timeout_secs)
+
+    return get_client(repr(binding), make)
 
 
 class ServiceAggregation(SecureAggregation):
