@@ -17,7 +17,7 @@ Example::
     client.close()
 """
 import threading
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -25,7 +25,7 @@ import numpy as np
 from tfe_estimator.service import ring, wire
 from tfe_estimator.service.tls import TlsFiles, server_name_option
 
-__all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "release_client"]
+__all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "live_clients", "release_client"]
 
 #: Channel options of an owner: no size limit (1e7 parameters are 80 MB), reconnect within ~1 s once a server is
 #: up (gRPC's default backoff grows to 120 s), no keep-alive pings (the servers do not expect any).
@@ -181,6 +181,12 @@ def get_client(key: str, factory: Callable[[], OwnerClient]) -> OwnerClient:
         if key not in _CLIENTS:
             _CLIENTS[key] = factory()
         return _CLIENTS[key]
+
+
+def live_clients() -> List[OwnerClient]:
+    """A snapshot of this process's clients (for byte and call counters, e.g. in the benchmark)."""
+    with _CLIENTS_LOCK:
+        return list(_CLIENTS.values())
 
 
 def release_client(key: str) -> None:

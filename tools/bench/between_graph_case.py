@@ -290,9 +290,9 @@ def _usage(service: bool, chief: bool) -> Dict:
     rusage = resource.getrusage(resource.RUSAGE_SELF)
     usage = {"cpu": rusage.ru_utime + rusage.ru_stime}
     if service:
-        from tfe_estimator.distribute import service_aggregation  # pylint: disable=import-outside-toplevel
+        from tfe_estimator.service.client import live_clients  # pylint: disable=import-outside-toplevel
 
-        clients = list(service_aggregation._CLIENTS.values())  # pylint: disable=protected-access
+        clients = live_clients()
         usage.update(sent=sum(c.bytes_sent for c in clients), received=sum(c.bytes_received for c in clients),
                      calls=sum(c.contributions for c in clients))
     pids = [p for p in os.environ.get(SERVER_PIDS_ENV, "").split(",") if p]
