@@ -27,6 +27,10 @@ Against a service-mode cluster (``launch --cluster-mode service
 --network-file NET.json``, no root needed) it runs `tools.attack_service`
 instead: an owner with a valid certificate against the aggregation servers,
 outsiders without one, and every owner's TF_CONFIG port on both loopbacks.
+With ``--isolate`` too (root), those run from a namespace of its own on the
+bridge, and every TCP port of every task is tried on its bridge address and
+its IPv6 link-local address (`tools.portscan`), from there and again from the
+first server's namespace.
 
 Example::
 
@@ -75,7 +79,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(args.network, encoding="utf-8") as f:
         network = json.load(f)
     if network.get("mode") == "service":
-        return _report_service(network, args.attacker)
+        if args.probe:  # inside a namespace of an isolated service cluster
+            print(json.dumps(_probe_service(network, args.probe, args.attacker)))
+            return 0
+        return _report_service(network, args)
     if args.probe:
         results = _probe_outside(network, args.read_file) if args.probe == "outside" else \
             _probe_owner(network, args.probe)
@@ -95,11 +102,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if wrong else 0
 
 
-def _report_service(network: Dict, attacker: Optional[str]) -> int:
-    """Service mode: `tools.attack_service`'s attempts, one line each; 1 if one went the wrong way."""
+def _report_service(network: Dict, args) -> int:
+    """Service mode: `tools.attack_service`'s attempts, one line each; 1 if one went the wrong way.
+
+    With ``launch --isolate`` they run from a namespace of their own on the bridge, and the owners are scanned
+    once more from the first server's namespace (a server must not reach an owner at all)."""
     from tools.attack_service import service_attacks  # pylint: disable=import-outside-toplevel
 
-    results = service_attacks(network, attacker)
+    if network.get("isolation"):
+        here = [sys.executable, "-m", "tools.attack", "--network", args.network, "--probe"]
+        if args.attacker:
+            here = here[:-1] + ["--as", args.attacker, "--probe"]
+        results = _in_observer(network["isolation"], [*here, "outside"])
+        server = next(t for t in network["isolation"]["tasks"] if t["job"] == "tfe")
+        results += _run_json(["ip", "netns", "exec", server["namespace"], *here, f"tfe:{server['index']}"])
+    else:
+        results = service_attacks(network, args.attacker)
     wrong = 0
     for result in results:
         wrong += not result["ok"]
@@ -116,21 +134,36 @@ def _report_service(network: Dict, attacker: Optional[str]) -> int:
 
 def _run_probes(network: Dict, args) -> List[Dict]:
     """The outsider's probes from a namespace of its own on the bridge, then each owner's."""
-    from tfe_estimator.cluster.netns import join_network  # pylint: disable=import-outside-toplevel
 
     here = [sys.executable, "-m", "tools.attack", "--network", args.network,
             "--read-file", args.read_file, "--probe"]
-    namespace = f"tfe-attack-{os.getpid()}"
-    join_network(network["hub"], namespace, network["observer_address"], f"a{os.getpid() % 10**6}")
-    try:
-        results = _run_json(["ip", "netns", "exec", namespace, *here, "outside"])
-    finally:
-        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+    results = _in_observer(network, [*here, "outside"])
     if network.get("tls"):
         for task in network["tasks"]:
             if task["job"] in ("chief", "worker"):
                 results += _run_json(["ip", "netns", "exec", task["namespace"], *here, task["name"]])
     return results
+
+
+def _in_observer(isolation: Dict, argv: List[str]) -> List[Dict]:
+    """`argv`'s JSON results, run in a namespace of our own on the bridge of `isolation` (removed after)."""
+    from tfe_estimator.cluster.netns import join_network  # pylint: disable=import-outside-toplevel
+
+    namespace = f"tfe-attack-{os.getpid()}"
+    join_network(isolation["hub"], namespace, isolation["observer_address"], f"a{os.getpid() % 10**6}")
+    try:
+        return _run_json(["ip", "netns", "exec", namespace, *argv])
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+
+
+def _probe_service(network: Dict, origin: str, attacker: Optional[str]) -> List[Dict]:
+    """Inside a namespace: the outsider's and the attacker's attempts (`origin` "outside"), or a server's scans."""
+    from tools.attack_service import isolated_scans, service_attacks  # pylint: disable=import-outside-toplevel
+
+    if origin == "outside":
+        return service_attacks(network, attacker)
+    return isolated_scans(network["isolation"], origin)
 
 
 def _run_json(argv: List[str]) -> List[Dict]:

@@ -26,6 +26,11 @@ the second owner as the victim, against each aggregation server:
 
 and ``owner-port``: a TCP connection to every owner's (and the evaluator's)
 TF_CONFIG port on 127.0.0.1 and ::1 must be refused: nothing listens there.
+On a cluster of ``launch --isolate`` (the network file has ``isolation``),
+`isolated_scans` replaces that: every TCP port of every owner on its bridge
+address and its IPv6 link-local address must be refused (``owner-port``),
+every port of a server but its service port (``server-ports``), and the TLS
+probes run against each server's IPv6 address as well.
 A ``control`` line per server (the attacker's valid certificate gets HTTP/2
 SETTINGS back) proves the TLS probe itself works.
 
@@ -52,12 +57,14 @@ from tfe_estimator.cluster import certs
 from tfe_estimator.service import ring, wire
 from tfe_estimator.service.tls import TlsFiles, server_name_option
 
-__all__ = ["service_attacks", "OWNER_JOBS", "NON_OWNER"]
+__all__ = ["service_attacks", "isolated_scans", "OWNER_JOBS", "NON_OWNER"]
 
 OWNER_JOBS = ("chief", "worker")
 #: The identity the non-owner certificate is made for (signed by the run's own CA).
 NON_OWNER = ("tfe", 2)
 _TIMEOUT = 3.0
+#: The interface of a namespace of `launch --isolate` (an IPv6 link-local address needs it as its zone).
+_ZONE = "eth0"
 #: How long the attacker's first put must still be waiting after the second one was answered.
 _STILL_WAITING = 0.5
 _TF_METHODS = ("/tensorflow.WorkerService/RunGraph", "/tensorflow.WorkerService/RecvTensor",
@@ -186,8 +193,15 @@ def service_attacks(network: Dict, attacker: Optional[str] = None) -> List[Dict]
         results = []
         for k, address in enumerate(servers):
             results += _attack_server(k, address, attacker, victims, mine, non_owner, foreign, _grpc_answers)
+            for task in network.get("isolation", {}).get("tasks", ()):
+                if (task["job"], task["index"]) == ("tfe", k) and task.get("ipv6_link_local"):
+                    host = f"{task['ipv6_link_local']}%{_ZONE}"
+                    results += _tls_probes(f"tfe:{k}", attacker, host, _host_port(address)[1], mine, foreign,
+                                           _grpc_answers)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if network.get("isolation"):  # on the bridge: every port of every task, on IPv4 and IPv6
+        return results + isolated_scans(network["isolation"], "outside")
     for owner_job in OWNER_JOBS + ("evaluator",):
         for owner_index, address in enumerate(jobs.get(owner_job, ())):
             port = _host_port(address)[1]
@@ -232,10 +246,40 @@ def _attack_server(k: int, address: str, attacker: str, victims: Sequence[str], 
     finally:
         caller.close()
         outsider.close()
-    host, port = _host_port(address)
+    return results + _tls_probes(to, attacker, *_host_port(address), mine, foreign, grpc_answers)
+
+
+def _tls_probes(to: str, attacker: str, host: str, port: int, mine: TlsFiles, foreign: TlsFiles,
+                grpc_answers) -> List[Dict]:
+    """The server's port at `host`: HTTP/2 answers through TLS with the attacker's valid certificate (the
+    control), never without a certificate, with a foreign CA's, or in plaintext."""
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     answered, detail = grpc_answers(host, port, tls=(mine.cert, mine.key), ca=mine.ca)
-    results.append(_result(attacker, to, "valid-cert", address, answered, detail, control=True))
+    results = [_result(attacker, to, "valid-cert", target, answered, detail, control=True)]
     for attack, tls in (("no-cert", (None, None)), ("foreign-ca", (foreign.cert, foreign.key)), ("plaintext", None)):
         answered, detail = grpc_answers(host, port, tls=tls, ca=mine.ca)
-        results.append(_result("outside", to, attack, address, not answered, detail))
+        results.append(_result("outside", to, attack, target, not answered, detail))
+    return results
+
+
+def isolated_scans(isolation: Dict, origin: str) -> List[Dict]:
+    """From the namespace this runs in, every TCP port of every task of `isolation` (`IsolatedCluster.describe`)
+    on its bridge address and its IPv6 link-local address: nothing may answer on an owner (``owner-port``),
+    only the service port on a server (``server-ports``; skipped when `origin` is a server itself). Every
+    closed port must be refused, not silent: a scan that never reached the task proves nothing."""
+    from tools.portscan import scan_tcp  # pylint: disable=import-outside-toplevel
+
+    results = []
+    for task in isolation["tasks"]:
+        server = task["job"] == "tfe"
+        if server and origin != "outside":
+            continue
+        expected = [task["tf_port"]] if server else []
+        hosts = [task["address"]] + ([f"{task['ipv6_link_local']}%{_ZONE}"] if task.get("ipv6_link_local") else [])
+        for host in hosts:
+            scan = scan_tcp(host)
+            target = f"[{host}]:1-65535" if ":" in host else f"{host}:1-65535"
+            ok = scan.open == expected and scan.refused == 65535 - len(expected)
+            results.append(_result(origin, f"{task['job']}:{task['index']}", "server-ports" if server else
+                                   "owner-port", target, ok, scan.describe()))
     return results

@@ -17,6 +17,11 @@ the launcher (`cluster.launcher`):
   (iptables, in each namespace) that drops every packet to the task except on
   loopback, to the TLS port, and replies to connections it opened. TensorFlow's
   own port is reachable from nowhere but its own namespace.
+- service mode (``--cluster-mode service --isolate``): namespaces only. The
+  aggregation servers speak mutual TLS themselves and the owners open no
+  port, so there are no sidecars and no firewall to add (``tls`` is refused);
+  `describe` names each task's IPv6 link-local address too, for the scans of
+  `tfe-estimator attack`.
 
 Example::
 
@@ -72,6 +77,9 @@ class IsolatedCluster:
         self.tasks = list(tasks)
         self.tls = tls
         self.mode = peers.validate_mode(mode)
+        if tls and self.mode == peers.SERVICE:
+            raise ValueError("service mode has no sidecars: its aggregation servers speak mutual TLS themselves "
+                             "and the owners open no port. Use tls=False.")
         self.network = PrivateNetwork([certs.task_name(*t) for t in self.tasks], link_rate=link_rate)
         self.tf_ports: Dict[Task, int] = {t: TF_PORT_BASE + k for k, t in enumerate(self.tasks)}
         self.cert_dir: Optional[str] = None
@@ -176,6 +184,7 @@ class IsolatedCluster:
             "tasks": [{"name": self.host(t), "job": t[0], "index": t[1],
                        "namespace": self.network.namespace(self.host(t)),
                        "address": self.network.address(self.host(t)), "tf_port": self.tf_ports[t],
+                       "ipv6_link_local": self.network.link_local(self.host(t)),
                        "hub_port": self.network.port(self.host(t)),
                        "tls_port": TLS_PORT if self.tls else None,
                        "cert_dir": os.path.join(self.cert_dir, self.host(t)) if self.tls else None}

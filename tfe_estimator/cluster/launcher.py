@@ -262,10 +262,11 @@ class Launcher:
         self.grace_seconds = grace_seconds
         self.log_dir = os.path.abspath(log_dir) if log_dir else None
         self.port_retries = port_retries
-        if self.cluster_mode == SERVICE and isolate:
-            raise ValueError("--isolate runs the TensorFlow-runtime modes in network namespaces; in service mode "
-                             "the owners run no server at all and the aggregation servers speak mutual TLS "
-                             "themselves. Drop --isolate, or pass --cluster-mode between-graph/in-graph.")
+        if self.cluster_mode == SERVICE and tls:
+            raise ValueError("--tls adds stunnel sidecars to the TensorFlow-runtime modes; in service mode the "
+                             "aggregation servers speak mutual TLS themselves and the owners open no port. Drop "
+                             "--tls (--isolate alone runs the service cluster in namespaces), or pass "
+                             "--cluster-mode between-graph/in-graph.")
         if tls and not isolate:
             raise ValueError("--tls needs --isolate: the sidecars and the firewall that closes TensorFlow's ports "
                              "live in each task's own network namespace. Pass --isolate --tls.")
@@ -275,7 +276,8 @@ class Launcher:
         self.network_file = network_file
         self.isolation: Optional[IsolatedCluster] = None
         if isolate:
-            self.isolation = IsolatedCluster(cluster_tasks(workers, evaluator, NUM_TFE_TASKS), tls, self.cluster_mode,
+            tfe_tasks = SERVICE_TFE_TASKS if self.cluster_mode == SERVICE else NUM_TFE_TASKS
+            self.isolation = IsolatedCluster(cluster_tasks(workers, evaluator, tfe_tasks), tls, self.cluster_mode,
                                              link_rate)
         self._out = out
         self.tf_warnings = bool(tf_warnings)
@@ -377,7 +379,7 @@ class Launcher:
                 self._write_certs()
             if self.isolation is not None:
                 self.isolation.start()
-                if self.network_file:
+                if self.network_file and self.cluster_mode != SERVICE:  # service mode: `_run_once` writes it
                     with open(self.network_file, "w", encoding="utf-8") as f:
                         json.dump(self.isolation.describe(), f, indent=1)
                 tls = " with mutual TLS sidecars and a firewall" if self.isolation.tls else ""
@@ -407,9 +409,12 @@ class Launcher:
         layout = " ".join(f"{t.name}={self.cluster.jobs[t.job][t.index]}" for t in self.tasks)
         self.say(f"cluster ({self.protocol}): {layout}")
         if self.network_file and self.cluster_mode == SERVICE:  # for `tfe-estimator attack`
+            network = {"mode": SERVICE, "cluster": "launch", "cert_dir": self._cert_dir,
+                       "jobs": {job: list(addresses) for job, addresses in self.cluster.jobs.items()}}
+            if self.isolation is not None:  # the namespaces, bridge addresses and IPv6 link-local addresses
+                network["isolation"] = self.isolation.describe()
             with open(self.network_file, "w", encoding="utf-8") as f:
-                json.dump({"mode": SERVICE, "cluster": "launch", "cert_dir": self._cert_dir,
-                           "jobs": {job: list(addresses) for job, addresses in self.cluster.jobs.items()}}, f, indent=1)
+                json.dump(network, f, indent=1)
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             self.say(f"task logs: {os.path.join(self.log_dir, '<job>-<index>.log')} "

@@ -24,6 +24,7 @@ import itertools
 import os
 import shutil
 import subprocess
+import time
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ["PrivateNetwork", "missing_capabilities", "join_network", "SUBNET", "HUB_BRIDGE"]
@@ -130,6 +131,31 @@ class PrivateNetwork:
         if host not in self._addresses:
             raise KeyError(f"{host!r} is not a host of this network: {self.hosts}")
         return self._addresses[host]
+
+    def link_local(self, host: str, timeout: float = 10.0) -> Optional[str]:
+        """`host`'s IPv6 link-local address on its ``eth0`` (``fe80::…``), once usable; None if IPv6 is off there.
+
+        The kernel gives every interface one as soon as it is up, whatever
+        SUBNET says: a second way in that an IPv4-only view of the network
+        misses. It is tentative (unreachable) until duplicate address
+        detection ends, so this waits up to `timeout` s for that.
+        """
+        switch = subprocess.run(self.exec_argv(host, ["cat", "/proc/sys/net/ipv6/conf/eth0/disable_ipv6"]),
+                                capture_output=True, text=True, timeout=30, check=False)
+        if switch.returncode != 0 or switch.stdout.strip() == "1":
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            result = subprocess.run(["ip", "-n", self.namespace(host), "-6", "-o", "addr", "show", "dev", "eth0",
+                                     "scope", "link"], capture_output=True, text=True, timeout=30, check=False)
+            for line in result.stdout.splitlines():
+                fields = line.split()
+                if "inet6" in fields and "tentative" not in fields:
+                    return fields[fields.index("inet6") + 1].split("/")[0]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{host} has no usable IPv6 link-local address on eth0 after {timeout} s: "
+                                   f"{result.stdout.strip() or result.stderr.strip() or 'none'} (is IPv6 disabled?)")
+            time.sleep(0.1)
 
     def port(self, host: str) -> str:
         """`host`'s link on the hub's bridge (where a capture of that host's traffic listens)."""

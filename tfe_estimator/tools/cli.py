@@ -67,16 +67,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "servers) or in-graph (the chief runs every task's graph; one organisation on a "
                              "trusted network)")
     launch.add_argument("--isolate", action="store_true",
-                        help="run every task in its own network namespace on a private bridge (root)")
+                        help="run every task in its own network namespace on a private bridge (root), as "
+                             "separate hosts")
     launch.add_argument("--tls", action="store_true",
-                        help="with --isolate: mutual TLS sidecars (stunnel) on every link, certificates for the run, "
-                             "and a firewall that closes TensorFlow's ports to everything but their own namespace")
+                        help="with --isolate, in the TensorFlow-runtime modes: mutual TLS sidecars (stunnel) on "
+                             "every link, certificates for the run, and a firewall that closes TensorFlow's ports to "
+                             "everything but their own namespace (service mode has its own mutual TLS)")
     launch.add_argument("--link-rate", default=None,
                         help="with --isolate: limit every task's link to this rate (tc notation, e.g. 1gbit)")
     launch.add_argument("--network-file", default=None,
                         help="with --isolate: write the namespaces, addresses and ports to this JSON file; with "
-                             "--cluster-mode service: the addresses and the run's certificate directory "
-                             "(for `tfe-estimator attack`)")
+                             "--cluster-mode service: the addresses and the run's certificate directory, and "
+                             "with --isolate too the namespaces (for `tfe-estimator attack`)")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
     attack = sub.add_parser("attack", help="from outside the private network (and from each owner), try what "
                                            "--isolate --tls must stop; exit 1 if anything got through")
