@@ -528,6 +528,7 @@ def test_service_mode_owners_accept_nothing_and_servers_only_owners_and_server0(
         env = {e["name"]: e["value"] for e in _container(w)["env"]}
         assert env["TFE_ESTIMATOR_CLUSTER_MODE"] == "service"
         assert env["TFE_ESTIMATOR_TLS_DIR"] == "/etc/tfe-tls/certs"
+        assert env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"  # the service's large messages (cluster.huge_pages)
         (mount,) = [m for m in _container(w)["volumeMounts"] if m["name"] == "tls-certs"]
         assert mount == {"name": "tls-certs", "mountPath": "/etc/tfe-tls/certs", "readOnly": True}
         volumes = {v["name"]: v for v in spec["volumes"]}

@@ -373,3 +373,45 @@ def test_encode_is_byte_identical_to_protobuf():
             assert wire.encode(name, payload, **fields) == expected, (name, n)
             assert wire.encoded_size(name, payload.nbytes, **fields) == len(expected)
             assert classes[name].FromString(wire.encode(name, payload, **fields)).payload == payload.tobytes()
+
+
+def test_decode_equals_protobuf_keeps_the_payload_in_place_and_names_a_truncated_message():
+    # The receiving end's one copy: every field as protobuf parses it, the payload a view of the received bytes.
+    import numpy as np
+
+    from tfe_estimator.service import wire
+
+    classes = wire.messages()
+    for n in (0, 1, 1000):
+        payload = np.arange(n, dtype="<i8")
+        data = wire.encode("ContributeRequest", payload, channel="sum_0", step=-7, ring_bits=64, num_elements=n)
+        expected = classes["ContributeRequest"].FromString(data)
+        decoded = wire.decode("ContributeRequest", data)
+        for field in ("channel", "step", "ring_bits", "num_elements"):
+            assert getattr(decoded, field) == getattr(expected, field), field
+        assert decoded.payload.tobytes() == expected.payload and decoded.payload.readonly
+        if n:
+            assert np.shares_memory(np.frombuffer(decoded.payload, np.uint8), np.frombuffer(data, np.uint8))
+    # Another writer's order, an unknown field and a repeated payload (the last wins, as in protobuf).
+    shuffled = classes["ContributeReply"](payload=b"first").SerializeToString() + \
+        b"\x58\x05" + classes["ContributeReply"](step=9, payload=b"second").SerializeToString()
+    decoded = wire.decode("ContributeReply", shuffled)
+    assert decoded.step == 9 and bytes(decoded.payload) == b"second"
+    assert bytes(decoded.payload) == classes["ContributeReply"].FromString(shuffled).payload
+    assert wire.decoder("HandshakeReply") == classes["HandshakeReply"].FromString  # no payload: protobuf's own
+    data = wire.encode("ContributeReply", np.arange(4, dtype="<i8"), step=1)
+    with pytest.raises(ValueError, match=r"ContributeReply: field 2 says 32 bytes at byte \d+, but only 31 follow"):
+        wire.decode("ContributeReply", data[:-1])
+    with pytest.raises(ValueError, match="truncated or overlong varint"):
+        wire.decode("ContributeReply", b"\x08\xff")
+    with pytest.raises(ValueError, match="wire type 3 of field 1"):
+        wire.decode("ContributeReply", b"\x0b")
+
+
+def test_service_tasks_start_with_huge_pages_unless_the_user_chose():
+    from tfe_estimator.cluster.huge_pages import with_huge_pages
+
+    assert with_huge_pages({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"

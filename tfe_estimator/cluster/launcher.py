@@ -55,6 +55,7 @@ from tfe_estimator.cluster.peers import BETWEEN_GRAPH, IN_GRAPH, SERVICE, valida
 from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB,
                                         TLS_DIR_ENV, TfeCluster, cluster_jobs, cluster_tasks)
 from tfe_estimator.secure.protocols import validate_protocol
+from tfe_estimator.cluster.huge_pages import with_huge_pages
 from tfe_estimator.cluster.server import server_command
 from tfe_estimator.validation import is_int, is_number
 
@@ -304,6 +305,8 @@ class Launcher:
                 env.update({"TF_CONFIG": self.cluster.to_tf_config(job, index),
                             LAUNCH_PROTOCOL_ENV: self.protocol, LAUNCH_CLUSTER_MODE_ENV: self.cluster_mode,
                             "PYTHONUNBUFFERED": "1", **extra_env})
+                if self.cluster_mode == SERVICE:  # the service's 8 B/param messages: huge pages (cluster.huge_pages)
+                    env = with_huge_pages(env)
                 if job == TFE_JOB:
                     argv, cwd = list(self.server_command), None
                 else:

@@ -46,6 +46,7 @@ from tfe_estimator.cluster.k8s_common import (DEFAULT_COMMAND, DEFAULT_PORT, DEF
                                               CLUSTER_LABEL, JOB_LABEL, check_active_deadline_seconds,
                                               check_arguments, check_tls, check_tls_secret, labels, selector)
 from tfe_estimator.cluster.k8s_common import tasks as all_tasks
+from tfe_estimator.cluster.huge_pages import HUGE_PAGES_TUNABLE, TUNABLES_ENV
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV
 from tfe_estimator.cluster.sidecar import stunnel_config
 from tfe_estimator.cluster.spec import (DATA_OWNER_JOBS, LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, TLS_DIR_ENV, cluster_jobs,
@@ -118,6 +119,7 @@ def _pod_spec(
         ]
     if cert_secret is not None:
         container["env"].append({"name": TLS_DIR_ENV, "value": SERVICE_CERT_DIR})
+        container["env"].append({"name": TUNABLES_ENV, "value": HUGE_PAGES_TUNABLE})  # see cluster.huge_pages
         container.setdefault("volumeMounts", []).append(
             {"name": "tls-certs", "mountPath": SERVICE_CERT_DIR, "readOnly": True})
         # 0440: the pod's fsGroup makes the key readable by the non-root user, and by nobody else.

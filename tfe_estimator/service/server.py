@@ -137,7 +137,7 @@ class AggregationServer:
         handlers = {}
         for m in wire.METHODS:
             handlers[m.name] = grpc.unary_unary_rpc_method_handler(
-                self._handler(m), request_deserializer=classes[m.request].FromString,
+                self._handler(m), request_deserializer=wire.decoder(m.request),
                 response_serializer=_serialize)
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=self._max_workers,
                                                                    thread_name_prefix=f"tfe-agg{self._role}"),
@@ -159,7 +159,7 @@ class AggregationServer:
                                                   ("grpc.max_reconnect_backoff_ms", 1000)]
             self._peer = grpc.secure_channel(self._peer_address, self._tls.channel_credentials(), options=options)
             self._forward = self._peer.unary_unary(
-                wire.method_path("ForwardBlinded"), request_serializer=classes["ForwardRequest"].SerializeToString,
+                wire.method_path("ForwardBlinded"), request_serializer=wire.serialize,
                 response_deserializer=classes["ForwardReply"].FromString)
         server.start()
         self._server = server
@@ -244,7 +244,7 @@ class AggregationServer:
     def _check_request(self, request, payload: bytes, what: str) -> int:
         """Validates a put's settings and payload size; returns the ring words.
 
-        `payload` is ``request.payload`` read once: every read of a bytes field copies it (upb).
+        `payload` is ``request.payload``: a view of the received bytes (`wire.decode`).
         """
         if not request.channel:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: empty channel name; name the sum.")
@@ -275,13 +275,12 @@ class AggregationServer:
     def _finish(self, channel: StepChannel, released: Released) -> None:
         """Computes a released step's answer outside the channel's lock (server0 also forwards); wakes the owners."""
         if self._role == 1:
-            payload = released.acc.tobytes()
+            payload = released.acc
         else:
             blind = secrets.token_bytes(ring.KEY_BYTES)
             ring.sub_into(released.acc, ring.keystream_words(blind, released.acc.size), released.ring_bits)
-            forward = wire.messages()["ForwardRequest"](
-                channel=channel.name, step=released.step, ring_bits=released.ring_bits,
-                num_elements=released.num_elements, payload=released.acc.tobytes())
+            forward = wire.encode("ForwardRequest", released.acc, channel=channel.name, step=released.step,
+                                  ring_bits=released.ring_bits, num_elements=released.num_elements)
             try:
                 self._forward(forward, timeout=self._timeout, wait_for_ready=True)
             except grpc.RpcError as e:
@@ -291,8 +290,7 @@ class AggregationServer:
                           f"part to server1 at {self._peer_address}: {e.details()}"))
                 return
             payload = blind
-        reply = wire.messages()["ContributeReply"](step=released.step, payload=payload).SerializeToString()
-        channel.finish(released, reply)
+        channel.finish(released, wire.encode("ContributeReply", payload, step=released.step))  # the one copy
 
     def _contribute(self, identity: str, request, context, reply):
         del reply  # the answer is serialized once per step (see _serialize)

@@ -17,12 +17,18 @@ Example::
     request = classes["ContributeRequest"](channel="grads", step=7, ring_bits=64,
                                            num_elements=3, payload=b"...")
     path = wire.method_path("Contribute")   # "/tfe_estimator.aggregation.v1.Aggregation/Contribute"
+
+A share's bytes are copied once on each end: `encode` writes the payload
+straight from the array into the message's bytes (gRPC's serializer takes them
+as they are), and `decode`, gRPC's deserializer of the payload messages, hands
+the payload on as a view of the received bytes.
 """
 import functools
 from typing import Dict, NamedTuple, Tuple
 
-__all__ = ["encode", "encoded_size", "serialize", "PACKAGE", "SERVICE", "SERVICE_NAME", "PROTO_FILE", "MESSAGES",
-           "METHODS", "Method", "OWNERS", "SERVER0", "file_descriptor", "messages", "method", "method_path"]
+__all__ = ["encode", "encoded_size", "serialize", "decode", "decoder", "Decoded", "PACKAGE", "SERVICE",
+           "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0", "file_descriptor",
+           "messages", "method", "method_path"]
 
 PACKAGE = "tfe_estimator.aggregation.v1"
 SERVICE = "Aggregation"
@@ -158,3 +164,72 @@ def encoded_size(message: str, payload_bytes: int, **fields) -> int:
 def serialize(message) -> bytes:
     """gRPC serializer of the service's messages: bytes from `encode` as they are, a protobuf message serialized."""
     return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+class Decoded:
+    """A received message: its fields as protobuf parsed them, its ``payload`` a read-only view of the
+    received bytes (`decode`). Reads like the message (``decoded.step``, ``decoded.payload``)."""
+
+    __slots__ = ("message", "payload")
+
+    def __init__(self, message, payload: memoryview):
+        self.message, self.payload = message, payload
+
+    def __getattr__(self, name):
+        return getattr(self.message, name)
+
+
+def _read_varint(data: memoryview, pos: int) -> Tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError(f"a truncated or overlong varint at byte {pos} of a {len(data)}-byte message")
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def decode(message: str, data: bytes) -> Decoded:
+    """Parses the wire bytes of `message` (one with a payload) without copying the payload.
+
+    The top-level fields are walked once (protobuf's wire format: a varint key, then a varint, 8 or 4
+    bytes, or a length and that many bytes); the payload field (the last occurrence wins, as in
+    protobuf) becomes a view of `data`, every other field is handed to protobuf, so the result equals
+    ``messages()[message].FromString(data)`` field by field. Raises ValueError naming what is malformed.
+    """
+    view = memoryview(data).cast("B")
+    number = _payload_field(message)
+    rest, payload, pos = [], view[0:0], 0
+    while pos < len(view):
+        start = pos
+        key, pos = _read_varint(view, pos)
+        field, kind = key >> 3, key & 7
+        if kind == 0:
+            _, pos = _read_varint(view, pos)
+        elif kind in (1, 5):
+            pos += 8 if kind == 1 else 4
+        elif kind == 2:
+            length, pos = _read_varint(view, pos)
+            if pos + length > len(view):
+                raise ValueError(f"{message}: field {field} says {length} bytes at byte {pos}, but only "
+                                 f"{len(view) - pos} follow (a truncated message)")
+            if field == number:
+                payload, pos = view[pos:pos + length], pos + length
+                continue
+            pos += length
+        else:
+            raise ValueError(f"{message}: wire type {kind} of field {field} at byte {start} is not one this API "
+                             "uses (0, 1, 2, 5)")
+        if pos > len(view):
+            raise ValueError(f"{message}: field {field} at byte {start} runs past the end (a truncated message)")
+        rest.append(view[start:pos])
+    return Decoded(messages()[message].FromString(b"".join(rest)), payload)
+
+
+def decoder(message: str):
+    """A gRPC deserializer of `message`: `decode` for one with a payload, protobuf's parser otherwise."""
+    if any(name == "payload" for name, _, _ in dict(MESSAGES)[message]):
+        return functools.partial(decode, message)
+    return messages()[message].FromString
