@@ -1,5 +1,6 @@
 """The `tfe-estimator` command line: parsing and clear errors."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -125,3 +126,44 @@ def test_bench_and_attack_come_from_the_checkout_not_the_package():
     root = pathlib.Path(cli.__file__).resolve().parents[2]
     for name in ("bench", "attack"):
         assert pathlib.Path(cli._checkout_tool(name).__file__).resolve().is_relative_to(root / "tools")
+
+
+def _service_server_env(tmp_path, task_type="tfe", index=1, mode="service"):
+    from tfe_estimator.cluster import certs
+
+    import portpicker
+
+    certs.make_cluster_certs(str(tmp_path), [("chief", 0), ("worker", 0), ("tfe", 0), ("tfe", 1)], cluster="t")
+    ports = [portpicker.pick_unused_port() for _ in range(2)]
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "tfe": [f"127.0.0.1:{p}" for p in ports]}
+    return {**os.environ, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}}),
+            "TFE_ESTIMATOR_CLUSTER_MODE": mode, "TFE_ESTIMATOR_TLS_DIR": str(tmp_path)}, cluster
+
+
+def test_server_limits_reach_the_aggregation_server_and_bad_ones_are_named(tmp_path):
+    import threading
+
+    from tfe_estimator.cluster.server import run_server
+    from tfe_estimator.service import OwnerClient, ServiceError, TlsFiles
+
+    env, cluster = _service_server_env(tmp_path)
+    out = _run("server", "--max-elements", "0", env=env)
+    assert out.returncode == 2 and "max_elements=0 must be an integer >= 1" in out.stderr, out.stderr
+    out = _run("server", "--max-channels", "2", env={**env, "TFE_ESTIMATOR_CLUSTER_MODE": "between-graph"})
+    assert out.returncode == 2 and "--max-channels configure the aggregation service" in out.stderr, out.stderr
+    stop = threading.Event()
+    server = threading.Thread(target=run_server, args=(env, stop, {"max_elements": 4}))
+    server.start()
+    client = OwnerClient(cluster["tfe"], TlsFiles.from_dir(str(tmp_path), "chief", 0), timeout_secs=30)
+    try:
+        import numpy as np
+
+        with pytest.raises(ServiceError) as e:  # server1 alone: the share's size is checked before any wait
+            client._call(1, "Contribute", client._messages["ContributeRequest"](  # pylint: disable=protected-access
+                channel="c", step=0, ring_bits=64, num_elements=5, payload=np.zeros(5, "<i8").tobytes()))
+        assert "num_elements=5 is above this server's max_elements=4" in e.value.details
+    finally:
+        client.close()
+        stop.set()
+        server.join(timeout=30)
+    assert not server.is_alive()

@@ -227,3 +227,6 @@ def test_launch_refuses_bad_arguments():
         Launcher([], workers=1)
     with pytest.raises(ValueError, match="Unknown protocol 'spdz'"):
         Launcher(["true"], protocol="spdz")
+    with pytest.raises(ValueError, match=r"--tls adds stunnel sidecars to the TensorFlow-runtime modes; in service "
+                                         r"mode .* Drop --tls \(--isolate alone runs the service cluster"):
+        Launcher(["true"], cluster_mode="service", isolate=True, tls=True)

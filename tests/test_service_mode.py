@@ -80,15 +80,16 @@ def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_
             assert inputs[1:] == ["TfeMaskShare:1", "TfeMaskShare:0"], inputs
 
 
-@pytest.mark.parametrize("workers, replicas", [(3, 1), (1, 2)])
-def test_four_owners_and_two_owners_with_two_local_replicas_equal_the_twin_after_1_and_4_steps(
-        workers, replicas, tmp_path):
-    # N = 4 owners with one replica each; 2 owners x 2 local replicas (summed in plaintext inside each owner,
-    # one secure contribution per owner and step). Trained to step 1, then resumed from it to step 4.
+@pytest.mark.parametrize("workers, replicas, runs", [(3, 1, (1, 4)), (1, 2, (1, 4)), (7, 1, (2,))])
+def test_four_and_eight_owners_and_two_owners_with_two_local_replicas_equal_the_twin(
+        workers, replicas, runs, tmp_path):
+    # N = 4 owners with one replica each, and 2 owners x 2 local replicas (summed in plaintext inside each owner,
+    # one secure contribution per owner and step): trained to step 1, then resumed from it to step 4.
+    # N = 8 owners (ten processes on this machine): two steps.
     workdir = str(tmp_path)
     owners = _owners(workers)
     data = _owner_data(workdir, owners)
-    for steps in (1, 4):
+    for steps in runs:
         status, log = _train(workdir, workers, "--num-replicas", str(replicas), steps=steps)
         assert status == 0, log[-5000:]
         twin = _plaintext_twin(data, steps)

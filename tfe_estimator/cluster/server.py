@@ -93,7 +93,8 @@ def _bind_address(address: str) -> str:
     return f"[::]:{port}"
 
 
-def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]], stop: threading.Event) -> int:
+def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]], stop: threading.Event,
+                       limits: Mapping[str, float]) -> int:
     """Service mode: this ``tfe`` task is aggregation server 0 or 1 (`tfe_estimator.service`), no TensorFlow."""
     from tfe_estimator.service import AggregationServer, TlsFiles  # pylint: disable=import-outside-toplevel
 
@@ -111,7 +112,7 @@ def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]]
     server = AggregationServer(
         role=cluster.task_index, address=_bind_address(servers[cluster.task_index]), owners=owners,
         tls=TlsFiles.from_dir(tls_dir, TFE_JOB, cluster.task_index),
-        peer_address=servers[1] if cluster.task_index == 0 else None)
+        peer_address=servers[1] if cluster.task_index == 0 else None, **limits)
     port = server.start()
     _stop_on_signals(stop)
     log.info("aggregation server %d serving owners %s on port %d (mutual TLS; holds only keys and masked "
@@ -131,8 +132,13 @@ def _stop_on_signals(stop: threading.Event) -> None:
             signal.signal(sig, lambda signum, frame: stop.set())
 
 
-def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threading.Event] = None) -> int:
+def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threading.Event] = None,
+               limits: Optional[Mapping[str, float]] = None) -> int:
     """Serves this ``tfe`` task until SIGTERM or SIGINT (or `stop` is set).
+
+    Args:
+      limits: service mode only: `AggregationServer`'s ``step_timeout_secs``, ``max_elements`` and
+        ``max_channels`` (``tfe-estimator server --step-timeout-secs ... --max-elements ... --max-channels ...``).
 
     Returns:
       0, the exit status.
@@ -149,8 +155,13 @@ def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threa
         )
     _check_tfe_task(cluster)
     stop = stop or threading.Event()
+    limits = dict(limits or {})
     if _cluster_mode(environ) == SERVICE:
-        return _serve_aggregation(cluster, environ, stop)
+        return _serve_aggregation(cluster, environ, stop, limits)
+    if limits:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(limits))
+        raise ValueError(f"{flags} configure the aggregation service; this task runs in "
+                         f"{_cluster_mode(environ)} mode, where the servers are TensorFlow servers. Drop {flags}.")
     server = start_server(cluster)
     _stop_on_signals(stop)
     address = cluster.jobs[TFE_JOB][cluster.task_index]

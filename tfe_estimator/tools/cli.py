@@ -38,7 +38,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser(SERVER_SUBCOMMAND, help="run this task's TFE party server from TF_CONFIG and block")
+    server = sub.add_parser(SERVER_SUBCOMMAND, help="run this task's TFE party server from TF_CONFIG and block")
+    server.add_argument("--step-timeout-secs", type=float, default=None,
+                        help="service mode: how long a put waits for the other owners (default 300)")
+    server.add_argument("--max-elements", type=int, default=None,
+                        help="service mode: the largest sum a channel may have, in parameters (default 2**27)")
+    server.add_argument("--max-channels", type=int, default=None,
+                        help="service mode: how many sums the server keeps (default 4096)")
 
     launch = sub.add_parser("launch", help="run a whole cluster on loopback ports as local processes")
     launch.add_argument("--workers", type=int, default=1, help="workers besides the chief (default 1)")
@@ -112,7 +118,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == SERVER_SUBCOMMAND:
         from tfe_estimator.cluster.server import run_server  # pylint: disable=import-outside-toplevel
 
-        return run_server()
+        limits = {name: getattr(args, name) for name in ("step_timeout_secs", "max_elements", "max_channels")
+                  if getattr(args, name) is not None}
+        return run_server(limits=limits)
     if args.command == "launch":
         from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
 
