@@ -44,3 +44,18 @@ def test_quick_benchmark_reports_every_case(tmp_path):
         # A ring all-reduce between 2 owners moves 4 bytes each way: half the secure sum's 8 at 64 bits.
         assert 4.0 <= anchor["up"] <= 6.0 and 4.0 <= anchor["down"] <= 6.0, link
         assert "On the wire" in report
+
+
+def test_the_service_alone_reports_cpu_per_parameter_and_leaves_no_server(capsys):
+    import re
+    import subprocess
+
+    from tools.bench import service_alone
+
+    assert service_alone.main(["--elements", "1000", "--steps", "3", "--owners", "3"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[service-alone] 1,000 elements, 3 owners"), line
+    figures = [float(v) for v in re.findall(r"(?:server0|server1|clients?) (\d+\.\d+)", line)]
+    assert len(figures) == 6 and all(v > 0 for v in figures), line
+    pids = re.search(r"server pids (\d+), (\d+)", line).groups()
+    assert subprocess.run(["ps", "-p", ",".join(pids)], capture_output=True, check=False).returncode == 1

@@ -1,9 +1,11 @@
 """Developer tools, run from a checkout (not in the installed package):
 
 - `tools.bench`: secure vs plaintext step time and bytes (``python -m tools.bench``, ``make bench``);
-  `tools.bench.sampler_compare` compares two versions of the DP noise kernel.
+  `tools.bench.sampler_compare` compares two versions of the DP noise kernel; `tools.bench.service_alone`
+  measures the aggregation service's CPU per parameter without TensorFlow.
 - `tools.attack`: tries what ``launch --isolate --tls`` must stop (``python -m tools.attack``);
-  `tools.attack_service` what a service-mode cluster (``launch --cluster-mode service``) must stop.
+  `tools.attack_service` what a service-mode cluster (``launch --cluster-mode service``) must stop;
+  `tools.portscan` the TCP scan of every port it runs on an isolated service cluster.
 
 `tfe-estimator bench` and `tfe-estimator attack` run these when the checkout is at hand.
 """

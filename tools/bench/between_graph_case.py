@@ -42,7 +42,7 @@ import tensorflow as tf
 from tools.bench import traffic
 from tools.bench.workloads import Workload, estimator_settings, input_fn, make_estimator
 
-__all__ = ["run_between_graph_case", "run_owner_task", "transport_missing", "TWINS", "TLS_TWINS"]
+__all__ = ["run_between_graph_case", "run_owner_task", "transport_missing", "process_cpu_seconds", "TWINS", "TLS_TWINS"]
 
 #: The secure twin and its plaintext anchor, in the order of even rounds; with transport "tls",
 #: the secure twin through TLS sidecars and the same without.
@@ -297,11 +297,11 @@ def _usage(service: bool, chief: bool) -> Dict:
                      calls=sum(c.contributions for c in clients))
     pids = [p for p in os.environ.get(SERVER_PIDS_ENV, "").split(",") if p]
     if chief and pids:
-        usage["servers"] = [_process_cpu(int(pid)) for pid in pids]
+        usage["servers"] = [process_cpu_seconds(int(pid)) for pid in pids]
     return usage
 
 
-def _process_cpu(pid: int) -> float:
+def process_cpu_seconds(pid: int) -> float:
     """CPU seconds (user + system) of process `pid`'s live threads, in nanoseconds' precision (schedstat)."""
     total = 0
     for thread in os.listdir(f"/proc/{pid}/task"):
