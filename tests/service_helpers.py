@@ -118,3 +118,14 @@ def credentials_of(certs_dir, job, index):
 def ca_only_credentials(certs_dir):
     with open(os.path.join(certs_dir, certs.CA_CERT), "rb") as f:
         return grpc.ssl_channel_credentials(root_certificates=f.read())
+
+
+def small_owner_data(workdir, owners=("chief-0", "worker-0"), rows=16):
+    """Each owner's directory under `workdir` with a small ``data.csv`` (two features, their sum as label)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.RandomState(0)
+    for owner in owners:
+        os.makedirs(os.path.join(workdir, owner))
+        x = rng.randn(rows, 2)
+        np.savetxt(os.path.join(workdir, owner, "data.csv"), np.column_stack([x, x.sum(1)]), delimiter=",")

@@ -18,7 +18,7 @@ import time
 import portpicker
 import pytest
 
-from service_helpers import cert_dirs, make_service, owner_names  # noqa: F401
+from service_helpers import cert_dirs, make_service, owner_names, small_owner_data  # noqa: F401
 from tfe_estimator.service import server as server_module
 from tools import CHECKOUT, attack
 
@@ -43,14 +43,9 @@ def _run_tool(network_file, timeout=120):
 @pytest.mark.slow
 def test_every_service_attack_is_refused_on_a_cluster_in_training(tmp_path):
     from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
-    import numpy as np  # pylint: disable=import-outside-toplevel
 
     workdir, network_file = str(tmp_path), str(tmp_path / "net.json")
-    rng = np.random.RandomState(0)
-    for owner in ("chief-0", "worker-0"):
-        os.makedirs(os.path.join(workdir, owner))
-        x = rng.randn(16, 2)
-        np.savetxt(os.path.join(workdir, owner, "data.csv"), np.column_stack([x, x.sum(1)]), delimiter=",")
+    small_owner_data(workdir)
     out = io.StringIO()
     launcher = Launcher([sys.executable, SCRIPT, "30", "0.1", "--step-seconds", "0.5"], workers=1,
                         task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="service",

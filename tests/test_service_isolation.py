@@ -21,9 +21,9 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
+from service_helpers import small_owner_data
 from tfe_estimator.cluster.isolation import IsolatedCluster
 from tools import CHECKOUT
 
@@ -65,11 +65,7 @@ def cluster(tmp_path_factory):
 
     workdir = str(tmp_path_factory.mktemp("isolated-service"))
     network_file = os.path.join(workdir, "net.json")
-    rng = np.random.RandomState(0)
-    for owner in OWNERS:
-        os.makedirs(os.path.join(workdir, owner))
-        x = rng.randn(16, 2)
-        np.savetxt(os.path.join(workdir, owner, "data.csv"), np.column_stack([x, x.sum(1)]), delimiter=",")
+    small_owner_data(workdir, OWNERS)
     out = io.StringIO()
     launcher = Launcher([sys.executable, SCRIPT, "2000", "0.1", "--step-seconds", "0.2"], workers=1,
                         task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="service",

@@ -147,11 +147,12 @@ def _run_probes(network: Dict, args) -> List[Dict]:
 
 def _in_observer(isolation: Dict, argv: List[str]) -> List[Dict]:
     """`argv`'s JSON results, run in a namespace of our own on the bridge of `isolation` (removed after)."""
-    from tfe_estimator.cluster.netns import join_network  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.cluster.netns import join_network, link_local_address  # pylint: disable=import-outside-toplevel
 
     namespace = f"tfe-attack-{os.getpid()}"
     join_network(isolation["hub"], namespace, isolation["observer_address"], f"a{os.getpid() % 10**6}")
     try:
+        link_local_address(namespace)  # IPv6 probes need our own link-local address out of its tentative state
         return _run_json(["ip", "netns", "exec", namespace, *argv])
     finally:
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)

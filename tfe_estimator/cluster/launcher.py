@@ -158,6 +158,14 @@ def _describe(status: int) -> str:
     return f"status {status}"
 
 
+def _write_json(path: str, value) -> None:
+    """Writes `value` to `path` whole or not at all (a reader polling for the file never sees half of it)."""
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
+    os.replace(partial, path)
+
+
 class Launcher:
     """Runs `command` as the chief, workers and evaluator of a loopback cluster.
 
@@ -383,8 +391,7 @@ class Launcher:
             if self.isolation is not None:
                 self.isolation.start()
                 if self.network_file and self.cluster_mode != SERVICE:  # service mode: `_run_once` writes it
-                    with open(self.network_file, "w", encoding="utf-8") as f:
-                        json.dump(self.isolation.describe(), f, indent=1)
+                    _write_json(self.network_file, self.isolation.describe())
                 tls = " with mutual TLS sidecars and a firewall" if self.isolation.tls else ""
                 self.say(f"each task in its own network namespace{tls}")
             for attempt in range(self.port_retries + 1):
@@ -416,8 +423,7 @@ class Launcher:
                        "jobs": {job: list(addresses) for job, addresses in self.cluster.jobs.items()}}
             if self.isolation is not None:  # the namespaces, bridge addresses and IPv6 link-local addresses
                 network["isolation"] = self.isolation.describe()
-            with open(self.network_file, "w", encoding="utf-8") as f:
-                json.dump(network, f, indent=1)
+            _write_json(self.network_file, network)
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             self.say(f"task logs: {os.path.join(self.log_dir, '<job>-<index>.log')} "

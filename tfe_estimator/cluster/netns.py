@@ -27,7 +27,7 @@ import subprocess
 import time
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["PrivateNetwork", "missing_capabilities", "join_network", "SUBNET", "HUB_BRIDGE"]
+__all__ = ["PrivateNetwork", "missing_capabilities", "join_network", "link_local_address", "SUBNET", "HUB_BRIDGE"]
 
 #: The private subnet inside the namespaces (never routed: the hub has no link out).
 SUBNET = ipaddress.ip_network("10.213.0.0/24")
@@ -72,6 +72,32 @@ def join_network(hub: str, namespace: str, address: str, port_name: str) -> None
     except BaseException:
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
         raise
+
+
+def link_local_address(namespace: str, device: str = "eth0", timeout: float = 10.0) -> Optional[str]:
+    """The IPv6 link-local address (``fe80::…``) of `device` in `namespace` once usable; None if IPv6 is off there.
+
+    The kernel gives every interface one as soon as it is up, whatever
+    `SUBNET` says: a second way in that an IPv4-only view of the network
+    misses. It is tentative (neither reachable nor usable as a source) until
+    duplicate address detection ends, so this waits up to `timeout` s for that.
+    """
+    switch = subprocess.run(["ip", "netns", "exec", namespace, "cat", f"/proc/sys/net/ipv6/conf/{device}/disable_ipv6"],
+                            capture_output=True, text=True, timeout=30, check=False)
+    if switch.returncode != 0 or switch.stdout.strip() == "1":
+        return None
+    deadline = time.monotonic() + timeout
+    while True:
+        result = subprocess.run(["ip", "-n", namespace, "-6", "-o", "addr", "show", "dev", device, "scope", "link"],
+                                capture_output=True, text=True, timeout=30, check=False)
+        for line in result.stdout.splitlines():
+            fields = line.split()
+            if "inet6" in fields and "tentative" not in fields:
+                return fields[fields.index("inet6") + 1].split("/")[0]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{device} in {namespace} has no usable IPv6 link-local address after {timeout} s: "
+                               f"{result.stdout.strip() or result.stderr.strip() or 'none'} (is IPv6 disabled?)")
+        time.sleep(0.1)
 
 
 def _tc(namespace: str, device: str, rate: str) -> None:
@@ -133,29 +159,8 @@ class PrivateNetwork:
         return self._addresses[host]
 
     def link_local(self, host: str, timeout: float = 10.0) -> Optional[str]:
-        """`host`'s IPv6 link-local address on its ``eth0`` (``fe80::…``), once usable; None if IPv6 is off there.
-
-        The kernel gives every interface one as soon as it is up, whatever
-        SUBNET says: a second way in that an IPv4-only view of the network
-        misses. It is tentative (unreachable) until duplicate address
-        detection ends, so this waits up to `timeout` s for that.
-        """
-        switch = subprocess.run(self.exec_argv(host, ["cat", "/proc/sys/net/ipv6/conf/eth0/disable_ipv6"]),
-                                capture_output=True, text=True, timeout=30, check=False)
-        if switch.returncode != 0 or switch.stdout.strip() == "1":
-            return None
-        deadline = time.monotonic() + timeout
-        while True:
-            result = subprocess.run(["ip", "-n", self.namespace(host), "-6", "-o", "addr", "show", "dev", "eth0",
-                                     "scope", "link"], capture_output=True, text=True, timeout=30, check=False)
-            for line in result.stdout.splitlines():
-                fields = line.split()
-                if "inet6" in fields and "tentative" not in fields:
-                    return fields[fields.index("inet6") + 1].split("/")[0]
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{host} has no usable IPv6 link-local address on eth0 after {timeout} s: "
-                                   f"{result.stdout.strip() or result.stderr.strip() or 'none'} (is IPv6 disabled?)")
-            time.sleep(0.1)
+        """`host`'s IPv6 link-local address on its ``eth0`` once usable (`link_local_address`)."""
+        return link_local_address(self.namespace(host), timeout=timeout)
 
     def port(self, host: str) -> str:
         """`host`'s link on the hub's bridge (where a capture of that host's traffic listens)."""
