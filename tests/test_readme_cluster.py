@@ -50,12 +50,22 @@ def test_the_readme_train_py_trains_two_owners_with_the_launcher_as_written(tmp_
     losses = [_final_eval(tmp_path / "model" / owner) for owner in ("chief-0", "worker-0")]
     assert losses[0][0] == losses[1][0] == 300, losses
     assert losses[0][1] == pytest.approx(losses[1][1], rel=1e-5), losses
+    # Each owner's own metrics (LocalMetricsExporter): its 40 test rows only, never summed. Both test sets
+    # have 40 rows, so the federated loss is the mean of the two owners' own losses.
+    own = [_final_eval(tmp_path / "model" / owner, "eval_local") for owner in ("chief-0", "worker-0")]
+    assert own[0][0] == own[1][0] == 300, own
+    assert abs(own[0][1] - own[1][1]) > 1e-3 * losses[0][1], (own, losses)  # not the federated loss
+    assert (own[0][1] + own[1][1]) / 2 == pytest.approx(losses[0][1], rel=1e-5), (own, losses)
+    for owner in ("chief:0", "worker:0"):  # each owner's terminal shows both
+        assert f"[{owner}] tfe_estimator: evaluation at step 300, all owners' data: average_loss" in log, log[-5000:]
+        assert f"[{owner}] tfe_estimator: evaluation at step 300, this owner's data only: average_loss" in log
+        assert f"[{owner}] tfe_estimator: step 200, loss" in log  # the progress line
 
 
-def _final_eval(model_dir):
-    """(global step, average_loss) of the last evaluation summary in model_dir/eval."""
+def _final_eval(model_dir, subdir="eval"):
+    """(global step, average_loss) of the last evaluation summary in model_dir/<subdir>."""
     last = None
-    for path in sorted(glob.glob(os.path.join(model_dir, "eval", "events.*"))):
+    for path in sorted(glob.glob(os.path.join(model_dir, subdir, "events.*"))):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 if value.tag == "average_loss":

@@ -49,6 +49,8 @@ _EXPORTS = {
     "plaintext_twin_config": "tfe_estimator.distribute.run_config",
     "TfeStrategy": "tfe_estimator.distribute.strategy",
     "BetweenGraphStrategy": "tfe_estimator.distribute.between_graph",
+    "LocalMetricsExporter": "tfe_estimator.distribute.local_metrics",
+    "evaluate_locally": "tfe_estimator.distribute.local_metrics",
 }
 _SUBPACKAGES = ("audit", "cluster", "distribute", "privacy", "secure", "tools")
 
@@ -89,4 +91,6 @@ __all__ = [
     "PartyAuditError",
     "default_session_config",
     "plaintext_twin_config",
+    "LocalMetricsExporter",
+    "evaluate_locally",
 ]

@@ -20,6 +20,7 @@ Example::
         cluster.check_protocol("pond")
         cluster.replica_devices()   # ('/job:chief/replica:0/task:0/device:CPU:0', ...)
 """
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,7 +33,7 @@ from tfe_estimator.validation import check_int, is_int
 __all__ = [
     "TfeCluster", "TFE_JOB", "NUM_TFE_TASKS", "DATA_OWNER_JOBS", "KNOWN_JOBS", "LAUNCH_PROTOCOL_ENV",
     "LAUNCH_CLUSTER_MODE_ENV", "TLS_DIR_ENV",
-    "cluster_tasks", "cluster_jobs", "tf_config_json", "cluster_digest",
+    "cluster_tasks", "cluster_jobs", "tf_config_json", "cluster_digest", "tf_config_hidden",
 ]
 
 TFE_JOB = "tfe"
@@ -258,3 +259,24 @@ def cluster_digest(jobs: Mapping[str, Sequence[str]]) -> bytes:
     """
     text = json.dumps({job: list(addresses) for job, addresses in jobs.items()}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+@contextlib.contextmanager
+def tf_config_hidden(hide: bool = True):
+    """Hides TF_CONFIG from the environment while in the block (when `hide`), then restores it.
+
+    A `tf.estimator.RunConfig` built inside is a local one (no cluster, no
+    master), as each service-mode owner's Estimator and an owner's own local
+    evaluation need.
+
+    Example::
+
+        with tf_config_hidden():
+            config = tf.estimator.RunConfig(model_dir=model_dir)
+    """
+    saved = os.environ.pop("TF_CONFIG", None) if hide else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TF_CONFIG"] = saved

@@ -51,6 +51,7 @@ from tensorflow.python.distribute.cluster_resolver import cluster_resolver as cl
 
 from tfe_estimator.cluster.spec import TFE_JOB, TfeCluster
 from tfe_estimator.distribute import aggregation
+from tfe_estimator.distribute import progress
 from tfe_estimator.distribute import step_sum
 from tfe_estimator.distribute import step_wait
 from tfe_estimator.distribute import weight_check
@@ -213,13 +214,14 @@ class BetweenGraphExtended(collective_lib.CollectiveAllReduceExtended):
             return [aggregation._finish(t, d, kind, reduce_op, num) for t, d in zip(totals, dtypes)]  # pylint: disable=protected-access
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        """Runs `fn` on this owner's replica; a training `EstimatorSpec` gets the owners' handshake hook."""
+        """Runs `fn` on this owner's replica; a training `EstimatorSpec` gets the owners' handshake hook and the
+        progress line (`progress.ProgressHook`)."""
 
         def with_handshake(*fn_args, **fn_kwargs):
             result = fn(*fn_args, **fn_kwargs)
             if isinstance(result, tf.estimator.EstimatorSpec) and result.mode == tf.estimator.ModeKeys.TRAIN:
                 result = result._replace(training_hooks=(*result.training_hooks, self._handshake_hook()))
-            return result
+            return progress.with_progress(result, fn_args)
 
         return super()._call_for_each_replica(with_handshake, args, kwargs)
 

@@ -17,7 +17,6 @@ protocol; pass the gRPC one as `grpc_protocol`. The inherited `protocol`
 property keeps its gRPC meaning (Estimator reads it); the tf-encrypted one is
 `tfe_protocol`.
 """
-import contextlib
 import dataclasses
 import logging
 import os
@@ -208,7 +207,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         _default_seed(kwargs)
         kwargs["model_dir"] = model_dir_claim.default_model_dir(kwargs.get("model_dir"))
-        with _tf_config_hidden(isinstance(kwargs["train_distribute"], ServiceStrategy)):
+        with cluster_lib.tf_config_hidden(isinstance(kwargs["train_distribute"], ServiceStrategy)):
             super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
         _claim_owner_model_dir(self)
@@ -378,17 +377,6 @@ def _service_kwargs(spec: cluster_lib.TfeCluster, settings: TfeSettings, session
                        for evaluation in (False, True))
     session_config = train.update_config_proto(session_config or default_session_config())
     return {"train_distribute": train, "eval_distribute": evaluate, "session_config": session_config}
-
-
-@contextlib.contextmanager
-def _tf_config_hidden(hide: bool):
-    """Hides TF_CONFIG from `tf.estimator.RunConfig` (service mode: each owner trains as a local Estimator)."""
-    saved = os.environ.pop("TF_CONFIG", None) if hide else None
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["TF_CONFIG"] = saved
 
 
 def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:

@@ -245,5 +245,11 @@ class ServiceStrategy(TfeStrategy):
             extended = _ServiceExtended(self, list(devices), ops, cpus_needed(list(devices)),
                                         partial_batches=evaluation)
         distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
+        self._federated_metrics = evaluation and dp is None
         log.info("secure aggregation through the service: owner %s of %s, %d local replicas %s, servers %s",
                  binding.owner, list(binding.owners), len(devices), list(devices), list(binding.addresses))
+
+    @property
+    def federated_metrics(self) -> bool:
+        """Whether evaluations under this strategy read the metrics of every owner's data (not under `dp`)."""
+        return self._federated_metrics

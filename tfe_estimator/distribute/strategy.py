@@ -19,6 +19,7 @@ from tensorflow.python.distribute import summary_op_util
 from tensorflow.python.distribute import values as value_lib
 from tensorflow.python.util import nest
 
+from tfe_estimator.distribute import progress
 from tfe_estimator.distribute.aggregation import SecureAggregation
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_party_devices, DEFAULT_NUM_REPLICAS
 from tfe_estimator.secure.protocols import check_supported, validate_protocol
@@ -139,11 +140,13 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
         # own. Under TfeStrategy no replica records them (TensorFlow's own switch,
         # which it flips the same way for XLA); with no `loss` summary, Estimator
         # writes the reduced loss, i.e. the secure sum, under that name.
+        # A training EstimatorSpec also gets the progress line (`progress.ProgressHook`).
         original = summary_op_util.skip_summary
         summary_op_util.skip_summary = lambda: tf.distribute.get_replica_context() is not None \
             and not tf.distribute.in_cross_replica_context() or original()
         try:
-            return super()._call_for_each_replica(fn, args, kwargs)
+            return super()._call_for_each_replica(
+                lambda *a, **k: progress.with_progress(fn(*a, **k), a), args, kwargs)
         finally:
             summary_op_util.skip_summary = original
 
