@@ -5,8 +5,8 @@ logger hides by default; `ProgressHook` prints one line to standard error at a
 session's first step and then every `RunConfig.log_step_count_steps` steps
 (default 100; ``None`` turns it off, with Estimator's own INFO lines)::
 
-    tfe_estimator: step 0, loss 7222.75 (this owner's first replica)
-    tfe_estimator: step 100, loss 2876.52 (this owner's first replica), 41.3 steps/s
+    tfe_estimator: step 0, loss 25573.7 (this owner's first replica)
+    tfe_estimator: step 100, loss 4932.21 (this owner's first replica), 11.3 steps/s
 
 The loss is that of this process's first replica on its own batch, read on the
 owner: nothing is summed across owners for it (under DP no un-noised value
