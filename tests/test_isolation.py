@@ -5,12 +5,15 @@ test creates (in a hub namespace of its own: nothing is routed anywhere
 else). Needs root, iproute2, iptables and stunnel4 (CI runs as root;
 ``scripts/system-deps.sh`` installs them); elsewhere these tests skip naming
 what is missing. Each security check has its mutation beside it: without
-``--tls`` the same attacks get through, and a sidecar whose peer table lets
-owners call each other lets the owner-to-owner connection through.
+``--tls`` the same attacks get through, a firewall left open on IPv6 lets
+them through TensorFlow's port on the IPv6 link-local address, and a sidecar
+whose peer table lets owners call each other lets the owner-to-owner
+connection through.
 """
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -19,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from tfe_estimator.cluster import peers
+from tfe_estimator.cluster import isolation, peers
 from tfe_estimator.cluster.isolation import IsolatedCluster
 from tfe_estimator.cluster.launcher import Launcher
 from test_between_graph import OWNERS, SCRIPT, STEPS, LEARNING_RATE, _owner_data, _plaintext_twin, _weights
@@ -113,6 +116,10 @@ def test_no_attack_gets_through_tls_isolation(tmp_path):
     lines = attack.stdout.splitlines()
     for kind in ("tcp", "grpc", "readfile", "no-cert", "foreign-ca", "owner-to-owner"):
         assert any(f" {kind} " in line and ": refused" in line for line in lines), (kind, attack.stdout)
+    # TensorFlow's port on every task's IPv6 link-local address too (TensorFlow listens on [::]).
+    for kind in ("tcp", "grpc", "readfile"):
+        ipv6 = [line for line in lines if f" {kind} [fe80:" in line]
+        assert ipv6 and all(": refused" in line for line in ipv6), (kind, attack.stdout)
     assert sum("owner-to-server" in line and "accepted (as it must)" in line for line in lines) == 6
     assert "0 went the wrong way" in attack.stdout
 
@@ -123,6 +130,19 @@ def test_without_tls_the_same_attacks_get_through(tmp_path):
     assert attack.returncode == 1, attack.stdout + attack.stderr[-3000:]
     assert f"readfile 10.213.0.2:7000: GOT THROUGH (read {len(SECRET)} bytes" in attack.stdout, attack.stdout
     assert "tcp 10.213.0.5:7003: GOT THROUGH" in attack.stdout  # a server's TF port
+    assert re.search(rf"chief-0 readfile \[fe80:[0-9a-f:]+%eth0\]:7000: GOT THROUGH \(read {len(SECRET)} bytes",
+                     attack.stdout), attack.stdout  # and on IPv6: the probe reaches TensorFlow there
+
+
+def test_a_firewall_left_open_on_ipv6_is_caught(tmp_path, monkeypatch):
+    """Mutation: --tls with the IPv4 firewall only (the reviewer's IPv6 way past it): the attack must report it."""
+    monkeypatch.setattr(isolation, "FIREWALL_IPV6", "true")  # `true` accepts the rules and installs none
+    attack = _attack(str(tmp_path), tls=True)
+    assert attack.returncode == 1, attack.stdout + attack.stderr[-3000:]
+    assert re.search(rf"chief-0 readfile \[fe80:[0-9a-f:]+%eth0\]:7000: GOT THROUGH \(read {len(SECRET)} bytes",
+                     attack.stdout), attack.stdout
+    assert re.search(r"tfe-0 tcp \[fe80:[0-9a-f:]+%eth0\]:7003: GOT THROUGH", attack.stdout), attack.stdout
+    assert not re.search(r"readfile 10\.213\.0\.\d+:\d+: GOT THROUGH", attack.stdout)  # IPv4 still closed
 
 
 def test_a_peer_table_that_lets_owners_call_each_other_is_caught(tmp_path, monkeypatch):

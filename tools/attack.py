@@ -5,12 +5,13 @@ Against a cluster started with ``tfe-estimator launch --isolate [--tls]
 this joins the cluster's private bridge with a namespace of its own (an
 outsider who knows every address and port) and tries, against every task:
 
-- ``tcp``: a TCP connection to TensorFlow's port;
-- ``grpc``: plaintext gRPC (HTTP/2) to TensorFlow's port and to the TLS port:
-  success is the server's HTTP/2 SETTINGS frame coming back;
-- ``readfile``: a TensorFlow session on the task (``grpc://address:port``)
-  running ``ReadFile`` of `--read-file` there: the attack that reads an owner's
-  data;
+- ``tcp``: a TCP connection to TensorFlow's port, on the task's bridge
+  address and on its IPv6 link-local address (TensorFlow listens on ``[::]``);
+- ``grpc``: plaintext gRPC (HTTP/2) to TensorFlow's port (both addresses) and
+  to the TLS port: success is the server's HTTP/2 SETTINGS frame coming back;
+- ``readfile``: a TensorFlow session on the task (``grpc://address:port``, both
+  addresses) running ``ReadFile`` of `--read-file` there: the attack that reads
+  an owner's data;
 - ``no-cert`` / ``foreign-ca``: TLS to the TLS port without a client
   certificate, and with a certificate for a real task's identity issued by
   another CA: success is getting gRPC's answer through the tunnel.
@@ -59,6 +60,8 @@ ATTACKS = {"tcp": True, "grpc": True, "readfile": True, "no-cert": True, "foreig
            "owner-to-owner": True, "owner-to-server": False}
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + empty SETTINGS
 _TIMEOUT = 3.0
+#: The interface of an IPv6 link-local address, in the observer's namespace as in every task's.
+_ZONE = "eth0"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -192,15 +195,17 @@ def _probe_outside(network: Dict, read_file: str) -> List[Dict]:
 def _attack_task(task: Dict, read_file: str, foreign) -> List[Dict]:
     """Every outside attempt against one task, in order."""
     results = []
-    tf_target = f"{task['address']}:{task['tf_port']}"
-    connected, detail = _tcp(task["address"], task["tf_port"])
-    results.append(_result("outside", task, "tcp", tf_target, connected, detail))
-    targets = [tf_target] + ([f"{task['address']}:{task['tls_port']}"] if task.get("tls_port") else [])
-    for target in targets:
-        host, port = target.rsplit(":", 1)
-        results.append(_result("outside", task, "grpc", target, *_grpc_answers(host, int(port))))
+    # TensorFlow listens on [::]: its port on the bridge's IPv4 address and on the IPv6 link-local one.
+    hosts = [task["address"]] + ([f"{task['ipv6_link_local']}%{_ZONE}"] if task.get("ipv6_link_local") else [])
+    for host in hosts:
+        results.append(_result("outside", task, "tcp", _target(host, task["tf_port"]), *_tcp(host, task["tf_port"])))
+    targets = [(host, task["tf_port"]) for host in hosts]
+    targets += [(task["address"], task["tls_port"])] if task.get("tls_port") else []
+    for host, port in targets:
+        results.append(_result("outside", task, "grpc", _target(host, port), *_grpc_answers(host, port)))
     if task["job"] in ("chief", "worker"):
-        for target in targets:
+        for host, port in targets:
+            target = _target(host, port)
             results.append(_result("outside", task, "readfile", target, *_read_file(task, target, read_file)))
     if task.get("tls_port"):
         target = f"{task['address']}:{task['tls_port']}"
@@ -225,6 +230,10 @@ def _probe_owner(network: Dict, name: str) -> List[Dict]:
         results.append(_result(name, task, attack, target,
                                *_grpc_answers(task["address"], task["tls_port"], tls=credentials, ca=ca)))
     return results
+
+
+def _target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _tcp(host: str, port: int):
@@ -278,7 +287,9 @@ def _read_file(task: Dict, target: str, path: str):
     """A TensorFlow session whose master is `target`, reading `path` on that task."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-    config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=int(_TIMEOUT * 1000))
+    # Only the target task's devices (as an attacker would): the master then asks no other task for its devices.
+    config = tf.compat.v1.ConfigProto(operation_timeout_in_ms=int(_TIMEOUT * 1000),
+                                      device_filters=[f"/job:{task['job']}/task:{task['index']}"])
     graph = tf.Graph()
     with graph.as_default(), tf.device(f"/job:{task['job']}/task:{task['index']}"):
         content = tf.io.read_file(path)

@@ -15,8 +15,11 @@ the launcher (`cluster.launcher`):
   ``[out-<task>]`` per task it may call); every task's TF_CONFIG says
   ``localhost:<TF port of task k>`` for every task k; and a firewall
   (iptables, in each namespace) that drops every packet to the task except on
-  loopback, to the TLS port, and replies to connections it opened. TensorFlow's
-  own port is reachable from nowhere but its own namespace.
+  loopback, to the TLS port, and replies to connections it opened; on IPv6
+  (ip6tables; TensorFlow listens on ``[::]``, and every interface has a
+  link-local address) the same without the TLS port, which is IPv4 only.
+  TensorFlow's own port is reachable from nowhere but its own namespace, on
+  either IP family.
 - service mode (``--cluster-mode service --isolate``): namespaces only. The
   aggregation servers speak mutual TLS themselves and the owners open no
   port, so there are no sidecars and no firewall to add (``tls`` is refused);
@@ -53,6 +56,8 @@ TLS_PORT = 8443
 TF_PORT_BASE = 7000
 #: The cluster name in the certificates' DNS names.
 CLUSTER_NAME = "launch"
+#: The firewall command for IPv6 (from Debian's iptables package).
+FIREWALL_IPV6 = "ip6tables"
 #: The host number on SUBNET an outside observer (`tfe-estimator attack`) takes: 10.213.0.200.
 OBSERVER_HOST = 199
 #: The stunnel executable (Debian's stunnel4 package installs it as `stunnel4`).
@@ -89,7 +94,7 @@ class IsolatedCluster:
     @staticmethod
     def missing(tls: bool) -> Optional[str]:
         """What this machine lacks for `--isolate` (and `--tls`), or None."""
-        missing = missing_capabilities(("iptables",) if tls else ())
+        missing = missing_capabilities(("iptables", "ip6tables") if tls else ())
         if tls and _stunnel() is None:
             stunnel = "stunnel4 (Debian package stunnel4; scripts/system-deps.sh installs it as root)"
             missing = f"{missing}; {stunnel}" if missing else stunnel
@@ -151,17 +156,19 @@ class IsolatedCluster:
         return {t: f"{self.network.address(self.host(t))}:{TLS_PORT}" for t in self.tasks}
 
     def _firewall(self, task: Task) -> None:
-        """Drops everything to `task` but loopback, its TLS port and replies to its own connections."""
-        rules = [["-P", "INPUT", "DROP"],
-                 ["-A", "INPUT", "-i", "lo", "-j", "ACCEPT"],
-                 ["-A", "INPUT", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
-                 ["-A", "INPUT", "-p", "tcp", "--dport", str(TLS_PORT), "-j", "ACCEPT"]]
-        for rule in rules:
-            result = subprocess.run(self.exec_argv(task, ["iptables", "-w", *rule]), capture_output=True,
-                                    text=True, timeout=30, check=False)
-            if result.returncode != 0:
-                raise RuntimeError(f"iptables {' '.join(rule)} in {self.host(task)}'s namespace failed: "
-                                   f"{result.stderr.strip()}")
+        """Drops everything to `task` but loopback, its TLS port and replies to its own connections; on IPv6
+        (no TLS port there: the sidecars listen on the bridge's IPv4 address) everything but loopback and replies."""
+        common = [["-P", "INPUT", "DROP"],
+                  ["-A", "INPUT", "-i", "lo", "-j", "ACCEPT"],
+                  ["-A", "INPUT", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]]
+        tls_port = ["-A", "INPUT", "-p", "tcp", "--dport", str(TLS_PORT), "-j", "ACCEPT"]
+        for tool, rules in (("iptables", [*common, tls_port]), (FIREWALL_IPV6, common)):
+            for rule in rules:
+                result = subprocess.run(self.exec_argv(task, [tool, "-w", *rule]), capture_output=True,
+                                        text=True, timeout=30, check=False)
+                if result.returncode != 0:
+                    raise RuntimeError(f"{tool} {' '.join(rule)} in {self.host(task)}'s namespace failed: "
+                                       f"{result.stderr.strip()}")
 
     def _start_sidecar(self, task: Task) -> None:
         config = stunnel_config(task, self.tasks, self.mode, os.path.join(self.cert_dir, self.host(task)),

@@ -48,7 +48,8 @@ def missing_capabilities(tools: Sequence[str] = ("ip",)) -> Optional[str]:
         missing.append("root (network namespaces need CAP_NET_ADMIN: run as root, e.g. in CI)")
     for tool in dict.fromkeys(("ip", *tools)):
         if shutil.which(tool) is None:
-            package = {"ip": "iproute2", "stunnel4": "stunnel4", "iptables": "iptables"}.get(tool, tool)
+            package = {"ip": "iproute2", "stunnel4": "stunnel4", "iptables": "iptables",
+                       "ip6tables": "iptables"}.get(tool, tool)
             missing.append(f"{tool} (Debian package {package}; scripts/system-deps.sh installs it as root)")
     return "; ".join(missing) if missing else None
 
