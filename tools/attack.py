@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence
 
 from tools import checkout_on_pythonpath
+from tools.portscan import target, task_hosts
 
 __all__ = ["main", "parse_args", "ATTACKS"]
 
@@ -60,8 +61,6 @@ ATTACKS = {"tcp": True, "grpc": True, "readfile": True, "no-cert": True, "foreig
            "owner-to-owner": True, "owner-to-server": False}
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + empty SETTINGS
 _TIMEOUT = 3.0
-#: The interface of an IPv6 link-local address, in the observer's namespace as in every task's.
-_ZONE = "eth0"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -196,22 +195,22 @@ def _attack_task(task: Dict, read_file: str, foreign) -> List[Dict]:
     """Every outside attempt against one task, in order."""
     results = []
     # TensorFlow listens on [::]: its port on the bridge's IPv4 address and on the IPv6 link-local one.
-    hosts = [task["address"]] + ([f"{task['ipv6_link_local']}%{_ZONE}"] if task.get("ipv6_link_local") else [])
+    hosts = task_hosts(task)
     for host in hosts:
-        results.append(_result("outside", task, "tcp", _target(host, task["tf_port"]), *_tcp(host, task["tf_port"])))
+        results.append(_result("outside", task, "tcp", target(host, task["tf_port"]), *_tcp(host, task["tf_port"])))
     targets = [(host, task["tf_port"]) for host in hosts]
     targets += [(task["address"], task["tls_port"])] if task.get("tls_port") else []
     for host, port in targets:
-        results.append(_result("outside", task, "grpc", _target(host, port), *_grpc_answers(host, port)))
+        results.append(_result("outside", task, "grpc", target(host, port), *_grpc_answers(host, port)))
     if task["job"] in ("chief", "worker"):
         for host, port in targets:
-            target = _target(host, port)
-            results.append(_result("outside", task, "readfile", target, *_read_file(task, target, read_file)))
+            where = target(host, port)
+            results.append(_result("outside", task, "readfile", where, *_read_file(task, where, read_file)))
     if task.get("tls_port"):
-        target = f"{task['address']}:{task['tls_port']}"
-        results.append(_result("outside", task, "no-cert", target,
+        where = target(task["address"], task["tls_port"])
+        results.append(_result("outside", task, "no-cert", where,
                                *_grpc_answers(task["address"], task["tls_port"], tls=(None, None))))
-        results.append(_result("outside", task, "foreign-ca", target,
+        results.append(_result("outside", task, "foreign-ca", where,
                                *_grpc_answers(task["address"], task["tls_port"], tls=foreign)))
     return results
 
@@ -230,10 +229,6 @@ def _probe_owner(network: Dict, name: str) -> List[Dict]:
         results.append(_result(name, task, attack, target,
                                *_grpc_answers(task["address"], task["tls_port"], tls=credentials, ca=ca)))
     return results
-
-
-def _target(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _tcp(host: str, port: int):

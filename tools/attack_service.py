@@ -56,6 +56,7 @@ import grpc
 from tfe_estimator.cluster import certs
 from tfe_estimator.service import ring, wire
 from tfe_estimator.service.tls import TlsFiles, server_name_option
+from tools.portscan import link_local_host, scan_tcp, target, task_hosts
 
 __all__ = ["service_attacks", "isolated_scans", "OWNER_JOBS", "NON_OWNER"]
 
@@ -63,8 +64,6 @@ OWNER_JOBS = ("chief", "worker")
 #: The identity the non-owner certificate is made for (signed by the run's own CA).
 NON_OWNER = ("tfe", 2)
 _TIMEOUT = 3.0
-#: The interface of a namespace of `launch --isolate` (an IPv6 link-local address needs it as its zone).
-_ZONE = "eth0"
 #: How long the attacker's first put must still be waiting after the second one was answered.
 _STILL_WAITING = 0.5
 _TF_METHODS = ("/tensorflow.WorkerService/RunGraph", "/tensorflow.WorkerService/RecvTensor",
@@ -194,10 +193,9 @@ def service_attacks(network: Dict, attacker: Optional[str] = None) -> List[Dict]
         for k, address in enumerate(servers):
             results += _attack_server(k, address, attacker, victims, mine, non_owner, foreign, _grpc_answers)
             for task in network.get("isolation", {}).get("tasks", ()):
-                if (task["job"], task["index"]) == ("tfe", k) and task.get("ipv6_link_local"):
-                    host = f"{task['ipv6_link_local']}%{_ZONE}"
-                    results += _tls_probes(f"tfe:{k}", attacker, host, _host_port(address)[1], mine, foreign,
-                                           _grpc_answers)
+                if (task["job"], task["index"]) == ("tfe", k) and link_local_host(task):
+                    results += _tls_probes(f"tfe:{k}", attacker, link_local_host(task), _host_port(address)[1],
+                                           mine, foreign, _grpc_answers)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if network.get("isolation"):  # on the bridge: every port of every task, on IPv4 and IPv6
@@ -207,9 +205,8 @@ def service_attacks(network: Dict, attacker: Optional[str] = None) -> List[Dict]
             port = _host_port(address)[1]
             for host in ("127.0.0.1", "::1"):
                 connected, detail = _tcp(host, port)
-                target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-                results.append(_result(attacker, f"{owner_job}:{owner_index}", "owner-port", target, not connected,
-                                       detail))
+                results.append(_result(attacker, f"{owner_job}:{owner_index}", "owner-port", target(host, port),
+                                       not connected, detail))
     return results
 
 
@@ -253,12 +250,12 @@ def _tls_probes(to: str, attacker: str, host: str, port: int, mine: TlsFiles, fo
                 grpc_answers) -> List[Dict]:
     """The server's port at `host`: HTTP/2 answers through TLS with the attacker's valid certificate (the
     control), never without a certificate, with a foreign CA's, or in plaintext."""
-    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    where = target(host, port)
     answered, detail = grpc_answers(host, port, tls=(mine.cert, mine.key), ca=mine.ca)
-    results = [_result(attacker, to, "valid-cert", target, answered, detail, control=True)]
+    results = [_result(attacker, to, "valid-cert", where, answered, detail, control=True)]
     for attack, tls in (("no-cert", (None, None)), ("foreign-ca", (foreign.cert, foreign.key)), ("plaintext", None)):
         answered, detail = grpc_answers(host, port, tls=tls, ca=mine.ca)
-        results.append(_result("outside", to, attack, target, not answered, detail))
+        results.append(_result("outside", to, attack, where, not answered, detail))
     return results
 
 
@@ -267,7 +264,6 @@ def isolated_scans(isolation: Dict, origin: str) -> List[Dict]:
     on its bridge address and its IPv6 link-local address: nothing may answer on an owner (``owner-port``),
     only the service port on a server (``server-ports``; skipped when `origin` is a server itself). Every
     closed port must be refused, not silent: a scan that never reached the task proves nothing."""
-    from tools.portscan import scan_tcp  # pylint: disable=import-outside-toplevel
 
     results = []
     for task in isolation["tasks"]:
@@ -275,11 +271,9 @@ def isolated_scans(isolation: Dict, origin: str) -> List[Dict]:
         if server and origin != "outside":
             continue
         expected = [task["tf_port"]] if server else []
-        hosts = [task["address"]] + ([f"{task['ipv6_link_local']}%{_ZONE}"] if task.get("ipv6_link_local") else [])
-        for host in hosts:
+        for host in task_hosts(task):
             scan = scan_tcp(host)
-            target = f"[{host}]:1-65535" if ":" in host else f"{host}:1-65535"
             ok = scan.open == expected and scan.refused == 65535 - len(expected)
             results.append(_result(origin, f"{task['job']}:{task['index']}", "server-ports" if server else
-                                   "owner-port", target, ok, scan.describe()))
+                                   "owner-port", target(host, "1-65535"), ok, scan.describe()))
     return results

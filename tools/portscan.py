@@ -17,12 +17,14 @@ import resource
 import select
 import socket
 import time
-from typing import Iterable, List, NamedTuple, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple, Union
 
-__all__ = ["Scan", "scan_tcp", "ALL_PORTS"]
+__all__ = ["Scan", "scan_tcp", "ALL_PORTS", "ZONE", "link_local_host", "task_hosts", "target"]
 
 #: Every TCP port.
 ALL_PORTS = range(1, 65536)
+#: The interface of every namespace of `launch --isolate` and of the attack's own: a link-local address's zone.
+ZONE = "eth0"
 _BATCH = 2048
 
 
@@ -37,6 +39,22 @@ class Scan(NamedTuple):
         tried = len(self.open) + self.refused + self.unanswered
         return (f"{tried} ports tried: {len(self.open)} open {self.open[:20]}, {self.refused} refused, "
                 f"{self.unanswered} unanswered")
+
+
+def link_local_host(task: Dict) -> Optional[str]:
+    """`task`'s IPv6 link-local address with its zone (``fe80::…%eth0``), from a network file's task entry
+    (`IsolatedCluster.describe`); None when it has none."""
+    return f"{task['ipv6_link_local']}%{ZONE}" if task.get("ipv6_link_local") else None
+
+
+def task_hosts(task: Dict) -> List[str]:
+    """Every address of `task` an outsider on the bridge can try: its IPv4 address, then its IPv6 link-local one."""
+    return [task["address"]] + [host for host in (link_local_host(task),) if host]
+
+
+def target(host: str, port: Union[int, str]) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _sockaddr(host: str) -> Tuple[int, tuple]:

@@ -52,12 +52,7 @@ def evaluate_locally(estimator: tf.estimator.Estimator, input_fn: Callable, step
                                         session_config=estimator.config.session_config,
                                         tf_random_seed=estimator.config.tf_random_seed)
     local = tf.estimator.Estimator(model_fn=estimator.model_fn, model_dir=estimator.model_dir, config=config)
-    metrics = local.evaluate(input_fn, steps=steps, checkpoint_path=checkpoint_path, name=name)
-    tf.compat.v1.logging.info(
-        "This owner's own metrics at global step %d (its evaluation data only, never sent; in %s): %s",
-        metrics.get(tf.compat.v1.GraphKeys.GLOBAL_STEP, -1), local.eval_dir(name),
-        ", ".join(f"{k} = {v}" for k, v in sorted(metrics.items()) if k != tf.compat.v1.GraphKeys.GLOBAL_STEP))
-    return metrics
+    return local.evaluate(input_fn, steps=steps, checkpoint_path=checkpoint_path, name=name)  # logs them at INFO
 
 
 class LocalMetricsExporter(tf.estimator.Exporter):
