@@ -132,7 +132,7 @@ def test_an_owner_refuses_a_server_certificate_of_a_foreign_ca(make_service, cer
 def test_mutation_client_trusting_a_foreign_ca_is_detected(make_service, cert_dirs, monkeypatch):
     foreign_ca = TlsFiles.from_dir(cert_dirs[1], "tfe", 0).read()[0]
 
-    def trusting_both(self):
+    def trusting_both(self, server=None):
         ca, cert, key = self.read()
         return grpc.ssl_channel_credentials(root_certificates=ca + foreign_ca, private_key=key, certificate_chain=cert)
 

@@ -1,6 +1,6 @@
 """Certificates for mutual TLS between the tasks of a cluster (the `cryptography` library).
 
-Every task gets a key and a certificate signed by the cluster's CA, carrying
+Every task gets a key and a certificate signed by its organisation's CA, carrying
 its identity: subject ``O=<organisation>, CN=<job>-<index>``, a DNS name
 ``<job>-<index>.<cluster>`` (what the TLS sidecar's peer check, stunnel's
 ``checkHost``, matches) and a URI ``tfe://<cluster>/<organisation>/<job>/<index>``.
@@ -10,10 +10,16 @@ Two ways to make them:
 
 - One party makes a whole test cluster's set (`make_cluster_certs`, or
   ``tfe-estimator certs --dir D --workers N``): ``ca.crt``, ``ca.key``,
-  ``<job>-<index>.crt``, ``<job>-<index>.key`` (keys mode 0600).
-- Across organisations no private key leaves its owner: each organisation
-  runs `make_key_and_csr` and sends only the signing request; the CA checks
-  it and signs it with `sign_csr`; the organisation keeps its key.
+  ``<job>-<index>.crt``, ``<job>-<index>.key`` (keys mode 0600). One lab only:
+  whoever holds ``ca.key`` can mint any identity.
+- Across organisations each organisation holds its own CA (`make_ca` with
+  ``organisation=``; ``tfe-estimator certs ca``) and signs only its own
+  parties (`sign_csr` refuses a request naming another organisation); no
+  private key leaves the task it belongs to (`make_key_and_csr`). The public
+  federation file (`tfe_estimator.identity.federation`) says which
+  organisation's CA vouches for which party.
+
+Key files are created exclusively (`tfe_estimator.identity.keyfiles`).
 
 Example::
 
@@ -22,6 +28,7 @@ Example::
     cert_pem = sign_csr(csr_pem, ca_cert_pem, ca_key_pem, cluster="demo")
 """
 import datetime
+import logging
 import os
 import re
 from typing import Dict, Iterable, Optional, Tuple
@@ -31,13 +38,19 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from tfe_estimator.identity.keyfiles import make_private_dir, write_private, write_public
 from tfe_estimator.validation import check_int
+
 __all__ = ["make_ca", "make_key_and_csr", "sign_csr", "make_cluster_certs", "task_name", "task_dns_name",
-           "task_uri", "CA_CERT", "CA_KEY", "DEFAULT_VALIDITY_DAYS"]
+           "task_uri", "identity_of_common_name", "certificate_identity", "ca_organisation", "load_certificate",
+           "CA_CERT", "CA_KEY", "DEFAULT_VALIDITY_DAYS"]
+
+_LOG = logging.getLogger("tfe_estimator")
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 DEFAULT_VALIDITY_DAYS = 30
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_COMMON_NAME = re.compile(r"^([a-z0-9]([a-z0-9-]*[a-z0-9])?)-(\d+)$")
 
 
 def _check_name(what: str, value: str) -> str:
@@ -62,6 +75,34 @@ def task_uri(job: str, index: int, cluster: str, organisation: str) -> str:
     return f"tfe://{_check_name('cluster', cluster)}/{_check_name('organisation', organisation)}/{job}/{index}"
 
 
+def identity_of_common_name(common_name: str) -> Optional[str]:
+    """``"chief-0"`` -> ``"chief:0"``; None for a CN that is not a task name."""
+    match = _COMMON_NAME.match(common_name)
+    return f"{match.group(1)}:{int(match.group(3))}" if match else None
+
+
+def load_certificate(pem: bytes, source: str) -> x509.Certificate:
+    """The first certificate of PEM bytes; a ValueError naming `source` if there is none."""
+    try:
+        return x509.load_pem_x509_certificate(pem)
+    except ValueError as e:
+        raise ValueError(f"{source} holds no PEM certificate ({e}): pass a certificate made by "
+                         "`tfe-estimator certs`.") from None
+
+
+def certificate_identity(cert: x509.Certificate) -> Optional[str]:
+    """The task identity ``"job:index"`` a certificate's CN names, or None."""
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return identity_of_common_name(names[0].value) if len(names) == 1 else None
+
+
+def ca_organisation(cert: x509.Certificate) -> Tuple[Optional[str], str]:
+    """``(organisation id or None, display name)`` of a CA certificate (`make_ca`'s O= and CN=)."""
+    orgs = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return (orgs[0].value if len(orgs) == 1 else None), (names[0].value if names else cert.subject.rfc4514_string())
+
+
 def _key():
     return ec.generate_private_key(ec.SECP256R1())
 
@@ -78,10 +119,25 @@ def _validity(days: int, not_before: Optional[datetime.datetime]) -> Tuple[datet
 
 
 def make_ca(cluster: str, validity_days: int = DEFAULT_VALIDITY_DAYS,
-            not_before: Optional[datetime.datetime] = None) -> Tuple[bytes, bytes]:
-    """A new cluster CA: ``(cert_pem, key_pem)``."""
+            not_before: Optional[datetime.datetime] = None, organisation: Optional[str] = None,
+            display_name: Optional[str] = None) -> Tuple[bytes, bytes]:
+    """A new CA: ``(cert_pem, key_pem)``.
+
+    Args:
+      cluster: the cluster (federation) name.
+      organisation: an organisation's id (a DNS label, e.g. ``"hospital-a"``): its CA then signs only
+        that organisation's parties (`sign_csr`). None: one CA for a whole test cluster.
+      display_name: the organisation's name for people (e.g. ``"Hospital A"``), the CA's CN.
+    """
     key = _key()
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"tfe-estimator CA {_check_name('cluster', cluster)}")])
+    attributes = []
+    if organisation is not None:
+        attributes.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, _check_name("organisation", organisation)))
+    common = display_name or f"tfe-estimator CA {_check_name('cluster', cluster)}"
+    if not isinstance(common, str) or not common.strip() or len(common) > 64:
+        raise ValueError(f"display_name={display_name!r} must be a non-empty name of at most 64 characters.")
+    attributes.append(x509.NameAttribute(NameOID.COMMON_NAME, common))
+    name = x509.Name(attributes)
     start, end = _validity(validity_days, not_before)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
@@ -110,8 +166,9 @@ def sign_csr(csr_pem: bytes, ca_cert_pem: bytes, ca_key_pem: bytes, cluster: str
     """Run by the CA: checks a task's CSR (signature, identity form) and signs it; returns the cert PEM.
 
     Raises:
-      ValueError: for a CSR whose signature does not verify or whose identity is
-        not a task of `cluster` (CN ``<job>-<index>``, the matching DNS name and URI).
+      ValueError: for a CSR whose signature does not verify, whose identity is
+        not a task of `cluster` (CN ``<job>-<index>``, the matching DNS name and URI),
+        or that names another organisation than an organisation's CA (its O=).
     """
     csr = x509.load_pem_x509_csr(csr_pem)
     if not csr.is_signature_valid:
@@ -134,9 +191,23 @@ def sign_csr(csr_pem: bytes, ca_cert_pem: bytes, ca_key_pem: bytes, cluster: str
         raise ValueError(f"CSR names {san.get_values_for_type(x509.DNSName)} / "
                          f"{san.get_values_for_type(x509.UniformResourceIdentifier)}, not task {job}-{index} "
                          f"of cluster {cluster!r} ({want_dns}, {want_uri}).")
-    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_cert = load_certificate(ca_cert_pem, "the CA certificate")
+    ca_org, ca_name = ca_organisation(ca_cert)
+    if ca_org is not None and ca_org != organisation:
+        raise ValueError(f"CSR of {job}-{index} names organisation {organisation!r}, but this CA is {ca_name!r} of "
+                         f"organisation {ca_org!r}: an organisation's CA signs only its own parties. Send the CSR "
+                         f"to {organisation!r}'s CA, or make it again with --org {ca_org}.")
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    if ca_key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) \
+            != ca_cert.public_key().public_bytes(serialization.Encoding.DER,
+                                                 serialization.PublicFormat.SubjectPublicKeyInfo):
+        raise ValueError(f"the CA key does not belong to the CA certificate {ca_name!r}: pass the ca.key made with "
+                         "that ca.crt.")
     start, end = _validity(validity_days, not_before)
+    if end > ca_cert.not_valid_after_utc:
+        _LOG.warning("certificate of %s-%d: cut to end with its CA %r on %s (asked for %d days)", job, index,
+                     ca_name, ca_cert.not_valid_after_utc.date(), validity_days)
+        end = ca_cert.not_valid_after_utc
     cert = (x509.CertificateBuilder().subject_name(csr.subject).issuer_name(ca_cert.subject)
             .public_key(csr.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(start).not_valid_after(end)
@@ -149,11 +220,7 @@ def sign_csr(csr_pem: bytes, ca_cert_pem: bytes, ca_key_pem: bytes, cluster: str
 
 
 def _write(path: str, data: bytes, private: bool = False) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    if private:
-        os.chmod(path, 0o600)
+    (write_private if private else write_public)(path, data)
 
 
 def make_cluster_certs(directory: str, tasks: Iterable[Tuple[str, int]], cluster: str,
@@ -168,7 +235,7 @@ def make_cluster_certs(directory: str, tasks: Iterable[Tuple[str, int]], cluster
     Returns:
       task -> ``(cert path, key path)``.
     """
-    os.makedirs(directory, exist_ok=True)
+    make_private_dir(directory)
     ca_cert, ca_key = make_ca(cluster, validity_days)
     _write(os.path.join(directory, CA_CERT), ca_cert)
     _write(os.path.join(directory, CA_KEY), ca_key, private=True)

@@ -76,8 +76,8 @@ class OwnerClient:
         #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
         #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
         self.bytes_sent = self.bytes_received = self.contributions = 0
-        credentials = tls.channel_credentials()
-        self._channels = [grpc.secure_channel(address, credentials,
+        # Each server pinned by its operator's CA only and by its name (tls.TlsFiles.channel_credentials).
+        self._channels = [grpc.secure_channel(address, tls.channel_credentials(k),
                                               options=list(CLIENT_OPTIONS) + [server_name_option(tls, k)])
                           for k, address in enumerate(addresses)]
         classes = wire.messages()

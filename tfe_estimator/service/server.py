@@ -42,7 +42,7 @@ import numpy as np
 
 from tfe_estimator.service import ring, wire
 from tfe_estimator.service.steps import Released, StepChannel, StepRefused
-from tfe_estimator.service.tls import TlsFiles, peer_identity, server_name_option
+from tfe_estimator.service.tls import TlsFiles, check_peer, peer_identity, server_name_option
 from tfe_estimator.validation import is_int
 
 __all__ = ["AggregationServer", "SERVER_OPTIONS"]
@@ -157,7 +157,7 @@ class AggregationServer:
                                                   ("grpc.initial_reconnect_backoff_ms", 100),
                                                   ("grpc.min_reconnect_backoff_ms", 100),
                                                   ("grpc.max_reconnect_backoff_ms", 1000)]
-            self._peer = grpc.secure_channel(self._peer_address, self._tls.channel_credentials(), options=options)
+            self._peer = grpc.secure_channel(self._peer_address, self._tls.channel_credentials(1), options=options)
             self._forward = self._peer.unary_unary(
                 wire.method_path("ForwardBlinded"), request_serializer=wire.serialize,
                 response_deserializer=classes["ForwardReply"].FromString)
@@ -196,7 +196,13 @@ class AggregationServer:
         if identity is None:
             raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
                          f"{method.name} refused: the caller's certificate names no task (CN <job>-<index>). "
-                         "Use a certificate made by tfe_estimator.cluster.certs for this cluster.")
+                         "Use a certificate made by `tfe-estimator certs` for this cluster.")
+        problem = check_peer(self._tls, identity, context)  # issued by the CA of identity's own organisation
+        if problem is not None:
+            raise _Abort(grpc.StatusCode.UNAUTHENTICATED,
+                         f"{method.name} refused on aggregation server{self._role}: {problem} Ask "
+                         f"{identity}'s organisation for a certificate signed by its CA (`tfe-estimator certs "
+                         "sign`), or correct the federation file.")
         if identity not in self._callers(method):
             raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
                          f"{identity} may not call {method.name} on aggregation server{self._role}: only "

@@ -1,42 +1,49 @@
-"""Mutual TLS for the aggregation service: credentials, pinned server names, caller identity.
+"""Mutual TLS for the aggregation service: credentials, pinned servers, caller identity.
 
-There is no plaintext mode. Every server requires a client certificate of the
-cluster's CA; every client pins the server task it means to reach
-(``grpc.ssl_target_name_override`` = ``tfe-<k>.<cluster>``, the DNS name in that
-task's certificate, see `tfe_estimator.cluster.certs`), so an owner talks only
-to the genuine tfe-k. The cluster name is read from the client's own
-certificate. A caller's identity is its certificate's CN, ``<job>-<index>``,
-read as ``"job:index"``.
+There is no plaintext mode. A task's trust material is either one CA (``ca.crt``:
+every party of one organisation, the single-directory layout) or the federation
+file (``federation.json``, `tfe_estimator.identity.federation`: each party's
+organisation and that organisation's CA). A server requires a client certificate
+that chains to one of the organisations' CAs (gRPC's check) and is issued by the
+CA of *the caller's own* organisation (`check_peer`); an owner pins each server by
+its operator's CA only and by its name (``grpc.ssl_target_name_override`` =
+``tfe-<k>.<cluster>``, the DNS name in that server's certificate). A caller's
+identity is its certificate's CN, ``<job>-<index>``, read as ``"job:index"``.
 
 Example::
 
-    tls = TlsFiles.from_dir("/etc/tfe/certs", "worker", 0)
-    channel = grpc.secure_channel("tfe0.example:7000", tls.channel_credentials(),
+    tls = TlsFiles.from_dir("/etc/tfe/worker-0", "worker", 0)   # federation.json or ca.crt there
+    channel = grpc.secure_channel("tfe0.example:7000", tls.channel_credentials(0),
                                   options=[server_name_option(tls, 0)])
 """
+import functools
 import os
-import re
 from typing import NamedTuple, Optional, Tuple
 
 import grpc
-from cryptography import x509
-from cryptography.x509.oid import NameOID
 
-from tfe_estimator.cluster import certs
+from tfe_estimator.identity import certs, expiry
+from tfe_estimator.identity.certs import identity_of_common_name
+from tfe_estimator.identity.federation import FEDERATION_FILE, Federation
 
-__all__ = ["TlsFiles", "peer_identity", "server_name", "server_name_option", "identity_of_common_name"]
+__all__ = ["TlsFiles", "peer_identity", "peer_certificate", "check_peer", "server_name", "server_name_option",
+           "identity_of_common_name", "FEDERATION_FILE"]
 
-_COMMON_NAME = re.compile(r"^([a-z0-9]([a-z0-9-]*[a-z0-9])?)-(\d+)$")
 
-
-def identity_of_common_name(common_name: str) -> Optional[str]:
-    """``"chief-0"`` -> ``"chief:0"``; None for a CN that is not a task name."""
-    match = _COMMON_NAME.match(common_name)
-    return f"{match.group(1)}:{int(match.group(3))}" if match else None
+@functools.lru_cache(maxsize=32)
+def _load_trust(path: str, mtime_ns: int, size: int, cluster: str) -> Federation:
+    """The trust of `path` as of its modification time (a renewed file is read again)."""
+    del mtime_ns, size  # the cache key only
+    if path.endswith(".json"):
+        return Federation.load(path)
+    with open(path, "rb") as f:
+        return Federation.single_ca(f.read(), cluster, source=path)
 
 
 class TlsFiles(NamedTuple):
-    """Paths of one task's PEM files: the cluster CA's certificate, the task's certificate and key.
+    """Paths of one task's PEM files: its trust material, its certificate and its key.
+
+    ``ca`` is a CA certificate (one organisation) or a federation file (``*.json``).
 
     Example::
 
@@ -49,49 +56,75 @@ class TlsFiles(NamedTuple):
 
     @classmethod
     def from_dir(cls, directory: str, job: str, index: int) -> "TlsFiles":
-        """The files `tfe_estimator.cluster.certs.make_cluster_certs` writes: ``ca.crt``, ``<job>-<index>.crt/.key``."""
+        """A task's files in `directory`: ``<job>-<index>.crt/.key`` and ``federation.json``, else ``ca.crt``."""
         stem = os.path.join(directory, certs.task_name(job, index))
-        files = cls(os.path.join(directory, certs.CA_CERT), stem + ".crt", stem + ".key")
+        federation = os.path.join(directory, FEDERATION_FILE)
+        trust = federation if os.path.isfile(federation) else os.path.join(directory, certs.CA_CERT)
+        files = cls(trust, stem + ".crt", stem + ".key")
         for path in files:
             if not os.path.isfile(path):
+                what = f"{FEDERATION_FILE} or {certs.CA_CERT}" if path == trust else os.path.basename(path)
                 raise FileNotFoundError(
-                    f"TLS file {path} for task {job}:{index} does not exist. Make the cluster's certificates with "
-                    f"`tfe-estimator certs --dir {directory}` (or certs.make_cluster_certs), or pass the directory "
-                    "that holds them.")
+                    f"TLS file {path} ({what}) for task {job}:{index} does not exist. Make the cluster's "
+                    f"certificates with `tfe-estimator certs --dir {directory}` (one organisation), or across "
+                    "organisations with `tfe-estimator certs request/sign/federation` (see docs/deployment.md), "
+                    "or pass the directory that holds them.")
         return files
 
+    def trust(self) -> Federation:
+        """Who vouches for whom (re-read when the file changes)."""
+        info = os.stat(self.ca)
+        return _load_trust(os.path.abspath(self.ca), info.st_mtime_ns, info.st_size,
+                           "" if self.ca.endswith(".json") else self.cluster())
+
+    def _own(self) -> Tuple[bytes, bytes]:
+        with open(self.cert, "rb") as f:
+            cert = f.read()
+        with open(self.key, "rb") as f:
+            key = f.read()
+        return cert, key
+
     def read(self) -> Tuple[bytes, bytes, bytes]:
-        """``(ca, cert, key)`` PEM bytes."""
-        out = []
-        for path in self:
-            with open(path, "rb") as f:
-                out.append(f.read())
-        return out[0], out[1], out[2]
+        """``(roots, cert, key)`` PEM bytes; roots: every organisation's CA certificate."""
+        cert, key = self._own()
+        return self.trust().roots_pem(), cert, key
+
+    def warn_expiring(self) -> None:
+        """Logs a warning for this task's certificate or a CA it trusts that expires within 7 days."""
+        expiry.warn_expiring([(self.cert, self._own()[0])] +
+                             [(f"{self.ca} (CA of {o.display_name})", o.ca_pem)
+                              for o in self.trust().organisations.values()])
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Server credentials that require a client certificate signed by the cluster's CA."""
-        ca, cert, key = self.read()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        """Server credentials that require a client certificate of one of the federation's CAs."""
+        self.warn_expiring()
+        roots, cert, key = self.read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=roots, require_client_auth=True)
 
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """Client credentials: trusts the cluster's CA only and presents this task's certificate."""
-        ca, cert, key = self.read()
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    def channel_credentials(self, server: Optional[int] = None) -> grpc.ChannelCredentials:
+        """Client credentials presenting this task's certificate; trusting server `server`'s operator's CA
+        only (None: every organisation's CA)."""
+        self.warn_expiring()
+        roots, cert, key = self.read()
+        if server is not None:
+            roots = self.trust().server_ca_pem(server)
+        return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=cert)
 
-    def _certificate(self) -> x509.Certificate:
-        return x509.load_pem_x509_certificate(self.read()[1])
+    def _certificate(self):
+        return certs.load_certificate(self._own()[0], self.cert)
 
     def identity(self) -> str:
         """This task's identity, ``"job:index"``, from its certificate's CN."""
-        names = self._certificate().subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-        identity = identity_of_common_name(names[0].value) if len(names) == 1 else None
+        identity = certs.certificate_identity(self._certificate())
         if identity is None:
             raise ValueError(f"certificate {self.cert} has subject {self._certificate().subject.rfc4514_string()!r}, "
-                             "not a task CN <job>-<index>: make it with tfe_estimator.cluster.certs.")
+                             "not a task CN <job>-<index>: make it with `tfe-estimator certs`.")
         return identity
 
     def cluster(self) -> str:
         """The cluster name: the part after ``<job>-<index>.`` of this certificate's DNS name."""
+        from cryptography import x509  # pylint: disable=import-outside-toplevel
+
         try:
             san = self._certificate().extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         except x509.ExtensionNotFound:
@@ -99,13 +132,13 @@ class TlsFiles(NamedTuple):
         names = san.get_values_for_type(x509.DNSName) if san is not None else []
         if len(names) != 1 or "." not in names[0]:
             raise ValueError(f"certificate {self.cert} has DNS names {names}, not one <job>-<index>.<cluster>: "
-                             "make it with tfe_estimator.cluster.certs.")
+                             "make it with `tfe-estimator certs`.")
         return names[0].split(".", 1)[1]
 
 
 def server_name(tls: TlsFiles, server: int) -> str:
     """The DNS name a client pins for aggregation server `server` (0 or 1): ``tfe-<k>.<cluster>``."""
-    return certs.task_dns_name("tfe", server, tls.cluster())
+    return tls.trust().server_name(server)
 
 
 def server_name_option(tls: TlsFiles, server: int) -> Tuple[str, str]:
@@ -113,10 +146,28 @@ def server_name_option(tls: TlsFiles, server: int) -> Tuple[str, str]:
     return ("grpc.ssl_target_name_override", server_name(tls, server))
 
 
+def _first(context: grpc.ServicerContext, key: str) -> Optional[bytes]:
+    values = context.auth_context().get(key) or []
+    if len(values) != 1:
+        return None
+    value = values[0]
+    return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
 def peer_identity(context: grpc.ServicerContext) -> Optional[str]:
     """The caller's ``"job:index"`` from its verified certificate's CN; None without one."""
-    names = context.auth_context().get("x509_common_name") or []
-    if len(names) != 1:
-        return None
-    name = names[0].decode("utf-8", "replace") if isinstance(names[0], bytes) else str(names[0])
-    return identity_of_common_name(name)
+    name = _first(context, "x509_common_name")
+    return identity_of_common_name(name.decode("utf-8", "replace")) if name is not None else None
+
+
+def peer_certificate(context: grpc.ServicerContext) -> Optional[bytes]:
+    """The caller's certificate (PEM), as gRPC verified it; None without one."""
+    return _first(context, "x509_pem_cert")
+
+
+def check_peer(tls: TlsFiles, identity: str, context: grpc.ServicerContext) -> Optional[str]:
+    """Why the caller's certificate does not prove `identity` in `tls`'s federation, or None if it does."""
+    leaf = peer_certificate(context)
+    if leaf is None:
+        return f"the caller {identity} presented no certificate gRPC could report."
+    return tls.trust().check_peer(identity, leaf)
