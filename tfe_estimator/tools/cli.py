@@ -9,7 +9,8 @@ Example::
     $ tfe-estimator bench                     # secure vs plaintext step time (from a checkout: tools/bench)
     $ tfe-estimator build-kernels             # compile the AES-CTR kernels ahead of time
     $ tfe-estimator k8s --name demo --image my/train:1 --workers 2 -- python train.py
-    $ tfe-estimator certs --dir certs --workers 2 --cluster demo   # a CA and every task's key and cert
+    $ tfe-estimator certs --dir certs --workers 2 --cluster demo   # one lab: a CA and every task's key and cert
+    $ tfe-estimator certs ca --org hospital-a --cluster demo --dir ca   # per organisation (docs/deployment.md)
 """
 import argparse
 import gc
@@ -21,6 +22,7 @@ from typing import Optional, Sequence
 
 from tfe_estimator._version import __version__
 from tfe_estimator.cluster.server import SERVER_SUBCOMMAND
+from tfe_estimator.tools import certs_cli
 
 __all__ = ["parse_args", "main"]
 
@@ -102,12 +104,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     build = sub.add_parser("build-kernels", help="compile the AES-CTR kernel library now (e.g. in an image)")
     build.add_argument("--force", action="store_true", help="recompile even if a cached build exists")
 
-    certs = sub.add_parser("certs", help="a cluster CA and each task's key and certificate for mutual TLS")
-    certs.add_argument("--dir", required=True, help="output directory: ca.crt, ca.key, <job>-<index>.crt/.key")
-    certs.add_argument("--workers", type=int, default=1, help="workers besides the chief (default 1)")
-    certs.add_argument("--evaluator", action="store_true", help="also an evaluator task")
-    certs.add_argument("--cluster", default="tfe", help="cluster name in the certificates' DNS names (default tfe)")
-    certs.add_argument("--validity-days", type=int, default=30, help="certificate lifetime (default 30)")
+    certs_cli.add_parser(sub)  # certs, certs ca/request/sign/federation/verify
 
     sub.add_parser("bench", help="secure vs plaintext step time, side by side (see bench --help; from a checkout)")
     sub.add_parser("k8s", help="print Kubernetes manifests for a cluster (see k8s --help)")
@@ -145,13 +142,7 @@ def _run(args: argparse.Namespace) -> int:
         print(kernels.library_path())
         return 0
     if args.command == "certs":
-        from tfe_estimator.cluster import certs  # pylint: disable=import-outside-toplevel
-        from tfe_estimator.cluster.spec import cluster_tasks  # pylint: disable=import-outside-toplevel
-
-        paths = certs.make_cluster_certs(args.dir, cluster_tasks(args.workers, args.evaluator), args.cluster,
-                                         validity_days=args.validity_days)
-        print(f"wrote {certs.CA_CERT}, {certs.CA_KEY} and {len(paths)} task keys and certificates to {args.dir}")
-        return 0
+        return certs_cli.run(args)
     if args.command == "bench":
         return _checkout_tool("bench").main(args.args)
     if args.command == "k8s":
