@@ -10,13 +10,12 @@ VENV_tf215 := .venv
 VENV_tf29 := .venv-tf29
 EXTRAS_tf215 := test,bench,dp
 EXTRAS_tf29 := test,bench
-# Versions, tfe_backend, kernels, secure aggregation, routing, Estimator training, model_fns, run config,
-# security and the loopback cluster tests: what must hold on the old stack.
+# What must hold on the old stack: versions, tfe_backend, kernels, secure aggregation, routing, a small
+# Estimator training check, run config, security, and the in-graph loopback cluster (TF_CONFIG, launch).
 TESTS_tf215 := tests
 TESTS_tf29 := tests/test_compat.py tests/test_tfe_backend.py tests/test_kernels.py tests/test_aggregation.py tests/test_strategy_routing.py \
-	tests/test_estimator_training.py tests/test_model_fns.py tests/test_run_config.py \
-	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_launch.py tests/test_wire.py \
-	tests/test_between_graph.py tests/test_between_graph_launch.py tests/test_between_graph_wire.py tests/test_isolation.py tests/test_between_graph_audit.py
+	tests/test_estimator_training.py tests/test_run_config.py \
+	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_launch.py
 
 VENV := $(VENV_$(STACK))
 VENV_PY := $(VENV)/bin/python

@@ -150,6 +150,8 @@ def test_server_limits_reach_the_aggregation_server_and_bad_ones_are_named(tmp_p
     out = _run("server", "--max-elements", "0", env=env)
     assert out.returncode == 2 and "max_elements=0 must be an integer >= 1" in out.stderr, out.stderr
     out = _run("server", "--max-channels", "2", env={**env, "TFE_ESTIMATOR_CLUSTER_MODE": "between-graph"})
+    assert out.returncode == 2 and "between-graph mode is retired. Use 'service'" in out.stderr, out.stderr
+    out = _run("server", "--max-channels", "2", env={**env, "TFE_ESTIMATOR_CLUSTER_MODE": "in-graph"})
     assert out.returncode == 2 and "--max-channels configure the aggregation service" in out.stderr, out.stderr
     stop = threading.Event()
     server = threading.Thread(target=run_server, args=(env, stop, {"max_elements": 4}))

@@ -1,14 +1,13 @@
 """`tfe-estimator launch --isolate --tls` against the attacks it must stop, and the training it must not change.
 
-Every task runs in its own network namespace on a private bridge that the
-test creates (in a hub namespace of its own: nothing is routed anywhere
-else). Needs root, iproute2, iptables and stunnel4 (CI runs as root;
+In-graph mode, the TensorFlow-runtime mode (one organisation): every task
+runs in its own network namespace on a private bridge that the test creates
+(in a hub namespace of its own: nothing is routed anywhere else). Needs root, iproute2, iptables and stunnel4 (CI runs as root;
 ``scripts/system-deps.sh`` installs them); elsewhere these tests skip naming
 what is missing. Each security check has its mutation beside it: without
-``--tls`` the same attacks get through, a firewall left open on IPv6 lets
-them through TensorFlow's port on the IPv6 link-local address, and a sidecar
-whose peer table lets owners call each other lets the owner-to-owner
-connection through.
+``--tls`` the same attacks get through, and a firewall left open on IPv6 lets
+them through TensorFlow's port on the IPv6 link-local address. (Service
+mode's isolation is tests/test_service_isolation.py.)
 """
 import io
 import json
@@ -22,10 +21,10 @@ import time
 import numpy as np
 import pytest
 
-from tfe_estimator.cluster import isolation, peers
+from tfe_estimator.cluster import isolation
 from tfe_estimator.cluster.isolation import IsolatedCluster
 from tfe_estimator.cluster.launcher import Launcher
-from test_between_graph import OWNERS, SCRIPT, STEPS, LEARNING_RATE, _owner_data, _plaintext_twin, _weights
+from test_launch import _owner_data, _true_weights, _weights
 
 MISSING = IsolatedCluster.missing(tls=True)
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,
@@ -57,7 +56,7 @@ class _Background:
     def __init__(self, workdir, command, tls, **kwargs):
         self.network_file = os.path.join(workdir, "network.json")
         self.out = io.StringIO()
-        kwargs.setdefault("cluster_mode", "between-graph")  # namespaces isolate the TensorFlow-runtime modes
+        kwargs.setdefault("cluster_mode", "in-graph")  # namespaces and sidecars isolate the TensorFlow runtime
         self.launcher = Launcher(command, task_cwd=os.path.join(workdir, "{job}-{index}"), out=self.out,
                                  isolate=True, tls=tls, network_file=self.network_file, down_timeout=120, **kwargs)
         self.status = None
@@ -114,13 +113,15 @@ def test_no_attack_gets_through_tls_isolation(tmp_path):
     attack = _attack(str(tmp_path), tls=True)
     assert attack.returncode == 0, attack.stdout + attack.stderr[-3000:]
     lines = attack.stdout.splitlines()
-    for kind in ("tcp", "grpc", "readfile", "no-cert", "foreign-ca", "owner-to-owner"):
+    for kind in ("tcp", "grpc", "readfile", "no-cert", "foreign-ca"):
         assert any(f" {kind} " in line and ": refused" in line for line in lines), (kind, attack.stdout)
     # TensorFlow's port on every task's IPv6 link-local address too (TensorFlow listens on [::]).
     for kind in ("tcp", "grpc", "readfile"):
         ipv6 = [line for line in lines if f" {kind} [fe80:" in line]
         assert ipv6 and all(": refused" in line for line in ipv6), (kind, attack.stdout)
     assert sum("owner-to-server" in line and "accepted (as it must)" in line for line in lines) == 6
+    # In-graph the chief's session runs ops on the worker: owners accept each other (the peer table).
+    assert sum("owner-to-owner" in line and "accepted (as it must)" in line for line in lines) == 2
     assert "0 went the wrong way" in attack.stdout
 
 
@@ -145,20 +146,12 @@ def test_a_firewall_left_open_on_ipv6_is_caught(tmp_path, monkeypatch):
     assert not re.search(r"readfile 10\.213\.0\.\d+:\d+: GOT THROUGH", attack.stdout)  # IPv4 still closed
 
 
-def test_a_peer_table_that_lets_owners_call_each_other_is_caught(tmp_path, monkeypatch):
-    """Mutation: owners accept each other (the in-graph table in between-graph mode)."""
-    table = dict(peers._CALLERS[peers.BETWEEN_GRAPH])  # pylint: disable=protected-access
-    table.update(chief=("tfe", "worker"), worker=("tfe", "chief"))
-    monkeypatch.setitem(peers._CALLERS, peers.BETWEEN_GRAPH, table)  # pylint: disable=protected-access
-    attack = _attack(str(tmp_path), tls=True)
-    assert attack.returncode == 1, attack.stdout + attack.stderr[-3000:]
-    assert "chief-0 -> worker-0 owner-to-owner 10.213.0.3:8443: GOT THROUGH" in attack.stdout, attack.stdout
-
-
-def _train_and_capture(workdir, tls):
-    """A 2-owner between-graph training run, every frame on the chief's link captured meanwhile."""
+def _train_and_capture(workdir, tls, steps=60):
+    """A 2-owner in-graph training run (the demo's cluster script), every frame on the chief's link captured."""
     _owner_data(workdir)
-    cluster = _Background(workdir, [sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE)], tls, workers=1)
+    command = [sys.executable, "-m", "tfe_estimator.tools.demo_cluster", "--mode", "secure", "--model-dir",
+               os.path.join(workdir, "model"), "--steps", str(steps), "--learning-rate", "0.1"]
+    cluster = _Background(workdir, command, tls, workers=1)
     network = cluster.network()
     frames, stop = os.path.join(workdir, "frames.bin"), os.path.join(workdir, "stop-capture")
     chief_link = next(t["hub_port"] for t in network["tasks"] if t["name"] == "chief-0")
@@ -174,16 +167,14 @@ def _train_and_capture(workdir, tls):
     assert status == 0, cluster.out.getvalue()[-5000:]
     with open(frames, "rb") as f:
         wire = f.read()
-    return {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in OWNERS}, wire
+    return _weights(os.path.join(workdir, "model")), wire
 
 
 def test_training_through_tls_matches_and_the_wire_shows_no_plaintext_grpc(tmp_path):
-    twin = _plaintext_twin(_owner_data(str(tmp_path / "twin")), STEPS)
     secure, wire = _train_and_capture(str(tmp_path / "tls"), tls=True)
     plain, plain_wire = _train_and_capture(str(tmp_path / "plain"), tls=False)
-    np.testing.assert_allclose(secure["chief-0"], secure["worker-0"], atol=1e-6)
-    np.testing.assert_allclose(secure["chief-0"], plain["chief-0"], atol=1e-6)
-    np.testing.assert_allclose(secure["chief-0"], twin, atol=1e-5)
+    np.testing.assert_allclose(secure, plain, atol=1e-6)  # TLS changes the transport, not the training
+    np.testing.assert_allclose(secure, _true_weights(), atol=1.0)  # learned from both owners' files
     assert len(wire) > 20_000 and len(plain_wire) > 20_000  # the capture saw the training's traffic
     for marker in PLAINTEXT_MARKERS:
         assert marker not in wire, marker

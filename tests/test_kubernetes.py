@@ -18,6 +18,7 @@ SHAPES = [(w, e) for w in (0, 1, 3) for e in (True, False)]
 
 def _render(workers, evaluator, **kwargs):
     kwargs.setdefault("command", ["python", "train.py"])
+    kwargs.setdefault("cluster_mode", "in-graph")  # the TensorFlow-runtime layout: 3 tfe servers, sidecars
     return kubernetes.render_manifests("demo", IMAGE, workers, evaluator=evaluator, namespace="ml", **kwargs)
 
 
@@ -136,7 +137,8 @@ def test_addresses_are_unique_and_name_the_services(workers, evaluator):
 
 def test_tfe_pods_run_the_server_and_others_the_training_command():
     command = ["python", "-m", "my_trainer", "--steps", "5"]
-    manifests = _render(2, True, command=command, data_claim="{name}-data-{job}-{index}", model_claim="{name}-model")
+    manifests = _render(2, True, command=command, data_claim="{name}-data-{job}-{index}", model_claim="{name}-model",
+                        cluster_mode="service")
     for w in manifests:
         if w["kind"] not in ("Job", "Deployment"):
             continue
@@ -146,25 +148,28 @@ def test_tfe_pods_run_the_server_and_others_the_training_command():
         job, index = _task_of(w)
         if job == "tfe":
             assert container["command"] == ["tfe-estimator", "server"]
-            assert "volumes" not in spec and "volumeMounts" not in container  # servers never see data
+            claims = [v for v in spec.get("volumes", []) if "persistentVolumeClaim" in v]
+            assert not claims, claims  # servers never see data (only their certificate Secret)
         else:
             assert container["command"] == command
             data = {"claimName": f"demo-data-{job}-{index}", "readOnly": True}
             # The evaluator writes model_dir/eval: the model volume is read-write for it too.
             model = {"claimName": "demo-model", "readOnly": False}
-            volumes = {v["name"]: v["persistentVolumeClaim"] for v in spec["volumes"]}
-            mounts = {m["name"]: (m["mountPath"], m["readOnly"]) for m in container["volumeMounts"]}
-            # Between-graph (the default) every owner checkpoints its own copy; the evaluator reads the chief's.
+            volumes = {v["name"]: v["persistentVolumeClaim"] for v in spec["volumes"] if "persistentVolumeClaim" in v}
+            mounts = {m["name"]: (m["mountPath"], m["readOnly"]) for m in container["volumeMounts"]
+                      if m["name"] in volumes}
+            # Service mode (the default) every owner checkpoints its own copy; the evaluator reads the chief's.
             assert volumes == {"data": data, "model": model}
             assert mounts == {"data": ("/data", True), "model": ("/model", False)}
 
 
-def test_in_graph_mounts_the_model_in_the_chief_and_evaluator_only_and_between_graph_per_owner():
+def test_in_graph_mounts_the_model_in_the_chief_and_evaluator_only_and_service_mode_per_owner():
     in_graph = _render(1, True, model_claim="{name}-model", cluster_mode="in-graph")
     (worker,) = [w for w in in_graph if w["kind"] == "Job" and _task_of(w) == ("worker", 0)]
     assert "model" not in {v["name"] for v in _pod_template(worker)["spec"].get("volumes", [])}
-    own = _render(1, True, model_claim="{name}-model-{job}-{index}")
-    claims = {_task_of(w): {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in _pod_template(w)["spec"]["volumes"]}
+    own = _render(1, True, model_claim="{name}-model-{job}-{index}", cluster_mode="service")
+    claims = {_task_of(w): {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in _pod_template(w)["spec"]["volumes"]
+                            if "persistentVolumeClaim" in v}
               for w in own if w["kind"] == "Job"}
     assert claims[("chief", 0)]["model"] == "demo-model-chief-0"
     assert claims[("worker", 0)]["model"] == "demo-model-worker-0"
@@ -172,7 +177,7 @@ def test_in_graph_mounts_the_model_in_the_chief_and_evaluator_only_and_between_g
     for w in own + in_graph:
         if w["kind"] in ("Job", "Deployment"):
             env = {e["name"]: e["value"] for e in _container(w)["env"]}
-            assert env["TFE_ESTIMATOR_CLUSTER_MODE"] in ("between-graph", "in-graph")
+            assert env["TFE_ESTIMATOR_CLUSTER_MODE"] in ("service", "in-graph")
 
 
 def test_no_volumes_without_claims():
@@ -216,24 +221,23 @@ def _table(tasks, mode):
     return {(a, b) for a in tasks for b in tasks if a != b and a[0] in peers.allowed_callers(mode, b[0])}
 
 
-@pytest.mark.parametrize("mode", ["between-graph", "in-graph"])
+@pytest.mark.parametrize("mode", ["in-graph"])
 @pytest.mark.parametrize("tls", [False, True])
 @pytest.mark.parametrize("workers,evaluator", [(1, True), (3, False)])
 def test_network_policies_let_through_exactly_the_peer_table(mode, tls, workers, evaluator):
     manifests = _render(workers, evaluator, cluster_mode=mode, tls=tls)
     port = kubernetes.TLS_PORT if tls else 2222
     assert _reachable(manifests, port) == _table(_expected_tasks(workers, evaluator), mode)
-    if mode == "between-graph":
-        assert (("worker", 0), ("chief", 0)) not in _reachable(manifests, port)  # owners never reach each other
+    assert not any(caller == ("evaluator", 0) for caller, _ in _reachable(manifests, port))  # it calls nobody
 
 
-def test_the_policy_check_catches_a_policy_that_lets_owners_reach_each_other():
-    """Mutation: the chief's policy also admits workers; the comparison with the peer table must fail."""
+def test_the_policy_check_catches_a_policy_that_lets_the_evaluator_reach_the_chief():
+    """Mutation: the chief's policy also admits the evaluator; the comparison with the peer table must fail."""
     manifests = _render(1, True, tls=True)
     (chief,) = [m for m in manifests if m["kind"] == "NetworkPolicy" and _task_of(m) == ("chief", 0)]
-    chief["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"].append("worker")
+    chief["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"].append("evaluator")
     with pytest.raises(AssertionError):
-        assert _reachable(manifests, kubernetes.TLS_PORT) == _table(_expected_tasks(1, True), "between-graph")
+        assert _reachable(manifests, kubernetes.TLS_PORT) == _table(_expected_tasks(1, True), "in-graph")
 
 
 def test_with_tls_tensorflow_ports_are_exposed_nowhere_and_every_pod_has_its_sidecar():
@@ -263,7 +267,8 @@ def test_with_tls_tensorflow_ports_are_exposed_nowhere_and_every_pod_has_its_sid
             assert not ports & tf_ports and ports <= {kubernetes.TLS_PORT}
     configs = {_task_of(m): m["data"]["stunnel.conf"] for m in manifests if m["kind"] == "ConfigMap"}
     assert sorted(configs) == sorted(_expected_tasks(1, True))
-    assert "checkHost = worker-0.demo" not in configs[("chief", 0)]  # between-graph: owners refuse each other
+    assert "checkHost = worker-0.demo" in configs[("chief", 0)]  # in-graph: the chief calls the workers
+    assert "checkHost = evaluator-0.demo" not in configs[("chief", 0)]  # the evaluator calls nobody
     assert "checkHost = tfe-0.demo" in configs[("chief", 0)]
 
 
@@ -288,7 +293,7 @@ def _schema_validator():
 @pytest.mark.parametrize("workers,evaluator", SHAPES)
 def test_every_manifest_is_valid_against_the_kubernetes_schemas(workers, evaluator):
     utils = _schema_validator()
-    for mode, tls in (("between-graph", False), ("in-graph", False), ("between-graph", True), ("in-graph", True)):
+    for mode, tls in (("in-graph", False), ("in-graph", True)):
         manifests = _render(workers, evaluator, data_claim="{name}-data-{job}-{index}", model_claim="{name}-model",
                             cluster_mode=mode, tls=tls)
         for manifest in yaml.safe_load_all(kubernetes.to_yaml(manifests)):
@@ -359,7 +364,7 @@ def test_committed_example_equals_a_fresh_render(capsys):
     )
     assert header.strip() and all(l.startswith("#") for l in header.splitlines())
     kinds = [m["kind"] for m in yaml.safe_load_all(fresh)]
-    assert kinds.count("Job") == 3 and kinds.count("Deployment") == 3  # chief, 1 worker, evaluator
+    assert kinds.count("Job") == 2 and kinds.count("Deployment") == 2  # chief, 1 worker; 2 aggregation servers
 
 
 def test_main_writes_a_file(tmp_path):
@@ -415,7 +420,8 @@ def test_bad_arguments_raise_clear_value_errors(kwargs, message):
 
 def test_longest_valid_name_renders():
     name = "a" * (63 - len("-evaluator-0"))
-    names = [m["metadata"]["name"] for m in kubernetes.render_manifests(name, IMAGE, 3) if m["kind"] == "Service"]
+    names = [m["metadata"]["name"] for m in kubernetes.render_manifests(name, IMAGE, 3, cluster_mode="in-graph")
+             if m["kind"] == "Service"]
     assert max(len(n) for n in names) == 63
 
 
@@ -431,7 +437,7 @@ def test_active_deadline_bounds_every_job_and_validates():
 
 @pytest.mark.parametrize("claim", ["{name}-model", "{name}-model-{job}-{index}"])
 def test_each_owner_pod_gets_its_own_model_dir_and_the_evaluator_the_chiefs(claim):
-    for mode, owners in (("between-graph", {("chief", 0), ("worker", 0), ("worker", 1)}), ("in-graph", {("chief", 0)})):
+    for mode, owners in (("service", {("chief", 0), ("worker", 0), ("worker", 1)}), ("in-graph", {("chief", 0)})):
         model_dirs = {_task_of(w): {e["name"]: e["value"] for e in _container(w)["env"]}.get("TFE_ESTIMATOR_MODEL_DIR")
                       for w in _render(2, True, model_claim=claim, cluster_mode=mode) if w["kind"] == "Job"}
         expected = {task: f"/model/{task[0]}-{task[1]}" for task in owners}
@@ -441,7 +447,8 @@ def test_each_owner_pod_gets_its_own_model_dir_and_the_evaluator_the_chiefs(clai
 
 
 def test_pods_run_non_root_without_capabilities_and_with_resources():
-    objs = kubernetes.render_manifests("demo", "example.com/train:1", workers=1, tls=True, read_only_root=True)
+    objs = kubernetes.render_manifests("demo", "example.com/train:1", workers=1, tls=True, read_only_root=True,
+                                       cluster_mode="in-graph")
     for obj in objs:
         if obj["kind"] not in ("Job", "Deployment"):
             continue
@@ -471,7 +478,7 @@ def test_resources_and_user_are_configurable_and_root_is_refused(capsys):
 @pytest.mark.parametrize("tfjob", [False, True])
 def test_teardown_deletes_every_rendered_kind(capsys, tfjob):
     objs = (tfjob_lib.render_tfjob("demo", "example.com/train:1", workers=1) if tfjob else
-            kubernetes.render_manifests("demo", "example.com/train:1", workers=1, tls=True))
+            kubernetes.render_manifests("demo", "example.com/train:1", workers=1, tls=True, cluster_mode="in-graph"))
     assert kubernetes.main(["--name", "demo", "--namespace", "ml", "--teardown"] + (["--tfjob"] if tfjob else [])) == 0
     command = capsys.readouterr().out.split()
     assert command[:4] == ["kubectl", "-n", "ml", "delete"] and "tfe-estimator/cluster=demo" in command
@@ -540,7 +547,7 @@ def test_service_mode_owners_accept_nothing_and_servers_only_owners_and_server0(
 
 
 def test_the_service_policy_check_catches_an_owner_that_accepts_a_server():
-    """Mutation: the chief's policy admits the servers (as between-graph's does); the check must fail."""
+    """Mutation: the chief's policy admits the servers (as in-graph's does); the check must fail."""
     manifests = _render(1, True, cluster_mode="service")
     (chief,) = [m for m in manifests if m["kind"] == "NetworkPolicy" and _task_of(m) == ("chief", 0)]
     chief["spec"]["ingress"] = [{"from": [{"podSelector": {"matchLabels": {kubernetes.JOB_LABEL: "tfe"}}}],
@@ -561,7 +568,7 @@ def test_service_mode_manifests_are_valid_against_the_kubernetes_schemas(workers
 
 
 def test_service_mode_from_the_command_line_and_its_teardown(capsys):
-    assert kubernetes.main(["--name", "demo", "--image", IMAGE, "--cluster-mode", "service",
+    assert kubernetes.main(["--name", "demo", "--image", IMAGE, "--cluster-mode", "service", "--evaluator",
                             "--tls-secret", "{name}-tls-{job}-{index}", "--", "python", "train.py"]) == 0
     objs = list(yaml.safe_load_all(capsys.readouterr().out))
     secrets = {v["secret"]["secretName"] for o in objs if o["kind"] in ("Job", "Deployment")

@@ -131,3 +131,21 @@ def test_the_secure_aggregation_summary_is_logged_once(caplog, monkeypatch):
     # Assert
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("secure aggregation: protocol=")]
     assert len(lines) == 1, lines
+
+
+def test_the_retired_between_graph_mode_is_refused_everywhere_naming_service_and_in_graph(monkeypatch):
+    from tfe_estimator.cluster import kubernetes
+    from tfe_estimator.cluster.launcher import Launcher
+
+    retired = r"between-graph mode is retired\. Use 'service'.*'in-graph'"
+    cluster = {"chief": ["localhost:1"], "worker": ["localhost:2"], "tfe": ["localhost:3", "localhost:4"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}}))
+    with pytest.raises(ValueError, match=retired):
+        TfeRunConfig(cluster_mode="between-graph", tf_random_seed=1)
+    monkeypatch.setenv("TFE_ESTIMATOR_CLUSTER_MODE", "between-graph")  # a task an older launcher started
+    with pytest.raises(ValueError, match=retired):
+        TfeRunConfig(tf_random_seed=1)
+    with pytest.raises(ValueError, match=r"--cluster-mode='between-graph': the " + retired):
+        Launcher(["true"], cluster_mode="between-graph")
+    with pytest.raises(ValueError, match=retired):
+        kubernetes.render_manifests("demo", "example.com/train:1", 1, cluster_mode="between-graph")

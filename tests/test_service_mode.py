@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from test_between_graph import LEARNING_RATE, _owner_data, _plaintext_twin, _weights  # noqa: F401 (re-exported)
+from owner_data import LEARNING_RATE, _owner_data, _plaintext_twin, _weights  # noqa: F401 (re-exported)
 from tfe_estimator.cluster.launcher import Launcher
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

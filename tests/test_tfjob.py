@@ -55,7 +55,7 @@ def test_every_replica_is_what_the_operator_and_its_webhook_expect():
         assert spec["restartPolicy"] == ("Always" if rtype == "TFE" else "OnFailure")
         expected = list(kubernetes.SERVER_COMMAND) if rtype == "TFE" else ["python", "train.py"]
         assert container["command"] == expected
-        assert {"name": "TFE_ESTIMATOR_CLUSTER_MODE", "value": "between-graph"} in container["env"]
+        assert {"name": "TFE_ESTIMATOR_CLUSTER_MODE", "value": "in-graph"} in container["env"]
         assert not any(e["name"] == "TF_CONFIG" for e in container["env"])  # the operator writes it
 
 
@@ -86,8 +86,7 @@ def test_policies_admit_exactly_the_peer_table_per_replica_type(mode):
     jobs = ["chief", "worker", "evaluator", "tfe"]
     got = {(a, b) for a in jobs for b in jobs if _admitted(policies, a, b)}
     assert got == {(a, b) for a in jobs for b in jobs if a in peers.allowed_callers(mode, b)}
-    if mode == "between-graph":
-        assert not _admitted(policies, "worker", "worker") and not _admitted(policies, "chief", "worker")
+    assert not any(_admitted(policies, "evaluator", job) for job in jobs)  # the evaluator calls nobody
 
 
 def test_tfjob_refuses_what_one_shared_pod_template_cannot_do(capsys):
@@ -95,7 +94,7 @@ def test_tfjob_refuses_what_one_shared_pod_template_cannot_do(capsys):
         with pytest.raises(SystemExit):
             kubernetes.main(["--name", "demo", "--image", IMAGE, "--tfjob", *flags])
         assert "cannot be used with --tfjob" in capsys.readouterr().err
-    assert kubernetes.main(["--name", "demo", "--image", IMAGE, "--tfjob", "--workers", "2"]) == 0
+    assert kubernetes.main(["--name", "demo", "--image", IMAGE, "--tfjob", "--workers", "2", "--evaluator"]) == 0
     kinds = [m["kind"] for m in yaml.safe_load_all(capsys.readouterr().out)]
     assert kinds == ["TFJob"] + ["NetworkPolicy"] * 4
 

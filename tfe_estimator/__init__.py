@@ -48,7 +48,6 @@ _EXPORTS = {
     "default_session_config": "tfe_estimator.distribute.run_config",
     "plaintext_twin_config": "tfe_estimator.distribute.run_config",
     "TfeStrategy": "tfe_estimator.distribute.strategy",
-    "BetweenGraphStrategy": "tfe_estimator.distribute.between_graph",
     "LocalMetricsExporter": "tfe_estimator.distribute.local_metrics",
     "evaluate_locally": "tfe_estimator.distribute.local_metrics",
 }
@@ -75,7 +74,6 @@ __all__ = [
     "TfeRunConfig",
     "TfeSettings",
     "TfeStrategy",
-    "BetweenGraphStrategy",
     "SecureAggregation",
     "TfeCluster",
     "DistributedDP",

@@ -17,9 +17,10 @@ outsider who knows every address and port) and tries, against every task:
   another CA: success is getting gRPC's answer through the tunnel.
 
 Then, from inside each data owner's namespace with that owner's own
-certificate: ``owner-to-owner`` TLS to every other owner (between-graph mode:
-must be refused), beside ``owner-to-server`` (must be accepted: the check
-that the probe itself works).
+certificate: ``owner-to-owner`` TLS to every other owner (refused unless the
+cluster mode's peer table, `tfe_estimator.cluster.peers`, lets owners call
+each other, as in-graph's does), beside ``owner-to-server`` (must be
+accepted: the check that the probe itself works).
 
 Prints one line per attempt and exits 1 if any attack got through (or a
 check that must succeed did not), 0 otherwise. Needs root.
@@ -51,6 +52,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence
 
+from tfe_estimator.cluster.peers import allowed_callers
 from tools import checkout_on_pythonpath
 from tools.portscan import target, task_hosts
 
@@ -92,8 +94,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     results = _run_probes(network, args)
     wrong = 0
+    jobs = {task["name"]: task["job"] for task in network["tasks"]}
     for result in results:
         must_fail = ATTACKS[result["attack"]]
+        if result["attack"] == "owner-to-owner":  # what the mode's peer table says
+            must_fail = jobs[result["from"]] not in allowed_callers(network["mode"], jobs[result["to"]])
         ok = result["succeeded"] != must_fail
         wrong += not ok
         verdict = ("refused" if must_fail else "accepted (as it must)") if ok else \

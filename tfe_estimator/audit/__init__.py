@@ -4,7 +4,6 @@
   every `_Recv` on a party with its `_Send`.
 - `party_audit`: `audit_party_inputs` / `PartyAuditHook`, the allow-list audit.
 - `masks`: values as owner data plus signed masks.
-- `step_channels`: the between-graph rule for the servers' step accumulators and queues.
 - `owner_graph`: service mode: an owner's graph lets out only fresh keys and masked shares.
 
 Example::

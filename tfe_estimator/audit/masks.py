@@ -102,19 +102,13 @@ class Forms:
       party_of: device -> the party's unit, or None for an owner's device.
     """
 
-    def __init__(self, resolve: Callable, party_of: Callable[[str], Optional[str]],
-                 channel_of: Optional[Callable] = None):
+    def __init__(self, resolve: Callable, party_of: Callable[[str], Optional[str]]):
         self._resolve = resolve
         self._party_of = party_of
-        self._channel_of = channel_of  # TfeStepTake -> (server index, channel): between-graph sums
         self._memo: Dict[Tuple, Form] = {}
 
     def seed_id(self, device: str, node, index: int) -> Tuple:
         """The id of the key `node:index` on `device`; raises `MaskError` if it is not a fresh key."""
-        if node.op == "TfeStepTake" and self._channel_of is not None:
-            k, channel = self._channel_of(device, node)
-            if k == 0:  # output r of server0's take: owner r's fresh key (step_channels)
-                return ("accumulator", channel, index)
         if (node.op, index) not in SEED_OUTPUTS:
             raise MaskError(f"{node.op} {node.name!r} on {device} stands where a fresh key must be: its mask is "
                             "not secret (only TfeAesSeed, TfeMaskShare:1 and TfeServerSum:1 draw keys)")
@@ -170,11 +164,6 @@ class Forms:
             if node.attr["num_blind"].i:
                 terms.append((-1, Form(masks=((self.seed_id(device, node, 1), 1),))))
             return Form.combine(terms)
-        if node.op == "TfeStepTake" and self._channel_of is not None:
-            k, channel = self._channel_of(device, node)
-            if k != 0:  # owner r's share, masked by the key it put into server0's accumulator
-                seed = ("accumulator", channel, index)
-                return Form(frozenset({seed}), ((seed, -1),))
         if node.op in LINEAR_OPS:
             inputs = [name for name in node.input if not name.startswith("^")]
             coefficients = LINEAR_OPS[node.op] or (1,) * len(inputs)
@@ -188,11 +177,4 @@ class Forms:
         """The seeds `party` holds: `seeds_received` plus the keys its own ops draw (`nodes`: (device, NodeDef))."""
         own = {self.seed_id(device, node, index) for device, node in nodes
                for op, index in SEED_OUTPUTS if node.op == op and self._party_of(device) == party}
-        for device, node in nodes:  # server0's take: every owner's key of that step
-            if node.op == "TfeStepTake" and self._channel_of is not None and self._party_of(device) == party:
-                for index in range(node.attr["num_owners"].i):
-                    try:
-                        own.add(self.seed_id(device, node, index))
-                    except MaskError:
-                        pass  # server1's take: shares, no keys
         return frozenset(own | set(seeds_received))

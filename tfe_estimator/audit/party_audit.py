@@ -37,9 +37,6 @@ op types                                          role
 ``Const`` (integers only)                         bounds and shapes
 ``Identity``, ``Snapshot``, ``NoOp``              plumbing
 ``_Send``, ``_Recv``, ``_HostSend``, ``_HostRecv``  TensorFlow's transfers
-``TfeStepAccumulator``, ``TfeStepPut``,           between-graph channels, only
-``TfeStepTake``, ``FIFOQueueV2``,                 as `step_channels` allows
-``QueueEnqueueV2``, ``QueueDequeueV2``
 ================================================  ==============================
 
 What it cannot prove: that a key is really random or that an op computes what
@@ -63,7 +60,6 @@ import tensorflow as tf
 from tensorflow.python.distribute import device_util
 
 from tfe_estimator.audit.masks import LINEAR_OPS, MASK_STREAMS, SEED_OUTPUTS, Form, Forms, MaskError
-from tfe_estimator.audit.step_channels import CHANNEL_OPS, StepChannels
 from tfe_estimator.audit.server_view import (RECV_OPS, SEND_OPS, PartyEdge, is_control_carrier, partition_graphs_of,
                                              party_edges, party_of)
 from tfe_estimator.cluster.spec import TFE_JOB
@@ -76,8 +72,7 @@ _LOG = logging.getLogger("tfe_estimator")
 
 #: The op types that may run on a party (the allow-list; see the module docstring).
 PARTY_OPS = frozenset({"TfeServerSum", "TfeAesSeed", "Const", "Identity", "Snapshot", "NoOp"}
-                      | MASK_STREAMS | set(LINEAR_OPS) | set(RECV_OPS) | set(SEND_OPS)
-                      | CHANNEL_OPS)
+                      | MASK_STREAMS | set(LINEAR_OPS) | set(RECV_OPS) | set(SEND_OPS))
 _TRANSPARENT = frozenset({"Identity", "Snapshot"})
 
 
@@ -176,7 +171,7 @@ def _fail(message: str) -> None:
     raise PartyAuditError(message + " Secure aggregation's promise does not hold for this graph.")
 
 
-def _party_nodes(graphs: _Graphs, unit, channels: StepChannels) -> Tuple[List[Tuple[str, object]], set, int]:
+def _party_nodes(graphs: _Graphs, unit) -> Tuple[List[Tuple[str, object]], set, int]:
     """The nodes on parties, checked against `PARTY_OPS`, feeds, collectives and floats."""
     nodes, parties, count = [], set(), 0
     for device, node in graphs.nodes.values():
@@ -227,23 +222,17 @@ def audit_party_inputs(run_metadata_or_partition_graphs, party_devices: Optional
     def unit(device):
         return party_of(device, party_devices) if party_devices and device else None
 
-    channels = StepChannels(graphs, unit, party_devices, _fail, SEED_OUTPUTS)
-    nodes, parties, count = _party_nodes(graphs, unit, channels)
-    channels.check()
+    nodes, parties, count = _party_nodes(graphs, unit)
     if count == 0:
         _fail(f"No op of this run is placed on the parties {list(party_devices)}: the run has no secure "
               "sum, or the parties are not the devices it uses.")
-    forms = Forms(graphs.resolve, unit, channels.channel_of)
+    forms = Forms(graphs.resolve, unit)
     edges = [e for e in party_edges(partition_graphs, party_devices) if e.carries_value]
     received: Dict[str, List[Tuple]] = collections.defaultdict(list)
     values: List[Tuple[str, str, Tuple]] = []  # (party, where, producer) of every value to check
     for edge in edges:
         where = (f"{edge.party} receives {edge.tensor} ({edge.producer_type}, {edge.dtype.name}) from "
                  f"{edge.source_device}")
-        if channels.is_step_value(edge.device, edge.tensor, edge.source_device):
-            if edge.dtype.is_floating or edge.dtype.is_complex:
-                _fail(f"{where}: a {edge.dtype.name} value where only a between-graph sum's step may go.")
-            continue  # the public step of a between-graph sum (step_channels)
         if not edge.dtype.is_integer:
             _fail(f"{where}: a {edge.dtype.name} value; parties must only receive ring elements and keys.")
         device, node, index = graphs.resolve(edge.source_device, edge.tensor)

@@ -68,7 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", required=True, help="cluster name (DNS-1123 label starting with a letter)")
     parser.add_argument("--image", default=None, help="container image with the training script and tfe_estimator")
     parser.add_argument("--workers", type=int, default=1, help="data owners besides the chief (default 1)")
-    parser.add_argument("--no-evaluator", dest="evaluator", action="store_false", help="leave out the evaluator task")
+    parser.add_argument("--evaluator", dest="evaluator", action="store_true", default=False,
+                        help="add an evaluator task (it evaluates the chief's checkpoints as they appear; a script "
+                        "that evaluates after training, as the README's train.py does, needs none)")
+    parser.add_argument("--no-evaluator", dest="evaluator", action="store_false",
+                        help="leave out the evaluator task (the default)")
     parser.add_argument("--namespace", default="default", help="namespace of every object (default 'default')")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT})")
     parser.add_argument(
@@ -81,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-claim",
         default=None,
-        help="PersistentVolumeClaim for model_dir, read-write in every owner pod (between-graph; the chief's "
+        help="PersistentVolumeClaim for model_dir, read-write in every owner pod (service mode; the chief's "
         "only in-graph) and the evaluator pod (the chief's); each owner's TFE_ESTIMATOR_MODEL_DIR is "
         "<mount>/<job>-<index>, so one claim such as '{name}-model' or one per owner, '{name}-model-{job}-{index}'",
     )
@@ -89,11 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--active-deadline-seconds", type=int, default=None,
                         help="bound every Job's run time (a chief waiting for a task that never comes back fails "
                         "after this long)")
-    parser.add_argument("--cluster-mode", default=peers.BETWEEN_GRAPH,
-                        help="between-graph (default: each owner runs only its own graph), in-graph, or service "
-                        "(across organisations: 2 aggregation servers with mutual TLS, owners with no Service and "
-                        "no ingress, each pod's certificate from its --tls-secret); decides who may reach whom "
-                        "(one NetworkPolicy per task)")
+    parser.add_argument("--cluster-mode", default=None,
+                        help="service (the default; with --tfjob in-graph, the only mode a TFJob renders; across "
+                        "organisations: 2 aggregation servers with mutual TLS, owners with no Service and no "
+                        "ingress, each pod's certificate from its --tls-secret) or "
+                        "in-graph (one organisation on a trusted network; the retired between-graph is refused); "
+                        "decides who may reach whom (one NetworkPolicy per task)")
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS on every link: a stunnel sidecar per pod, certificates from a Secret per "
                         "task, only the TLS port exposed")
@@ -137,7 +142,8 @@ def _tfjob(args, command) -> List[Dict[str, Any]]:
                          "writes TF_CONFIG from Service addresses). Render plain manifests instead (drop --tfjob).")
     return render_tfjob(args.name, args.image, args.workers, evaluator=args.evaluator,
                         command=command or DEFAULT_COMMAND, namespace=args.namespace, port=args.port,
-                        cluster_mode=args.cluster_mode, active_deadline_seconds=args.active_deadline_seconds,
+                        cluster_mode=args.cluster_mode or peers.IN_GRAPH,
+                        active_deadline_seconds=args.active_deadline_seconds,
                         resources={"requests": parse_quantities(args.requests, "--requests"),
                                    "limits": parse_quantities(args.limits, "--limits")},
                         run_as_user=args.run_as_user)
@@ -177,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             model_claim=args.model_claim,
             model_mount_path=args.model_mount_path,
             active_deadline_seconds=args.active_deadline_seconds,
-            cluster_mode=args.cluster_mode,
+            cluster_mode=args.cluster_mode or peers.SERVICE,
             tls=args.tls,
             sidecar_image=args.sidecar_image,
             tls_secret=args.tls_secret,

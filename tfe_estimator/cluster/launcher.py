@@ -51,7 +51,7 @@ from typing import Dict, List, Optional, Sequence, TextIO
 
 from tfe_estimator.cluster.isolation import IsolatedCluster
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV, OWNER_CWD_ENV
-from tfe_estimator.cluster.peers import BETWEEN_GRAPH, IN_GRAPH, SERVICE, validate_mode
+from tfe_estimator.cluster.peers import IN_GRAPH, SERVICE, validate_mode
 from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB,
                                         TLS_DIR_ENV, TfeCluster, cluster_jobs, cluster_tasks)
 from tfe_estimator.secure.protocols import validate_protocol
@@ -201,12 +201,11 @@ class Launcher:
       port_retries: how often to re-plan the ports when one was taken meanwhile.
       cluster_mode: "service" (the default; `tfe_estimator.cluster.peers`: two
         ``tfe`` tasks run the aggregation service with certificates made for the
-        run, every owner trains on its own and opens no port), "between-graph"
-        (every owner trains and finishes on its own through TensorFlow servers)
-        or "in-graph" (workers serve the chief until it finishes). In the first
-        two a worker that exits with status 0 has finished, and the run ends
-        when the chief and every worker have finished, within
-        `final_eval_timeout` s of the chief.
+        run, every owner trains on its own and opens no port) or "in-graph"
+        (workers serve the chief until it finishes). In service mode a worker
+        that exits with status 0 has finished, and the run ends when the chief
+        and every worker have finished, within `final_eval_timeout` s of the
+        chief. The retired "between-graph" is refused naming both.
       isolate: run every task in its own network namespace on a private bridge
         (`tfe_estimator.cluster.isolation`; root).
       tls: with `isolate`, mutual TLS sidecars on every link, certificates for
@@ -275,7 +274,7 @@ class Launcher:
             raise ValueError("--tls adds stunnel sidecars to the TensorFlow-runtime modes; in service mode the "
                              "aggregation servers speak mutual TLS themselves and the owners open no port. Drop "
                              "--tls (--isolate alone runs the service cluster in namespaces), or pass "
-                             "--cluster-mode between-graph/in-graph.")
+                             "--cluster-mode in-graph.")
         if tls and not isolate:
             raise ValueError("--tls needs --isolate: the sidecars and the firewall that closes TensorFlow's ports "
                              "live in each task's own network namespace. Pass --isolate --tls.")
@@ -554,7 +553,7 @@ class Launcher:
                     self._tail(task)
                     evaluator_failure = task
             owners_running = []
-            if self.cluster_mode in (BETWEEN_GRAPH, SERVICE):  # each owner finishes its own training
+            if self.cluster_mode == SERVICE:  # each owner finishes its own training
                 finished = [t for t in others if t.job == "worker" and t.restart_at is None and t.process.poll() == 0]
                 others = [t for t in others if t not in finished]
                 owners_running = [t for t in others if t.job == "worker"]

@@ -66,7 +66,7 @@ def _pod_spec(
     port: int,
     restart_policy: str,
     mounts: Sequence[Tuple[str, str, str, bool]] = (),
-    mode: str = peers.BETWEEN_GRAPH,
+    mode: str = peers.SERVICE,
     sidecar: Optional[Dict[str, Any]] = None,
     resources: Optional[Dict[str, Dict[str, str]]] = None,
     run_as_user: int = DEFAULT_RUN_AS_USER,
@@ -232,7 +232,7 @@ def render_manifests(
     model_claim: Optional[str] = None,
     model_mount_path: str = "/model",
     active_deadline_seconds: Optional[int] = None,
-    cluster_mode: str = peers.BETWEEN_GRAPH,
+    cluster_mode: str = peers.SERVICE,
     tls: bool = False,
     sidecar_image: str = DEFAULT_SIDECAR_IMAGE,
     tls_secret: str = DEFAULT_TLS_SECRET,
@@ -287,9 +287,8 @@ def render_manifests(
         (``activeDeadlineSeconds``): a chief waiting for a task that never
         comes back (TensorFlow has no timeout for a missing in-graph worker)
         then fails after that long instead of waiting indefinitely.
-      cluster_mode: "between-graph" (default: every owner runs only its own
-        graph; `model_claim` is mounted in every owner's pod, and the
-        evaluator gets the chief's), "in-graph" or "service"; exported to the
+      cluster_mode: "service" (the default) or "in-graph" (the retired
+        "between-graph" is refused naming both); exported to the
         pods as ``TFE_ESTIMATOR_CLUSTER_MODE`` and deciding the
         NetworkPolicies: one per task, admitting only the tasks
         `tfe_estimator.cluster.peers` lets call it. "service" (across
@@ -428,9 +427,9 @@ def render_manifests(
             mounts = []
             if data_claim is not None:
                 mounts.append(("data", data_claim.format(name=name, job=job, index=index), data_mount_path, True))
-            owners_dir = cluster_mode in (peers.BETWEEN_GRAPH, peers.SERVICE)  # every owner its own checkpoints
+            owners_dir = cluster_mode == peers.SERVICE  # every owner its own checkpoints
             if model_claim is not None and (job in ("chief", "evaluator") or owners_dir):
-                # The evaluator evaluates the chief's organisation's checkpoints (between-graph: the chief's claim).
+                # The evaluator evaluates the chief's organisation's checkpoints (service mode: the chief's claim).
                 of = ("chief", 0) if job == "evaluator" and owners_dir else (job, index)
                 claim = model_claim.format(name=name, job=of[0], index=of[1])
                 # Read-write for all: owners write checkpoints, the evaluator model_dir/eval.

@@ -1,6 +1,6 @@
 """One model_dir per data owner: a claim file that refuses a second owner.
 
-Between-graph, every data owner (the chief and each worker of TF_CONFIG)
+In service mode every data owner (the chief and each worker of TF_CONFIG)
 trains and checkpoints its own copy of the model. Two owners pointed at one
 directory would interleave their ``model.ckpt-*`` files and event files
 without any error. So before anything is written, an owner claims its
@@ -90,7 +90,7 @@ def claim_model_dir(model_dir: str, owner_name: str, cluster_id: str) -> None:  
     raise ValueError(
         f"model_dir={model_dir!r} belongs to data owner {claimed.get('owner')} (cluster "
         f"{claimed.get('cluster_id')}, recorded in {path}), but this is data owner {owner_name} (cluster "
-        f"{cluster_id}): between-graph, every owner checkpoints its own copy, and two owners in one directory "
+        f"{cluster_id}): in service mode every owner checkpoints its own copy, and two owners in one directory "
         "would interleave their checkpoints and event files. Give every owner its own model_dir, e.g. "
         "model_dir=f'/data/{task}' with task from TF_CONFIG, or pass no model_dir under `tfe-estimator launch` "
         f"(it sets {MODEL_DIR_ENV} per owner). If {path} is left over from an earlier run of another owner, "

@@ -10,21 +10,9 @@ two servers (`tfe_estimator.service`: Contribute, Handshake, Rewind over
 mutual TLS), and server0 calls server1 (ForwardBlinded). The table below is
 the TensorFlow-runtime modes'.
 
-Between-graph mode (one organisation on a trusted network; each data owner
-runs only its own graph, the servers are TensorFlow servers):
-
-===========  ====================================================  =====================
-caller       callee and RPCs                                       why
-===========  ====================================================  =====================
-owner        ``tfe`` task: CreateWorkerSession, RegisterGraph,     the owner's session
-             RunGraph, RecvTensor, CleanupGraph, ...               runs the server's part
-``tfe``      owner: RecvTensor only                                the server pulls the
-                                                                   owner's share / key
-owner        another owner: never                                  --
-``tfe``      another ``tfe`` task: RecvTensor only                 server1 pulls server0's
-                                                                   blinded part
-evaluator    nobody; nobody calls it                               evaluates locally
-===========  ====================================================  =====================
+The between-graph mode (a TensorFlow-runtime strategy per owner, the servers
+TensorFlow servers) is retired: service mode does the same job across
+organisations; `validate_mode` refuses ``"between-graph"`` naming both.
 
 In-graph mode (one organisation on a trusted network): the chief's session
 places ops on every task, so every training task may call every other one.
@@ -33,22 +21,23 @@ An owner is a task of a job in `spec.DATA_OWNER_JOBS` (chief, worker).
 
 Example::
 
-    >>> allowed_callers("between-graph", "worker")
-    ('tfe',)
-    >>> allowed_callers("between-graph", "tfe")
+    >>> allowed_callers("service", "worker")
+    ()
+    >>> allowed_callers("in-graph", "tfe")
     ('chief', 'worker', 'tfe')
 """
 from typing import Dict, Tuple
 
 from tfe_estimator.cluster.spec import DATA_OWNER_JOBS, TFE_JOB
 
-__all__ = ["CLUSTER_MODES", "DEFAULT_MODE", "SERVICE", "BETWEEN_GRAPH", "IN_GRAPH", "allowed_callers",
+__all__ = ["CLUSTER_MODES", "DEFAULT_MODE", "SERVICE", "IN_GRAPH", "RETIRED_MODES", "allowed_callers",
            "allowed_callees", "validate_mode"]
 
-BETWEEN_GRAPH = "between-graph"
 IN_GRAPH = "in-graph"
 SERVICE = "service"
-CLUSTER_MODES = (SERVICE, BETWEEN_GRAPH, IN_GRAPH)
+CLUSTER_MODES = (SERVICE, IN_GRAPH)
+#: Modes of earlier releases, refused with what to use instead.
+RETIRED_MODES = ("between-graph",)
 #: The mode of a TF_CONFIG cluster unless `TfeRunConfig(cluster_mode=...)` or the launcher says otherwise.
 DEFAULT_MODE = SERVICE
 
@@ -56,12 +45,6 @@ _TRAINING_JOBS = DATA_OWNER_JOBS + (TFE_JOB,)
 
 #: mode -> callee job -> the jobs whose tasks may open a connection to it.
 _CALLERS: Dict[str, Dict[str, Tuple[str, ...]]] = {
-    BETWEEN_GRAPH: {
-        **{owner: (TFE_JOB,) for owner in DATA_OWNER_JOBS},
-        # Server1 pulls server0's blinded part of each sum (`distribute.step_sum`).
-        TFE_JOB: DATA_OWNER_JOBS + (TFE_JOB,),
-        "evaluator": (),
-    },
     IN_GRAPH: {
         **{job: _TRAINING_JOBS for job in _TRAINING_JOBS},
         "evaluator": (),
@@ -79,15 +62,20 @@ def validate_mode(mode: str, source: str = "cluster_mode") -> str:
     """Returns `mode` if it is one of `CLUSTER_MODES`.
 
     Raises:
-      ValueError: naming the value, where it came from and the choices.
+      ValueError: naming the value, where it came from and the choices; for the retired
+        ``"between-graph"``, naming service mode (across organisations) and in-graph (one organisation).
     """
+    if mode in RETIRED_MODES:
+        raise ValueError(
+            f"{source}={mode!r}: the between-graph mode is retired. Use {SERVICE!r} (the default: each data "
+            "owner trains its own graph and only connects out to the aggregation service's two servers over "
+            "mutual TLS; it does everything between-graph did, faster, and across organisations), or "
+            f"{IN_GRAPH!r} for a TensorFlow-runtime cluster inside one organisation on a trusted network.")
     if mode not in CLUSTER_MODES:
         raise ValueError(
             f"{source}={mode!r} is not a cluster mode: use {SERVICE!r} (across organisations: each data "
-            "owner trains alone and only connects out to the aggregation service), "
-            f"{BETWEEN_GRAPH!r} (each data owner runs only its own graph, the servers are TensorFlow "
-            f"servers: one organisation) or {IN_GRAPH!r} (one organisation on a trusted network: the "
-            "chief runs ops on every task)."
+            f"owner trains alone and only connects out to the aggregation service) or {IN_GRAPH!r} (one "
+            "organisation on a trusted network: the chief runs ops on every task)."
         )
     return mode
 
@@ -95,7 +83,7 @@ def validate_mode(mode: str, source: str = "cluster_mode") -> str:
 def allowed_callers(mode: str, job: str) -> Tuple[str, ...]:
     """The jobs whose tasks may connect to a task of `job` in cluster mode `mode`.
 
-    A task of the same job counts only when the job is listed (in between-graph
+    A task of the same job counts only when the job is listed (in service
     mode, a worker never accepts another worker).
 
     Raises:

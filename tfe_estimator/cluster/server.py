@@ -5,7 +5,7 @@ aggregation server (`tfe_estimator.service.AggregationServer`): a small
 grpcio service with mutual TLS that imports no TensorFlow; its certificate
 comes from ``TFE_ESTIMATOR_TLS_DIR``.
 
-In the TensorFlow-runtime modes (between-graph, in-graph) a ``tfe`` task
+In the TensorFlow-runtime mode (in-graph) a ``tfe`` task
 holds one party of the secure sum. It is a plain
 `tf.distribute.Server` of the cluster, started after tf-encrypted's op
 library is loaded: the chief places share-adding ops on it, and without the

@@ -43,7 +43,7 @@ DATA_OWNER_JOBS = ("chief", "worker")
 KNOWN_JOBS = ("chief", "worker", "evaluator", TFE_JOB)
 #: Set by `tfe-estimator launch` in every task's environment: the protocol the cluster was started for.
 LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
-#: Set by `tfe-estimator launch` likewise: the cluster mode ("between-graph" or "in-graph") it runs.
+#: Set by `tfe-estimator launch` likewise: the cluster mode ("service" or "in-graph") it runs.
 LAUNCH_CLUSTER_MODE_ENV = "TFE_ESTIMATOR_CLUSTER_MODE"
 #: Service mode: the directory with ``ca.crt`` and this task's ``<job>-<index>.crt``/``.key``.
 TLS_DIR_ENV = "TFE_ESTIMATOR_TLS_DIR"

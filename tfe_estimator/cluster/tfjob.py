@@ -16,8 +16,7 @@ that follow from how the operator behaves:
   owners ``OnFailure``.
 - One NetworkPolicy per replica type (the pod template's labels name the job,
   not the index) admitting only the jobs the cluster mode's peer table
-  (`tfe_estimator.cluster.peers`) lets call it; between-graph workers do not
-  admit each other.
+  (`tfe_estimator.cluster.peers`) lets call it.
 
 Not rendered: service mode (``cluster_mode="service"``, refused: every owner
 needs its own certificate and all workers share one pod template; the
@@ -53,7 +52,7 @@ PORT_NAME = "tfjob-port"
 
 def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
                  command: Sequence[str] = DEFAULT_COMMAND, namespace: str = "default", port: int = DEFAULT_PORT,
-                 cluster_mode: str = peers.BETWEEN_GRAPH,
+                 cluster_mode: str = peers.IN_GRAPH,
                  active_deadline_seconds: Optional[int] = None,
                  resources: Optional[Dict[str, Dict[str, str]]] = None,
                  run_as_user: int = DEFAULT_RUN_AS_USER) -> List[Dict[str, Any]]:
@@ -62,7 +61,8 @@ def render_tfjob(name: str, image: str, workers: int, evaluator: bool = True,
     Args:
       name: the TFJob's name (a DNS-1035 label; the operator names pods ``<name>-<type>-<index>``).
       image, workers, evaluator, command, namespace, port: as `manifests.render_manifests`.
-      cluster_mode: "between-graph" (default) or "in-graph": exported to the pods and deciding the policies.
+      cluster_mode: "in-graph" (the default and the only mode a TFJob renders): exported to the pods and
+        deciding the policies.
       active_deadline_seconds: optional bound on the whole job (``runPolicy.activeDeadlineSeconds``).
       resources, run_as_user: as `manifests.render_manifests` (requests/limits; the non-root user).
 

@@ -30,7 +30,6 @@ from tensorflow_estimator.python.estimator import run_config as run_config_lib
 from tfe_estimator.cluster import model_dir_claim, peers
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
-from tfe_estimator.distribute.between_graph import BetweenGraphStrategy, check_between_graph_settings
 from tfe_estimator.distribute.aggregation import validate_clip_norm
 from tfe_estimator.distribute.service_aggregation import ServiceBinding, ServiceStrategy
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
@@ -111,15 +110,15 @@ class TfeSettings:
     clip_norm: Optional[float] = None
     dp: Optional[object] = None  # a tfe_estimator.DistributedDP (checked by SecureAggregation)
     update_ring_bits: int = 64  # 32: clipped updates on a 32-bit ring (checked by SecureAggregation)
-    cluster_mode: Optional[str] = None  # None: between-graph on a TF_CONFIG cluster (see cluster.peers)
-    step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS  # between-graph: longest wait of one session run
+    cluster_mode: Optional[str] = None  # None: service mode on a TF_CONFIG cluster (see cluster.peers)
+    step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS  # service mode: longest wait of one contribution
 
     def __post_init__(self):
         value = self.step_timeout_secs
         if not is_number(value) or not 0 < value < 2**31 / 1000:
             raise ValueError(
                 f"step_timeout_secs={value!r} must be a number of seconds > 0 (and below 2**31 ms): how long one "
-                "between-graph training step may wait for the other owners and the servers before it fails.")
+                "service-mode contribution may wait for the other owners and the servers before it fails.")
         validate_protocol(self.protocol)
         if self.cluster_mode is not None:
             peers.validate_mode(self.cluster_mode)
@@ -157,21 +156,15 @@ class TfeRunConfig(tf.estimator.RunConfig):
         `num_replicas` local replicas (default 1), and sums only through the
         two aggregation servers of the ``tfe`` job, with mutual TLS from the
         certificates in ``TFE_ESTIMATOR_TLS_DIR``; evaluation is federated;
-        Pond), "between-graph" (one organisation: each data owner runs only its
-        own graph, sums meet on TensorFlow servers; Pond) or "in-graph" (one
-        organisation on a trusted network: the chief runs ops on every task).
-        In the first two, without `tf_random_seed` every owner derives the same
-        one from TF_CONFIG's cluster. Ignored without a cluster.
-      step_timeout_secs: service and between-graph mode: how long one
-        contribution (service mode) or session run (between-graph: a
-        training step, whose sums wait for every other owner and both servers)
-        may take before it fails (between-graph: ``DeadlineExceededError:
-        Operation timed out``; service mode: the server's DEADLINE_EXCEEDED
-        naming each missing owner) and the owner's process exits, instead of waiting forever for an
-        owner or a server that died or is out of step (default 300; keep it
-        above the slowest step, including the first, which registers the
-        graphs). A `session_config` with its own `operation_timeout_in_ms`
-        keeps it.
+        Pond) or "in-graph" (one organisation on a trusted network: the chief
+        runs ops on every task). In service mode, without `tf_random_seed`
+        every owner derives the same one from TF_CONFIG's cluster. Ignored
+        without a cluster. The retired "between-graph" is refused naming both.
+      step_timeout_secs: service mode: how long one contribution may wait
+        for every other owner and both servers before it fails (the server's
+        DEADLINE_EXCEEDED naming each missing owner) and the owner's process
+        exits, instead of waiting forever for an owner or a server that died
+        or is out of step (default 300; keep it above the slowest step).
       **kwargs: any other `tf.estimator.RunConfig` argument except
         `train_distribute` and `eval_distribute`.
 
@@ -278,14 +271,14 @@ def _default_seed(kwargs) -> None:
 
 
 def _each_owner_builds_its_graph(strategy) -> bool:
-    """Between-graph and service mode: every data owner builds and runs only its own graph."""
-    return isinstance(strategy, ServiceStrategy) or getattr(strategy.extended, "experimental_between_graph", False)
+    """Service mode: every data owner builds and runs only its own graph."""
+    return isinstance(strategy, ServiceStrategy)
 
 
 def _claim_owner_model_dir(config: "TfeRunConfig") -> None:
     """A data owner that writes checkpoints claims its model_dir (`cluster.model_dir_claim`), before any write.
 
-    The chief always; a worker when each owner trains its own graph (between-graph, service); never the evaluator.
+    The chief always; a worker when each owner trains its own graph (service mode); never the evaluator.
     """
     spec = cluster_lib.TfeCluster.from_environment()
     if spec is None or config.model_dir is None:
@@ -405,15 +398,6 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
             return _service_kwargs(spec, settings, session_config)
         spec.check_protocol(settings.protocol)
         replicas, servers = spec.replica_devices(), spec.server_devices()
-        if mode == peers.BETWEEN_GRAPH:
-            check_between_graph_settings(settings.protocol, settings.dp)
-            strategy = BetweenGraphStrategy(spec, protocol=settings.protocol, precision=settings.precision,
-                                            clip_norm=settings.clip_norm, update_ring_bits=settings.update_ring_bits,
-                                            step_timeout_secs=settings.step_timeout_secs)
-            session_config = strategy.update_config_proto(session_config or default_session_config())
-            if not session_config.operation_timeout_in_ms:  # a step never waits forever for a dead peer
-                session_config.operation_timeout_in_ms = int(settings.step_timeout_secs * 1000)
-            return {"train_distribute": strategy, "eval_distribute": strategy, "session_config": session_config}
     strategies = [
         TfeStrategy(devices=replicas, protocol=settings.protocol, precision=settings.precision,
                     server_devices=servers, clip_norm=settings.clip_norm,

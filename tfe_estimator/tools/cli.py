@@ -70,10 +70,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "keep them)")
     launch.add_argument("--cluster-mode", default="service",
                         help="service (the default, across organisations: every owner trains alone and only "
-                             "connects out to two aggregation servers with mutual TLS), between-graph (one "
-                             "organisation: every owner runs only its own graph, the servers are TensorFlow "
-                             "servers) or in-graph (the chief runs every task's graph; one organisation on a "
-                             "trusted network)")
+                             "connects out to two aggregation servers with mutual TLS) or in-graph (the chief "
+                             "runs every task's graph; one organisation on a trusted network). The retired "
+                             "between-graph mode is refused")
     launch.add_argument("--isolate", action="store_true",
                         help="run every task in its own network namespace on a private bridge (root), as "
                              "separate hosts")

@@ -57,17 +57,12 @@ def default_cases() -> List[Workload]:
         Workload("dnn-256", "dnn", 256, hidden_units=(512, 256, 128)),
         Workload("linear-1e5-4rep", "linear", 100_000, replicas=4),
         Workload("cluster-linear-1e5", "linear", 100_000, cluster=True),
-        Workload("bg-linear-1e5", "linear", 100_000, between_graph=True),
-        Workload("bg-dnn-256", "dnn", 256, hidden_units=(512, 256, 128), between_graph=True),
-        Workload("bg-linear-1e5-tls", "linear", 100_000, between_graph=True, transport="tls"),
-        Workload("bg-linear-1e5-1gbit", "linear", 100_000, between_graph=True, transport="1gbit"),
-        Workload("bg-linear-1e5-100mbit", "linear", 100_000, between_graph=True, transport="100mbit"),
     ] + service_cases())
 
 
 def service_cases() -> List[Workload]:
     """Service mode (owners through the aggregation service, mTLS) vs MultiWorkerMirroredStrategy, loopback."""
-    service = dict(between_graph=True, transport="service")
+    service = dict(service=True)
     return [
         Workload("svc-linear-1e5", "linear", 100_000, **service),
         Workload("svc-dnn-256", "dnn", 256, hidden_units=(512, 256, 128), **service),
@@ -86,18 +81,8 @@ def quick_cases() -> List[Workload]:
         Workload("dnn-16", "dnn", 16, hidden_units=(16, 8)),
         Workload("linear-1e2-4rep", "linear", 100, replicas=4),
         Workload("cluster-linear-1e2", "linear", 100, cluster=True),
-        Workload("bg-linear-1e2", "linear", 100, between_graph=True),
-        Workload("bg-linear-1e4-isolated", "linear", 10_000, between_graph=True, transport="isolated"),
-        Workload("svc-linear-1e2", "linear", 100, between_graph=True, transport="service"),
+        Workload("svc-linear-1e2", "linear", 100, service=True),
     ])
-
-
-def _link_text(row: Dict) -> str:
-    link = row.get("link_bytes_per_param_per_owner_per_step")
-    if not link:
-        return ""
-    return "; on the chief's link (B/param/step, up + down): " + ", ".join(
-        f"{twin} {v['up']:.2f} + {v['down']:.2f}" for twin, v in link.items())
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -116,7 +101,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--markdown", default=None, help="also write the Markdown report to this path")
     parser.add_argument("--plot", default=None, help="also copy the PNG plot to this path")
     parser.add_argument("--cluster-task", default=None, help=argparse.SUPPRESS)  # JSON of one case, for tasks
-    parser.add_argument("--owner-task", default=None, help=argparse.SUPPRESS)  # JSON of a between-graph owner
+    parser.add_argument("--owner-task", default=None, help=argparse.SUPPRESS)  # JSON of a service-mode owner
     return parser.parse_args(argv)
 
 
@@ -143,15 +128,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return run_task(json.loads(args.cluster_task))
     if args.owner_task:
-        from tools.bench.between_graph_case import run_owner_task  # pylint: disable=import-outside-toplevel
+        from tools.bench.service_case import run_owner_task  # pylint: disable=import-outside-toplevel
 
         return run_owner_task(json.loads(args.owner_task))
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     from tools.bench import report  # pylint: disable=import-outside-toplevel
-    from tools.bench.between_graph_case import run_between_graph_case, transport_missing  # pylint: disable=import-outside-toplevel
     from tools.bench.cases import run_cluster_case, run_local_case  # pylint: disable=import-outside-toplevel
     from tools.bench.secure_sum_micro import run_secure_sum  # pylint: disable=import-outside-toplevel
+    from tools.bench.service_case import run_service_case  # pylint: disable=import-outside-toplevel
 
     tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)
     settings = _settings(args)
@@ -165,31 +150,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         wanted = set(args.cases.split(","))
         cases = [c for c in cases if c.name in wanted]
     if args.no_cluster:
-        cases = [c for c in cases if not (c.cluster or c.between_graph)]
-    for case in [c for c in cases if transport_missing(c)]:
-        print(f"[bench] {case.name} is skipped: it needs {transport_missing(case)}", flush=True)
-        cases.remove(case)
+        cases = [c for c in cases if not (c.cluster or c.service)]
     results = {"machine": report.machine(), "settings": settings, "cases": [], "secure_sum": []}
     workdir = tempfile.mkdtemp(prefix="tfe-estimator-bench-")
     try:
         for case in cases:
-            run = (run_between_graph_case if case.between_graph else
+            run = (run_service_case if case.service else
                    run_cluster_case if case.cluster else run_local_case)
             row = run(case, settings, os.path.join(workdir, case.name))
             results["cases"].append(row)
             service = ""
-            if case.transport == "service":
+            if case.service:
                 cpu = row["cpu_ms_per_step"]
                 service = (f"; CPU ms/step: servers {', '.join(f'{v:.1f}' for v in cpu['servers'])}, owners "
                            f"{', '.join(f'{v:.1f}' for v in cpu['service_owners'].values())} (MWMS owners "
                            f"{', '.join(f'{v:.1f}' for v in cpu['mwms_owners'].values())})")
-            anchor = ("no TLS" if case.transport == "tls" else "MultiWorkerMirroredStrategy" if case.between_graph
-                      else "plaintext")
+            anchor = "MultiWorkerMirroredStrategy" if case.service else "plaintext"
             print(f"[bench] {case.name:>20}: {case.describe()}: secure {row['secure_ms_per_step']:.2f} ms/step, "
                   f"{anchor} {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "
                   f"(target <= {report.target_of(row):.2f}), upload "
                   f"{row['upload_bytes_per_param_per_replica_per_step']:.3f} B/param/replica/step, download "
-                  f"{row['download_bytes_per_param_per_replica_per_step']:.3f}{_link_text(row)}{service}", flush=True)
+                  f"{row['download_bytes_per_param_per_replica_per_step']:.3f}{service}", flush=True)
             report.write_json(os.path.join(out, "results.json"), results)
         if not args.no_secure_sum:
             sizes = [1_000, 10_000] if args.quick else [10_000, 100_000, 1_000_000]

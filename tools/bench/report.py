@@ -11,8 +11,6 @@ __all__ = ["machine", "write_json", "write_plot", "markdown"]
 #: Step-time ratio targets (secure / plaintext) per model kind, the cluster's,
 #: the upload per parameter, and the secure sum's extra ns per parameter per replica.
 TARGET_LINEAR, TARGET_DNN, TARGET_CLUSTER, TARGET_UPLOAD, TARGET_EXTRA_NS = 1.15, 1.60, 1.30, 8.0, 3.0
-#: The cost of the TLS sidecars: secure through TLS / the same without, at 1e5 parameters.
-TARGET_TLS = 1.20
 
 
 def machine() -> Dict:
@@ -46,12 +44,10 @@ TARGET_SERVICE_LINEAR, TARGET_SERVICE_DNN, TARGET_SERVICE_LARGE = 1.3, 1.6, 2.0
 
 
 def target_of(case: Dict) -> float:
-    if case.get("transport") == "service":
+    if case.get("service"):
         return (TARGET_SERVICE_DNN if case["model"] == "dnn" else
                 TARGET_SERVICE_LARGE if case["features"] >= 1_000_000 else TARGET_SERVICE_LINEAR)
-    if case.get("transport") == "tls":
-        return TARGET_TLS
-    if case["cluster"] or case.get("between_graph"):
+    if case["cluster"]:
         return TARGET_CLUSTER
     return TARGET_DNN if case["model"] == "dnn" else TARGET_LINEAR
 
@@ -67,7 +63,7 @@ def write_plot(path: str, results: Dict) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     groups = {}
     for c in cases:
-        key = ("between-graph cluster vs MWMS" if c.get("between_graph") else "cluster" if c["cluster"]
+        key = ("service mode vs MWMS" if c.get("service") else "cluster" if c["cluster"]
                else f"{c['replicas']} local replicas") + f", {c['model']}"
         groups.setdefault(key, []).append(c)
     for key, members in groups.items():
@@ -106,16 +102,16 @@ def write_plot(path: str, results: Dict) -> None:
 
 def _in_graph_anchor(case: Dict, cases) -> Dict:
     """The local case of this run with the same model and size on 2 replicas (in-graph `MirroredStrategy`), or {}."""
-    return next((c for c in cases if not c["cluster"] and not c.get("between_graph") and c["replicas"] == 2
+    return next((c for c in cases if not c["cluster"] and not c.get("service") and c["replicas"] == 2
                  and c["model"] == case["model"] and c["params"] == case["params"]), {})
 
 
-def _between_graph_anchors(cases) -> list:
-    """The between-graph cases against both plaintext anchors a TensorFlow user would pick."""
+def _service_anchors(cases) -> list:
+    """The service-mode cases against both plaintext anchors a TensorFlow user would pick."""
     rows = []
     for c in cases:
         anchor = _in_graph_anchor(c, cases)
-        if c.get("between_graph") and not c.get("transport") and anchor:
+        if c.get("service") and anchor:
             mirrored = anchor["plaintext_ms_per_step"]
             rows.append(f"| {c['name']} | {c['params']:,} | {c['secure_ms_per_step']:.2f} | "
                         f"{c['plaintext_ms_per_step']:.2f} | {c['ratio']:.2f} | {mirrored:.2f} ({anchor['name']}) | "
@@ -124,37 +120,13 @@ def _between_graph_anchors(cases) -> list:
         return []
     return [
         "",
-        "Between-graph secure aggregation (2 owners, one process each) against both plaintext anchors of this "
+        "Service-mode secure aggregation (2 owners, one process each) against both plaintext anchors of this "
         "run: `MultiWorkerMirroredStrategy` (independent workers, as above) and in-graph `MirroredStrategy` "
         "(the local case of the same model and size: 2 replicas in one process, no network hop, the floor of "
         "any multi-process anchor):",
         "",
         "| case | params | secure ms/step | MWMS ms/step | ratio | in-graph MirroredStrategy ms/step | ratio |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *rows,
-    ]
-
-
-def _link_table(cases) -> list:
-    """Bytes counted by the kernel on the chief's own link (isolated cases) beside the graph's count."""
-    rows = []
-    for c in cases:
-        link = c.get("link_bytes_per_param_per_owner_per_step")
-        if link:
-            twins = list(link)
-            rows.append(f"| {c['name']} | {c['params']:,} | {c['upload_bytes_per_param_per_replica_per_step']:.2f} + "
-                        f"{c['download_bytes_per_param_per_replica_per_step']:.2f} | "
-                        + " | ".join(f"{link[t]['up']:.2f} + {link[t]['down']:.2f} ({t})" for t in twins) + " |")
-    if not rows:
-        return []
-    return [
-        "",
-        "On the wire: bytes per parameter per step that crossed the chief's own link (its veth's kernel "
-        "counters in its namespace, gRPC framing, TCP/IP headers and TLS records included), independent of "
-        "the graph's count of the secure sum's edges (up + down):",
-        "",
-        "| case | params | graph count, secure | on the link: secure twin | on the link: anchor |",
-        "| --- | ---: | ---: | ---: | ---: |",
         *rows,
     ]
 
@@ -183,15 +155,11 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
         "graph's edges from replica devices to TFE server devices (elements x dtype size, per distinct "
         "tensor and destination), divided by replicas and parameters.",
         "",
-        "Between-graph cases (`bg-*`): one process per owner, so the twins cannot take turns in one process: "
+        "Service-mode cases (`svc-*`): one process per owner, so the twins cannot take turns in one process: "
         "the same loopback cluster is launched once per twin and round (order alternating); the plaintext "
         "anchor there is Estimator with `MultiWorkerMirroredStrategy` (collective ring all-reduce, whose "
         "volume is 2(N-1)/N x 4 bytes per parameter each way); ms/step is the chief's median over the timed "
-        "steps of a launch; upload and download are per owner, counted from the owner's graph. `-tls`: the "
-        "secure run with `launch --isolate --tls` against the same with `--isolate` alone (each task in its own "
-        "network namespace), the cost of the TLS sidecars; `-isolated`: both twins with every task in its own "
-        "namespace; `-1gbit`, `-100mbit`: the same with every task's link limited to that rate (a token bucket; "
-        "this kernel has neither netem nor fq, so no latency can be added).",
+        "steps of a launch; upload and download are per owner, what its client sent and received.",
         "",
         "| case | workload | params | secure ms/step | plaintext ms/step | ratio | target "
         "| upload B/param/replica/step | download |",
@@ -206,8 +174,7 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
             f"{c['upload_bytes_per_param_per_replica_per_step']:.3f} | "
             f"{c['download_bytes_per_param_per_replica_per_step']:.3f} |"
         )
-    lines += _between_graph_anchors(results["cases"])
-    lines += _link_table(results["cases"])
+    lines += _service_anchors(results["cases"])
     micro = results.get("secure_sum") or []
     if micro:
         lines += [

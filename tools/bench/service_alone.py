@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import portpicker
 
-from tools.bench.between_graph_case import process_cpu_seconds
+from tools.bench.service_case import process_cpu_seconds
 
 __all__ = ["main"]
 

@@ -29,15 +29,10 @@ class Workload:
       hidden_units: for "dnn".
       replicas: local replicas, or data owners on the cluster.
       cluster: run on a loopback cluster (chief + workers + 3 tfe servers), in-graph.
-      between_graph: run on a loopback cluster in between-graph mode, one process per owner
-        (`tools.bench.between_graph_case`).
-      transport: between-graph only: "" (secure vs MultiWorkerMirroredStrategy on loopback),
-        "tls" (secure with `launch --isolate --tls` vs `--isolate` alone: the cost of TLS),
-        "isolated" (secure vs MultiWorkerMirroredStrategy, each task in its own namespace: the
-        bytes on each owner's link are counted), or a link rate such as "1gbit" (the same with
-        every task's link limited to that rate), or "service" (the cross-organisation service mode,
-        `launch --cluster-mode service`: owners sum through the two grpcio aggregation servers with
-        mutual TLS, vs MultiWorkerMirroredStrategy without TLS, both on loopback).
+      service: the cross-organisation service mode, one process per owner
+        (`tools.bench.service_case`, `launch --cluster-mode service`): owners sum through the two
+        grpcio aggregation servers with mutual TLS, vs MultiWorkerMirroredStrategy without TLS,
+        both on loopback.
       update_ring_bits, clip_norm: the secure twin's ring for the updates (32 needs `clip_norm`).
     """
 
@@ -47,18 +42,14 @@ class Workload:
     hidden_units: Tuple[int, ...] = ()
     replicas: int = 2
     cluster: bool = False
-    between_graph: bool = False
-    transport: str = ""
+    service: bool = False
     update_ring_bits: int = 64
     clip_norm: Optional[float] = None
 
     def describe(self) -> str:
         model = "LinearRegressor" if self.model == "linear" else f"DNNRegressor{list(self.hidden_units)}"
-        link = {"": "loopback", "tls": "namespaces, TLS vs none", "isolated": "namespaces"}.get(
-            self.transport, f"{self.transport} links")
         ring = f", {self.update_ring_bits}-bit ring" if self.update_ring_bits != 64 else ""
-        where = (f"service mode (mTLS, loopback){ring}, {self.replicas} owners" if self.transport == "service" else
-                 f"between-graph cluster ({link}), {self.replicas} owners" if self.between_graph else
+        where = (f"service mode (mTLS, loopback){ring}, {self.replicas} owners" if self.service else
                  f"loopback cluster, {self.replicas} owners" if self.cluster else f"{self.replicas} local replicas")
         return f"{model}, {self.features:,} features, {where}"
 

@@ -29,8 +29,7 @@ import tensorflow as tf
 
 from tfe_estimator.secure import kernels
 
-__all__ = ["mask_share", "server_sum", "blinded_server_sum", "reveal_sum", "keystream", "discrete_gaussian",
-           "step_accumulator", "step_put", "step_take", "step_rewind"]
+__all__ = ["mask_share", "server_sum", "blinded_server_sum", "reveal_sum", "keystream", "discrete_gaussian"]
 
 
 def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring_bits: int, fraction_bits: int,
@@ -104,40 +103,6 @@ def reveal_sum(share0, share1, dtype: tf.DType, ring_bits: int, fraction_bits: i
         return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=1, **attrs)[0]
     shapes = [tf.TensorShape(s) for s in shapes]
     return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=len(shapes), shapes=shapes, **attrs)
-
-
-def step_accumulator(owners: Sequence[str], dtype: tf.DType, shape, shared_name: str):
-    """A handle to the server's step-keyed accumulator `shared_name` (created by its first user).
-
-    It holds one contribution (`dtype`, `shape`) per owner and step for a
-    between-graph sum: `step_put` adds one, `step_take` waits for a complete
-    step and empties it. Duplicates, stale steps and owners out of step are
-    refused naming the owners (`owners`: every owner's name by index) and
-    steps; every graph that names it must agree on `owners`, `dtype` and `shape`.
-    """
-    return kernels.load().tfe_step_accumulator(owners=list(owners), dtype=dtype, shape=tf.TensorShape(shape),
-                                               shared_name=shared_name)
-
-
-def step_put(handle, step, value, owner: int):
-    """Owner `owner`'s one contribution `value` to `step` (an int64 scalar) of the accumulator `handle`."""
-    return kernels.load().tfe_step_put(handle, step, value, owner=owner)
-
-
-def step_take(handle, step, num_owners: int, dtype: tf.DType, shape):
-    """Every owner's contribution to `step`, in owner order; waits (cancellable) until all have put it."""
-    return kernels.load().tfe_step_take(handle, step, num_owners=num_owners, dtype=dtype,
-                                        shape=tf.TensorShape(shape))
-
-
-def step_rewind(handle, step, owner: int):
-    """Owner `owner` restored checkpoint `step` in a new session: drops its unreleased contribution.
-
-    Run by the owners' handshake before the owner's first put of a session;
-    the accumulator then accepts this owner's contribution to `step` again if
-    it had released it.
-    """
-    return kernels.load().tfe_step_rewind(handle, step, owner=owner)
 
 
 def _log2(bound: float) -> int:
