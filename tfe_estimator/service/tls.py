@@ -22,12 +22,12 @@ from typing import NamedTuple, Optional, Tuple
 
 import grpc
 
-from tfe_estimator.identity import certs, expiry
+from tfe_estimator.identity import certs, diagnose, expiry
 from tfe_estimator.identity.certs import identity_of_common_name
 from tfe_estimator.identity.federation import FEDERATION_FILE, Federation
 
 __all__ = ["TlsFiles", "peer_identity", "peer_certificate", "check_peer", "server_name", "server_name_option",
-           "identity_of_common_name", "FEDERATION_FILE"]
+           "server_mismatch", "identity_of_common_name", "FEDERATION_FILE"]
 
 
 @functools.lru_cache(maxsize=32)
@@ -171,3 +171,23 @@ def check_peer(tls: TlsFiles, identity: str, context: grpc.ServicerContext) -> O
     if leaf is None:
         return f"the caller {identity} presented no certificate gRPC could report."
     return tls.trust().check_peer(identity, leaf)
+
+
+def server_mismatch(tls: TlsFiles, server: int, address: str, details: Optional[str] = None,
+                    timeout: float = 5.0) -> Optional[str]:
+    """For an owner whose calls to server `server` at `address` fail: if that server presents another
+    certificate than the one `tls` pins (name ``tfe-<k>.<cluster>``, issued by its operator's CA), a
+    message naming the expected and the presented identity; else None (also when it cannot be reached).
+
+    `details` (gRPC's error details), when given, must look like a TLS failure (else None at once: a
+    refused connection is not a certificate problem).
+
+    Example::
+
+        except grpc.RpcError as e:
+            message = server_mismatch(tls, 1, "tfe1.example:7000", e.details())
+    """
+    if details is not None and not diagnose.looks_like_handshake_failure(details):
+        return None
+    return diagnose.server_mismatch(address, server_name(tls, server), tls.trust().server_ca_pem(server), tls.cert,
+                                    tls.key, what=f"aggregation server{server}", timeout=timeout)

@@ -1,0 +1,303 @@
+"""Trust per organisation: two hospitals and two server operators, each with its own CA, made by the CLI.
+
+Every check below is an attack that must fail or a flow that must work; the
+mutation beside a check disables the property (the per-organisation check, the
+per-server pin, exclusive key files) and asserts that the check catches it.
+All in process, on loopback.
+"""
+import json
+import os
+
+import grpc
+import numpy as np
+import portpicker
+import pytest
+
+from tfe_estimator.identity import certs, diagnose, expiry, federation as federation_lib, keyfiles
+from tfe_estimator.service import AggregationServer, OwnerClient, ServiceError, TlsFiles, ring, tls as tls_lib, wire
+from tfe_estimator.tools import cli
+
+CLUSTER = "hospitals"
+#: organisation -> (identity, display name)
+PARTIES = {"hospital-a": ("chief:0", "Hospital A"), "hospital-b": ("worker:0", "Hospital B"),
+           "operator-x": ("tfe:0", "Operator X"), "operator-y": ("tfe:1", "Operator Y")}
+OWNERS = ["chief:0", "worker:0"]
+WAIT = 10.0
+
+
+def _cli(*argv):
+    assert cli.main(list(argv)) == 0, argv
+
+
+def _stem(identity):
+    job, index = identity.split(":")
+    return certs.task_name(job, int(index))
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory):
+    """The deployment page's flow through `tfe-estimator certs`: each organisation's CA, each party's key and
+    CSR, each CA signing its own party, the federation file assembled, verified and installed at every party."""
+    root = tmp_path_factory.mktemp("sites")
+    ports = [portpicker.pick_unused_port() for _ in range(2)]
+    party_args = []
+    for org, (identity, name) in PARTIES.items():
+        ca_dir, own = str(root / org / "ca"), str(root / org / _stem(identity))
+        _cli("certs", "ca", "--org", org, "--name", name, "--cluster", CLUSTER, "--dir", ca_dir)
+        _cli("certs", "request", "--identity", identity, "--org", org, "--cluster", CLUSTER, "--dir", own)
+        _cli("certs", "sign", "--ca-dir", ca_dir, "--csr", os.path.join(own, _stem(identity) + ".csr"),
+             "--cluster", CLUSTER)
+        party_args += ["--party", f"{identity}={ca_dir}/ca.crt"]
+    fed = str(root / "federation.json")
+    _cli("certs", "federation", "--cluster", CLUSTER, *party_args, "--server", f"tfe:0=localhost:{ports[0]}",
+         "--server", f"tfe:1=localhost:{ports[1]}", "--out", fed)
+    for org, (identity, _) in PARTIES.items():
+        _cli("certs", "verify", "--federation", fed, "--dir", str(root / org / _stem(identity)),
+             "--identity", identity, "--install")
+    return root, ports
+
+
+def _tls(root, identity):
+    org = next(o for o, (i, _) in PARTIES.items() if i == identity)
+    job, index = identity.split(":")
+    return TlsFiles.from_dir(str(root / org / _stem(identity)), job, int(index))
+
+
+class _Servers:
+    def __init__(self, root, ports, tls0=None, tls1=None):
+        self.addresses = [f"localhost:{p}" for p in ports]
+        self.servers = [AggregationServer(1, self.addresses[1], OWNERS, tls1 or _tls(root, "tfe:1"),
+                                          step_timeout_secs=WAIT)]
+        self.servers[0].start()
+        self.servers.insert(0, AggregationServer(0, self.addresses[0], OWNERS, tls0 or _tls(root, "tfe:0"),
+                                                 peer_address=self.addresses[1], step_timeout_secs=WAIT))
+        self.servers[0].start()
+
+    def close(self):
+        for server in self.servers:
+            server.stop(0)
+
+
+@pytest.fixture
+def servers(sites):
+    started = _Servers(*sites)
+    yield started
+    started.close()
+
+
+def _forged(root, tmp_path, ca_org):
+    """worker:0's name in a certificate signed by `ca_org`'s CA (with `ca_org`'s key: a minting insider)."""
+    ca_dir = root / ca_org / "ca"
+    key, csr = certs.make_key_and_csr("worker", 0, ca_org, CLUSTER)  # the honest sign_csr signs only its own org
+    cert = certs.sign_csr(csr, (ca_dir / "ca.crt").read_bytes(), (ca_dir / "ca.key").read_bytes(), CLUSTER)
+    out = tmp_path / f"forged-by-{ca_org}"
+    out.mkdir()
+    (out / "worker-0.crt").write_bytes(cert)
+    (out / "worker-0.key").write_bytes(key)
+    (out / "federation.json").write_bytes((root / "federation.json").read_bytes())
+    return TlsFiles.from_dir(str(out), "worker", 0)
+
+
+def _raw(address, server, method, request, tls, timeout=5.0):
+    messages = wire.messages()
+    m = wire.method(method)
+    with grpc.secure_channel(address, tls.channel_credentials(server),
+                             options=[tls_lib.server_name_option(tls, server)]) as channel:
+        stub = channel.unary_unary(wire.method_path(method), request_serializer=messages[m.request].SerializeToString,
+                                   response_deserializer=messages[m.reply].FromString)
+        return stub(request, timeout=timeout)
+
+
+# ------------------------------------------------------------------ the flow works --
+
+def _masked(x, key):
+    """An owner's masked share of `x` (ring 64) under `key`: x - AES-CTR(key) (what ops.mask_share computes)."""
+    share = x.astype(np.uint64)
+    ring.sub_into(share, ring.keystream_words(key.tobytes(), x.size), 64)
+    return share.view(np.int64)
+
+
+def test_the_cli_flow_gives_a_working_federation_and_a_real_sum(sites, servers):
+    root, _ = sites
+    data = json.loads((root / "federation.json").read_text())
+    assert set(data["organisations"]) == set(PARTIES) and data["parties"]["worker:0"]["organisation"] == "hospital-b"
+    for org, (identity, _) in PARTIES.items():  # each party's directory: its own key, certificate and public trust
+        own = root / org / _stem(identity)
+        assert sorted(os.listdir(own)) == sorted([f"{_stem(identity)}.{e}" for e in ("crt", "csr", "key")]
+                                                 + ["federation.json"])
+        assert oct(os.stat(own / f"{_stem(identity)}.key").st_mode & 0o777) == "0o600"
+    rng = np.random.RandomState(3)
+    xs = [rng.randint(0, 2**40, size=16).astype(np.int64) for _ in OWNERS]
+    clients = [OwnerClient(servers.addresses, _tls(root, o), timeout_secs=WAIT) for o in OWNERS]
+    try:
+        import concurrent.futures  # pylint: disable=import-outside-toplevel
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = []
+            for client, x in zip(clients, xs):
+                key = np.frombuffer(os.urandom(16), np.int32)
+                futures.append(pool.submit(client.contribute, "grads", 0, 64, x.size, key, _masked(x, key)))
+            results = [f.result(timeout=2 * WAIT) for f in futures]
+    finally:
+        for client in clients:
+            client.close()
+    for blind, w in results:
+        total = w.reshape(-1).view(np.uint64).copy()
+        ring.add_into(total, ring.keystream_words(np.asarray(blind, "<i4").tobytes(), total.size), 64)
+        assert (total.view(np.int64) == xs[0] + xs[1]).all()
+
+
+# ------------------------------------------------------------ no organisation mints another's party --
+
+def check_forged_worker_is_refused_by_both_servers(sites, servers, tmp_path):
+    root, _ = sites
+    for ca_org in ("hospital-a", "operator-x"):
+        forged = _forged(root, tmp_path, ca_org)
+        for server, address in enumerate(servers.addresses):
+            with pytest.raises(grpc.RpcError) as e:
+                _raw(address, server, "Rewind", wire.messages()["RewindRequest"](step=0), forged)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (ca_org, server, e.value.details())
+            assert "not by the CA of worker:0's organisation 'Hospital B'" in e.value.details()
+
+
+def test_a_worker_certificate_of_another_organisations_ca_is_refused(sites, servers, tmp_path):
+    check_forged_worker_is_refused_by_both_servers(sites, servers, tmp_path)
+
+
+def test_mutation_no_per_organisation_check_is_detected(sites, servers, tmp_path, monkeypatch):
+    monkeypatch.setattr(federation_lib.Federation, "check_peer", lambda self, identity, leaf, now=None: None)
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        check_forged_worker_is_refused_by_both_servers(sites, servers, tmp_path)
+
+
+def test_the_honest_worker_passes_the_per_organisation_check(sites, servers):
+    root, _ = sites
+    for server, address in enumerate(servers.addresses):
+        _raw(address, server, "Rewind", wire.messages()["RewindRequest"](step=0), _tls(root, "worker:0"))
+
+
+# ------------------------------------------------------------ owners pin each server by its operator --
+
+def _pinning_wrong_operator(root, tmp_path):
+    """worker:0 with a federation file that names operator-x's CA for tfe:1 too."""
+    data = json.loads((root / "federation.json").read_text())
+    data["parties"]["tfe:1"]["organisation"] = "operator-x"
+    own = tmp_path / "misled"
+    own.mkdir()
+    for ext in ("crt", "key"):
+        (own / f"worker-0.{ext}").write_bytes((root / "hospital-b" / "worker-0" / f"worker-0.{ext}").read_bytes())
+    (own / "federation.json").write_text(json.dumps(data))
+    return TlsFiles.from_dir(str(own), "worker", 0)
+
+
+def check_owner_pinning_the_wrong_operator_fails_clearly(sites, servers, tmp_path):
+    root, _ = sites
+    misled = _pinning_wrong_operator(root, tmp_path)
+    client = OwnerClient(servers.addresses, misled, timeout_secs=3, wait_for_ready=False)
+    try:
+        with pytest.raises(ServiceError) as e:
+            client.rewind(0)
+    finally:
+        client.close()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.address == servers.addresses[1], e.value
+    message = tls_lib.server_mismatch(misled, 1, servers.addresses[1], e.value.details)
+    assert message is not None, e.value.details
+    assert "expects tfe-1.hospitals, issued by 'Operator X'" in message, message
+    assert "presented tfe:1 (tfe-1.hospitals), issued by" in message and "operator-y" in message, message
+
+
+def test_an_owner_pinning_the_wrong_operator_ca_fails_clearly(sites, servers, tmp_path):
+    check_owner_pinning_the_wrong_operator_fails_clearly(sites, servers, tmp_path)
+
+
+def test_mutation_one_trust_bundle_for_every_server_is_detected(sites, servers, tmp_path, monkeypatch):
+    real = TlsFiles.channel_credentials
+    monkeypatch.setattr(TlsFiles, "channel_credentials", lambda self, server=None: real(self, None))
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        check_owner_pinning_the_wrong_operator_fails_clearly(sites, servers, tmp_path)
+
+
+def test_swapped_server_addresses_are_named_with_both_identities(sites, servers):
+    root, _ = sites
+    tls = _tls(root, "chief:0")
+    message = tls_lib.server_mismatch(tls, 0, servers.addresses[1])
+    assert message is not None and "presented tfe:1 (tfe-1.hospitals)" in message, message
+    assert "expects tfe-0.hospitals" in message and "swapped" in message, message
+    assert tls_lib.server_mismatch(tls, 0, servers.addresses[0]) is None
+    assert tls_lib.server_mismatch(tls, 0, servers.addresses[1], details="connection refused") is None
+    assert diagnose.looks_like_handshake_failure("Ssl handshake failed: SSL_ERROR_SSL: CERTIFICATE_VERIFY_FAILED")
+
+
+# ------------------------------------------------------------ a CA signs only its own organisation --
+
+def test_an_organisations_ca_refuses_another_organisations_request(sites):
+    root, _ = sites
+    ca = root / "hospital-a" / "ca"
+    _, csr = certs.make_key_and_csr("worker", 0, "hospital-b", CLUSTER)
+    with pytest.raises(ValueError, match="an organisation's CA signs only its own parties"):
+        certs.sign_csr(csr, (ca / "ca.crt").read_bytes(), (ca / "ca.key").read_bytes(), CLUSTER)
+
+
+def test_federation_verify_names_a_shared_operator_and_missing_servers():
+    ca, _ = certs.make_ca(CLUSTER, organisation="operator-x", display_name="Operator X")
+    owner_ca, _ = certs.make_ca(CLUSTER, organisation="hospital-a")
+    fed = federation_lib.Federation.assemble(CLUSTER, {"chief:0": owner_ca, "tfe:0": ca, "tfe:1": ca},
+                                             {"tfe:0": "a:1"})
+    problems = " ".join(fed.verify())
+    assert "both aggregation servers belong to operator-x" in problems and "tfe:1 has no address" in problems
+
+
+# ------------------------------------------------------------ key files --
+
+def test_a_foreign_pre_created_key_file_is_refused(tmp_path):
+    target = tmp_path / "ca.key"
+    target.write_bytes(b"")
+    os.chmod(target, 0o666)
+    os.chown(target, 12345, 12345)  # another local user's file (the tests run as root)
+    with pytest.raises(ValueError, match="belongs to uid 12345"):
+        keyfiles.write_private(str(target), b"secret")
+    assert target.read_bytes() == b""
+    with pytest.raises(ValueError, match="belongs to uid 12345"):  # `tfe-estimator certs --dir` into that directory
+        certs.make_cluster_certs(str(tmp_path), [("chief", 0)], cluster="t")
+    assert target.read_bytes() == b"" and os.stat(target).st_uid == 12345
+
+
+def test_an_own_pre_created_key_file_is_replaced_not_written_through(tmp_path):
+    target = tmp_path / "worker-0.key"
+    target.write_bytes(b"old")
+    os.chmod(target, 0o666)
+    link = tmp_path / "hardlink"
+    os.link(target, link)  # someone holding the old inode sees nothing new
+    keyfiles.write_private(str(target), b"secret")
+    assert oct(os.stat(target).st_mode & 0o777) == "0o600" and target.read_bytes() == b"secret"
+    assert link.read_bytes() == b"old"
+
+
+def test_mutation_writing_through_a_pre_created_file_is_detected(tmp_path, monkeypatch):
+    monkeypatch.setattr(keyfiles, "_clear", lambda path: None)
+    monkeypatch.setattr(keyfiles.os, "O_EXCL", 0)
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        test_an_own_pre_created_key_file_is_replaced_not_written_through(tmp_path)
+
+
+def test_a_world_writable_key_directory_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(ValueError, match="writable by every user"):
+        keyfiles.write_private(str(shared / "ca.key"), b"secret")
+
+
+# ------------------------------------------------------------ expiry --
+
+def test_a_certificate_expiring_soon_is_named_with_its_date(tmp_path, caplog):
+    import datetime  # pylint: disable=import-outside-toplevel
+
+    ca_cert, ca_key = certs.make_ca("t", validity_days=30)
+    _, csr = certs.make_key_and_csr("chief", 0, "chief-0", "t")
+    soon = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    cert = certs.sign_csr(csr, ca_cert, ca_key, "t", validity_days=3, not_before=soon)
+    with caplog.at_level("WARNING", logger="tfe_estimator"):
+        messages = expiry.warn_expiring([("/x/chief-0.crt", cert), ("/x/ca.crt", ca_cert)])
+    assert len(messages) == 1 and "/x/chief-0.crt" in messages[0] and "expires on" in messages[0]
+    assert "/x/chief-0.crt" in caplog.text
