@@ -242,14 +242,23 @@ def test_a_rewind_touches_only_the_callers_contribution(make_service):
     assert all(isinstance(r, tuple) for r in results), results
 
 
-def test_handshake_returns_every_owners_row_in_configured_order(make_service):
+def _rows(reply):
+    return [(model, None if row is None else row.tolist()) for model, row, _ in reply]
+
+
+def test_handshake_keeps_rows_per_model_and_an_owners_row_never_blocks_another(make_service):
     service = make_service(owner_names(3))
     chief, worker0, _ = service.clients_of(3)
-    np.testing.assert_array_equal(worker0.handshake(4, [7, 8]), [[-1, -1], [7, 8], [-1, -1]])
-    np.testing.assert_array_equal(chief.handshake(4, [5, 6]), [[5, 6], [7, 8], [-1, -1]])
-    np.testing.assert_array_equal(worker0.handshake(5, [9, 9]), [[5, 6], [9, 9], [-1, -1]])  # replaced
-    with pytest.raises(ServiceError, match="its descriptor has 3 fields, chief:0's has 2"):
-        worker0.handshake(5, [1, 2, 3])
+    assert _rows(worker0.handshake(4, [7, 8], model=1)) == [(0, None), (1, [7, 8]), (0, None)]
+    assert _rows(chief.handshake(4, [5, 6], model=1)) == [(1, [5, 6]), (1, [7, 8]), (0, None)]
+    assert _rows(worker0.handshake(5, [9, 9], model=1)) == [(1, [5, 6]), (1, [9, 9]), (0, None)]  # replaced
+    # A row of another length (another model, another version) is stored beside, refused nowhere.
+    assert _rows(worker0.handshake(5, [1, 2, 3], model=2)) == [(1, [5, 6]), (2, [1, 2, 3]), (0, None)]
+    # The chief asking for model 1 still sees worker:0's model-1 row; asking for model 2, its latest (model 1).
+    assert _rows(chief.handshake(4, [5, 6], model=1)) == [(1, [5, 6]), (1, [9, 9]), (0, None)]
+    reply = chief.handshake(4, [5, 6], model=3)
+    assert _rows(reply) == [(3, [5, 6]), (2, [1, 2, 3]), (0, None)]
+    assert reply[0][2] is not None and reply[2][2] is None  # seconds since the last call; never
 
 
 def test_client_checks_its_arguments_before_any_call(make_service):

@@ -13,9 +13,12 @@ checks: only where the sum is computed differs.
 - Identical initial values come from one `tf_random_seed` on every owner
   (`TfeRunConfig` derives one from the cluster when none is given).
 - Before a session's first step every owner agrees with the others through
-  server0 on its step, settings, number of owners and model
-  (`service_handshake`), then rewinds its own state on both servers, so
-  owners restored from one checkpoint continue together.
+  server0 on its model record (variables, optimizer and hyperparameters,
+  feature constants, settings, number of owners) and, at the same step, its
+  weights (`service_handshake`), then rewinds its own state on both servers.
+  The record's hash, the model id, prefixes every channel of the model's
+  sums (`channel_name`), so models trained one after another in one launch
+  never share the servers' state.
 - A MEAN divides by every replica of every owner; every owner has the same
   number of local replicas (the handshake's settings include it).
 - Evaluation is federated (``ServiceStrategy(evaluation=True)``, what
@@ -46,7 +49,7 @@ from tfe_estimator.distribute.devices import cpus_needed, local_layout
 from tfe_estimator.distribute.strategy import TfeStrategy, _TfeExtended
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
-__all__ = ["ServiceBinding", "ServiceAggregation", "ServiceStrategy", "service_client"]
+__all__ = ["ServiceBinding", "ServiceAggregation", "ServiceStrategy", "service_client", "channel_name"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -77,9 +80,24 @@ class ServiceBinding:
             raise ValueError(f"owner {self.owner!r} is not one of the owners {list(self.owners)!r}.")
 
 
-#: Per graph: [sums built, the step tensor] (module-level: Estimator deep-copies its config, and so
-#: the strategy, which must not copy graphs).
+#: Per graph: [sums built, the step tensor, {"model": the model id once known}] (module-level: Estimator
+#: deep-copies its config, and so the strategy, which must not copy graphs).
 _CHANNELS: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
+
+
+def _model_of(graph: tf.Graph) -> dict:
+    """The holder of `graph`'s model id: set by the handshake (training) or `ModelIdHook` (evaluation)."""
+    state = _CHANNELS.get(graph)
+    if state is None:
+        global_step = step_sum.graph_global_step(graph, "ServiceAggregation")
+        step = step_sum.read_step(global_step, name="service_step")
+        state = _CHANNELS[graph] = [0, step, {"model": None}]
+    return state[2]
+
+
+def channel_name(model: int, name: str) -> str:
+    """A sum's channel on the servers: the model id, then the sum's name (two models never share one)."""
+    return f"{model:016x}/{name}"
 
 
 def service_client(binding: ServiceBinding):
@@ -154,9 +172,14 @@ class ServiceAggregation(SecureAggregation):
                              f"{self._local_replicas}.")
         channel, step = self._next_channel()
         binding = self._binding
+        model = _model_of(tf.compat.v1.get_default_graph())
 
-        def contribute(*args):
-            return service_client(binding).contribute(*args)
+        def contribute(name, *args):
+            if model["model"] is None:
+                raise ValueError(f"sum {name!r} of owner {binding.owner} runs before the owners' handshake named "
+                                 "the model: train and evaluate through Estimator with this strategy (its hooks "
+                                 "name the model's channels on the servers).")
+            return service_client(binding).contribute(channel_name(model["model"], name), *args)
 
         return service_sum_lib.service_sum(vectors, sources, targets, encoding, dtype, binding.owner, hint, scale,
                                            channel, step, contribute, noise_variance=noise_variance)
@@ -164,11 +187,8 @@ class ServiceAggregation(SecureAggregation):
     def _next_channel(self):
         """The graph's next sum's name (equal on every owner: they build the same graph) and the step."""
         graph = tf.compat.v1.get_default_graph()
-        state = _CHANNELS.get(graph)
-        if state is None:
-            global_step = step_sum.graph_global_step(graph, "ServiceAggregation")
-            step = step_sum.read_step(global_step, name="service_step")
-            state = _CHANNELS[graph] = [0, step]
+        _model_of(graph)
+        state = _CHANNELS[graph]
         state[0] += 1
         return f"{self._channel_prefix}sum_{state[0] - 1}", state[1]
 
@@ -194,17 +214,36 @@ class _ServiceExtended(_TfeExtended):
             destinations = device_util.canonicalize(destinations, self.worker_devices[0])
         return super()._reduce_to(reduce_op, value, destinations, options)
 
+    def _settings(self) -> dict:
+        """The secure and DP settings every owner must share (compared by the handshake)."""
+        agg = self._cross_device_ops
+        settings = {"protocol": "pond", "precision": agg.precision.name, "clip_norm": agg.clip_norm,
+                    "update_ring_bits": agg.update_ring_bits, "local replicas": len(self.worker_devices),
+                    "dp": agg.dp is not None}
+        if agg.dp is not None:
+            settings.update({f"dp {name}": value for name, value in dataclasses.asdict(agg.dp).items()})
+        return settings
+
     def _call_for_each_replica(self, fn, args, kwargs):
         def with_handshake(*fn_args, **fn_kwargs):
             result = fn(*fn_args, **fn_kwargs)
-            if isinstance(result, tf.estimator.EstimatorSpec) and result.mode == tf.estimator.ModeKeys.TRAIN:
-                from tfe_estimator.distribute.service_handshake import ServiceHandshakeHook  # pylint: disable=import-outside-toplevel
+            if isinstance(result, tf.estimator.EstimatorSpec) and result.mode in (tf.estimator.ModeKeys.TRAIN,
+                                                                                   tf.estimator.ModeKeys.EVAL):
+                from tfe_estimator.distribute import service_handshake  # pylint: disable=import-outside-toplevel
 
                 agg = self._cross_device_ops
-                settings = (f"pond/{agg.precision.name}/clip={agg.clip_norm}/ring={agg.update_ring_bits}"
-                            f"/replicas={len(self.worker_devices)}" + (f"/dp={agg.dp}" if agg.dp else ""))
-                result = result._replace(training_hooks=(
-                    *result.training_hooks, ServiceHandshakeHook(agg.binding, settings, service_client)))
+                settings = self._settings()
+                model = _model_of(tf.compat.v1.get_default_graph())
+
+                def on_model(model_id):
+                    model["model"] = model_id
+
+                if result.mode == tf.estimator.ModeKeys.TRAIN:
+                    hook = service_handshake.ServiceHandshakeHook(agg.binding, settings, service_client, on_model)
+                    result = result._replace(training_hooks=(*result.training_hooks, hook))
+                else:
+                    hook = service_handshake.ModelIdHook(settings, len(agg.binding.owners), on_model)
+                    result = result._replace(evaluation_hooks=(*(result.evaluation_hooks or ()), hook))
             return result
 
         return super()._call_for_each_replica(with_handshake, args, kwargs)

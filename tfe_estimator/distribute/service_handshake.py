@@ -1,79 +1,199 @@
-"""Owners of the aggregation service agree on step, settings, number of owners and model before training.
+"""Owners of the aggregation service agree on one model before training (contract rule 7).
 
 Once per training session (so also after every restore), after the session
-is created and before its first step, each owner sends its descriptor
-(`weight_check_handshake.FIELDS`: step, a hash of the settings, the number
-of owners, a hash of the model's variables) to server0's ``Handshake``
-method, polls it (bounded: `step_wait.poll`) until every owner's descriptor
-of the same step is there, and stops with `OwnersDisagreeError` naming the
-first field that differs and the owners it differs for (the same messages
-as the TensorFlow-runtime between-graph mode). The server learns these
-hashes and the step, nothing else.
+is created and before its first step, each owner reads its model record
+(`model_record.ModelRecord`: the variables, each optimizer and its
+hyperparameters, the feature constants such as vocabularies and bucket
+boundaries, the secure and DP settings, the number of owners) and the
+fingerprint of its initial or restored weights, sends the row to server0's
+``Handshake`` under its model id (a hash of the record) and polls until every
+owner has a row for the same model:
+
+- owners do not need to be at the same step (a restarted owner may be behind
+  and replays what it missed); their weight fingerprints are compared only
+  when they are at the same step (a different ``tf_random_seed`` shows there
+  at step 0);
+- an owner whose latest row is for another model and who is handshaking now
+  (it called within `ACTIVE_SECS`) would train a different model: refused
+  with `OwnersDisagreeError` naming the owners and what differs, with values
+  where they are numbers ("learning rate ... 0.05 on worker:0, 0.01 on
+  chief:0", "the vocabulary of feature 'sex' ... differs");
+- while it waits, the owner logs at WARNING every `WARN_EVERY_SECS` whom it
+  waits for; after the timeout it stops naming them (and what differs, for
+  an owner last seen with another model).
+
+The server learns hashes, the step, fingerprints and hyperparameter values,
+nothing of the data. The model id also prefixes every channel of the model's
+sums (`service_aggregation`), so two models trained one after another in a
+launch never meet on the servers.
 
 Before that, when the training graph is complete, `audit.owner_graph`
-checks that it lets out nothing but fresh keys and masked shares.
-
-Once the owners agree, the owner rewinds its own state on both servers
-(``Rewind``): a contribution left by a failed session is dropped, and it may
-contribute from the restored step again, so owners that all recovered from
-one checkpoint (after an owner or a server restart) continue together.
+checks that it lets out nothing but fresh keys and masked shares. Once the
+owners agree, the owner rewinds its own state on both servers (``Rewind``).
 
 Example::
 
-    hook = ServiceHandshakeHook(binding, settings="pond/low/clip=None/ring=64/replicas=1", client=service_client)
+    hook = ServiceHandshakeHook(binding, settings={"precision": "low", "update_ring_bits": 64},
+                                client=service_client)
     estimator_spec = estimator_spec._replace(training_hooks=(*estimator_spec.training_hooks, hook))
 """
-from typing import Callable
+import logging
+import time
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
-import numpy as np
 import tensorflow as tf
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
+from tfe_estimator.distribute import model_record
 from tfe_estimator.distribute import step_wait
 from tfe_estimator.distribute.service_sum import tf_errors
-from tfe_estimator.distribute.weight_check_handshake import OwnersDisagreeError, descriptor, mismatch
 
-__all__ = ["ServiceHandshakeHook"]
+__all__ = ["ServiceHandshakeHook", "ModelIdHook", "OwnersDisagreeError", "verdict", "ACTIVE_SECS",
+           "WARN_EVERY_SECS"]
+
+log = logging.getLogger("tfe_estimator")
+
+#: An owner that called Handshake this recently is handshaking now (it polls every `step_wait.POLL_SECONDS`).
+ACTIVE_SECS = 2.0
+#: How often a waiting owner says whom it waits for.
+WARN_EVERY_SECS = 10.0
+
+
+class OwnersDisagreeError(ValueError):
+    """Data owners of one service would train different models (or start from different weights)."""
+
+
+def _row_step(row) -> int:
+    return int(row[0])
+
+
+def verdict(me: str, owners: Sequence[str], mine: Tuple[int, int, List[model_record.Field]], model: int,
+            rows: Sequence[Tuple[int, Optional[Sequence[int]], Optional[float]]],
+            final: bool = False) -> Tuple[Optional[str], List[str]]:
+    """``(error, waiting)`` for this owner's record `mine` = (step, weights, fields) and the server's `rows`.
+
+    `rows[o]` is owner o's ``(model id, row, seconds since its last call)`` (`OwnerClient.handshake`).
+    `error` is the refusal's message (None: no disagreement); `waiting` says, per owner not there yet,
+    why. With `final` (the wait timed out) an owner last seen with another model is a disagreement.
+    """
+    step, weights, fields = mine
+    problems, waiting = [], []
+    for owner, (which, row, age) in zip(owners, rows):
+        if owner == me:
+            continue
+        if row is None:
+            waiting.append(f"{owner}: no handshake yet")
+            continue
+        if which == model:
+            if _row_step(row) == step and int(row[1]) != weights:
+                hint = ("give every owner the same tf_random_seed (TfeRunConfig(tf_random_seed=...)) and no "
+                        "checkpoint in its model_dir" if step == 0 else
+                        "restore every owner from the same checkpoint (the same step of one training)")
+                problems.append(
+                    f"the {'initial' if step == 0 else 'restored'} weights differ at step {step}: fingerprint "
+                    f"{model_record.format_fingerprint(int(row[1]))} on {owner}, "
+                    f"{model_record.format_fingerprint(weights)} on {me}; {hint}")
+            continue
+        differ = model_record.differences(fields, me, row, owner)
+        if final or (age is not None and age < ACTIVE_SECS):
+            problems.append("; ".join(differ) or f"{owner} runs another model")
+        else:
+            waiting.append(f"{owner}: its last handshake ({age:.0f} s ago, at step {_row_step(row)}) was for "
+                           f"another model ({'; '.join(differ[:1])})")
+    if problems:
+        return (f"Service handshake at step {step}: the owners would not train the same model, refused before "
+                f"the first step: {'; '.join(problems)}. Every owner must run the same model script (optimizer, "
+                "hyperparameters, feature columns and their vocabularies in the same order) with the same "
+                "TfeRunConfig: fix the owner named."), waiting
+    return None, waiting
 
 
 class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
-    """Checks, before a session's first step, that every owner agrees with this one (module docstring).
+    """Checks, before a session's first step, that every owner trains this model (module docstring).
 
     Args:
       binding: this owner's `ServiceBinding`.
-      settings: a string equal on owners with the same secure-sum settings.
+      settings: the secure and DP settings, ``name -> value`` (equal on owners with the same settings).
       client: ``client(binding)`` returns the owner's `tfe_estimator.service.OwnerClient`.
+      on_model: called with the model id once the owners agree (it prefixes the model's channels).
 
     Raises (from `after_create_session`):
-      OwnersDisagreeError: naming the field, the owners and the step.
+      OwnersDisagreeError: naming the owners and what differs, or whom it waited for.
     """
 
-    def __init__(self, binding, settings: str, client: Callable):
-        self._binding, self._settings, self._client = binding, settings, client
-        self._mine = None
+    def __init__(self, binding, settings: Mapping[str, object], client: Callable,
+                 on_model: Optional[Callable[[int], None]] = None):
+        self._binding, self._settings, self._client = binding, dict(settings), client
+        self._on_model = on_model
+        self._record = None
 
     def begin(self):
+        graph = tf.compat.v1.get_default_graph()
         # The training graph is complete: check what it lets out before it runs (`audit.owner_graph`).
-        audit_owner_graph(tf.compat.v1.get_default_graph())
-        with tf.name_scope("service_handshake"):
-            _, self._mine = descriptor(self._settings, len(self._binding.owners))
+        audit_owner_graph(graph)
+        self._record = model_record.ModelRecord(graph, self._settings, len(self._binding.owners))
 
     def after_create_session(self, session, coord):
         del coord
-        mine = session.run(self._mine)
+        mine = self._record.evaluate(session)
+        step, weights, fields = mine
+        model = model_record.model_id(fields)
+        row = model_record.make_row(step, weights, fields)
         client = self._client(self._binding)
-        owners = list(self._binding.owners)
-        rows = [None]
+        owners, me = list(self._binding.owners), self._binding.owner
+        state = {"error": None, "waiting": [], "warned": time.monotonic()}
+        started = time.monotonic()
 
-        def everyone_at_my_step():
+        def agreed():
             with tf_errors():
-                rows[0] = np.asarray(client.handshake(int(mine[0]), [int(v) for v in mine]))
-            return bool(np.all(rows[0][:, 0] == mine[0]))
+                rows = client.handshake(step, row, model)
+            state["error"], state["waiting"] = verdict(me, owners, mine, model, rows)
+            now = time.monotonic()
+            if state["waiting"] and not state["error"] and now - state["warned"] >= WARN_EVERY_SECS:
+                state["warned"] = now
+                log.warning("service handshake at step %d: waiting for %s (%.0f s)", step,
+                            "; ".join(state["waiting"]), now - started)
+            return bool(state["error"]) or not state["waiting"]
 
         timeout = 0.9 * self._binding.timeout_secs
-        arrived = step_wait.poll(everyone_at_my_step, timeout)
-        message = mismatch(rows[0], owners.index(self._binding.owner), owners, timeout, arrived)
-        if message:
-            raise OwnersDisagreeError(message)
+        arrived = step_wait.poll(agreed, timeout, interval=step_wait.HANDSHAKE_POLL_SECONDS)
+        if not arrived and not state["error"]:
+            with tf_errors():
+                rows = client.handshake(step, row, model)
+            state["error"], state["waiting"] = verdict(me, owners, mine, model, rows, final=True)
+            if not state["error"]:
+                state["error"] = (f"Service handshake: {me} at step {step} waited {timeout:g} s for "
+                                  f"{'; '.join(state['waiting'])}. Start every owner (each restores its own "
+                                  "latest checkpoint), or raise TfeRunConfig(step_timeout_secs=...) if one is "
+                                  "only slow.")
+        if state["error"]:
+            raise OwnersDisagreeError(state["error"])
+        log.info("service handshake at step %d: every owner trains model %016x; weights %s", step, model,
+                 model_record.format_fingerprint(weights))
+        if self._on_model is not None:
+            self._on_model(model)
         with tf_errors():
-            client.rewind(int(mine[0]))
+            client.rewind(int(step))
+
+
+class ModelIdHook(tf.compat.v1.train.SessionRunHook):
+    """For evaluation: names the model's channels by its record and the evaluated weights (no handshake).
+
+    Every owner evaluates the same checkpoint with the same model, so the id is equal on all of them,
+    and differs from the training's and any other model's.
+
+    Args:
+      settings, num_owners: as `ServiceHandshakeHook`; on_model: called with the id.
+    """
+
+    def __init__(self, settings: Mapping[str, object], num_owners: int, on_model: Callable[[int], None]):
+        self._settings, self._num_owners, self._on_model = dict(settings), num_owners, on_model
+        self._record = None
+
+    def begin(self):
+        self._record = model_record.ModelRecord(tf.compat.v1.get_default_graph(), self._settings, self._num_owners)
+
+    def after_create_session(self, session, coord):
+        del coord
+        _, weights, fields = self._record.evaluate(session)
+        self._on_model(model_record.model_id([*fields, ("the weights", model_record.HASH, weights)]))

@@ -1,10 +1,8 @@
-"""A bounded wait across data owners in between-graph mode: poll, give up after a time.
+"""A bounded wait across data owners: poll, give up after a time.
 
-``QueueDequeueV2`` ignores its ``timeout_ms`` attribute, so an owner that must
-wait for the others and then report who was missing (the handshake) polls the
-servers from Python instead (``poll``) and decides itself, before the
-session's own deadline (``step_timeout_secs``) ends the run with a bare
-"Operation timed out".
+An owner that must wait for the others and then report who was missing (the
+service handshake) polls server0 from Python (``poll``) and decides itself,
+before the step's own deadline (``step_timeout_secs``) ends the run.
 
 Example::
 
@@ -15,19 +13,21 @@ Example::
 import time
 from typing import Callable
 
-__all__ = ["poll", "POLL_SECONDS", "DEFAULT_STEP_TIMEOUT_SECS"]
+__all__ = ["poll", "POLL_SECONDS", "HANDSHAKE_POLL_SECONDS", "DEFAULT_STEP_TIMEOUT_SECS"]
 
-#: How long one between-graph session run may wait for the other owners (TfeRunConfig(step_timeout_secs)).
+#: How long one contribution may wait for the other owners (TfeRunConfig(step_timeout_secs)).
 DEFAULT_STEP_TIMEOUT_SECS = 300.0
 #: Pause between two polls of a server while the owners are incomplete.
 POLL_SECONDS = 0.005
+#: Pause between two handshake calls to server0 (each is a TLS round trip; the server logs them at DEBUG).
+HANDSHAKE_POLL_SECONDS = 0.1
 
 
-def poll(probe: Callable[[], bool], timeout_secs: float) -> bool:
-    """Whether `probe()` became true within `timeout_secs` (called at least once, then every `POLL_SECONDS`)."""
+def poll(probe: Callable[[], bool], timeout_secs: float, interval: float = POLL_SECONDS) -> bool:
+    """Whether `probe()` became true within `timeout_secs` (called at least once, then every `interval` s)."""
     deadline = time.monotonic() + timeout_secs
     while not probe():
         if time.monotonic() >= deadline:
             return False
-        time.sleep(POLL_SECONDS)
+        time.sleep(interval)
     return True

@@ -13,11 +13,11 @@ Example::
     tls = TlsFiles.from_dir("/certs", "worker", 0)
     client = OwnerClient(("tfe0.example:7000", "tfe1.example:7001"), tls)
     blind_key, w = client.contribute("grads", step, 64, n, seed, share)
-    rows = client.handshake(step, np.array([1, 2, 3]))
+    rows = client.handshake(step, np.array([1, 2, 3]), model=7)
     client.close()
 """
 import threading
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
@@ -154,11 +154,23 @@ class OwnerClient:
         w = np.frombuffer(payloads[1], "<i8").reshape(share.shape)  # read-only, over the reply's own bytes
         return blind_key, w
 
-    def handshake(self, step: int, descriptor) -> np.ndarray:
-        """Stores this owner's descriptor row on server0; returns every owner's row, ``[N, F]`` (-1: no row yet)."""
+    def handshake(self, step: int, descriptor,
+                  model: int = 0) -> List[Tuple[int, Optional[np.ndarray], Optional[float]]]:
+        """Stores this owner's row for `model` on server0; returns per owner ``(model, row, age_secs)``.
+
+        Each owner's row for `model`, else its latest row for another model (``model`` says which), else
+        ``(0, None, ...)``; ``age_secs``: since its last handshake call (None: never). See
+        `tfe_estimator.service.handshake_table`.
+        """
         descriptor = [int(v) for v in np.asarray(descriptor).reshape(-1)]
-        reply = self._call(0, "Handshake", self._messages["HandshakeRequest"](step=step, descriptor=descriptor))
-        return np.asarray(reply.rows, np.int64).reshape(-1, reply.num_fields)
+        reply = self._call(0, "Handshake", self._messages["HandshakeRequest"](step=step, descriptor=descriptor,
+                                                                              model=int(model)))
+        rows, start = [], 0
+        for length, which, age in zip(reply.lengths, reply.models, reply.ages_ms):
+            row = np.asarray(reply.rows[start:start + length], np.int64) if length else None
+            start += length
+            rows.append((int(which), row, None if age < 0 else age / 1000.0))
+        return rows
 
     def rewind(self, step: int) -> None:
         """Drops this owner's unreleased contributions on both servers; it contributes from `step` again."""

@@ -35,12 +35,13 @@ import logging
 import re
 import secrets
 import threading
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import grpc
 import numpy as np
 
 from tfe_estimator.service import ring, wire
+from tfe_estimator.service.handshake_table import HandshakeTable
 from tfe_estimator.service.steps import Released, StepChannel, StepRefused
 from tfe_estimator.service.tls import TlsFiles, check_peer, peer_identity, server_name_option
 from tfe_estimator.validation import is_int
@@ -121,7 +122,7 @@ class AggregationServer:
         self._max_elements, self._max_channels = max_elements, max_channels
         self._lock = threading.Lock()  # the channel table and the handshake rows
         self._channels: Dict[str, StepChannel] = {}
-        self._rows: Dict[int, List[int]] = {}
+        self._handshakes = HandshakeTable(owners)  # server0: the owners' handshake rows, per model
         self._server = None
         self._peer = None
         self._forward = None
@@ -323,23 +324,23 @@ class AggregationServer:
         return reply()
 
     def _handshake(self, identity: str, request, context, reply):
+        """Stores the caller's row for its model; answers every owner's row (`handshake_table`)."""
         del context
         descriptor = list(request.descriptor)
         if not descriptor:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"Handshake of {identity} at step {request.step}: empty descriptor; send at least one field.")
         owner = self._owners.index(identity)
-        with self._lock:
-            for other, row in self._rows.items():
-                if other != owner and len(row) != len(descriptor):
-                    raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"Handshake of {identity} at step {request.step}: its descriptor has "
-                                 f"{len(descriptor)} fields, {self._owners[other]}'s has {len(row)}. Every owner "
-                                 "must run the same tfe_estimator version and model.")
-            self._rows[owner] = descriptor
-            rows = [self._rows.get(o, [-1] * len(descriptor)) for o in range(len(self._owners))]
-        _LOG.info("aggregation server0: handshake of %s at step %d", identity, request.step)
-        return reply(rows=[v for row in rows for v in row], num_fields=len(descriptor))
+        try:
+            changed = self._handshakes.put(owner, request.model, descriptor)
+        except ValueError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Handshake of {identity}: {e}") from None
+        rows, models, ages = self._handshakes.view(request.model)
+        # A new row at INFO; the owners' polls while they wait for each other at DEBUG.
+        _LOG.log(logging.INFO if changed else logging.DEBUG, "aggregation server0: handshake of %s at step %d "
+                 "(model %016x)", identity, request.step, request.model)
+        return reply(rows=[v for row in rows if row for v in row], lengths=[len(row or ()) for row in rows],
+                     models=models, ages_ms=[-1 if age is None else int(age * 1000) for age in ages])
 
     def _rewind(self, identity: str, request, context, reply):
         del context
