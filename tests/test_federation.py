@@ -301,3 +301,71 @@ def test_a_certificate_expiring_soon_is_named_with_its_date(tmp_path, caplog):
         messages = expiry.warn_expiring([("/x/chief-0.crt", cert), ("/x/ca.crt", ca_cert)])
     assert len(messages) == 1 and "/x/chief-0.crt" in messages[0] and "expires on" in messages[0]
     assert "/x/chief-0.crt" in caplog.text
+
+
+# ------------------------------------------------------------ the launcher's task directories --
+
+def _private_keys(directory):
+    out = []
+    for dirpath, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                if b"PRIVATE KEY" in f.read():
+                    out.append(os.path.relpath(os.path.join(dirpath, name), directory))
+    return sorted(out)
+
+
+def check_launcher_task_dirs_hold_only_their_own_key(tmp_path):
+    from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.cluster.spec import TLS_DIR_ENV  # pylint: disable=import-outside-toplevel
+
+    launcher = Launcher(["true"], workers=2, evaluator=True, cluster_mode="service",
+                        task_cwd=str(tmp_path / "{job}-{index}"))
+    launcher._write_certs()  # pylint: disable=protected-access  (what `run` does first; no process started)
+    try:
+        assert len(launcher.tasks) == 6
+        for task in launcher.tasks:
+            own = task.env[TLS_DIR_ENV]
+            assert own == launcher.task_tls_dir(task.job, task.index)
+            stem = f"{task.job}-{task.index}"
+            assert sorted(os.listdir(own)) == sorted([f"{stem}.crt", f"{stem}.key", "federation.json"]), own
+            assert _private_keys(own) == [f"{stem}.key"], own
+            assert TlsFiles.from_dir(own, task.job, task.index).identity() == f"{task.job}:{task.index}"
+        root = os.path.dirname(launcher.task_tls_dir("chief", 0))
+        assert sorted(os.listdir(root)) == sorted(f"{t.job}-{t.index}" for t in launcher.tasks)  # nothing else
+        assert oct(os.stat(root).st_mode & 0o777) == "0o700"
+    finally:
+        import shutil  # pylint: disable=import-outside-toplevel
+
+        shutil.rmtree(os.path.dirname(launcher.task_tls_dir("chief", 0)), ignore_errors=True)
+
+
+def test_launcher_task_dirs_hold_no_ca_key_and_no_other_tasks_key(tmp_path):
+    check_launcher_task_dirs_hold_only_their_own_key(tmp_path)
+
+
+def test_mutation_one_shared_certificate_directory_is_detected(tmp_path, monkeypatch):
+    from tfe_estimator.identity import local  # pylint: disable=import-outside-toplevel
+
+    def one_lab(root, tasks, cluster, validity_days=30):  # the old layout: CA key and every key in one directory
+        tasks = list(tasks)
+        certs.make_cluster_certs(root, tasks, cluster)
+        for job, index in tasks:
+            os.symlink(root, os.path.join(root, certs.task_name(job, index)))
+
+    monkeypatch.setattr(local, "issue_task_dirs", one_lab)
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        check_launcher_task_dirs_hold_only_their_own_key(tmp_path)
+
+
+def test_launcher_identities_are_per_task_organisations(tmp_path):
+    """The launcher's federation: a task's certificate is refused for any other identity."""
+    from tfe_estimator.identity.local import issue_task_dirs  # pylint: disable=import-outside-toplevel
+
+    dirs = issue_task_dirs(str(tmp_path / "run"), [("chief", 0), ("worker", 0), ("tfe", 0), ("tfe", 1)], "launch")
+    chief = TlsFiles.from_dir(dirs[("chief", 0)], "chief", 0)
+    fed = chief.trust()
+    leaf = open(chief.cert, "rb").read()
+    assert fed.check_peer("chief:0", leaf) is None
+    assert "not by the CA of worker:0's organisation" in fed.check_peer("worker:0", leaf)
+    assert fed.server_ca_pem(0) != fed.server_ca_pem(1)

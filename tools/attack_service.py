@@ -55,7 +55,7 @@ import grpc
 
 from tfe_estimator.cluster import certs
 from tfe_estimator.service import ring, wire
-from tfe_estimator.service.tls import TlsFiles, server_name_option
+from tfe_estimator.service.tls import FEDERATION_FILE, TlsFiles, server_name_option
 from tools.portscan import link_local_host, scan_tcp, target, task_hosts
 
 __all__ = ["service_attacks", "isolated_scans", "OWNER_JOBS", "NON_OWNER"]
@@ -87,7 +87,7 @@ class _Caller:
 
     def __init__(self, address: str, server: int, tls: TlsFiles):
         self.address = address
-        self._channel = grpc.secure_channel(address, tls.channel_credentials(),
+        self._channel = grpc.secure_channel(address, tls.channel_credentials(server),
                                             options=[server_name_option(tls, server)])
 
     def stub(self, path: str):
@@ -154,7 +154,7 @@ def _outcome(future) -> str:
 
 def _mint(ca_dir: str, job: str, index: int, cluster: str, into: str, foreign: bool = False) -> TlsFiles:
     """A key and certificate for `job`-`index` of `cluster`: from the run's CA, or from a new `foreign` one."""
-    if foreign:
+    if foreign or not os.path.isfile(os.path.join(ca_dir, certs.CA_KEY)):  # no CA key to read: mint with one's own
         ca_cert, ca_key = certs.make_ca(cluster)
     else:
         with open(os.path.join(ca_dir, certs.CA_CERT), "rb") as f:
@@ -167,6 +167,9 @@ def _mint(ca_dir: str, job: str, index: int, cluster: str, into: str, foreign: b
             csr, ca_cert, ca_key, cluster)), (stem + ".key", key)):
         with open(path, "wb") as f:
             f.write(data)
+    trust = os.path.join(ca_dir, FEDERATION_FILE)
+    if not foreign and os.path.isfile(trust):  # the run's public trust: the minted identity reaches the real servers
+        shutil.copy(trust, into)
     return TlsFiles.from_dir(into, job, index)
 
 
@@ -182,6 +185,7 @@ def service_attacks(network: Dict, attacker: Optional[str] = None) -> List[Dict]
         raise ValueError(f"--as {attacker!r} is not an owner of this cluster: use one of {owners}.")
     victims = [o for o in owners if o != attacker]
     job, index = attacker.split(":")
+    cert_dir = network.get("cert_dirs", {}).get(attacker, cert_dir)  # the launcher: each task its own directory
     mine = TlsFiles.from_dir(cert_dir, job, int(index))
     cluster = mine.cluster()
     scratch = tempfile.mkdtemp(prefix="tfe-attack-")
@@ -239,7 +243,10 @@ def _attack_server(k: int, address: str, attacker: str, victims: Sequence[str], 
                                 ("Handshake", messages["HandshakeRequest"](step=0, descriptor=[1]).SerializeToString()),
                                 ("Rewind", messages["RewindRequest"](step=0).SerializeToString())):
             path = wire.method_path(method)
-            results.append(_result(who, to, "non-owner-cert", path, *outsider.expect(path, request, denied)))
+            # A certificate for a non-owner from the run's CA (one-lab certificates), else from a CA of the
+            # attacker's own making (no CA key is readable): refused by the membership check or by TLS.
+            refused = denied | {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE}
+            results.append(_result(who, to, "non-owner-cert", path, *outsider.expect(path, request, refused)))
     finally:
         caller.close()
         outsider.close()

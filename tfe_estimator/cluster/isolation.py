@@ -8,8 +8,8 @@ the launcher (`cluster.launcher`):
   task at ``<its address>:<its TF port>``: TensorFlow's plaintext gRPC goes
   over the bridge, as between hosts on a network.
 - ``--tls`` (with ``--isolate``): the verified sidecar design. Certificates
-  for the run (`cluster.certs`; each task's directory holds only its own key,
-  the CA's key is deleted once every certificate is signed); one stunnel
+  for the run (`tfe_estimator.identity.certs`; each task's directory holds only
+  its own key, the CA's key is never written); one stunnel
   sidecar per task in its namespace (`cluster.sidecar`: ``[in]`` accepts
   mutual TLS from the tasks the cluster mode's peer table allows,
   ``[out-<task>]`` per task it may call); every task's TF_CONFIG says
@@ -41,7 +41,8 @@ import subprocess
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from tfe_estimator.cluster import certs, peers
+from tfe_estimator.cluster import peers
+from tfe_estimator.identity import certs, keyfiles
 from tfe_estimator.cluster.netns import SUBNET, PrivateNetwork, missing_capabilities
 from tfe_estimator.cluster.sidecar import stunnel_config
 from tfe_estimator.cluster.spec import cluster_jobs
@@ -139,18 +140,18 @@ class IsolatedCluster:
             raise
 
     def _make_certs(self) -> None:
-        """One directory per task with the CA certificate and only that task's key and certificate."""
-        issued = os.path.join(self._workdir, "issued")
-        paths = certs.make_cluster_certs(issued, self.tasks, CLUSTER_NAME)
-        os.remove(os.path.join(issued, certs.CA_KEY))  # nothing more to sign
-        for task, (cert, key) in paths.items():
-            own = os.path.join(self._workdir, "tls", self.host(task))
-            os.makedirs(own, mode=0o700)
-            shutil.move(cert, own)
-            shutil.move(key, own)
-            shutil.copy(os.path.join(issued, certs.CA_CERT), own)
-        shutil.rmtree(issued)
-        self.cert_dir = os.path.join(self._workdir, "tls")
+        """One directory per task with the CA certificate and only that task's key and certificate; the CA's
+        key stays in memory while the run's certificates are signed and is never written."""
+        ca_cert, ca_key = certs.make_ca(CLUSTER_NAME)
+        self.cert_dir = keyfiles.make_private_dir(os.path.join(self._workdir, "tls"))
+        for job, index in self.tasks:
+            own = keyfiles.make_private_dir(os.path.join(self.cert_dir, self.host((job, index))))
+            key, csr = certs.make_key_and_csr(job, index, certs.task_name(job, index), CLUSTER_NAME)
+            stem = os.path.join(own, certs.task_name(job, index))
+            keyfiles.write_private(stem + ".key", key)
+            keyfiles.write_public(stem + ".crt", certs.sign_csr(csr, ca_cert, ca_key, CLUSTER_NAME))
+            keyfiles.write_public(os.path.join(own, certs.CA_CERT), ca_cert)
+        del ca_key
 
     def _tls_addresses(self) -> Dict[Task, str]:
         return {t: f"{self.network.address(self.host(t))}:{TLS_PORT}" for t in self.tasks}

@@ -302,16 +302,17 @@ class Launcher:
         else:
             self.cluster = plan_cluster(self.workers, self.evaluator, self.protocol, self.host,
                                         SERVICE_TFE_TASKS if self.cluster_mode == SERVICE else NUM_TFE_TASKS)
-        extra_env = {}
-        if self.cluster_mode == SERVICE:  # every task's certificate from one CA, made for this run
-            extra_env[TLS_DIR_ENV] = self._make_certs()
+        if self.cluster_mode == SERVICE:  # each task its own directory: its key, its certificate, public trust
+            self._make_certs()
         self.tasks = []
         for job, addresses in self.cluster.jobs.items():
             for index in range(len(addresses)):
                 env = dict(os.environ)
                 env.update({"TF_CONFIG": self.cluster.to_tf_config(job, index),
                             LAUNCH_PROTOCOL_ENV: self.protocol, LAUNCH_CLUSTER_MODE_ENV: self.cluster_mode,
-                            "PYTHONUNBUFFERED": "1", **extra_env})
+                            "PYTHONUNBUFFERED": "1"})
+                if self.cluster_mode == SERVICE:
+                    env[TLS_DIR_ENV] = self.task_tls_dir(job, index)
                 if self.cluster_mode == SERVICE:  # the service's 8 B/param messages: huge pages (cluster.huge_pages)
                     env = with_huge_pages(env)
                 if job == TFE_JOB:
@@ -335,13 +336,19 @@ class Launcher:
             self._cert_dir = os.path.join(tempfile.gettempdir(), f"tfe-launch-certs-{os.getpid()}-{id(self):x}")
         return self._cert_dir
 
+    def task_tls_dir(self, job: str, index: int) -> str:
+        """Task `job:index`'s TLS directory (service mode): only its own key and certificate and the public
+        federation file (`tfe_estimator.identity.local`)."""
+        return os.path.join(self._make_certs(), f"{job}-{index}")
+
     def _write_certs(self) -> None:
-        """A CA and every task's key and certificate, in a directory only this user can read."""
-        from tfe_estimator.cluster.certs import make_cluster_certs  # pylint: disable=import-outside-toplevel
+        """Each task its own organisation (a CA whose key is never written) and its own directory, under a
+        directory only this user can read."""
+        from tfe_estimator.identity.local import issue_task_dirs  # pylint: disable=import-outside-toplevel
 
         os.makedirs(self._cert_dir, mode=0o700, exist_ok=False)
         tasks = [(job, index) for job, addresses in self.cluster.jobs.items() for index in range(len(addresses))]
-        make_cluster_certs(self._cert_dir, tasks, cluster="launch")
+        issue_task_dirs(self._cert_dir, tasks, cluster="launch")
 
     @property
     def _serving_jobs(self):
@@ -418,7 +425,8 @@ class Launcher:
         layout = " ".join(f"{t.name}={self.cluster.jobs[t.job][t.index]}" for t in self.tasks)
         self.say(f"cluster ({self.protocol}): {layout}")
         if self.network_file and self.cluster_mode == SERVICE:  # for `tfe-estimator attack`
-            network = {"mode": SERVICE, "cluster": "launch", "cert_dir": self._cert_dir,
+            network = {"mode": SERVICE, "cluster": "launch", "cert_dir": self.task_tls_dir("chief", 0),
+                       "cert_dirs": {f"{t.job}:{t.index}": self.task_tls_dir(t.job, t.index) for t in self.tasks},
                        "jobs": {job: list(addresses) for job, addresses in self.cluster.jobs.items()}}
             if self.isolation is not None:  # the namespaces, bridge addresses and IPv6 link-local addresses
                 network["isolation"] = self.isolation.describe()
