@@ -8,10 +8,16 @@ have run. One batch of 512 rows on 2 replicas then evaluates to the right
 numbers or to ``loss=0.0, label/mean=0.0`` depending on a race (plaintext
 MirroredStrategy too: 1 of 8 runs here). With partial batches enabled
 (`_enable_get_next_as_optional`), a replica without data gets an empty batch
-and the metrics cover every row exactly. (Estimator's ``loss`` key stays what
-Estimator defines: the unweighted mean of the per-replica, per-step batch
-losses, where a replica without data counts as a batch of loss 0; the
-per-example mean is ``average_loss``.)
+and the metrics cover every row exactly.
+
+Estimator's ``loss`` key is the mean of the batch losses (plaintext: one per
+batch). Under a strategy Estimator averages the replicas' losses per step, so
+a replica with an empty batch counted as a batch of loss 0: one batch on two
+replicas reported half the loss, three batches 3/4 of it (issue 35). Sparse
+feature columns crashed on the empty batch ("reshape cannot infer the missing
+input size for an empty tensor"). `tfe_estimator.distribute.distributed_eval`
+mends both; here every metric is compared with Estimator's own evaluation of
+the same checkpoint without a strategy.
 """
 import numpy as np
 import pytest
@@ -46,3 +52,43 @@ def test_evaluate_with_fewer_or_uneven_batches_than_replicas_covers_every_row(ba
         metrics = est.evaluate(lambda: tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(-(-ROWS // batches)))
         assert metrics["average_loss"] == pytest.approx(expected_mse, rel=1e-4)
         assert metrics["label/mean"] == pytest.approx(float(y.mean()), abs=1e-4)
+        # the plaintext `loss`: the mean over batches of each batch's mean squared error
+        size = -(-ROWS // batches)
+        batch_mse = [np.mean((x[i:i + size] @ w + b - y[i:i + size]) ** 2) for i in range(0, ROWS, size)]
+        assert metrics["loss"] == pytest.approx(float(np.mean(batch_mse)), rel=1e-4)
+
+
+def _sparse_data(rows, seed):
+    rng = np.random.RandomState(seed)
+    sex = rng.choice(["male", "female"], rows)
+    age = rng.uniform(1, 80, rows).astype(np.float32)
+    y = ((sex == "female") ^ (rng.rand(rows) < 0.2)).astype(np.int64)
+    return {"sex": sex, "town": rng.choice(["S", "C", "Q"], rows), "age": age}, y
+
+
+def _sparse_classifier(config):
+    sex = tf.feature_column.categorical_column_with_vocabulary_list("sex", ["male", "female"])
+    town = tf.feature_column.categorical_column_with_hash_bucket("town", 8)
+    age = tf.feature_column.bucketized_column(tf.feature_column.numeric_column("age"), [18, 30, 50])
+    cols = [sex, town, age, tf.feature_column.crossed_column([age, "sex"], hash_bucket_size=20)]
+    return tf.estimator.LinearClassifier(cols, config=config)
+
+
+@pytest.mark.slow
+def test_sparse_columns_evaluate_every_batch_count_to_the_plaintext_metrics_loss_included(tmp_path):
+    # Prepare: a LinearClassifier on categorical, hashed, bucketized and crossed columns, trained secure.
+    features, y = _sparse_data(70, 0)
+    secure = _sparse_classifier(TfeRunConfig(model_dir=str(tmp_path), num_replicas=2))
+    secure.train(lambda: tf.data.Dataset.from_tensor_slices((features, y)).repeat().batch(16), steps=3)
+    plain = _sparse_classifier(tf.estimator.RunConfig(model_dir=str(tmp_path)))
+    # 1 batch (replica 1 empty); 3 uneven batches (replica 1 empty in the second step).
+    for batch in (70, 30):
+        def input_fn(batch=batch):
+            return tf.data.Dataset.from_tensor_slices((features, y)).batch(batch)
+
+        # Execute
+        got, want = secure.evaluate(input_fn, name=f"b{batch}"), plain.evaluate(input_fn, name=f"p{batch}")
+        # Assert: every metric, `loss` included, is Estimator's own without a strategy.
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (batch, key, got[key], want[key])

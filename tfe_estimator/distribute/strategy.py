@@ -7,6 +7,7 @@ Example::
                                     eval_distribute=strategy)
     est = tf.estimator.LinearRegressor(feature_columns=cols, config=config)
 """
+import contextlib
 import logging
 from typing import Optional, Sequence
 
@@ -19,7 +20,7 @@ from tensorflow.python.distribute import summary_op_util
 from tensorflow.python.distribute import values as value_lib
 from tensorflow.python.util import nest
 
-from tfe_estimator.distribute import progress
+from tfe_estimator.distribute import distributed_eval, progress
 from tfe_estimator.distribute.aggregation import SecureAggregation
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_party_devices, DEFAULT_NUM_REPLICAS
 from tfe_estimator.secure.protocols import check_supported, validate_protocol
@@ -61,6 +62,7 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
 
     def __init__(self, container_strategy, devices, cross_device_ops, num_cpus, partial_batches=False):
         self._tfe_partial_batches = partial_batches
+        self._tfe_eval_loss = distributed_eval.LossRows()
         if not isinstance(cross_device_ops, SecureAggregation):
             raise TypeError(
                 "TfeStrategy's cross-device ops must be a SecureAggregation, got "
@@ -141,14 +143,40 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
         # which it flips the same way for XLA); with no `loss` summary, Estimator
         # writes the reduced loss, i.e. the secure sum, under that name.
         # A training EstimatorSpec also gets the progress line (`progress.ProgressHook`).
+        # With partial batches (evaluation) a replica may get an empty batch: see
+        # `distributed_eval` for the `loss` metric, the sparse reshapes and the
+        # accuracy baseline it mends.
+        eval_model_fn = self._tfe_partial_batches and len(args) >= 3 and isinstance(args[2], str) \
+            and args[2] == tf.estimator.ModeKeys.EVAL
+        has_rows = self._tfe_eval_loss.take(args[0]) if len(args) == 1 and not kwargs else None
+        if has_rows is not None:
+            # Estimator's `loss` metric: metrics.mean(spec.loss) on each replica.
+            fn, args = distributed_eval.masked_loss_mean(fn), (args[0], has_rows)
+
+        def replica_fn(*a, **k):
+            result = progress.with_progress(fn(*a, **k), a)
+            if not eval_model_fn:
+                return result
+            rows = distributed_eval.batch_has_rows(a[:2])  # a: features, labels, mode, config
+            return result, (tf.constant(True) if rows is None else rows)
+
         original = summary_op_util.skip_summary
         summary_op_util.skip_summary = lambda: tf.distribute.get_replica_context() is not None \
             and not tf.distribute.in_cross_replica_context() or original()
         try:
-            return super()._call_for_each_replica(
-                lambda *a, **k: progress.with_progress(fn(*a, **k), a), args, kwargs)
+            with distributed_eval.empty_safe_sparse_reshape() if self._tfe_partial_batches \
+                    else contextlib.nullcontext():
+                result = super()._call_for_each_replica(replica_fn, args, kwargs)
         finally:
             summary_op_util.skip_summary = original
+        if not eval_model_fn:
+            return result
+        spec, has_rows = result
+        if hasattr(spec, "loss"):
+            self._tfe_eval_loss.record(spec.loss, has_rows)
+        if isinstance(getattr(spec, "eval_metric_ops", None), dict):
+            distributed_eval.mend_accuracy_baseline(spec.eval_metric_ops)
+        return spec
 
     def _make_input_fn_iterator(self, input_fn,
                                 replication_mode=tf.distribute.InputReplicationMode.PER_WORKER):

@@ -1,0 +1,161 @@
+"""TensorFlow's Estimator tutorials, run as written with only the RunConfig line changed.
+
+Each tutorial is written once, as a function of its `config` (the one line a
+user changes), in the shape of TensorFlow's own:
+
+- the premade-Estimator tutorial: `DNNClassifier` on iris (sklearn's copy), a
+  30-row test set in one batch of the tutorial's 256 (one batch on two
+  replicas: the second replica's batch is empty);
+- the linear tutorial: `LinearClassifier` on titanic-like data made here, with
+  categorical, bucketized and crossed columns (sparse features), evaluated in
+  batches of 32 over 70 rows (three batches: two uneven steps);
+- the Estimator guide's premade model: `LinearClassifier` on a vocabulary
+  list, a hash bucket and a number, evaluated for a number of `steps` of the
+  repeated training input (a step reads a batch per replica, as under
+  TensorFlow's MirroredStrategy: the plaintext reference reads as many).
+
+The secure run is `TfeRunConfig` (two local replicas). The plaintext twin
+trains on the same replicas summed in the clear (`plaintext_twin_config`, so
+both models are the same to float32 rounding) and evaluates as Estimator does
+without a strategy, i.e. the metrics a plaintext user reads. Every metric,
+Estimator's ``loss`` key included, must agree to 1e-5 relative: a replica
+whose batch is empty once halved ``loss`` (issue 35) and crashed the sparse
+columns' reshape.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfe_estimator
+
+pytestmark = pytest.mark.slow
+
+DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
+RTOL = 1e-5
+SEED = 7
+
+
+def _secure(model_dir):
+    return tfe_estimator.TfeRunConfig(model_dir=model_dir, tf_random_seed=SEED)
+
+
+def _plaintext(model_dir):
+    # The twin trains on the same replicas in the clear; it evaluates without a strategy.
+    return tfe_estimator.plaintext_twin_config(DEVICES, model_dir=model_dir,
+                                               tf_random_seed=SEED).replace(eval_distribute=None)
+
+
+# ---- the tutorials, each a function of its RunConfig -------------------------------------------
+
+def premade_iris(config, data):
+    """tensorflow/docs site/en/tutorials/estimator/premade.ipynb, steps cut for CI."""
+    (train_x, train_y), (test_x, test_y) = data
+
+    def input_fn(features, labels, training=True, batch_size=256):
+        dataset = tf.data.Dataset.from_tensor_slices((dict(features), labels))
+        if training:
+            dataset = dataset.repeat()  # the tutorial also shuffles; unseeded shuffles differ between runs
+        return dataset.batch(batch_size)
+
+    feature_columns = [tf.feature_column.numeric_column(key=key) for key in train_x]
+    classifier = tf.estimator.DNNClassifier(feature_columns=feature_columns, hidden_units=[30, 10],
+                                            n_classes=3, config=config)
+    classifier.train(input_fn=lambda: input_fn(train_x, train_y, training=True), steps=5)
+    return classifier.evaluate(input_fn=lambda: input_fn(test_x, test_y, training=False))
+
+
+def linear_titanic(config, data):
+    """tensorflow/docs site/en/tutorials/estimator/linear.ipynb (base and derived feature columns)."""
+    (dftrain, y_train), (dfeval, y_eval) = data
+
+    def make_input_fn(data_df, label_df, num_epochs=10, batch_size=32):
+        def input_function():
+            return tf.data.Dataset.from_tensor_slices((dict(data_df), label_df)).batch(batch_size).repeat(num_epochs)
+        return input_function
+
+    feature_columns = []
+    for name in ["sex", "n_siblings_spouses", "parch", "class", "deck", "embark_town", "alone"]:
+        vocabulary = sorted(set(dftrain[name]))
+        feature_columns.append(tf.feature_column.categorical_column_with_vocabulary_list(name, vocabulary))
+    for name in ["age", "fare"]:
+        feature_columns.append(tf.feature_column.numeric_column(name, dtype=tf.float32))
+    age = tf.feature_column.numeric_column("age")
+    age_buckets = tf.feature_column.bucketized_column(age, boundaries=[18, 25, 30, 35, 40, 45, 50, 55, 60, 65])
+    age_x_gender = tf.feature_column.crossed_column(["age", "sex"], hash_bucket_size=100)
+    linear_est = tf.estimator.LinearClassifier(feature_columns=feature_columns + [age_buckets, age_x_gender],
+                                               config=config)
+    linear_est.train(make_input_fn(dftrain, y_train, num_epochs=None), steps=5)
+    return linear_est.evaluate(make_input_fn(dfeval, y_eval, num_epochs=1))
+
+
+def guide_premade(config, data, eval_steps=3):
+    """tensorflow/docs site/en/guide/estimator.ipynb, "Using premade Estimators" (evaluate for `steps`).
+
+    A step of a distributed evaluation reads one batch per replica (as under
+    TensorFlow's MirroredStrategy): the plaintext reference reads the same
+    batches with ``eval_steps`` times the number of replicas.
+    """
+    (dftrain, y_train), _ = data
+    columns = {"age": dftrain["age"], "class": dftrain["class"], "embark_town": dftrain["embark_town"]}
+
+    def train_input_fn():
+        return tf.data.Dataset.from_tensor_slices((columns, y_train)).batch(32).repeat()
+
+    age = tf.feature_column.numeric_column("age")
+    cls = tf.feature_column.categorical_column_with_vocabulary_list("class", ["First", "Second", "Third"])
+    embark = tf.feature_column.categorical_column_with_hash_bucket("embark_town", 32)
+    model = tf.estimator.LinearClassifier(feature_columns=[embark, cls, age], n_classes=2, config=config)
+    model = model.train(input_fn=train_input_fn, steps=5)
+    return model.evaluate(train_input_fn, steps=eval_steps)
+
+
+# ---- data the tests make ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def iris():
+    from sklearn.datasets import load_iris  # pylint: disable=import-outside-toplevel
+
+    bunch = load_iris()
+    names = ["SepalLength", "SepalWidth", "PetalLength", "PetalWidth"]
+    order = np.random.RandomState(0).permutation(len(bunch.target))
+    x, y = bunch.data[order].astype(np.float32), bunch.target[order].astype(np.int64)
+    split = lambda rows: ({n: x[rows, i] for i, n in enumerate(names)}, y[rows])  # noqa: E731
+    return split(slice(0, 120)), split(slice(120, 150))
+
+
+@pytest.fixture(scope="module")
+def titanic():
+    """Titanic-shaped columns (the tutorial's names and vocabularies), 160 training and 70 evaluation rows."""
+    rng = np.random.RandomState(1)
+
+    def frame(rows):
+        sex = rng.choice(["male", "female"], rows)
+        cls = rng.choice(["First", "Second", "Third"], rows)
+        age = rng.uniform(1, 80, rows).astype(np.float32)
+        fare = rng.gamma(2.0, 15.0, rows).astype(np.float32)
+        survived = ((sex == "female").astype(float) + (cls == "First") * 0.5 - age / 200
+                    + rng.normal(0, 0.4, rows) > 0.5).astype(np.int64)
+        return {"sex": sex, "n_siblings_spouses": rng.choice(np.array([0, 1, 2, 3]), rows),
+                "parch": rng.choice(np.array([0, 1, 2]), rows), "class": cls,
+                "deck": rng.choice(["A", "B", "C", "unknown"], rows),
+                "embark_town": rng.choice(["Southampton", "Cherbourg", "Queenstown"], rows),
+                "alone": rng.choice(["y", "n"], rows), "age": age, "fare": fare}, survived
+
+    return frame(160), frame(70)
+
+
+def _assert_same_metrics(secure, plain):
+    assert secure.keys() == plain.keys()
+    assert secure["global_step"] == plain["global_step"]
+    for key in plain:
+        assert secure[key] == pytest.approx(plain[key], rel=RTOL, abs=1e-7), (key, repr(secure), repr(plain))
+
+
+@pytest.mark.parametrize("tutorial,dataset", [(premade_iris, "iris"), (linear_titanic, "titanic"),
+                                              (guide_premade, "titanic")])
+def test_the_tutorial_with_tfe_run_config_reports_the_plaintext_metrics(tutorial, dataset, request, tmp_path):
+    data = request.getfixturevalue(dataset)
+    per_replica = {"eval_steps": 3 * len(DEVICES)} if tutorial is guide_premade else {}
+    plain = tutorial(_plaintext(str(tmp_path / "plain")), data, **per_replica)
+    secure = tutorial(_secure(str(tmp_path / "secure")), data)
+    _assert_same_metrics(secure, plain)
