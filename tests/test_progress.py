@@ -31,6 +31,8 @@ def test_the_hook_prints_the_step_and_the_loss_it_read_every_n_runs():
     assert [int(s) for s, _, _ in lines] == [0, 3, 6], out.getvalue()
     assert [float(value) for _, value, _ in lines] == [1.0, 2.5, 4.0]
     assert lines[0][2] == "" and all(float(rate) > 0 for _, _, rate in lines[1:])  # a rate from the second on
+    assert re.search(r"^tfe_estimator: training ended at step 9; weights fingerprint [0-9a-f]{16} ", out.getvalue(),
+                     re.M), out.getvalue()
 
 
 @pytest.mark.parametrize("every", [0, -1, 2.5, True, "10"])

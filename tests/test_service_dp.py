@@ -100,6 +100,68 @@ def test_epsilon_counts_owners_not_local_replicas():
     assert dp.epsilons(40, 50, 4)[0] > outsiders  # what N = num_replicas_in_sync = 4 would wrongly report
 
 
+def _gradients_under_service(dp, batch_dim):
+    """make_dp_optimizer's gradients of a per-example loss with batch dimension `batch_dim`, in service mode."""
+    from tfe_estimator.distribute.service_aggregation import ServiceStrategy  # pylint: disable=import-outside-toplevel
+
+    with tf.Graph().as_default():
+        tf.compat.v1.train.get_or_create_global_step()
+        strategy = ServiceStrategy(_binding(2), dp=dp)
+        w = tf.Variable(tf.zeros([3]))
+        x = tf.compat.v1.placeholder(tf.float32, [batch_dim, 3])
+        with strategy.scope():
+            optimizer = dp_lib.make_dp_optimizer(tf.keras.optimizers.legacy.SGD(0.1), dp.l2_norm_clip,
+                                                 dp.expected_batch_size)
+            return optimizer.get_gradients(tf.reduce_sum(x * w, axis=1), [w])
+
+
+def test_poisson_batches_without_expected_batch_size_are_refused_in_service_mode():
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"service mode.*not static.*expected_batch_size=q \* num_examples"):
+        _gradients_under_service(dp, None)
+    assert _gradients_under_service(dp, 8)  # batches of one static size: nothing crosses but the noisy sum
+    # With expected_batch_size (even q * num_examples not an integer) Poisson batches are fine ...
+    assert _gradients_under_service(tfe_estimator.DistributedDP(1.0, 1.0, expected_batch_size=12.5), None)
+
+
+def test_the_accounted_sampling_rate_is_exactly_the_users():
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=1000,
+                                     expected_batch_size=0.0137 * 1000)
+    import dp_accounting  # pylint: disable=import-outside-toplevel
+
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        0.0137, dp_accounting.GaussianDpEvent(1.0)), 30)
+    assert dp.epsilons(999, 30, 2)[1] == pytest.approx(
+        dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5), rel=1e-12)
+
+
+def test_epsilon_is_printed_on_the_terminal_beside_the_progress_line():
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=800, expected_batch_size=40)
+    out = io.StringIO()
+    with tf.Graph().as_default():
+        step = tf.compat.v1.train.get_or_create_global_step()
+        hook = dp_lib.EpsilonLoggingHook(dp, tf.constant(40, tf.int64), 2, every_n_steps=2, stream=out)
+        train_op = tf.compat.v1.assign_add(step, 1)
+        with tf.compat.v1.train.MonitoredSession(hooks=[hook]) as session:
+            for _ in range(3):
+                session.run(train_op)
+    lines = out.getvalue().splitlines()
+    outsiders, colluders = dp.epsilons(40, 3, 2)
+    assert [line.split(",")[0] for line in lines] == ["tfe_estimator: step 1", "tfe_estimator: step 3",
+                                                      "tfe_estimator: step 3"], lines
+    assert lines[-1] == (f"tfe_estimator: step 3, DP epsilon {colluders:.4g} at delta 1e-05 (against 1 colluding "
+                         f"owner(s) of 2; {outsiders:.4g} against outsiders)")
+
+
+def test_clipped_sum_marks_are_not_a_graph_collection_so_the_meta_graph_serializes_cleanly():
+    with tf.Graph().as_default() as graph:
+        t = tf.zeros([2])
+        dp_lib.mark_clipped_sums([t], 1.0, group=("a",))
+        assert dp_lib.clipped_sum_group(t) == (1.0, ("a",))
+        assert not [k for k in graph.get_all_collection_keys() if "dp_clipped" in k]
+        tf.compat.v1.train.export_meta_graph(graph=graph)  # TensorFlow warned "Issue encountered when serializing"
+
+
 # ------------------------------------------------------------ cluster runs --
 
 OWNER_ROWS, TEST_ROWS, DIMS = 400, 2000, 5

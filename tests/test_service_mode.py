@@ -11,6 +11,7 @@ socket on any owner.
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,11 +51,20 @@ def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_
     owners = _owners(1)
     data = _owner_data(workdir, owners)
     twin = _plaintext_twin(data, STEPS)
-    status, log = _train(workdir, 1)
+    status, log = _train(workdir, 1, "--second-model", "4")
     assert status == 0, log[-5000:]
     assert log.count(f"owner finished at step {STEPS}") == 2, log[-5000:]
     weights = {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in owners}
     np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
+    # A second, larger model in the same launch trains too (its own model id: channels and handshake).
+    assert log.count("second model finished at step 4") == 2, log[-5000:]
+    second = [tf.train.load_variable(os.path.join(workdir, owner, "model2"), "linear/linear_model/x/weights")
+              for owner in owners]
+    assert second[0].shape == (4, 1) and not np.allclose(second[0], 0.0)
+    np.testing.assert_array_equal(second[0], second[1])
+    # Each owner's last lines name its weights' fingerprint, equal on both: they hold one model.
+    ended = re.findall(r"training ended at step 4; weights fingerprint ([0-9a-f]{16})", log)
+    assert len(ended) == 2 and ended[0] == ended[1], log[-5000:]
     np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
     assert not np.allclose(twin, 0.0, atol=0.1)  # it learned from the data
     # Federated evaluation: each owner evaluated its own rows; every owner reads the loss of the union.
@@ -78,6 +88,15 @@ def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_
         assert audit["contributions"], audit
         for inputs in audit["contributions"]:
             assert inputs[1:] == ["TfeMaskShare:1", "TfeMaskShare:0"], inputs
+
+
+def test_owners_with_different_learning_rates_are_refused_before_the_first_step(tmp_path):
+    workdir = str(tmp_path)
+    _owner_data(workdir, _owners(1))
+    status, log = _train(workdir, 1, "--learning-rate-in", "worker-0", "0.5")
+    assert status != 0, log[-5000:]
+    assert "refused before the first step" in log and "0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
+    assert "tfe_estimator: step 0, loss" not in log and "owner finished" not in log, log[-5000:]
 
 
 @pytest.mark.parametrize("workers, replicas, runs", [(3, 1, (1, 4)), (1, 2, (1, 4)), (7, 1, (2,))])

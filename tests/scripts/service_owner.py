@@ -4,6 +4,9 @@ Run by `tfe-estimator launch --cluster-mode service` in each owner's own directo
 (tests/test_service_mode.py). Writes ./eval_metrics.json (the final, federated evaluation) and ./graph_audit.json: the devices of the training graph's ops
 and, per contribution op (the only op that talks to the service), the ops its inputs come from.
 Usage: service_owner.py STEPS LEARNING_RATE [--num-replicas L] [--step-timeout-secs S] [--step-seconds S]
+                        [--second-model STEPS] [--learning-rate-in TASK_DIR LR]
+--second-model: then trains a second, larger LinearRegressor (x and x**2) into ./model2 in the same launch.
+--learning-rate-in: the owner running in directory TASK_DIR (e.g. worker-0) uses LR instead.
 """
 import json
 import os
@@ -51,6 +54,11 @@ def main(argv):
             options["step_timeout_secs"] = float(value)
         if flag == "--num-replicas":
             options["num_replicas"] = int(value)
+        if flag == "--second-model":
+            options["second_model"] = int(value)
+        if flag == "--learning-rate-in" and os.path.basename(os.getcwd()) == value:
+            learning_rate = float(argv[argv.index(flag) + 2])
+    second = options.pop("second_model", None)
     data = np.loadtxt("data.csv", delimiter=",", dtype=np.float32)  # this owner's file only
     x, y = data[:, :-1], data[:, -1:]
     replicas = options.get("num_replicas", 1)
@@ -70,6 +78,16 @@ def main(argv):
     with open("eval_metrics.json", "w") as f:  # federated: the metrics of every owner's evaluation data
         json.dump({k: float(v) for k, v in metrics.items()}, f)
     print("owner finished at step", estimator.get_variable_value("global_step"))
+    if second:  # a second model in the same launch: its own channels and handshake (its model id)
+        squares = np.concatenate([x, x * x], axis=1)
+        second_estimator = tf.compat.v1.estimator.LinearRegressor(
+            feature_columns=[tf.feature_column.numeric_column("x", shape=[squares.shape[1]])],
+            optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate / 10),
+            loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE,
+            config=tfe_estimator.TfeRunConfig(model_dir="model2", tf_random_seed=7, **options))
+        second_estimator.train(lambda: tf.data.Dataset.from_tensor_slices(({"x": squares}, y)).batch(len(x)).repeat(),
+                               max_steps=second)
+        print("second model finished at step", second_estimator.get_variable_value("global_step"))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,14 @@ session's first step and then every `RunConfig.log_step_count_steps` steps
 
 The loss is that of this process's first replica on its own batch, read on the
 owner: nothing is summed across owners for it (under DP no un-noised value
-leaves an owner). Every `TfeStrategy` (and the cluster strategies built on it)
+leaves an owner). When the session ends, a last line names the fingerprint of
+the trainable weights (`model_record.weights_fingerprint`: a hash of every
+value), so owners that trained together can confirm they hold one model by
+comparing their last lines::
+
+    tfe_estimator: training ended at step 300; weights fingerprint 1f3a5c0e9d7b2a41 (equal on every owner ...)
+
+Every `TfeStrategy` (and the cluster strategies built on it)
 adds the hook to the training `EstimatorSpec` of its first replica.
 
 Example::
@@ -46,13 +53,26 @@ class ProgressHook(tf.compat.v1.train.SessionRunHook):
                   "log_step_count_steps), or None there for no progress line.", minimum=1)
         self._loss, self._every, self._stream = loss, every_n_steps, stream
         self._global_step = None
+        self._variables = []
         self._runs = 0
         self._last = None  # (step, time) of the previous fetch
 
     def begin(self):
         self._global_step = tf.compat.v1.train.get_global_step()
+        self._variables = sorted(tf.compat.v1.trainable_variables(), key=lambda v: v.name)
         self._runs = 0
         self._last = None
+
+    def end(self, session):
+        if self._global_step is None:
+            return
+        from tfe_estimator.distribute.model_record import format_fingerprint, weights_fingerprint  # pylint: disable=import-outside-toplevel
+
+        step, values = session.run([self._global_step, self._variables])
+        stream = self._stream or sys.stderr
+        stream.write(f"tfe_estimator: training ended at step {int(step)}; weights fingerprint "
+                     f"{format_fingerprint(weights_fingerprint(values))} (equal on every owner of one model)\n")
+        stream.flush()
 
     def before_run(self, run_context):
         if self._global_step is None or self._runs % self._every:

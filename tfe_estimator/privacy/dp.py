@@ -59,7 +59,9 @@ import importlib.util
 import logging
 import math
 import numbers
+import sys
 import threading
+import weakref
 from fractions import Fraction
 from typing import Hashable, Optional, Tuple
 
@@ -96,7 +98,9 @@ _MIN_REPLICA_VARIANCE = 2.0**40
 MAX_REPLICA_VARIANCE = 2.0**100
 #: Minimum versions of the DP stack.
 _MIN_TF = (2, 14)
-_CLIPPED_COLLECTION = "tfe_estimator_dp_clipped_sums"
+#: Per graph: the marked clipped sums, ``[(tensor, clip norm, group)]``. Not a graph collection: a
+#: collection of tuples cannot be serialized into the MetaGraph (TensorFlow warned on every checkpoint).
+_CLIPPED: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
 
 
 def check_dp_stack() -> None:
@@ -145,10 +149,12 @@ class DistributedDP:
         protect the records only against outsiders. Must be below N (checked
         when N is known).
       expected_batch_size: for Poisson-sampled batches (unequal sizes), the
-        expected *global* batch ``q * num_examples``: the noisy sum is divided
-        by it on every replica (so mirrored variables stay equal) and epsilon
-        uses ``q = expected_batch_size / num_examples``. None: fixed-size
-        batches, divided by local batch size times replicas.
+        expected *global* batch ``q * num_examples`` (a number, not rounded:
+        epsilon uses exactly ``q = expected_batch_size / num_examples``): the
+        noisy sum is divided by it on every replica (so mirrored variables
+        stay equal). None: fixed-size batches, divided by local batch size
+        times replicas. Required in service mode when the batch size is not
+        static (Poisson sampling): refused otherwise.
 
     Raises:
       TypeError, ValueError: for non-numbers, ``l2_norm_clip <= 0``,
@@ -184,8 +190,7 @@ class DistributedDP:
         if self.colluding_owners is not None and _number("colluding_owners", self.colluding_owners,
                                                          integer=True) < 0:
             raise ValueError(f"DistributedDP: colluding_owners must be >= 0, got {self.colluding_owners!r}.")
-        if self.expected_batch_size is not None and _number("expected_batch_size", self.expected_batch_size,
-                                                            integer=True) < 1:
+        if self.expected_batch_size is not None and _number("expected_batch_size", self.expected_batch_size) < 1:
             raise ValueError(f"DistributedDP: expected_batch_size must be >= 1, got {self.expected_batch_size!r}.")
         object.__setattr__(self, "l2_norm_clip", float(clip))
         object.__setattr__(self, "noise_multiplier", float(multiplier))
@@ -337,7 +342,7 @@ def mark_clipped_sums(tensors, l2_norm_clip: float, group: Hashable = 0) -> None
     """
     for tensor in tensors:
         if tensor is not None:
-            tensor.graph.add_to_collection(_CLIPPED_COLLECTION, (tensor, float(l2_norm_clip), group))
+            _CLIPPED.setdefault(tensor.graph, []).append((tensor, float(l2_norm_clip), group))
 
 
 def clipped_sum_norm(tensor) -> Optional[float]:
@@ -351,7 +356,7 @@ def clipped_sum_group(tensor) -> Optional[Tuple[float, Hashable]]:
     graph = getattr(tensor, "graph", None)
     if graph is None:
         return None
-    for marked, clip, group in graph.get_collection(_CLIPPED_COLLECTION):
+    for marked, clip, group in _CLIPPED.get(graph, ()):
         if marked is tensor:
             return clip, group
     return None
@@ -394,7 +399,7 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
     if not isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer):
         raise TypeError(f"make_dp_optimizer needs a tf.keras.optimizers.legacy optimizer, got {base.__name__}.")
     clip = float(l2_norm_clip)
-    expected = None if expected_batch_size is None else int(expected_batch_size)
+    expected = None if expected_batch_size is None else float(expected_batch_size)
 
     class DPClippingOptimizer(base):  # pylint: disable=too-few-public-methods
         """Per-example clipping; the noise is added inside the secure sum."""
@@ -425,6 +430,14 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
             sums = [tf.reduce_sum(g, axis=0) for g in tf.vectorized_map(clipped, per_example)]
             self._tfe_local.batch_size = tf.shape(loss)[0]
             if expected is None and loss.shape[0] is None:
+                if _through_service():
+                    raise ValueError(
+                        "DistributedDP in service mode: the batch size is not static here (Poisson sampling?) "
+                        "and no expected_batch_size is set, so each step would sum the owners' batch sizes "
+                        "un-noised through the service (an owner would learn the others' batches), divide by "
+                        "it, and account epsilon with it. Fix: DistributedDP(expected_batch_size=q * "
+                        "num_examples) with the sampling rate q, or batches of one static size "
+                        "(dataset.batch(n, drop_remainder=True)).")
                 _LOG.warning("DistributedDP without expected_batch_size divides the noisy sum by local batch "
                              "size times replicas, which needs batches of one size on every replica (their "
                              "size is not static here). For Poisson-sampled batches set "
@@ -456,6 +469,12 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
     return DPClippingOptimizer.from_config(optimizer.get_config())
 
 
+def _through_service(strategy=None) -> bool:
+    """Whether `strategy` (default: the current one) sums through the aggregation service (service mode)."""
+    strategy = strategy or tf.distribute.get_strategy()
+    return hasattr(getattr(strategy.extended, "_cross_device_ops", None), "binding")
+
+
 def noise_parties(strategy=None) -> int:
     """N of the DP accounting under `strategy` (default: the current one): how many parties add a noise part.
 
@@ -470,39 +489,60 @@ def noise_parties(strategy=None) -> int:
 
 
 class EpsilonLoggingHook(tf.estimator.SessionRunHook):
-    """Logs the epsilon spent so far at the end of training: against outsiders and t owners.
+    """Shows the epsilon spent so far: on the terminal every `every_n_steps` steps and at the end of training.
 
-    Logged through TensorFlow's logger (``tf.compat.v1.logging.info``, where Estimator logs the
-    loss), so a user who sees the training log sees epsilon.
+    Each line goes to standard error beside the progress line (`tfe_estimator.distribute.progress`),
+    so every owner sees it without INFO logging::
+
+        tfe_estimator: step 100, DP epsilon 1.23 at delta 1e-05 (against 1 colluding owner(s) of 2; 0.87 ...)
+
+    and, at the end, the same through TensorFlow's logger (INFO, where Estimator logs the loss).
 
     Args:
       dp: the `DistributedDP` (with `num_examples`).
       global_batch_size: a scalar tensor, the global batch size of a step (unused with
         ``dp.expected_batch_size``).
       num_replicas: N, the number of noise parties (`noise_parties`: replicas, or owners).
+      every_n_steps: how often to print (session runs); stream: where (default: standard error).
     """
 
-    def __init__(self, dp: DistributedDP, global_batch_size, num_replicas: int = 1):
+    def __init__(self, dp: DistributedDP, global_batch_size, num_replicas: int = 1, every_n_steps: int = 100,
+                 stream=None):
         self._dp = dp
         self._batch = global_batch_size
         self._replicas = int(num_replicas)
+        self._every = max(1, int(every_n_steps))
+        self._stream = stream
         self._step = tf.compat.v1.train.get_global_step()
         self._last = None
+        self._runs = 0
 
     def before_run(self, run_context):
-        return tf.estimator.SessionRunArgs(self._batch)
+        return tf.estimator.SessionRunArgs({"batch": self._batch, "step": self._step})
 
     def after_run(self, run_context, run_values):
-        self._last = int(run_values.results)
+        self._last = int(run_values.results["batch"])
+        self._runs += 1
+        if self._dp.num_examples is not None and (self._runs - 1) % self._every == 0:
+            self._show(int(run_values.results["step"]) + 1)
+
+    def _show(self, steps: int):
+        outsiders, colluders = self._dp.epsilons(self._last, steps, self._replicas)
+        stream = self._stream or sys.stderr
+        stream.write(f"tfe_estimator: step {steps}, DP epsilon {colluders:.4g} at delta {self._dp.delta:g} "
+                     f"(against {self._dp.colluders(self._replicas)} colluding owner(s) of {self._replicas}; "
+                     f"{outsiders:.4g} against outsiders)\n")
+        stream.flush()
+        return outsiders, colluders
 
     def end(self, session):
         if self._last is None or self._dp.num_examples is None:
             return
         steps = int(session.run(self._step))
-        outsiders, colluders = self._dp.epsilons(self._last, steps, self._replicas)
+        outsiders, colluders = self._show(steps)
         batch = self._dp.expected_batch_size or self._last
         tf.compat.v1.logging.info(
-            "DistributedDP: %d steps of global batch %d over %d examples: epsilon = %.4g at delta = %g "
+            "DistributedDP: %d steps of global batch %g over %d examples: epsilon = %.4g at delta = %g "
             "against %d colluding owner(s) of %d (noise_multiplier %g); epsilon = %.4g against outsiders "
             "(noise_multiplier %.4g); Poisson-sampling RDP accounting.", steps, batch,
             self._dp.num_examples, colluders, self._dp.delta, self._dp.colluders(self._replicas),
