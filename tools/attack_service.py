@@ -258,11 +258,16 @@ def _tls_probes(to: str, attacker: str, host: str, port: int, mine: TlsFiles, fo
     """The server's port at `host`: HTTP/2 answers through TLS with the attacker's valid certificate (the
     control), never without a certificate, with a foreign CA's, or in plaintext."""
     where = target(host, port)
-    answered, detail = grpc_answers(host, port, tls=(mine.cert, mine.key), ca=mine.ca)
-    results = [_result(attacker, to, "valid-cert", where, answered, detail, control=True)]
-    for attack, tls in (("no-cert", (None, None)), ("foreign-ca", (foreign.cert, foreign.key)), ("plaintext", None)):
-        answered, detail = grpc_answers(host, port, tls=tls, ca=mine.ca)
-        results.append(_result("outside", to, attack, where, not answered, detail))
+    with tempfile.TemporaryDirectory(prefix="tfe-attack-ca-") as scratch:
+        ca = os.path.join(scratch, "server-ca.crt")  # the server's operator's CA (mine.ca may be a federation file)
+        with open(ca, "wb") as f:
+            f.write(mine.trust().server_ca_pem(int(to.split(":")[1])))
+        answered, detail = grpc_answers(host, port, tls=(mine.cert, mine.key), ca=ca)
+        results = [_result(attacker, to, "valid-cert", where, answered, detail, control=True)]
+        for attack, tls in (("no-cert", (None, None)), ("foreign-ca", (foreign.cert, foreign.key)),
+                            ("plaintext", None)):
+            answered, detail = grpc_answers(host, port, tls=tls, ca=ca)
+            results.append(_result("outside", to, attack, where, not answered, detail))
     return results
 
 

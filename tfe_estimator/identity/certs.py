@@ -204,10 +204,10 @@ def sign_csr(csr_pem: bytes, ca_cert_pem: bytes, ca_key_pem: bytes, cluster: str
         raise ValueError(f"the CA key does not belong to the CA certificate {ca_name!r}: pass the ca.key made with "
                          "that ca.crt.")
     start, end = _validity(validity_days, not_before)
-    if end > ca_cert.not_valid_after_utc:
+    if end > ca_cert.not_valid_after_utc + datetime.timedelta(hours=1):
         _LOG.warning("certificate of %s-%d: cut to end with its CA %r on %s (asked for %d days)", job, index,
                      ca_name, ca_cert.not_valid_after_utc.date(), validity_days)
-        end = ca_cert.not_valid_after_utc
+    end = min(end, ca_cert.not_valid_after_utc)
     cert = (x509.CertificateBuilder().subject_name(csr.subject).issuer_name(ca_cert.subject)
             .public_key(csr.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(start).not_valid_after(end)
