@@ -15,10 +15,14 @@ NOISE = ("print('WARNING:tensorflow:From /x/estimator.py:12: Estimator.__init__ 
 
 
 @pytest.mark.parametrize("tf_warnings", [False, True])
-def test_tensorflows_deprecation_warnings_are_hidden_unless_asked_for(tf_warnings):
+def test_tensorflows_deprecation_warnings_are_hidden_unless_asked_for(tf_warnings, monkeypatch):
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)  # a user's own level is never changed
     out = io.StringIO()
     launcher = Launcher(_fake(NOISE), workers=0, out=out, server_command=_fake("s = serve(); time.sleep(600)"),
                         tf_warnings=tf_warnings)
+    for task in launcher.tasks:  # TensorFlow's C++ INFO lines: hidden in every task unless asked for
+        assert task.env.get("TF_CPP_MIN_LOG_LEVEL") == (None if tf_warnings else "1"), task.name
+        assert (task.env.get("TFE_ESTIMATOR_TF_WARNINGS") == "1") == tf_warnings, task.name
     assert launcher.run() == 0, out.getvalue()
     log = "\n".join(line for line in out.getvalue().splitlines() if line.startswith("[chief:0]"))  # its output
     assert "[chief:0] step 10: loss 0.5" in log

@@ -16,6 +16,9 @@ import tensorflow as tf
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
+#: Lines a 2-owner launch may print beside the progress and evaluation lines (the launcher's own, starts,
+#: warnings): TensorFlow's INFO lines and deprecation blocks are hidden (`tfe_estimator.cluster.quiet`).
+MAX_OTHER_LINES = 40
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 
@@ -60,6 +63,10 @@ def test_the_readme_train_py_trains_two_owners_with_the_launcher_as_written(tmp_
         assert f"[{owner}] tfe_estimator: evaluation at step 300, all owners' data: average_loss" in log, log[-5000:]
         assert f"[{owner}] tfe_estimator: evaluation at step 300, this owner's data only: average_loss" in log
         assert f"[{owner}] tfe_estimator: step 200, loss" in log  # the progress line
+    # A readable terminal (issue 35): beside the progress and evaluation lines, about what the README shows.
+    other = [line for line in proc.stdout.splitlines()
+             if "tfe_estimator: step " not in line and "tfe_estimator: evaluation at step " not in line]
+    assert len(other) <= MAX_OTHER_LINES, f"{len(other)} lines:\n" + "\n".join(other)
 
 
 def _final_eval(model_dir, subdir="eval"):

@@ -1,6 +1,7 @@
 """Clusters and deployment: TF_CONFIG, servers, the launcher, Kubernetes, the evaluator.
 
-- `spec`: `TfeCluster`, the one definition of the cluster layout and TF_CONFIG.
+- `spec`: `TfeCluster`, the one definition of the cluster layout and TF_CONFIG;
+  `task_from_tf_config()` (also here) for a training script's own task.
 - `peers`: who calls whom in each cluster mode (what transport authorisation allows).
 - `certs`, `sidecar`: certificates and the stunnel TLS sidecar's configuration.
 - `server`: the `tfe-estimator server` process of a TFE party.
@@ -13,7 +14,14 @@
 
 Example::
 
-    from tfe_estimator.cluster.spec import TfeCluster
-    cluster = TfeCluster.from_tf_config()
+    from tfe_estimator.cluster import task_from_tf_config
+    job, index = task_from_tf_config()  # ("worker", 0), or a ValueError naming TF_CONFIG and the fix
 """
-__all__ = []
+__all__ = ["task_from_tf_config"]
+
+
+def task_from_tf_config(environ=None):
+    """This task's ``(type, index)`` from TF_CONFIG (`spec.task_from_tf_config`; imported on first call)."""
+    from tfe_estimator.cluster import spec  # pylint: disable=import-outside-toplevel
+
+    return spec.task_from_tf_config(environ)

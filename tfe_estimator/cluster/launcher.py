@@ -52,6 +52,7 @@ from typing import Dict, List, Optional, Sequence, TextIO
 from tfe_estimator.cluster.isolation import IsolatedCluster
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV, OWNER_CWD_ENV
 from tfe_estimator.cluster.peers import IN_GRAPH, SERVICE, validate_mode
+from tfe_estimator.cluster.quiet import task_env
 from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB,
                                         TLS_DIR_ENV, TfeCluster, cluster_jobs, cluster_tasks)
 from tfe_estimator.secure.protocols import validate_protocol
@@ -311,6 +312,7 @@ class Launcher:
                 env.update({"TF_CONFIG": self.cluster.to_tf_config(job, index),
                             LAUNCH_PROTOCOL_ENV: self.protocol, LAUNCH_CLUSTER_MODE_ENV: self.cluster_mode,
                             "PYTHONUNBUFFERED": "1"})
+                task_env(env, self.tf_warnings)  # TensorFlow's INFO lines and deprecation blocks off unless asked
                 if self.cluster_mode == SERVICE:
                     env[TLS_DIR_ENV] = self.task_tls_dir(job, index)
                 if self.cluster_mode == SERVICE:  # the service's 8 B/param messages: huge pages (cluster.huge_pages)

@@ -49,8 +49,8 @@ from tfe_estimator.cluster.k8s_common import tasks as all_tasks
 from tfe_estimator.cluster.huge_pages import HUGE_PAGES_TUNABLE, TUNABLES_ENV
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV
 from tfe_estimator.cluster.sidecar import stunnel_config
-from tfe_estimator.cluster.spec import (DATA_OWNER_JOBS, LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, TLS_DIR_ENV, cluster_jobs,
-                                        tf_config_json)
+from tfe_estimator.cluster.spec import (DATA_DIR_ENV, DATA_OWNER_JOBS, LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, TLS_DIR_ENV,
+                                        cluster_jobs, tf_config_json)
 
 __all__ = ["render_manifests", "to_yaml", "SERVICE_CERT_DIR"]
 
@@ -436,6 +436,8 @@ def render_manifests(
                 mounts.append(("model", claim, model_mount_path, False))
             pod_spec = _pod_spec(job, image, command, tf_config, tf_port, "OnFailure", mounts, mode=cluster_mode,
                                  sidecar=sidecar, **pod_options, **cert_options)
+            if data_claim is not None:  # where the owner's files are (the README's train.py reads it)
+                pod_spec["containers"][0]["env"].append({"name": DATA_DIR_ENV, "value": data_mount_path})
             if model_claim is not None and (job in ("chief", "evaluator") or owners_dir):
                 # Each owner its own directory even on one shared claim; the evaluator its owner's (the chief's).
                 owner = "chief-0" if job == "evaluator" else f"{job}-{index}"

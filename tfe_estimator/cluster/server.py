@@ -113,10 +113,8 @@ def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]]
         role=cluster.task_index, address=_bind_address(servers[cluster.task_index]), owners=owners,
         tls=TlsFiles.from_dir(tls_dir, TFE_JOB, cluster.task_index),
         peer_address=servers[1] if cluster.task_index == 0 else None, **limits)
-    port = server.start()
+    server.start()  # it logs the one start line (`AggregationServer.start`): role, owners, port
     _stop_on_signals(stop)
-    log.info("aggregation server %d serving owners %s on port %d (mutual TLS; holds only keys and masked "
-             "shares); stop with SIGTERM or Ctrl-C", cluster.task_index, owners, port)
     try:
         while not stop.wait(0.5):
             pass

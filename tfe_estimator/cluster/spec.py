@@ -32,8 +32,8 @@ from tfe_estimator.validation import check_int, is_int
 
 __all__ = [
     "TfeCluster", "TFE_JOB", "NUM_TFE_TASKS", "DATA_OWNER_JOBS", "KNOWN_JOBS", "LAUNCH_PROTOCOL_ENV",
-    "LAUNCH_CLUSTER_MODE_ENV", "TLS_DIR_ENV",
-    "cluster_tasks", "cluster_jobs", "tf_config_json", "cluster_digest", "tf_config_hidden",
+    "LAUNCH_CLUSTER_MODE_ENV", "TLS_DIR_ENV", "DATA_DIR_ENV",
+    "cluster_tasks", "cluster_jobs", "tf_config_json", "cluster_digest", "tf_config_hidden", "task_from_tf_config",
 ]
 
 TFE_JOB = "tfe"
@@ -47,6 +47,8 @@ LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
 LAUNCH_CLUSTER_MODE_ENV = "TFE_ESTIMATOR_CLUSTER_MODE"
 #: Service mode: the directory with ``ca.crt`` and this task's ``<job>-<index>.crt``/``.key``.
 TLS_DIR_ENV = "TFE_ESTIMATOR_TLS_DIR"
+#: Set by `tfe-estimator k8s --data-claim` in a task's pod: where the task's own data claim is mounted.
+DATA_DIR_ENV = "TFE_ESTIMATOR_DATA_DIR"
 _SOURCE = "Note that these values come from the TF_CONFIG environment variable."
 
 
@@ -280,3 +282,29 @@ def tf_config_hidden(hide: bool = True):
     finally:
         if saved is not None:
             os.environ["TF_CONFIG"] = saved
+
+
+def task_from_tf_config(environ: Optional[Mapping[str, str]] = None) -> Tuple[str, int]:
+    """This task's ``(type, index)`` from ``TF_CONFIG``, validated like the whole cluster.
+
+    What a training script needs to name its own files (``f"{job}-{index}"``),
+    with the clear errors of `TfeCluster.from_environment` for a blank,
+    malformed or inconsistent ``TF_CONFIG`` instead of a bare
+    ``JSONDecodeError`` or ``KeyError``.
+
+    Example::
+
+        job, index = task_from_tf_config()  # ("worker", 0)
+        owner = f"{job}-{index}"
+
+    Raises:
+      ValueError: when ``TF_CONFIG`` is unset or names no cluster (this is a
+        cluster task's helper), or is invalid, naming the value and the fix.
+    """
+    cluster = TfeCluster.from_environment(environ)
+    if cluster is None:
+        raise ValueError(
+            "task_from_tf_config() needs TF_CONFIG with a cluster and this task, e.g. "
+            '{"cluster": {"chief": [...], "worker": [...], "tfe": [...]}, "task": {"type": "worker", "index": 0}}: '
+            "run the script under `tfe-estimator launch`, or set TF_CONFIG (one per task).")
+    return cluster.task_type, cluster.task_index

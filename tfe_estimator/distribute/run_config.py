@@ -28,6 +28,7 @@ from tensorflow.python.distribute import mirrored_strategy
 from tensorflow_estimator.python.estimator import run_config as run_config_lib
 
 from tfe_estimator.cluster import model_dir_claim, peers
+from tfe_estimator.cluster.quiet import hide_deprecation_warnings
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 from tfe_estimator.distribute.aggregation import validate_clip_norm
@@ -381,6 +382,8 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
             f"TF_CONFIG says this is task {spec.task_index} of the '{cluster_lib.TFE_JOB}' job: "
             "TFE parties run `tfe-estimator server`, not a training script."
         )
+    if spec is not None:  # a cluster task, maybe run by hand: no deprecation blocks unless asked
+        hide_deprecation_warnings()
     # Fail early without secure randomness, and register tf-encrypted's ops
     # before Estimator starts this task's TensorFlow server.
     load_backend()

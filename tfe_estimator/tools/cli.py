@@ -47,6 +47,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="service mode: the largest sum a channel may have, in parameters (default 2**27)")
     server.add_argument("--max-channels", type=int, default=None,
                         help="service mode: how many sums the server keeps (default 4096)")
+    server.add_argument("--tf-warnings", action="store_true",
+                        help="in-graph mode: show TensorFlow's INFO lines (hidden by default)")
 
     launch = sub.add_parser("launch", help="run a whole cluster on loopback ports as local processes")
     launch.add_argument("--workers", type=int, default=1, help="workers besides the chief (default 1)")
@@ -112,8 +114,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == SERVER_SUBCOMMAND:
+        from tfe_estimator.cluster.quiet import quiet_this_process  # pylint: disable=import-outside-toplevel
         from tfe_estimator.cluster.server import run_server  # pylint: disable=import-outside-toplevel
 
+        quiet_this_process(args.tf_warnings)  # before TensorFlow loads (in-graph mode's TensorFlow server)
         limits = {name: getattr(args, name) for name in ("step_timeout_secs", "max_elements", "max_channels")
                   if getattr(args, name) is not None}
         return run_server(limits=limits)
