@@ -4,7 +4,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -162,71 +161,35 @@ def _error(result):
     return result
 
 
-def test_mismatched_settings_are_refused_naming_both(make_service):
-    service = make_service(owner_names(2))
-    chief, worker = service.clients_of(2)
-    first = threading.Thread(target=lambda: in_threads([lambda: _put(chief, 0, n=8)]))
-    first.start()
-    time.sleep(0.3)
-    with pytest.raises(ServiceError) as e:
-        _put(worker, 0, n=9)
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "worker:0 puts ring_bits=64, num_elements=9" in e.value.details
-    assert "num_elements=8 by its first put" in e.value.details
-    _put(worker, 0, n=8)
-    first.join(WAIT_SECS)
+# The rules of channels, steps, the replay window, aborts and limits: tests/test_service_limits.py.
 
 
-def test_stale_step_is_refused_until_the_owner_rewinds(make_service):
-    service = make_service(owner_names(2))
-    chief, worker = service.clients_of(2)
-    for step in (0, 1):
-        in_threads([lambda: _put(chief, step), lambda: _put(worker, step)])
-    with pytest.raises(ServiceError) as e:
-        _put(chief, 1)
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "chief:0 puts step 1, but this server already released step 1" in e.value.details
-    chief.rewind(1)
-    worker.rewind(1)
-    results = in_threads([lambda: _put(chief, 1), lambda: _put(worker, 1)])
-    assert all(isinstance(r, tuple) for r in results), results
-
-
-def test_owners_out_of_step_are_refused_naming_both_steps(make_service):
-    service = make_service(owner_names(2), step_timeout_secs=2.0)
-    chief, worker = service.clients_of(2)
-    results = in_threads([lambda: _put(chief, 5), lambda: (time.sleep(0.3), _put(worker, 6))[1]])
-    refused = _error(results[1])
-    assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "worker:0 puts step 6, but step 5 is open with contributions of ['chief:0']" in refused.details
-
-
-def test_a_put_times_out_naming_each_missing_owner_and_its_last_step(make_service):
+def test_a_step_not_complete_in_time_is_aborted_naming_each_missing_owner_and_its_last_step(make_service):
     service = make_service(owner_names(3), step_timeout_secs=1.0)
     chief, worker0, worker1 = service.clients_of(3)
     in_threads([lambda: _put(chief, 0), lambda: _put(worker0, 0), lambda: _put(worker1, 0)])
     results = in_threads([lambda: _put(chief, 1), lambda: _put(worker0, 1)])
     for result in results:
         error = _error(result)
-        assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert error.code == grpc.StatusCode.ABORTED
+        assert "step 1 was aborted: it was not complete 1 s after it was opened (--step-timeout-secs)" in \
+            error.details
         assert "still missing worker:1 (last contributed step 0)" in error.details
-        assert "chief:0 (" not in error.details
+        assert "chief:0 (" not in error.details and "nothing was released" in error.details
 
 
-def test_a_duplicate_is_refused_and_a_rewind_lets_the_owner_contribute_again(make_service):
-    service = make_service(owner_names(2), step_timeout_secs=1.0)
+def test_a_duplicate_is_refused_and_an_aborted_step_can_be_put_again(make_service):
+    service = make_service(owner_names(2), step_timeout_secs=1.5)
     chief, worker = service.clients_of(2)
-    assert _error(in_threads([lambda: _put(chief, 0)])[0]).code == grpc.StatusCode.DEADLINE_EXCEEDED
-    with pytest.raises(ServiceError) as e:
-        _put(chief, 0)
-    assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
-    assert "chief:0 already contributed to step 0" in e.value.details
-    chief.rewind(0)
+    results = in_threads([lambda: _put(chief, 0), lambda: (time.sleep(0.3), _put(chief, 0))[1]])
+    assert _error(results[0]).code == grpc.StatusCode.ABORTED
+    assert _error(results[1]).code == grpc.StatusCode.ALREADY_EXISTS
+    assert "chief:0 already contributed to step 0" in results[1].details
     results = in_threads([lambda: _put(chief, 0), lambda: _put(worker, 0)])
     assert all(isinstance(r, tuple) for r in results), results
     blind, w = results[0]
     total = (w.view(np.uint64) + ring.keystream_words(blind, 8)).view(np.int64)
-    np.testing.assert_array_equal(total, 2 * np.arange(8))  # the dropped contribution is not counted twice
+    np.testing.assert_array_equal(total, 2 * np.arange(8))  # the aborted contribution is not counted
 
 
 def test_a_rewind_touches_only_the_callers_contribution(make_service):
@@ -349,8 +312,8 @@ def test_server_checks_its_arguments(cert_dirs):
 
 
 def test_an_owner_cannot_make_a_server_allocate_past_its_limits(make_service):
-    # An authenticated owner fixes a channel's size with its first put and may name new channels: both are
-    # bounded, so one owner cannot exhaust a server's memory.
+    # An authenticated owner may name new channels and sizes: both are bounded (its memory too:
+    # tests/test_service_limits.py), so one owner cannot exhaust a server.
     service = make_service(owner_names(1), max_elements=8, max_channels=2)
     (chief,) = service.clients_of(1)
     with pytest.raises(ServiceError) as e:
@@ -361,7 +324,7 @@ def test_an_owner_cannot_make_a_server_allocate_past_its_limits(make_service):
     _put(chief, 0, channel="b")
     with pytest.raises(ServiceError) as e:
         _put(chief, 0, channel="c")
-    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_channels=2" in e.value.details
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-channels=2" in e.value.details
     with pytest.raises(ValueError, match=r"max_elements=0 must be an integer >= 1"):
         AggregationServer(1, "localhost:0", ["chief:0"], TlsFiles.from_dir(service.certs_dir, "tfe", 1), max_elements=0)
 

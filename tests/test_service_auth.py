@@ -230,7 +230,7 @@ def check_an_owner_cannot_put_as_another(make_service, dirs):
     assert results[1].code() == grpc.StatusCode.ALREADY_EXISTS, results[1].details()
     assert "chief:0 already contributed to step 0" in results[1].details()
     assert isinstance(results[0], grpc.RpcError), f"the step completed without worker:0: {results[0]!r}"
-    assert results[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED, results[0].details()
+    assert results[0].code() == grpc.StatusCode.ABORTED, results[0].details()  # aborted for everyone
     assert "missing worker:0 (no contribution yet)" in results[0].details()
 
 
@@ -256,7 +256,8 @@ def test_each_owner_gets_its_answer_on_its_own_call_only(make_service):
     results = in_threads([lambda: chief.contribute("c", 0, 64, 4, key, share),
                           lambda: worker.contribute("c", 0, 64, 4, key, share)])
     assert all(isinstance(r, tuple) for r in results), results
-    # The step is released and answered: a later call of an owner gets no copy of it.
-    with pytest.raises(client_module.ServiceError) as e:
-        chief.contribute("c", 0, 64, 4, key, share)
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "already released step 0" in e.value.details
+    # The step is released and answered: a later call of an owner (restored from a checkpoint) gets the same
+    # answer from the replay window, its payload not added; nothing is released again.
+    again = chief.contribute("c", 0, 64, 4, key, np.ones(4, np.int64))
+    for first, replayed in zip(results[0], again):
+        np.testing.assert_array_equal(first, replayed)

@@ -64,7 +64,7 @@ class OwnerClient:
     """
 
     def __init__(self, addresses: Sequence[str], tls: TlsFiles, timeout_secs: float = 600.0,
-                 wait_for_ready: bool = True):
+                 wait_for_ready: bool = True, retry_secs: Optional[float] = None):
         addresses = tuple(addresses)
         if len(addresses) != 2 or not all(isinstance(a, str) and a for a in addresses):
             raise ValueError(f"addresses={addresses!r} must be (server0 address, server1 address).")
@@ -73,6 +73,7 @@ class OwnerClient:
         if isinstance(timeout_secs, bool) or not timeout_secs > 0:
             raise ValueError(f"timeout_secs={timeout_secs!r} must be a number > 0.")
         self._addresses, self._timeout, self._wait = addresses, float(timeout_secs), bool(wait_for_ready)
+        self._retry = float(timeout_secs if retry_secs is None else retry_secs)
         #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
         #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
         self.bytes_sent = self.bytes_received = self.contributions = 0
@@ -127,8 +128,9 @@ class OwnerClient:
             message = wire.encode("ContributeRequest", payload, channel=channel, step=step, ring_bits=ring_bits,
                                   num_elements=num_elements)
             self.bytes_sent += len(message)
+            metadata = ((ring.KEY_METADATA, ring.key_digest(key_bytes).hex()),) if server == 1 else None
             calls.append(self._stubs[server]["Contribute"].future(message, timeout=self._timeout,
-                                                                  wait_for_ready=self._wait))
+                                                                  wait_for_ready=self._wait, metadata=metadata))
         replies = []
         for server, call in enumerate(calls):
             try:

@@ -18,16 +18,22 @@ Example::
     add_into(acc, keystream_words(key, acc.size), 128)   # acc += AES(key)
     sub_into(acc, share.view(np.uint64), 128)            # acc -= share
 """
+import hashlib
 import sys
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-__all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "add_into", "sub_into"]
+__all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "add_into", "sub_into", "key_digest",
+           "KEY_METADATA", "DIGESTS_METADATA"]
 
 RING_BITS = (32, 64, 128)
 KEY_BYTES = 16
 _ZERO_COUNTER = bytes(16)
+#: gRPC metadata of an owner's put to server1: the digest of the key its share is masked with (hex); and of
+#: server0's forward: the digests of every owner's key it summed (hex, comma-separated, owner order). Server1
+#: refuses a share whose key is not the one server0 summed for the step (`steps.StepChannel.put`).
+KEY_METADATA, DIGESTS_METADATA = "tfe-key-digest", "tfe-key-digests"
 #: Zeros the keystream is encrypted from, a chunk at a time (no zero buffer of the vector's size per call).
 _ZEROS = memoryview(bytes(1 << 20))
 
@@ -66,6 +72,12 @@ def keystream_words(key16: bytes, words: int) -> np.ndarray:
     stream = out[:size].view("<u8")
     stream.flags.writeable = False
     return stream
+
+
+def key_digest(key16) -> bytes:
+    """16 bytes of SHA-256 of a mask key: names the key (to match a share with it) without revealing it."""
+    key = np.ascontiguousarray(key16).tobytes() if isinstance(key16, np.ndarray) else bytes(key16)
+    return hashlib.sha256(key).digest()[:16]
 
 
 def _operands(acc: np.ndarray, other: np.ndarray):

@@ -13,9 +13,12 @@ The protocol per (channel, step) with N owners (`aggregation.proto` has the API)
 Server0 holds only fresh random keys and their sum, server1 only masked
 vectors, and server0's part blinded under a key it never sees.
 
-The rules of a channel's steps (settings fixed by the first put, one
-contribution per owner and step, stale and out-of-step puts, the step timeout,
-rewinds) live in `steps.StepChannel`; this module wires gRPC to them. A caller
+The rules of a channel's steps (a channel is its name and settings; one
+unreleased contribution per owner and channel; the replay window of released
+steps; aborts; rewinds) live in `steps.StepChannel`, the memory budget in
+`budget.MemoryBudget`; this module wires gRPC to them and bounds the calls one
+owner may keep waiting (``max_waiting_puts``), so its handler threads always
+serve every owner. A caller
 is who its certificate says (`tls.peer_identity`), never what a request says;
 methods refuse callers the table in `wire.METHODS` does not list
 (PERMISSION_DENIED) and methods this role does not serve (UNIMPLEMENTED).
@@ -35,14 +38,16 @@ import logging
 import re
 import secrets
 import threading
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
 
 from tfe_estimator.service import ring, wire
 from tfe_estimator.service.handshake_table import HandshakeTable
-from tfe_estimator.service.steps import Released, StepChannel, StepRefused
+from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
+from tfe_estimator.service.ring import DIGESTS_METADATA, KEY_METADATA, key_digest
+from tfe_estimator.service.steps import Released, ReplayLimits, StepChannel, StepRefused
 from tfe_estimator.service.tls import TlsFiles, check_peer, peer_identity, server_name_option
 from tfe_estimator.validation import is_int
 
@@ -59,6 +64,18 @@ _FORWARDER = "tfe:0"
 def _serialize(reply) -> bytes:
     """A reply message's bytes; a reply serialized ahead (a step's answer, shared by its owners) as it is."""
     return reply if isinstance(reply, bytes) else reply.SerializeToString()
+
+
+def _digests(context, name: str) -> Optional[list]:
+    """The key digests a call carries in its metadata `name` (hex, comma-separated), or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == name:
+            try:
+                return [bytes.fromhex(v) for v in value.split(",")]
+            except ValueError:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"metadata {name}={value[:80]!r} is not hex digests; use OwnerClient.") from None
+    return None
 
 
 class _Abort(Exception):
@@ -78,12 +95,20 @@ class AggregationServer:
       owners: the data owners' identities in the configured order, e.g. ``["chief:0", "worker:0"]``.
       tls: this server's `TlsFiles` (its certificate must be tfe-<role>).
       peer_address: server1's address (server0 only).
-      step_timeout_secs: how long a put waits for the other owners.
-      max_workers: handler threads; every waiting put holds one (default 16 + 8 per owner).
-      max_elements: the largest sum a channel may have (default 2**27: 1 GiB of 64-bit ring words); an
-        owner's first put fixes a channel's size and server0 expands every key to it, so this bounds
-        what one authenticated owner can make a server allocate per channel.
-      max_channels: how many channels (sums) the server keeps (default 4096; a model has a few).
+      step_timeout_secs: how long an open step waits for its participants before it is aborted for everyone.
+      max_workers: handler threads; every waiting put holds one (default: `max_waiting_puts` per owner + 16,
+        so every owner always finds a thread however many calls another one makes).
+      max_elements: the largest sum a channel may have (default 2**27); a channel is its name AND its
+        settings, so a put of another size lands on another channel and fixes nothing.
+      max_channels: how many channels (sums) the server keeps (default 4096; a model has a few); one owner
+        may hold at most its share (``max_channels / owners``) of channels no step was released on yet.
+      memory_budget_bytes, owner_memory_budget_bytes: what the server may hold for everyone, and for one
+        owner's puts (`budget.MemoryBudget`: ring words x 8, server0's key expansion included; default
+        4 GiB and 768 MiB): beyond them a put is refused RESOURCE_EXHAUSTED naming the flag.
+      max_waiting_puts: how many calls of one owner may wait at once on this server (default 8).
+      replay_window_steps, replay_window_bytes: how many released steps per channel keep their answer for
+        owners that restored an earlier checkpoint (default 64), and how many bytes of answers in all
+        (default 1 GiB).
 
     Example::
 
@@ -95,7 +120,9 @@ class AggregationServer:
 
     def __init__(self, role: int, address: str, owners: Sequence[str], tls: TlsFiles,
                  peer_address: Optional[str] = None, step_timeout_secs: float = 300.0,
-                 max_workers: Optional[int] = None, max_elements: int = 2**27, max_channels: int = 4096):
+                 max_workers: Optional[int] = None, max_elements: int = 2**27, max_channels: int = 4096,
+                 memory_budget_bytes: int = 4 << 30, owner_memory_budget_bytes: int = 768 << 20,
+                 max_waiting_puts: int = 8, replay_window_steps: int = 64, replay_window_bytes: int = 1 << 30):
         if role not in (0, 1) or isinstance(role, bool):
             raise ValueError(f"role={role!r} must be 0 (server0, tfe:0) or 1 (server1, tfe:1).")
         owners = list(owners)
@@ -115,13 +142,23 @@ class AggregationServer:
             raise ValueError(f"step_timeout_secs={step_timeout_secs!r} must be a number > 0.")
         self._role, self._address, self._owners, self._tls = role, address, owners, tls
         self._peer_address, self._timeout = peer_address, float(step_timeout_secs)
-        self._max_workers = max_workers or 16 + 8 * len(owners)
-        for name, value in (("max_elements", max_elements), ("max_channels", max_channels)):
+        for name, value in (("max_elements", max_elements), ("max_channels", max_channels),
+                            ("memory_budget_bytes", memory_budget_bytes),
+                            ("owner_memory_budget_bytes", owner_memory_budget_bytes),
+                            ("max_waiting_puts", max_waiting_puts), ("replay_window_steps", replay_window_steps),
+                            ("replay_window_bytes", replay_window_bytes)):
             if not is_int(value, minimum=1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+        self._max_workers = max_workers or 16 + max_waiting_puts * len(owners)
         self._max_elements, self._max_channels = max_elements, max_channels
-        self._lock = threading.Lock()  # the channel table and the handshake rows
-        self._channels: Dict[str, StepChannel] = {}
+        self._max_waiting = max_waiting_puts
+        self._waiting: Dict[str, int] = {}  # owner -> its calls waiting on this server (under self._lock)
+        self._budget = MemoryBudget(memory_budget_bytes, owner_memory_budget_bytes, f"aggregation server{role}")
+        self._replay = ReplayLimits(replay_window_steps, replay_window_bytes)
+        self._receive_limit = min(owner_memory_budget_bytes + (1 << 20), 2**31 - 1)
+        self._lock = threading.Lock()  # the channel table and the waiting calls
+        self._channels: Dict[Tuple[str, int, int], StepChannel] = {}
+        self._created_by: Dict[Tuple[str, int, int], str] = {}  # channels with no release yet -> their creator
         self._handshakes = HandshakeTable(owners)  # server0: the owners' handshake rows, per model
         self._server = None
         self._peer = None
@@ -142,7 +179,9 @@ class AggregationServer:
                 response_serializer=_serialize)
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=self._max_workers,
                                                                    thread_name_prefix=f"tfe-agg{self._role}"),
-                             options=list(SERVER_OPTIONS))
+                             options=list(SERVER_OPTIONS[:-1]) + [
+                                 # a message larger than an owner's memory budget is refused before it is read
+                                 ("grpc.max_receive_message_length", self._receive_limit)])
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE_NAME, handlers),))
         try:
             port = server.add_secure_port(self._address, self._tls.server_credentials())
@@ -235,18 +274,38 @@ class AggregationServer:
 
     # ------------------------------------------------------------- methods --
 
-    def _channel(self, name: str) -> StepChannel:
+    def _channel(self, identity: Optional[str], request) -> Tuple[Tuple[str, int, int], StepChannel]:
+        """The channel (name AND settings) a put goes to; made on first use within the limits on channels."""
+        key = (request.channel, int(request.ring_bits), int(request.num_elements))
         with self._lock:
-            channel = self._channels.get(name)
-            if channel is None:
-                if len(self._channels) >= self._max_channels:
-                    raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"channel {name!r}: this server already keeps {len(self._channels)} channels "
-                                 f"(max_channels={self._max_channels}); a model's sums need a few. Restart the "
-                                 "server with a larger max_channels if the model really has more.")
-                forwarder = f"{_FORWARDER} (server0's part)" if self._role == 1 else None
-                channel = self._channels[name] = StepChannel(name, self._owners, forwarder, self._addend)
-            return channel
+            channel = self._channels.get(key)
+            if channel is not None:
+                return key, channel
+            for other in [k for k, c in self._channels.items() if c.idle()]:  # nothing open, nothing stored
+                del self._channels[other]
+                self._created_by.pop(other, None)
+            if len(self._channels) >= self._max_channels:
+                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"Service mode: channel {request.channel!r}: aggregation server{self._role} already "
+                             f"keeps {len(self._channels)} channels (--max-channels={self._max_channels}); a model's "
+                             "sums need a few. Start the servers with a larger --max-channels if the models really "
+                             "have more.")
+            share = max(1, self._max_channels // len(self._owners))
+            mine = sum(1 for k, who in self._created_by.items() if who == identity and
+                       not self._channels[k].ever_released)
+            if identity is not None and mine >= share:
+                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"Service mode: channel {request.channel!r}: {identity} already opened {mine} channels "
+                             f"on aggregation server{self._role} that no step was released on, its share of "
+                             f"--max-channels={self._max_channels} ({share} per owner). Its sums do not match the "
+                             "other owners' (another model or settings?), or it misbehaves.")
+            forwarder = f"{_FORWARDER} (server0's part)" if self._role == 1 else None
+            channel = self._channels[key] = StepChannel(
+                request.channel, int(request.ring_bits), int(request.num_elements), self._owners, forwarder,
+                self._addend, self._replay, self._budget, self._timeout)
+            if identity is not None:
+                self._created_by[key] = identity
+            return key, channel
 
     def _check_request(self, request, payload: bytes, what: str) -> int:
         """Validates a put's settings and payload size; returns the ring words.
@@ -262,8 +321,8 @@ class AggregationServer:
         if request.num_elements > self._max_elements:
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"{what} to channel {request.channel!r}: num_elements={request.num_elements} is above this "
-                         f"server's max_elements={self._max_elements}; start the server with a larger max_elements "
-                         "for a model that large.")
+                         f"server's max_elements={self._max_elements} (--max-elements); start the servers with a "
+                         "larger --max-elements for a model that large.")
         words = ring.ring_words(request.num_elements, request.ring_bits)
         expected = ring.KEY_BYTES if what.startswith("Contribute") and self._role == 0 else 8 * words
         if len(payload) != expected:
@@ -288,39 +347,69 @@ class AggregationServer:
             ring.sub_into(released.acc, ring.keystream_words(blind, released.acc.size), released.ring_bits)
             forward = wire.encode("ForwardRequest", released.acc, channel=channel.name, step=released.step,
                                   ring_bits=released.ring_bits, num_elements=released.num_elements)
+            digests = ",".join(key_digest(released.parts[o]).hex() for o in range(len(self._owners)))
             try:
-                self._forward(forward, timeout=self._timeout, wait_for_ready=True)
+                self._forward(forward, timeout=self._timeout, wait_for_ready=True,
+                              metadata=((DIGESTS_METADATA, digests),))
             except grpc.RpcError as e:
                 code = (e.code() or grpc.StatusCode.UNKNOWN).name
                 channel.finish(released, None, StepRefused(
-                    code, f"Channel {channel.name!r} step {released.step}: server0 could not forward its blinded "
-                          f"part to server1 at {self._peer_address}: {e.details()}"))
+                    code, f"Service mode, {channel.label} step {released.step}: server0 could not forward its "
+                          f"blinded part to server1 at {self._peer_address}: {e.details()}"))
                 return
             payload = blind
         channel.finish(released, wire.encode("ContributeReply", payload, step=released.step))  # the one copy
+
+    def _enter(self, identity: str) -> None:
+        """Counts one more waiting call of `identity`; refuses past ``max_waiting_puts``."""
+        with self._lock:
+            waiting = self._waiting.get(identity, 0)
+            if waiting >= self._max_waiting:
+                raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"Service mode: {identity} already has {waiting} calls waiting on aggregation "
+                             f"server{self._role} (--max-waiting-puts={self._max_waiting}). An owner contributes "
+                             "one sum at a time per model: a second process runs as this owner, or it misbehaves.")
+            self._waiting[identity] = waiting + 1
+
+    def _leave(self, identity: str) -> None:
+        with self._lock:
+            self._waiting[identity] -= 1
 
     def _contribute(self, identity: str, request, context, reply):
         del reply  # the answer is serialized once per step (see _serialize)
         payload = request.payload
         words = self._check_request(request, payload, f"Contribute of {identity}")
         owner = self._owners.index(identity)
-        addend = self._addend(payload, words)  # server0: the key's keystream, outside any lock
-        channel = self._channel(request.channel)
-        released = channel.put(owner, request.step, request.ring_bits, request.num_elements, payload, addend)
-        if released is not None:
-            self._finish(channel, released)
-        return channel.wait(owner, request.step, self._timeout,
-                            alive=lambda: context.is_active() and not self._stopped.is_set())
+        self._enter(identity)
+        try:
+            _, channel = self._channel(identity, request)
+            expansion = 8 * words if self._role == 0 else 0  # server0 expands the key to ring words
+            try:
+                self._budget.reserve(identity, expansion, f"the expansion of its key for {channel.label}")
+            except BudgetExceeded as e:
+                raise StepRefused(e.code, e.message) from None
+            addend = None
+            try:
+                addend = self._addend(payload, words)  # server0: the key's keystream, outside any lock
+                ticket = channel.put(owner, request.step, payload, addend, _digests(context, KEY_METADATA))
+            finally:
+                del addend
+                self._budget.free(identity, expansion)
+            if ticket.released is not None:
+                self._finish(channel, ticket.released)
+            return channel.wait(owner, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())
+        finally:
+            self._leave(identity)
 
     def _forwarded(self, identity: str, request, context, reply):
-        del identity, context
+        del identity
         payload = request.payload
         self._check_request(request, payload, "ForwardBlinded")
-        channel = self._channel(request.channel)
-        released = channel.put(len(self._owners), request.step, request.ring_bits, request.num_elements, payload,
-                               np.frombuffer(payload, "<u8"))
-        if released is not None:
-            self._finish(channel, released)
+        _, channel = self._channel(None, request)
+        ticket = channel.put(len(self._owners), request.step, payload, np.frombuffer(payload, "<u8"),
+                             _digests(context, DIGESTS_METADATA))
+        if ticket.released is not None:
+            self._finish(channel, ticket.released)
         return reply()
 
     def _handshake(self, identity: str, request, context, reply):
@@ -347,7 +436,7 @@ class AggregationServer:
         owner = self._owners.index(identity)
         with self._lock:
             channels = list(self._channels.values())
-        for channel in channels:
-            channel.rewind(owner, request.step)
-        _LOG.info("aggregation server%d: %s rewound to step %d", self._role, identity, request.step)
+        dropped = sum(channel.rewind(owner) for channel in channels)
+        _LOG.info("aggregation server%d: %s rewound to step %d (%d unreleased contributions dropped)", self._role,
+                  identity, request.step, dropped)
         return reply()

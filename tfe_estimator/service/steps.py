@@ -1,18 +1,31 @@
 """The rules of one channel's steps on one aggregation server: who put what, when a step is released.
 
-Kept apart from the gRPC server (`server.py` only wires requests to it), like
-the step accumulators of the TF-runtime version (``step_accumulator_ops.cc``),
-whose rules these are:
+A channel is a sum's name AND its settings (ring_bits, num_elements): a put
+with other settings lands on another channel (`server.py` keys its table so)
+and never blocks or fixes anything for this one. The rules (``docs/operations.md``
+tells them to users):
 
-- the first put fixes the channel's ``ring_bits`` and ``num_elements``;
-- one contribution per participant and step (ALREADY_EXISTS);
-- a stale step, at or below the last released step, is refused unless its
-  owner rewound to it (server0's forwarded part: unless every owner did);
-- a put for another step than the open one is refused (owners out of step);
+- an owner has at most one unreleased contribution per channel (a second one
+  for the same step: ALREADY_EXISTS; for another step: FAILED_PRECONDITION);
+  steps above the last released one may be open at once, each with its own
+  accumulator, so a far-future put opens only its own step;
 - a step is released once every participant put it (server1: the owners and
-  server0's forwarded part); its answer is kept until each owner took it;
-- a rewind drops only its owner's unreleased contribution (subtracting it
-  from the sum) and lets that owner put from its step again.
+  server0's forwarded part); its answer stays in a replay window of the last
+  ``window_steps`` released steps (and at most ``ReplayLimits.max_bytes`` on
+  the server);
+- a put for a released step inside the window gets the stored answer: its
+  payload is never added and nothing is released again (an owner restored from
+  an earlier checkpoint replays bit-identically; DP noise is released once);
+  an older step is refused FAILED_PRECONDITION naming the window and its flag;
+- a step not complete ``timeout_secs`` after it was opened, or whose caller's
+  call ended, is aborted for everyone: the owners' contributions are dropped,
+  every waiting call gets ABORTED naming the missing participants, and it is
+  never released with those parts (the owners may put it again). On server1 a
+  step that already holds server0's forwarded part keeps that part (server0
+  released the step and will not forward it again): the owners must put the
+  same masked shares again, which `client.OwnerClient` does;
+- memory: every byte held is reserved in a `budget.MemoryBudget` first;
+- a rewind drops only its owner's unreleased contributions (on every step).
 
 Participants are numbered in the configured owner order; server1 has one more,
 server0's forwarded part. Every refusal is a `StepRefused` carrying a gRPC
@@ -21,11 +34,11 @@ steps, and the fix.
 
 Example::
 
-    channel = StepChannel("grads", ["chief:0", "worker:0"], forwarder=None)
-    released = channel.put(0, step, 64, n, payload, addend)   # None until the step is complete
-    if released is not None:
-        channel.finish(released, reply_bytes)                 # after computing the answer, outside the lock
-    reply = channel.wait(0, step, timeout_secs=300.0, alive=lambda: True)
+    channel = StepChannel("grads", 64, 8, ["chief:0", "worker:0"], None, addend_of, ReplayLimits(), budget)
+    ticket = channel.put(0, step, payload, addend)   # ticket.released: set if this put completed the step
+    if ticket.released is not None:
+        channel.finish(ticket.released, reply_bytes)   # after computing the answer, outside the lock
+    reply = channel.wait(0, ticket, alive=lambda: True)
 """
 import threading
 import time
@@ -34,12 +47,14 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 import numpy as np
 
 from tfe_estimator.service import ring
+from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
 
-__all__ = ["StepChannel", "StepRefused", "Released"]
+__all__ = ["StepChannel", "StepRefused", "Released", "Ticket", "ReplayLimits", "WINDOW_STEPS_FLAG",
+           "WINDOW_BYTES_FLAG", "TIMEOUT_FLAG"]
 
 _POLL_SECS = 0.25  # how often a waiting put checks that its call is still alive
-_RESTART = (" Rewind every owner to the same checkpoint step (the owners' handshake does) or restart the "
-            "cluster's tasks from one checkpoint.")
+WINDOW_STEPS_FLAG, WINDOW_BYTES_FLAG = "--replay-window-steps", "--replay-window-bytes"
+TIMEOUT_FLAG = "--step-timeout-secs"
 
 
 class StepRefused(Exception):
@@ -50,11 +65,31 @@ class StepRefused(Exception):
         self.code, self.message = code, message
 
 
-class _Result:
-    """A released step's answer (a serialized reply, shared by the owners' calls), kept until every owner took it."""
+class ReplayLimits:
+    """The replay window's bounds, shared by a server's channels: steps per channel, bytes per server."""
 
-    def __init__(self, step: int, owners: int):
-        self.step, self.pending = step, set(range(owners))
+    def __init__(self, window_steps: int = 64, max_bytes: int = 1 << 30):
+        self.window_steps, self.max_bytes = int(window_steps), int(max_bytes)
+        self._lock = threading.Lock()
+        self.held = 0
+
+    def add(self, nbytes: int) -> bool:
+        """Counts a stored answer; True while the server's stored answers are within `max_bytes`."""
+        with self._lock:
+            self.held += nbytes
+            return self.held <= self.max_bytes
+
+    def remove(self, nbytes: int) -> bool:
+        with self._lock:
+            self.held -= nbytes
+            return self.held <= self.max_bytes
+
+
+class _Result:
+    """A released step's answer (a serialized reply, shared by the owners' calls and replays)."""
+
+    def __init__(self, step: int):
+        self.step = step
         self.reply: Optional[bytes] = None
         self.error: Optional[StepRefused] = None
 
@@ -64,11 +99,17 @@ class _Result:
 
 
 class _Open:
-    """The step being summed: its ring accumulator and who put what (to subtract it again on a rewind)."""
+    """A step being summed: its ring accumulator, who put what, who pays for which bytes."""
 
-    def __init__(self, step: int, words: int):
-        self.step, self.acc = step, np.zeros(words, np.uint64)
+    def __init__(self, step: int, words: int, deadline: float):
+        self.step, self.acc, self.deadline = step, np.zeros(words, np.uint64), deadline
         self.parts: Dict[int, bytes] = {}  # participant -> its payload (a key or ring words)
+        self.charges: Dict[int, int] = {}  # participant -> bytes reserved for it (its payload, the accumulator)
+        self.result: Optional[_Result] = None  # set when released
+        self.aborted: Optional[StepRefused] = None  # set when aborted
+        self.dropped: Dict[int, StepRefused] = {}  # participants whose contribution a rewind dropped
+        self.digests: Dict[int, bytes] = {}  # server1: owner -> the digest of the key its share was masked with
+        self.expected: Optional[Sequence[bytes]] = None  # server1: per owner, the digest of the key server0 summed
 
 
 class Released(NamedTuple):
@@ -78,141 +119,296 @@ class Released(NamedTuple):
     ring_bits: int
     num_elements: int
     result: _Result
+    parts: Dict[int, bytes]
+
+
+class Ticket(NamedTuple):
+    """What a put gives its caller to wait on: the step it joined, or a stored answer (a replay)."""
+    step: int
+    open: Optional[_Open]
+    replay: Optional[_Result]
+    released: Optional[Released]
 
 
 class StepChannel:
     """One channel's state on one server; thread-safe (one condition variable).
 
     Args:
-      name: the channel (for messages).
+      name: the channel's name; ring_bits, num_elements: its settings (part of its key on the server).
       owners: the owners' identities in configured order (participants 0..N-1).
       forwarder: server1 only: the name of server0's forwarded part (participant N); None on server0.
       addend_of: ``(payload, words) -> uint64 words`` a payload adds to the sum (to subtract it on a rewind).
+      replay: the server's `ReplayLimits`; budget: its `MemoryBudget`.
+      timeout_secs: how long an open step may wait for its participants before it is aborted.
     """
 
-    def __init__(self, name: str, owners: Sequence[str], forwarder: Optional[str],
-                 addend_of: Callable[[bytes, int], np.ndarray]):
-        self.name, self._owners, self._addend_of = name, list(owners), addend_of
+    def __init__(self, name: str, ring_bits: int, num_elements: int, owners: Sequence[str], forwarder: Optional[str],
+                 addend_of: Callable[[bytes, int], np.ndarray], replay: ReplayLimits, budget: MemoryBudget,
+                 timeout_secs: float = 300.0):
+        self.name, self.ring_bits, self.num_elements = name, ring_bits, num_elements
+        self.words = ring.ring_words(num_elements, ring_bits)
+        self._owners, self._addend_of, self._replay, self._budget = list(owners), addend_of, replay, budget
         self._names = self._owners + ([forwarder] if forwarder else [])
+        self._timeout = float(timeout_secs)
         self._cond = threading.Condition()
-        self._settings = None  # (ring_bits, num_elements), fixed by the first put
-        self._open: Optional[_Open] = None
-        self._released: Optional[int] = None
-        self._rewound: List[Optional[int]] = [None] * len(self._owners)  # since the last release
+        self._open: Dict[int, _Open] = {}
+        self._pending: Dict[int, int] = {}  # participant -> the step of its unreleased contribution
+        self._window: Dict[int, _Result] = {}  # released step -> its answer (insertion order = release order)
+        self._last_released: Optional[int] = None
+        self._evicted_through: Optional[int] = None  # the newest step that left the window
+        self._evicted_for_bytes = False
         self._last_step: List[Optional[int]] = [None] * len(self._names)
-        self._results: Dict[int, _Result] = {}
+        self.ever_released = False
+
+    @property
+    def label(self) -> str:
+        return f"channel {self.name!r} (ring {self.ring_bits}, {self.num_elements} elements)"
 
     def _refuse(self, code: str, message: str) -> StepRefused:
-        return StepRefused(code, f"Channel {self.name!r}: {message}")
+        return StepRefused(code, f"Service mode, {self.label}: {message}")
 
-    def put(self, participant: int, step: int, ring_bits: int, num_elements: int, payload: bytes,
-            addend: np.ndarray) -> Optional[Released]:
-        """Adds `participant`'s contribution to `step`; returns the `Released` step if it completed it."""
+    def _payer(self, participant: int) -> Optional[str]:
+        return self._owners[participant] if participant < len(self._owners) else None
+
+    def idle(self) -> bool:
+        """True when the channel holds nothing (no open step, no stored answer): the server may forget it."""
         with self._cond:
-            return self._put(participant, step, (ring_bits, num_elements), payload, addend)
+            return not self._open and not self._window
 
-    def _put(self, participant, step, settings, payload, addend):
+    # ----------------------------------------------------------------- put --
+
+    def put(self, participant: int, step: int, payload: bytes, addend: np.ndarray,
+            digests: Optional[Sequence[bytes]] = None) -> Ticket:
+        """Adds `participant`'s contribution to `step` (or finds its stored answer); see the module docstring.
+
+        Args:
+          digests: server1 only: an owner's share: ``[digest of its key]`` (the owner's client sends it);
+            server0's forwarded part: the digest of every owner's key it summed, in owner order. A share
+            masked with another key than the one server0 summed for the step is refused (or dropped when the
+            forwarded part comes later): the sum would be garbage (e.g. a restarted owner's fresh share for a
+            step server0 released before its crash).
+        """
+        with self._cond:
+            return self._put(participant, step, payload, addend, digests)
+
+    def _mismatch(self, current: _Open, participant: int, digest: Optional[bytes]) -> Optional[str]:
+        if current is None or current.expected is None or digest is None or \
+                current.expected[participant] == digest:
+            return None
+        return (f"{self._names[participant]}'s masked share for step {current.step} was masked with another key "
+                "than the one server0 summed for that step (a fresh contribution to a step server0 already "
+                "released, e.g. after the owner restarted between its two puts). The owner must put the same "
+                "contribution again; if it cannot, restart every owner from one checkpoint after that step, or "
+                "restart both servers.")
+
+    def _put(self, participant, step, payload, addend, digests=None):
         me = self._names[participant]
-        if self._settings is None:
-            self._settings = settings
-        elif self._settings != settings:
-            raise self._refuse("FAILED_PRECONDITION",
-                               f"{me} puts ring_bits={settings[0]}, num_elements={settings[1]} to step {step}, but "
-                               f"the channel was set up with ring_bits={self._settings[0]}, num_elements="
-                               f"{self._settings[1]} by its first put. Every owner must run the same model with the "
-                               "same settings.")
-        if participant < len(self._owners):
-            rewound = self._rewound[participant]
-        else:  # server0 re-releases a stale step only once every owner rewound to it (its own rule per owner)
-            rewound = None if None in self._rewound else max(self._rewound)
-        if self._released is not None and step <= self._released and (rewound is None or step < rewound):
-            raise self._refuse("FAILED_PRECONDITION",
-                               f"{me} puts step {step}, but this server already released step {self._released} "
-                               "(a stale step: a replay, or an owner restored without rewinding)." + _RESTART)
-        current = self._open
-        if current is not None and participant in current.parts:
-            if current.step == step:
+        stored = self._window.get(step)
+        if stored is not None:
+            if participant >= len(self._owners):
+                raise self._refuse("FAILED_PRECONDITION",
+                                   f"{me} forwards step {step}, which this server already released: server0 was "
+                                   "restarted and lost its replay window while this server kept it. Restart both "
+                                   "servers (and the owners from one checkpoint).")
+            return Ticket(step, None, stored, None)  # a replay: the payload is never added
+        if self._last_released is not None and step <= self._last_released:
+            raise self._refuse("FAILED_PRECONDITION", self._stale(me, step))
+        if participant in self._pending:
+            held = self._pending[participant]
+            if held == step:
                 raise self._refuse("ALREADY_EXISTS",
                                    f"{me} already contributed to step {step}; a second contribution is refused (two "
                                    f"processes run as {me}? Give every owner its own certificate).")
             raise self._refuse("FAILED_PRECONDITION",
-                               f"{me} puts step {step} while its contribution to step {current.step} was never "
-                               "released (the owners are out of step)." + _RESTART)
-        if current is not None and current.step != step:
-            raise self._refuse("FAILED_PRECONDITION",
-                               f"{me} puts step {step}, but step {current.step} is open with contributions of "
-                               f"{[self._names[p] for p in sorted(current.parts)]} (the owners are out of step)."
-                               + _RESTART)
+                               f"{me} puts step {step} while its contribution to step {held} is not released; an "
+                               "owner has one unreleased contribution per channel. The owner's handshake drops it "
+                               "(Rewind) when it restarts; otherwise wait for step "
+                               f"{held} (or its abort after {self._timeout:g} s, {TIMEOUT_FLAG}).")
+        current = self._open.get(step)
+        mine = digests[0] if digests and participant < len(self._owners) else None
+        wrong = self._mismatch(current, participant, mine)
+        if wrong:
+            raise self._refuse("FAILED_PRECONDITION", wrong)
+        charge = len(payload) + (0 if current is not None else 8 * self.words)
+        try:
+            self._budget.reserve(self._payer(participant), charge,
+                                 f"step {step} of {self.label}")
+        except BudgetExceeded as e:
+            raise StepRefused(e.code, e.message) from None
         if current is None:
-            current = self._open = _Open(step, ring.ring_words(settings[1], settings[0]))
-        ring.add_into(current.acc, addend, settings[0])
+            current = self._open[step] = _Open(step, self.words, time.monotonic() + self._timeout)
+        ring.add_into(current.acc, addend, self.ring_bits)
         current.parts[participant] = payload
+        current.charges[participant] = charge
+        self._pending[participant] = step
         self._last_step[participant] = step
-        for result in list(self._results.values()):  # an answer this owner gave up on (a timeout)
-            if result.step != step:
-                self._taken(result, participant)
+        if mine is not None:
+            current.digests[participant] = mine
+        if participant >= len(self._owners) and digests and len(digests) == len(self._owners):
+            current.expected = list(digests)
+            for owner, digest in list(current.digests.items()):
+                wrong = self._mismatch(current, owner, digest)
+                if wrong:
+                    self._drop(current, owner, self._refuse("FAILED_PRECONDITION", wrong))
         if len(current.parts) < len(self._names):
-            return None
-        self._open, self._released = None, step
-        self._rewound = [None] * len(self._rewound)  # a replay of a released step is stale again
-        result = self._results[step] = _Result(step, len(self._owners))
-        return Released(step, current.acc, settings[0], settings[1], result)
+            return Ticket(step, current, None, None)
+        return Ticket(step, current, None, self._release(current))
 
-    def _taken(self, result: _Result, participant: int) -> None:
-        result.pending.discard(participant)
-        if not result.pending and self._results.get(result.step) is result:
-            del self._results[result.step]
+    def _stale(self, me: str, step: int) -> str:
+        kept = sorted(self._window)
+        window = (f"it keeps the answers of the last {self._replay.window_steps} released steps per channel "
+                  f"({WINDOW_STEPS_FLAG}) and at most {self._replay.max_bytes} bytes of answers "
+                  f"({WINDOW_BYTES_FLAG}); now steps {kept[0]}-{kept[-1]}" if kept else
+                  f"it keeps the last {self._replay.window_steps} released steps ({WINDOW_STEPS_FLAG})")
+        if self._evicted_through is not None and step <= self._evicted_through:
+            flag = WINDOW_BYTES_FLAG if self._evicted_for_bytes else WINDOW_STEPS_FLAG
+            return (f"{me} puts step {step}, which this server released and no longer keeps: the step is older than "
+                    f"its replay window ({window}). The owner restored a checkpoint older than the window: "
+                    f"restore a newer one (checkpoint at least every {self._replay.window_steps} steps), or start "
+                    f"the servers with a larger {flag}.")
+        return (f"{me} puts step {step}, which was never released here (it was aborted) while step "
+                f"{self._last_released} was: the owners moved past it. Restore every owner's latest checkpoint.")
+
+    def _release(self, current: _Open) -> Released:
+        del self._open[current.step]
+        for participant, charge in current.charges.items():
+            self._budget.free(self._payer(participant), charge)
+            self._pending.pop(participant, None)
+        current.charges.clear()
+        result = current.result = self._window[current.step] = _Result(current.step)
+        self._last_released = current.step if self._last_released is None else max(self._last_released,
+                                                                                   current.step)
+        self.ever_released = True
+        for step in [s for s in self._open if s < current.step]:  # left only with a forwarded part
+            self._abort(self._open[step], f"step {current.step} was released after it", keep_forward=False)
+        self._cond.notify_all()
+        return Released(current.step, current.acc, self.ring_bits, self.num_elements, result, dict(current.parts))
 
     def finish(self, released: Released, reply: Optional[bytes], error: Optional[StepRefused] = None) -> None:
-        """Sets a released step's answer (or the error every owner's call gets) and wakes the owners."""
+        """Sets a released step's answer (or the error every owner's call gets) and wakes the owners.
+
+        A failed step (server0 could not forward it) leaves the window: the owners may put it again.
+        """
         with self._cond:
-            released.result.reply, released.result.error = reply, error
+            result = released.result
+            result.reply, result.error = reply, error
+            if error is not None:
+                self._window.pop(result.step, None)
+                known = list(self._window) + ([self._evicted_through] if self._evicted_through is not None else [])
+                self._last_released = max(known) if known else None
+            else:
+                within = self._replay.add(len(reply))
+                while self._window:
+                    too_many = len(self._window) > max(self._replay.window_steps, 1)
+                    if not too_many and (within or len(self._window) <= 1):
+                        break
+                    oldest = min(self._window)
+                    self._evicted_for_bytes = not too_many
+                    evicted = self._window.pop(oldest)
+                    self._evicted_through = max(self._evicted_through or oldest, oldest)
+                    within = self._replay.remove(len(evicted.reply or b""))
             self._cond.notify_all()
 
-    def wait(self, owner: int, step: int, timeout_secs: float, alive: Callable[[], bool]) -> bytes:
-        """Blocks until `step`'s answer for `owner` is there; at most `timeout_secs`, and while `alive()`."""
-        deadline = time.monotonic() + timeout_secs
+    # ---------------------------------------------------------------- wait --
+
+    def wait(self, participant: int, ticket: Ticket, alive: Callable[[], bool]) -> bytes:
+        """Blocks until `ticket`'s answer is there; the step is aborted at its deadline or when `alive()` fails."""
         with self._cond:
             while True:
-                result = self._results.get(step)
-                if result is not None and result.done and owner in result.pending:
-                    self._taken(result, owner)
+                result = ticket.replay if ticket.replay is not None else ticket.open.result
+                if result is not None and result.done:
                     if result.error is not None:
                         raise result.error
                     return result.reply
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StepRefused("DEADLINE_EXCEEDED", self._missing(step, timeout_secs))
-                if not alive():
-                    raise StepRefused("CANCELLED", f"{self._owners[owner]}'s call for step {step} ended.")
-                self._cond.wait(min(_POLL_SECS, remaining))
+                current = ticket.open
+                if current is not None and result is None:
+                    if participant in current.dropped:
+                        raise current.dropped[participant]
+                    if current.aborted is not None:
+                        raise current.aborted
+                    if time.monotonic() >= current.deadline:
+                        raise self._abort(current, f"it was not complete {self._timeout:g} s after it was opened "
+                                                   f"({TIMEOUT_FLAG})")
+                    if not alive():
+                        self._abort(current, f"{self._names[participant]}'s call ended (its process stopped or "
+                                             "its client gave up) before the step was complete")
+                        raise StepRefused("CANCELLED",
+                                          f"Service mode, {self.label}: {self._names[participant]}'s call for step "
+                                          f"{ticket.step} ended; the step was aborted.")
+                elif not alive():
+                    raise StepRefused("CANCELLED", f"Service mode, {self.label}: {self._names[participant]}'s call "
+                                                   f"for step {ticket.step} ended.")
+                self._cond.wait(_POLL_SECS)
 
-    def _missing(self, step: int, timeout_secs: float) -> str:
-        if self._open is None or self._open.step != step:
-            return (f"Channel {self.name!r}: step {step} was not answered within {timeout_secs:g} s (server0's "
-                    "forward to server1 is late, or the caller's contribution was dropped by a rewind).")
+    def _missing(self, current: _Open) -> str:
         missing = []
         for p, name in enumerate(self._names):
-            if p not in self._open.parts:
+            if p not in current.parts:
                 last = self._last_step[p]
                 missing.append(f"{name} (" + ("no contribution yet" if last is None else
                                               f"last contributed step {last}") + ")")
-        return (f"Channel {self.name!r}: step {step} is still missing {', '.join(missing)} after {timeout_secs:g} s "
-                "(step_timeout_secs). Check that those tasks run and reach this server.")
+        return ", ".join(missing)
 
-    def rewind(self, owner: int, step: int) -> None:
-        """Drops `owner`'s unreleased contribution and its untaken answers; it may put from `step` again."""
+    def _abort(self, current: _Open, why: str, keep_forward: bool = True) -> StepRefused:
+        """Aborts an open step for everyone (the caller holds the lock); returns the error its waiters get."""
+        if current.aborted is not None or current.result is not None:
+            return current.aborted
+        owners = [self._names[p] for p in sorted(current.parts) if p < len(self._owners)]
+        error = self._refuse(
+            "ABORTED", f"step {current.step} was aborted: {why}, still missing {self._missing(current) or 'nobody'}. "
+                       f"The contributions of {owners or 'no owner'} were dropped and nothing was released; the "
+                       "owners put the step again. Check that the missing tasks run and reach this server.")
+        current.aborted = error
+        self._open.pop(current.step, None)
+        forwarded = len(self._owners) if len(self._owners) in current.parts else None
+        for participant, charge in current.charges.items():
+            self._budget.free(self._payer(participant), charge)
+            if self._pending.get(participant) == current.step:
+                del self._pending[participant]
+        current.charges.clear()
+        if forwarded is not None and keep_forward:
+            # Server0 released this step and will not forward it again: keep its part for the owners' same shares.
+            kept = _Open(current.step, self.words, time.monotonic() + self._timeout)
+            payload = current.parts[forwarded]
+            try:
+                self._budget.reserve(None, len(payload) + 8 * self.words, f"server0's part of step {current.step}")
+            except BudgetExceeded:
+                pass  # the part is dropped: the step cannot complete and its owners' puts are aborted again
+            else:
+                ring.add_into(kept.acc, self._addend_of(payload, self.words), self.ring_bits)
+                kept.parts[forwarded], kept.charges[forwarded] = payload, len(payload) + 8 * self.words
+                kept.expected = current.expected
+                self._pending[forwarded] = current.step
+                self._open[current.step] = kept
+        self._cond.notify_all()
+        return error
+
+    # -------------------------------------------------------------- rewind --
+
+    def rewind(self, owner: int) -> int:
+        """Drops `owner`'s unreleased contribution (if any); returns how many it dropped (0 or 1)."""
         with self._cond:
-            current = self._open
-            if current is not None and owner in current.parts:
-                part = self._addend_of(current.parts.pop(owner), current.acc.size)
-                ring.sub_into(current.acc, part, self._settings[0])
-                if not any(p < len(self._owners) for p in current.parts):
-                    self._open = None  # nothing of any owner left (a forwarded part goes with it)
-            self._rewound[owner] = step
-            for result in list(self._results.values()):
-                self._taken(result, owner)
-            self._cond.notify_all()
+            step = self._pending.pop(owner, None)
+            current = self._open.get(step) if step is not None else None
+            if current is None or owner not in current.parts:
+                return 0
+            self._drop(current, owner, self._refuse(
+                "ABORTED", f"{self._owners[owner]}'s contribution to step {step} was dropped by its own rewind "
+                           "(a new session of this owner restored a checkpoint)."))
+            return 1
+
+    def _drop(self, current: _Open, participant: int, error: StepRefused) -> None:
+        """Subtracts one participant's part from an open step (the caller holds the lock); its call gets `error`."""
+        part = self._addend_of(current.parts.pop(participant), self.words)
+        ring.sub_into(current.acc, part, self.ring_bits)
+        self._budget.free(self._payer(participant), current.charges.pop(participant, 0))
+        current.digests.pop(participant, None)
+        if self._pending.get(participant) == current.step:
+            del self._pending[participant]
+        current.dropped[participant] = error
+        if not current.parts:
+            del self._open[current.step]
+        self._cond.notify_all()
 
     def wake(self) -> None:
         """Wakes every waiting call (the server is stopping: they see their `alive()` false)."""

@@ -1,0 +1,88 @@
+"""What one aggregation server may hold: a memory budget in bytes, per server and per owner.
+
+Every byte a put makes the server hold is reserved here before it is
+allocated: an owner's held payload (server1: its masked share's ring words;
+server0: its key), the accumulator of a step it opens, and server0's
+expansion of its key into ring words (8 bytes per ring word: a 128-bit ring
+counts two words per element). A reservation that would pass either limit is
+refused with ``RESOURCE_EXHAUSTED`` naming the limit, what holds it and the
+flag that raises it, so one owner cannot exhaust a server (the others' steps
+keep their share of the budget).
+
+Example::
+
+    budget = MemoryBudget(server_bytes=4 << 30, owner_bytes=768 << 20)
+    budget.reserve("worker:0", 8 * words, "the accumulator of channel 'sum_0' step 5")   # may raise
+    budget.free("worker:0", 8 * words)
+"""
+import threading
+from typing import Dict, Optional
+
+__all__ = ["MemoryBudget", "BudgetExceeded", "SERVER_FLAG", "OWNER_FLAG"]
+
+SERVER_FLAG = "--memory-budget-bytes"
+OWNER_FLAG = "--owner-memory-budget-bytes"
+
+
+class BudgetExceeded(Exception):
+    """A refused reservation: `message` names the limit, the holder and the flag (``RESOURCE_EXHAUSTED``)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code, self.message = "RESOURCE_EXHAUSTED", message
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+class MemoryBudget:
+    """Bytes held per owner and in all, against two limits (thread-safe; a leaf lock).
+
+    Args:
+      server_bytes: what the server may hold for all callers together.
+      owner_bytes: what one owner's puts may make it hold (its payloads, the steps it opened, key expansion).
+      name: the server, for messages (e.g. ``"aggregation server0"``).
+    """
+
+    def __init__(self, server_bytes: int, owner_bytes: int, name: str = "this aggregation server"):
+        self.server_bytes, self.owner_bytes, self.name = int(server_bytes), int(owner_bytes), name
+        self._lock = threading.Lock()
+        self._held: Dict[Optional[str], int] = {}
+        self.total = 0
+
+    def held(self, owner: Optional[str]) -> int:
+        """Bytes held for `owner` (None: the server's own parts, e.g. server0's forwarded part on server1)."""
+        with self._lock:
+            return self._held.get(owner, 0)
+
+    def reserve(self, owner: Optional[str], nbytes: int, what: str) -> None:
+        """Reserves `nbytes` for `owner` (None: counted against the server's limit only) or raises `BudgetExceeded`."""
+        nbytes = int(nbytes)
+        with self._lock:
+            mine = self._held.get(owner, 0)
+            if owner is not None and mine + nbytes > self.owner_bytes:
+                raise BudgetExceeded(
+                    f"Service mode: {self.name} refuses {what} of {owner}: {_mib(nbytes)} more would make it hold "
+                    f"{_mib(mine + nbytes)} for {owner}, above its per-owner memory budget of "
+                    f"{_mib(self.owner_bytes)} ({OWNER_FLAG}={self.owner_bytes}). A model this large needs the "
+                    f"servers started with a larger {OWNER_FLAG}; otherwise this owner holds unreleased steps on "
+                    "many channels (it is ahead of the others, or misbehaves).")
+            if self.total + nbytes > self.server_bytes:
+                raise BudgetExceeded(
+                    f"Service mode: {self.name} refuses {what}" + (f" of {owner}" if owner else "") +
+                    f": {_mib(nbytes)} more would make it hold {_mib(self.total + nbytes)}, above its memory "
+                    f"budget of {_mib(self.server_bytes)} ({SERVER_FLAG}={self.server_bytes}). Start the servers "
+                    f"with a larger {SERVER_FLAG} (the machine's memory allowing) or train fewer models at once.")
+            self._held[owner] = mine + nbytes
+            self.total += nbytes
+
+    def free(self, owner: Optional[str], nbytes: int) -> None:
+        """Returns `nbytes` reserved for `owner`."""
+        with self._lock:
+            left = self._held.get(owner, 0) - int(nbytes)
+            if left > 0:
+                self._held[owner] = left
+            else:
+                self._held.pop(owner, None)
+            self.total -= int(nbytes)
