@@ -305,6 +305,10 @@ class Launcher:
                                         SERVICE_TFE_TASKS if self.cluster_mode == SERVICE else NUM_TFE_TASKS)
         if self.cluster_mode == SERVICE:  # each task its own directory: its key, its certificate, public trust
             self._make_certs()
+            if self.isolation is not None:  # ... and, in its own mount and PID namespaces, no other task's
+                self.isolation.set_private_dirs({(job, index): self.task_tls_dir(job, index)
+                                                 for job, addresses in self.cluster.jobs.items()
+                                                 for index in range(len(addresses))})
         self.tasks = []
         for job, addresses in self.cluster.jobs.items():
             for index in range(len(addresses)):

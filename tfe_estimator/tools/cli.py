@@ -47,6 +47,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="service mode: the largest sum a channel may have, in parameters (default 2**27)")
     server.add_argument("--max-channels", type=int, default=None,
                         help="service mode: how many sums the server keeps (default 4096)")
+    server.add_argument("--memory-budget-bytes", type=int, default=None,
+                        help="service mode: bytes of steps the server may hold for all owners (default 4 GiB)")
+    server.add_argument("--owner-memory-budget-bytes", type=int, default=None,
+                        help="service mode: bytes one owner's puts may make the server hold, ring words and key "
+                             "expansion counted (default 768 MiB)")
+    server.add_argument("--max-waiting-puts", type=int, default=None,
+                        help="service mode: calls one owner may keep waiting at once (default 8)")
+    server.add_argument("--replay-window-steps", type=int, default=None,
+                        help="service mode: released steps per sum whose answers are kept for owners restored from "
+                             "an earlier checkpoint (default 64)")
+    server.add_argument("--replay-window-bytes", type=int, default=None,
+                        help="service mode: bytes of kept answers in all (default 1 GiB)")
     server.add_argument("--tf-warnings", action="store_true",
                         help="in-graph mode: show TensorFlow's INFO lines (hidden by default)")
 
@@ -118,8 +130,9 @@ def _run(args: argparse.Namespace) -> int:
         from tfe_estimator.cluster.server import run_server  # pylint: disable=import-outside-toplevel
 
         quiet_this_process(args.tf_warnings)  # before TensorFlow loads (in-graph mode's TensorFlow server)
-        limits = {name: getattr(args, name) for name in ("step_timeout_secs", "max_elements", "max_channels")
-                  if getattr(args, name) is not None}
+        limits = {name: getattr(args, name) for name in (
+            "step_timeout_secs", "max_elements", "max_channels", "memory_budget_bytes", "owner_memory_budget_bytes",
+            "max_waiting_puts", "replay_window_steps", "replay_window_bytes") if getattr(args, name) is not None}
         return run_server(limits=limits)
     if args.command == "launch":
         from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
