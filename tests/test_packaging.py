@@ -26,3 +26,18 @@ def test_wheel_has_no_developer_tools(tmp_path):
     assert "tfe_estimator/tools/cli.py" in names and "tfe_estimator/secure/kernels/src/aes_ctr.h" in names
     tools = [n for n in names if "bench" in n or "attack" in n or n.startswith("tools/")]
     assert tools == [], tools
+
+
+def test_the_image_installs_dp_keeps_virtualenvs_out_and_has_one_name_across_the_docs():
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "'.[dp]'" in dockerfile  # distributed DP works in the image
+    ignored = set((ROOT / ".dockerignore").read_text().split())
+    assert {".venv", ".venv-*", "build", "dist", "bench-results", "*.egg-info"} <= ignored, ignored
+    for copied in ("setup.py", "requirements", "tfe_estimator", "model_fns", "input_fns"):  # what it COPYs
+        assert copied not in ignored
+    images = set()
+    for path in [ROOT / "deploy" / "Dockerfile", ROOT / "deploy" / "kubernetes" / "README.md",
+                 *sorted((ROOT / "docs").glob("*.md"))]:
+        images |= {word.strip("`'\",()") for word in path.read_text().split()
+                   if word.startswith("registry.example.com/") and "sidecar" not in word}
+    assert images == {"registry.example.com/tfe-train:1.0"}, images

@@ -117,7 +117,7 @@ def check_arguments(
     if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
         raise ValueError(
             f"image={image!r} must be a non-empty container image reference without spaces, "
-            "e.g. 'registry.example.com/train:1.0'; the image needs tfe_estimator installed."
+            "e.g. 'registry.example.com/tfe-train:1.0'; the image needs tfe_estimator installed."
         )
     if (
         not isinstance(command, (list, tuple))

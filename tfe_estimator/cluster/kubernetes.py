@@ -12,13 +12,13 @@ Example::
     from tfe_estimator.cluster import kubernetes
 
     manifests = kubernetes.render_manifests(
-        "demo", "registry.example.com/train:1.0", workers=2,
+        "demo", "registry.example.com/tfe-train:1.0", workers=2,
         command=["python", "train.py"])
     print(kubernetes.to_yaml(manifests))
 
 or from a shell::
 
-    tfe-estimator k8s --name demo --image registry.example.com/train:1.0 \\
+    tfe-estimator k8s --name demo --image registry.example.com/tfe-train:1.0 \\
         --workers 2 -- python train.py | kubectl apply -f -
 """
 import argparse

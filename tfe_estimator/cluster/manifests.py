@@ -27,13 +27,13 @@ Example::
     from tfe_estimator.cluster import manifests
 
     objs = manifests.render_manifests(
-        "demo", "registry.example.com/train:1.0", workers=2,
+        "demo", "registry.example.com/tfe-train:1.0", workers=2,
         command=["python", "train.py"])
     print(manifests.to_yaml(objs))
 
 or from a shell::
 
-    tfe-estimator k8s --name demo --image registry.example.com/train:1.0 \\
+    tfe-estimator k8s --name demo --image registry.example.com/tfe-train:1.0 \\
         --workers 2 -- python train.py | kubectl apply -f -
 """
 from typing import Any, Dict, List, Optional, Sequence, Tuple

@@ -29,7 +29,7 @@ cannot be mounted per worker. Use `tfe_estimator.cluster.manifests` with
 Example::
 
     from tfe_estimator.cluster import manifests, tfjob
-    print(manifests.to_yaml(tfjob.render_tfjob("demo", "registry.example.com/train:1", workers=2)))
+    print(manifests.to_yaml(tfjob.render_tfjob("demo", "registry.example.com/tfe-train:1.0", workers=2)))
 """
 from typing import Any, Dict, List, Optional, Sequence
 
