@@ -39,3 +39,16 @@ def test_a_worker_and_the_chief_failing_of_one_cause_are_both_named_the_first_fi
     assert ("worker:0 died with status 3 while the chief was training; chief:0 died too, after it, with status 3; "
             "stopping the cluster") in out.getvalue(), out.getvalue()
     _assert_all_gone(launcher)
+
+
+def test_the_tutorials_multiworkermirroredstrategy_line_gets_a_hint_to_delete_it():
+    """TensorFlow's refusal of the 'tfe' job is named with the line to delete (issue 35: tutorials under launch)."""
+    out = io.StringIO()
+    refusal = "print('ValueError: Disallowed task type: tfe', file=sys.stderr); sys.exit(1)"
+    launcher = Launcher(_fake(refusal), workers=0, out=out, server_command=_fake("s = serve(); time.sleep(600)"))
+    assert launcher.run() == 1
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("[chief:0]")]  # its output
+    error = next(i for i, line in enumerate(lines) if "Disallowed task type" in line and "hint" not in line)
+    assert "delete the script's MultiWorkerMirroredStrategy() line" in lines[error + 1], out.getvalue()
+    assert out.getvalue().count("hint: this is TensorFlow's MultiWorkerMirroredStrategy") == 1
+    _assert_all_gone(launcher)

@@ -67,6 +67,14 @@ SERVER_COMMAND = server_command(sys.executable)
 
 #: What a task prints when its port was taken between planning and binding.
 _BIND_FAILURES = ("Could not start gRPC server", "Address already in use")
+#: A line of a task's output that TensorFlow prints for a script line that must change, and what to tell the user.
+KNOWN_FAILURES = {
+    "Disallowed task type": (
+        "hint: this is TensorFlow's MultiWorkerMirroredStrategy refusing the 'tfe' job of TF_CONFIG. Under "
+        "`tfe-estimator launch` TfeRunConfig distributes the training: delete the script's "
+        "MultiWorkerMirroredStrategy() line and its RunConfig(train_distribute=...) (keep only "
+        "TfeRunConfig(...) as the config)."),
+}
 #: Jobs the chief waits for in every step (restartable, watched by `down_timeout`).
 _SERVING_JOBS = ("worker", TFE_JOB)
 #: How long the launcher waits, after a task failed, for the chief to fail of the same cause (named after it).
@@ -462,6 +470,7 @@ class Launcher:
 
     def _pump(self, task: _Task, process: subprocess.Popen, sink) -> None:
         quiet = _DeprecationFilter() if sink is None and not self.tf_warnings else None
+        said = set()
         try:
             for line in process.stdout:
                 if any(marker in line for marker in _BIND_FAILURES):
@@ -472,6 +481,10 @@ class Launcher:
                 else:
                     sink.write(line)
                     sink.flush()
+                hints = [hint for marker, hint in KNOWN_FAILURES.items() if marker in line and hint not in said]
+                for hint in hints:  # once per task run, to the terminal even when the output goes to a log file
+                    said.add(hint)
+                    self.say(hint, task.name)
         finally:
             if sink is not None:
                 sink.close()
