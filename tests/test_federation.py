@@ -369,3 +369,54 @@ def test_launcher_identities_are_per_task_organisations(tmp_path):
     assert fed.check_peer("chief:0", leaf) is None
     assert "not by the CA of worker:0's organisation" in fed.check_peer("worker:0", leaf)
     assert fed.server_ca_pem(0) != fed.server_ca_pem(1)
+
+
+# ------------------------------------------------------------ --isolate: each task its own mount and PID namespace --
+
+def _isolated_reads(tmp_path, hide=True):
+    """What chief:0, run as `launch --isolate` runs it, reads of its own and of worker:0's key; its visible PIDs."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.cluster.isolation import IsolatedCluster  # pylint: disable=import-outside-toplevel
+
+    missing = IsolatedCluster.missing(tls=False)
+    if missing:
+        pytest.skip(f"--isolate needs {missing}")
+    tasks = [("chief", 0), ("worker", 0)]
+    dirs = {}
+    for job, index in tasks:
+        own = tmp_path / f"{job}-{index}"
+        own.mkdir()
+        (own / f"{job}-{index}.key").write_text(f"key of {job}:{index}")
+        dirs[(job, index)] = str(own)
+    isolation = IsolatedCluster(tasks, tls=False, mode="service")
+    if hide:
+        isolation.set_private_dirs(dirs)
+    isolation.start()
+    try:
+        def run(*argv):
+            done = subprocess.run(isolation.exec_argv(("chief", 0), list(argv)), capture_output=True, text=True,
+                                  timeout=30, check=False)
+            return done.returncode, done.stdout.strip()
+
+        return (run("cat", os.path.join(dirs[("chief", 0)], "chief-0.key")),
+                run("cat", os.path.join(dirs[("worker", 0)], "worker-0.key")),
+                run("sh", "-c", "ls /proc | grep -c '^[0-9]'"))
+    finally:
+        isolation.close()
+
+
+def check_isolated_task_reads_only_its_own_key(tmp_path, hide=True):
+    own, other, pids = _isolated_reads(tmp_path, hide)
+    assert own == (0, "key of chief:0")
+    assert other[0] != 0 and "key of" not in other[1], other
+    assert pids[0] == 0 and int(pids[1]) < 10, pids  # its own PID namespace: no other task's /proc/<pid>/environ
+
+
+def test_an_isolated_task_reads_its_own_key_and_no_other_tasks(tmp_path):
+    check_isolated_task_reads_only_its_own_key(tmp_path)
+
+
+def test_mutation_isolation_without_private_dirs_is_detected(tmp_path):
+    with pytest.raises(AssertionError):
+        check_isolated_task_reads_only_its_own_key(tmp_path, hide=False)

@@ -39,7 +39,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfe_estimator.cluster import peers
 from tfe_estimator.identity import certs, keyfiles
@@ -63,6 +63,17 @@ FIREWALL_IPV6 = "ip6tables"
 OBSERVER_HOST = 199
 #: The stunnel executable (Debian's stunnel4 package installs it as `stunnel4`).
 STUNNEL = ("stunnel4", "stunnel")
+
+
+#: util-linux's unshare: a task's own mount and PID namespaces (`IsolatedCluster.set_private_dirs`).
+_UNSHARE = "unshare"
+#: Run as PID 1 of the task's PID namespace: hides each directory before ``--`` under an empty tmpfs, runs
+#: the command as its child and passes SIGTERM/SIGINT on as SIGTERM (PID 1 ignores signals it does not handle,
+#: and a background child of sh ignores SIGINT); exits with the command's status.
+_HIDE_AND_RUN = (
+    'while [ "$1" != -- ]; do mount -t tmpfs -o size=16k,mode=000 tfe-hidden "$1" || exit 111; shift; done; '
+    'shift; "$@" & child=$!; trap \'kill -TERM $child 2>/dev/null\' TERM INT; '
+    'while :; do wait $child; status=$?; kill -0 $child 2>/dev/null || exit $status; done')
 
 
 def _stunnel() -> Optional[str]:
@@ -91,6 +102,7 @@ class IsolatedCluster:
         self.cert_dir: Optional[str] = None
         self.sidecars: Dict[Task, subprocess.Popen] = {}
         self._workdir: Optional[str] = None
+        self._private: Dict[Task, str] = {}
 
     @staticmethod
     def missing(tls: bool) -> Optional[str]:
@@ -111,8 +123,19 @@ class IsolatedCluster:
         return cluster_jobs(self.tasks, lambda job, i: f"{self.network.address(self.host((job, i)))}:"
                                                        f"{self.tf_ports[(job, i)]}")
 
+    def set_private_dirs(self, dirs: Mapping[Task, str]) -> None:
+        """Each task's private directory (e.g. its TLS directory): `exec_argv` then runs a task in its own mount
+        and PID namespaces, where every other task's directory is an empty tmpfs and no other task's process
+        (nor its ``/proc/<pid>/root`` or ``environ``) is visible."""
+        self._private = {task: os.path.abspath(path) for task, path in dirs.items()}
+
     def exec_argv(self, task: Task, argv: Sequence[str]) -> List[str]:
-        """`argv` run in `task`'s namespace."""
+        """`argv` run in `task`'s namespace (and, with `set_private_dirs`, its own mount and PID namespaces)."""
+        others = [path for other, path in self._private.items() if other != task]
+        if others:
+            # unshare --fork ignores SIGTERM itself: stop the task by its process group (as the launcher does).
+            argv = [_UNSHARE, "--mount", "--pid", "--fork", "--kill-child=SIGTERM", "--mount-proc",
+                    "--propagation", "private", "--", "sh", "-c", _HIDE_AND_RUN, "tfe-hide", *others, "--", *argv]
         return self.network.exec_argv(self.host(task), argv)
 
     def probe_argv(self, task: Task) -> List[str]:
