@@ -74,3 +74,34 @@ def test_install_replaces_only_the_continuous_evaluation_and_is_idempotent():
         assert training._TrainingExecutor.run_local is not patched
     finally:
         training._TrainingExecutor._start_continuous_evaluation = original
+
+
+class _LateChief(_FakeEstimator):
+    """No checkpoint for the first `late` looks (the chief has not saved yet), then the final one."""
+
+    def __init__(self, tmp_path, late):
+        super().__init__(tmp_path, ["model.ckpt-300"], vanish=0)
+        self.looks, self._late = 0, late
+
+    def latest_checkpoint(self):
+        self.looks += 1
+        return None if self.looks <= self._late else super().latest_checkpoint()
+
+
+def test_an_evaluator_with_nothing_to_evaluate_says_so_once_waits_quietly_and_ends_with_training(
+        tmp_path, caplog, monkeypatch):
+    """Issue 35: with throttle_secs=0 Estimator's loop spun and warned millions of times before a checkpoint."""
+    from tensorflow_estimator.python.estimator import training
+
+    monkeypatch.setattr(evaluator, "POLL_SECS", 0.01)
+    est = _LateChief(tmp_path, late=20)
+    executor = types.SimpleNamespace(
+        estimator=est, _eval_spec=_spec(), _train_spec=tf.estimator.TrainSpec(lambda: None, max_steps=300),
+        _continuous_eval_listener=training._ContinuousEvalListener())
+    executor._execute_evaluator_once = types.MethodType(training._TrainingExecutor._execute_evaluator_once, executor)
+    with caplog.at_level(logging.INFO):
+        evaluator._continuous_evaluation(executor)  # returns: it evaluated the final checkpoint
+    assert est.evaluated == [f"{tmp_path}/model.ckpt-300"] and est.looks == 21
+    assert caplog.text.count(f"evaluator: no checkpoint in {tmp_path} yet") == 1, caplog.text
+    assert "throttle_secs is set as 0" not in caplog.text  # Estimator's per-look warning
+    assert "evaluator: done, global_step=300" in caplog.text

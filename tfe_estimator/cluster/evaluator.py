@@ -30,7 +30,7 @@ import functools
 import logging
 import time
 
-__all__ = ["install_checkpoint_retry", "checkpoint_exists", "MAX_SKIPS"]
+__all__ = ["install_checkpoint_retry", "checkpoint_exists", "MAX_SKIPS", "POLL_SECS"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -115,6 +115,33 @@ def _evaluator_class():
     return _CheckpointRetryEvaluator
 
 
+#: How long the evaluator sleeps between two looks for a new checkpoint (it never spins).
+POLL_SECS = 1.0
+#: What `EvalSpec(throttle_secs=0)` becomes: no wait after an evaluation, and no warning per look.
+_NO_THROTTLE = 1e-9
+
+
+class _Waiting:
+    """The evaluator's wait for a (new) checkpoint: says once that it waits, then sleeps `POLL_SECS` per look.
+
+    Estimator's own loop with ``EvalSpec(throttle_secs=0)`` looks again at once and warns on every look
+    (millions of lines while a chief has not saved yet, or when the evaluator reads a directory no owner
+    writes); this one logs one line when it starts waiting for the first checkpoint, naming the
+    directory, and nothing while it waits for the next.
+    """
+
+    def __init__(self, model_dir: str):
+        self._model_dir, self._said = model_dir, False
+
+    def wait(self, has_checkpoint: bool) -> None:
+        if not has_checkpoint and not self._said:
+            self._said = True
+            log.info("evaluator: no checkpoint in %s yet; waiting for the first one (a look every %g s; if "
+                     "it never comes, that directory is not the one the chief writes: give the evaluator the "
+                     "chief's model_dir)", self._model_dir, POLL_SECS)
+        time.sleep(POLL_SECS)
+
+
 def _continuous_evaluation(executor) -> None:
     """`_TrainingExecutor._start_continuous_evaluation` over the retrying evaluator (the same loop otherwise)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -129,6 +156,7 @@ def _continuous_evaluation(executor) -> None:
     evaluator = _evaluator_class()(executor.estimator, eval_spec, train_spec.max_steps)
     listener = executor._continuous_eval_listener  # pylint: disable=protected-access
     latest = None
+    waiting = _Waiting(executor.estimator.model_dir)
     while True:
         if latest is not None and latest.status == training._EvalStatus.EVALUATED:
             step = latest.metrics.get(tf.compat.v1.GraphKeys.GLOBAL_STEP)
@@ -136,10 +164,13 @@ def _continuous_evaluation(executor) -> None:
                 log.info("evaluator: done, global_step=%s >= train max_steps=%s%s", step, train_spec.max_steps,
                          f"; skipped {len(evaluator.skipped)} rotated-away checkpoint(s)" if evaluator.skipped else "")
                 return None
+        # throttle_secs=0 would make Estimator warn on every look that found nothing new: we wait instead.
         latest, stop = executor._execute_evaluator_once(  # pylint: disable=protected-access
-            evaluator, listener, eval_spec.throttle_secs)
+            evaluator, listener, eval_spec.throttle_secs or _NO_THROTTLE)
         if stop:
             return None
+        if latest is not None and latest.status != training._EvalStatus.EVALUATED:
+            waiting.wait(latest.status == training._EvalStatus.NO_NEW_CHECKPOINT)  # quietly, not in a tight loop
 
 
 def install_checkpoint_retry() -> None:
