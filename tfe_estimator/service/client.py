@@ -16,13 +16,16 @@ Example::
     rows = client.handshake(step, np.array([1, 2, 3]), model=7)
     client.close()
 """
+import logging
 import threading
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
 
 from tfe_estimator.service import ring, wire
+from tfe_estimator.service import tls as tls_lib
 from tfe_estimator.service.tls import TlsFiles, server_name_option
 
 __all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "live_clients", "release_client"]
@@ -32,6 +35,27 @@ __all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "live_
 CLIENT_OPTIONS = (("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                   ("grpc.max_reconnect_backoff_ms", 1000))
+
+_LOG = logging.getLogger("tfe_estimator")
+#: A call still waiting after this long checks that its server answers at all; then every `_NOTICE_SECS`.
+_FIRST_CHECK_SECS, _NOTICE_SECS = 3.0, 10.0
+#: Codes after which an owner puts the same contribution again (within its patience): the step was aborted
+#: for everyone (another owner was missing), or the server was unreachable or restarted.
+_RETRY = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
+
+
+_CAUSES = (("Connection refused", "connection refused"), ("DNS resolution failed", "its host name does not resolve"),
+           ("No route to host", "no route to host"), ("Connection timed out", "connection timed out"))
+_CONNECTION_CAUSES = tuple(said for _, said in _CAUSES)
+
+
+def _reason(details: str) -> str:
+    """gRPC's connection error, shortened to its cause."""
+    text = details or ""
+    for needle, said in _CAUSES:
+        if needle in text:
+            return said
+    return text.splitlines()[0][:300] if text else "no answer"
 
 
 class ServiceError(RuntimeError):
@@ -74,6 +98,7 @@ class OwnerClient:
             raise ValueError(f"timeout_secs={timeout_secs!r} must be a number > 0.")
         self._addresses, self._timeout, self._wait = addresses, float(timeout_secs), bool(wait_for_ready)
         self._retry = float(timeout_secs if retry_secs is None else retry_secs)
+        self._tls = tls
         #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
         #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
         self.bytes_sent = self.bytes_received = self.contributions = 0
@@ -86,13 +111,63 @@ class OwnerClient:
         self._stubs = [{m.name: channel.unary_unary(wire.method_path(m.name), request_serializer=wire.serialize,
                                                     response_deserializer=wire.decoder(m.reply))
                         for m in wire.METHODS} for channel in self._channels]
+        # A method no server serves: its answer (UNIMPLEMENTED) proves the server is there, with no side effect.
+        self._probes = [channel.unary_unary(f"/{wire.SERVICE_NAME}/Probe", request_serializer=bytes,
+                                            response_deserializer=bytes) for channel in self._channels]
+
+    def unreachable(self, server: int) -> Optional[str]:
+        """None if aggregation server `server` answers now; else why not, e.g. ``"connection refused"``, or
+        a TLS message naming the expected and the presented identity (a swapped or foreign server)."""
+        try:
+            self._probes[server](b"", timeout=3.0, wait_for_ready=False)
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return None  # it answered (UNIMPLEMENTED): reachable, and its certificate is the pinned one
+            reason = _reason(e.details() or "")
+            if reason in _CONNECTION_CAUSES:
+                return reason
+            try:  # reached, but refused: TLS (a swapped address, another organisation's server)?
+                mismatch = tls_lib.server_mismatch(self._tls, server, self._addresses[server], None)
+            except Exception:  # pylint: disable=broad-except  # a diagnosis must never hide the cause
+                mismatch = None
+            return mismatch or reason
+        return None
+
+    def _await(self, method: str, what: str, calls: Dict[int, "grpc.Future"], start: float) -> None:
+        """Waits until every call in `calls` is done; names a server that does not answer within seconds and
+        every ~10 s after (WARNING), e.g. ``waiting for aggregation server0 at host:port: connection refused
+        (20 s)``."""
+        next_check = start + _FIRST_CHECK_SECS
+        while True:
+            pending = {k: c for k, c in calls.items() if not c.done()}
+            if not pending:
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _NOTICE_SECS
+                for server in pending:
+                    why = self.unreachable(server)
+                    if why is not None:
+                        _LOG.warning("service mode: %s of %s waits for aggregation server%d at %s: %s (%.0f s)",
+                                     method, what, server, self._addresses[server], why, now - start)
+                    elif now - start >= _NOTICE_SECS:
+                        _LOG.info("service mode: %s of %s waits on aggregation server%d for the other owners "
+                                  "(%.0f s)", method, what, server, now - start)
+            try:
+                next(iter(pending.values())).result(timeout=min(1.0, max(0.05, next_check - now)))
+            except grpc.FutureTimeoutError:
+                pass
+            except grpc.RpcError:
+                pass  # read by the caller
 
     def _error(self, method: str, server: int, error: grpc.RpcError) -> ServiceError:
         return ServiceError(method, self._addresses[server], error.code(), error.details())
 
     def _call(self, server: int, method: str, request):
+        call = self._stubs[server][method].future(request, timeout=self._timeout, wait_for_ready=self._wait)
+        self._await(method, f"owner {self._tls.identity()}", {server: call}, time.monotonic())
         try:
-            return self._stubs[server][method](request, timeout=self._timeout, wait_for_ready=self._wait)
+            return call.result()
         except grpc.RpcError as e:
             raise self._error(method, server, e) from None
 
@@ -122,23 +197,46 @@ class OwnerClient:
         if share.dtype != np.int64 or share.size != words:
             raise ValueError(f"share is {share.dtype} with {share.size} elements; ops.mask_share of "
                              f"{num_elements} elements at ring {ring_bits} gives int64 with {words}.")
-        calls = []
-        for server, payload in ((0, key_bytes), (1, np.ascontiguousarray(share.reshape(-1), "<i8"))):
+        messages, metadata = [], [None, ((ring.KEY_METADATA, ring.key_digest(key_bytes).hex()),)]
+        for payload in (key_bytes, np.ascontiguousarray(share.reshape(-1), "<i8")):
             # The share's bytes are copied once, from the array into the message's wire bytes.
-            message = wire.encode("ContributeRequest", payload, channel=channel, step=step, ring_bits=ring_bits,
-                                  num_elements=num_elements)
-            self.bytes_sent += len(message)
-            metadata = ((ring.KEY_METADATA, ring.key_digest(key_bytes).hex()),) if server == 1 else None
-            calls.append(self._stubs[server]["Contribute"].future(message, timeout=self._timeout,
-                                                                  wait_for_ready=self._wait, metadata=metadata))
-        replies = []
-        for server, call in enumerate(calls):
-            try:
-                replies.append(call.result())
-            except grpc.RpcError as e:
-                for other in calls:
-                    other.cancel()
-                raise self._error("Contribute", server, e) from None
+            messages.append(wire.encode("ContributeRequest", payload, channel=channel, step=step,
+                                        ring_bits=ring_bits, num_elements=num_elements))
+        start = time.monotonic()
+        patience = start + max(self._retry, 0.0)
+        what = f"step {step} of {channel!r}"
+
+        def put(server):
+            self.bytes_sent += len(messages[server])
+            timeout = max(1.0, min(self._timeout, patience - time.monotonic()) if self._retry else self._timeout)
+            return self._stubs[server]["Contribute"].future(messages[server], timeout=timeout,
+                                                           wait_for_ready=self._wait, metadata=metadata[server])
+
+        calls = {server: put(server) for server in (0, 1)}
+        replies = {}
+        while len(replies) < 2:
+            self._await("Contribute", what, {k: c for k, c in calls.items() if k not in replies}, start)
+            for server, call in calls.items():
+                if server in replies or not call.done():
+                    continue
+                try:
+                    replies[server] = call.result()
+                except grpc.RpcError as e:
+                    if e.code() in _RETRY and time.monotonic() < patience:
+                        # The same contribution again (never a fresh one: server0 may have released the step with
+                        # this key, and server1 refuses a share of another key for it). Nothing was released with
+                        # it, so the servers learn nothing new; a released step answers from its replay window.
+                        _LOG.warning("service mode: %s on aggregation server%d at %s: %s: %s; putting the same "
+                                     "contribution again (patience %.0f s left)", what, server,
+                                     self._addresses[server], e.code().name, e.details(),
+                                     patience - time.monotonic())
+                        time.sleep(0.2 if e.code() == grpc.StatusCode.ABORTED else 1.0)
+                        calls[server] = put(server)
+                        continue
+                    for other in calls.values():
+                        other.cancel()
+                    raise self._error("Contribute", server, e) from None
+        replies = [replies[0], replies[1]]
         for server, reply in enumerate(replies):
             if reply.step != step:
                 raise ServiceError("Contribute", self._addresses[server], grpc.StatusCode.INTERNAL,

@@ -1,0 +1,73 @@
+"""An owner's client: it names a missing or mismatched server within seconds, and waits out another owner.
+
+In process, loopback. The messages are the ones an owner's terminal shows (WARNING).
+"""
+import logging
+import os
+import time
+
+import numpy as np
+import portpicker
+
+from service_helpers import cert_dirs, in_threads, make_service, owner_names  # noqa: F401 (fixtures)
+from tfe_estimator.service import ServiceError, client as client_module, ring
+
+
+def _put(client, step, channel="c"):
+    x = np.arange(8, dtype=np.int64)
+    key = np.frombuffer(os.urandom(16), np.int32)
+    share = (x.view(np.uint64) - ring.keystream_words(key, 8)).view(np.int64)
+    return client.contribute(channel, step, 64, 8, key, share)
+
+
+def _warnings(caplog, needle):
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and needle in r.getMessage()]
+
+
+def test_a_missing_server_is_named_within_seconds_and_again_while_it_is_missing(make_service, caplog, monkeypatch):
+    monkeypatch.setattr(client_module, "_NOTICE_SECS", 1.0)
+    caplog.set_level(logging.WARNING, logger="tfe_estimator")
+    service = make_service(owner_names(1))
+    nobody = f"localhost:{portpicker.pick_unused_port()}"
+    chief = service.client("chief", 0, addresses=(nobody, service.addresses[1]), timeout_secs=6.0)
+    start = time.monotonic()
+    result = in_threads([lambda: _put(chief, 0)])[0]
+    assert isinstance(result, ServiceError), result
+    named = _warnings(caplog, f"waits for aggregation server0 at {nobody}: connection refused")
+    assert len(named) >= 2, [r.getMessage() for r in caplog.records]
+    assert named[0].startswith("service mode: Contribute of step 0 of 'c'") and named[0].endswith("(3 s)"), named
+    assert time.monotonic() - start < 10
+
+
+def test_swapped_server_addresses_are_named_with_the_expected_and_presented_identity(make_service, caplog):
+    caplog.set_level(logging.WARNING, logger="tfe_estimator")
+    service = make_service(owner_names(1))
+    chief = service.client("chief", 0, addresses=service.addresses[::-1], timeout_secs=5.0)
+    result = in_threads([lambda: _put(chief, 0)])[0]
+    assert isinstance(result, ServiceError), result
+    named = _warnings(caplog, "waits for aggregation server")
+    assert named and all("TLS:" in m and "expects" in m for m in named), [r.getMessage() for r in caplog.records]
+
+
+def test_an_owner_waits_out_an_aborted_step_and_the_late_owner_catches_up(make_service, caplog):
+    # The worker is late (restarting): the chief's step is aborted on the servers and put again with the same
+    # contribution, naming whom it waits for, until the worker joins; both get the sum of both.
+    caplog.set_level(logging.WARNING, logger="tfe_estimator")
+    service = make_service(owner_names(2), step_timeout_secs=1.0)
+    chief = service.client("chief", 0, retry_secs=20.0)
+    worker = service.client("worker", 0)
+    results = in_threads([lambda: _put(chief, 0), lambda: (time.sleep(2.5), _put(worker, 0))[1]])
+    for result in results:
+        blind, w = result
+        np.testing.assert_array_equal((w.view(np.uint64) + ring.keystream_words(blind, 8)).view(np.int64),
+                                      2 * np.arange(8))
+    waited = _warnings(caplog, "putting the same contribution again")
+    assert waited and any("still missing worker:0" in m for m in waited), [r.getMessage() for r in caplog.records]
+
+
+def test_without_patience_the_aborted_step_fails_at_once(make_service):
+    # The mutation of the test above: no retries (patience 0), the chief's call fails naming the worker.
+    service = make_service(owner_names(2), step_timeout_secs=1.0)
+    chief = service.client("chief", 0, retry_secs=0.0)
+    result = in_threads([lambda: _put(chief, 0)])[0]
+    assert isinstance(result, ServiceError) and "still missing worker:0" in result.details
