@@ -149,3 +149,30 @@ def test_the_retired_between_graph_mode_is_refused_everywhere_naming_service_and
         Launcher(["true"], cluster_mode="between-graph")
     with pytest.raises(ValueError, match=retired):
         kubernetes.render_manifests("demo", "example.com/train:1", 1, cluster_mode="between-graph")
+
+
+def test_a_model_dir_the_script_gives_the_estimator_wins_over_the_launchers_default(monkeypatch, tmp_path):
+    """Issue 35: `Estimator(model_dir=...)` under `launch` (TFE_ESTIMATOR_MODEL_DIR set) clashed with our default."""
+    monkeypatch.setenv("TFE_ESTIMATOR_MODEL_DIR", str(tmp_path / "default"))
+    columns = [tf.feature_column.numeric_column("x")]
+    config = TfeRunConfig(tf_random_seed=1)
+    assert config.model_dir == str(tmp_path / "default")
+    assert tf.estimator.LinearRegressor(columns, config=config).model_dir == str(tmp_path / "default")
+    mine = tf.estimator.LinearRegressor(columns, model_dir=str(tmp_path / "mine"), config=config)
+    assert mine.model_dir == str(tmp_path / "mine") and mine.config.model_dir == str(tmp_path / "mine")
+    # A model_dir the script passed to TfeRunConfig itself is its choice too: Estimator's clash check stays.
+    with pytest.raises(ValueError, match="`model_dir` are set both in constructor and `RunConfig`"):
+        tf.estimator.LinearRegressor(columns, model_dir=str(tmp_path / "mine"),
+                                     config=TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path / "other")))
+
+
+def test_a_model_dir_with_a_checkpoint_is_named_before_it_is_restored(tmp_path, caplog):
+    """Issue 35: an earlier run's checkpoint was restored silently."""
+    with caplog.at_level("WARNING", logger="tfe_estimator"):
+        TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path))
+    assert "already holds checkpoint" not in caplog.text  # an empty directory: nothing to say
+    (tmp_path / "model.ckpt-7.index").write_text("")
+    tf.compat.v1.train.update_checkpoint_state(str(tmp_path), str(tmp_path / "model.ckpt-7"))
+    with caplog.at_level("WARNING", logger="tfe_estimator"):
+        TfeRunConfig(tf_random_seed=1, model_dir=str(tmp_path))
+    assert f"model_dir {tmp_path} already holds checkpoint model.ckpt-7: Estimator restores it" in caplog.text

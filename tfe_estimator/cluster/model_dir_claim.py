@@ -34,7 +34,8 @@ from typing import Mapping, Optional
 
 from tfe_estimator.cluster.spec import cluster_digest
 
-__all__ = ["CLAIM_FILE", "MODEL_DIR_ENV", "OWNER_CWD_ENV", "claim_model_dir", "cluster_id", "default_model_dir"]
+__all__ = ["CLAIM_FILE", "MODEL_DIR_ENV", "OWNER_CWD_ENV", "DefaultModelDir", "claim_model_dir", "cluster_id",
+           "default_model_dir"]
 
 #: The claim file an owner writes into its model_dir.
 CLAIM_FILE = "tfe_owner.json"
@@ -51,10 +52,35 @@ def cluster_id(jobs: Mapping) -> str:
     return cluster_digest(jobs).hex()[:16]
 
 
+class DefaultModelDir(str):
+    """A model_dir taken from `MODEL_DIR_ENV`, not from the script: it yields to `Estimator(model_dir=...)`.
+
+    Estimator refuses a config whose model_dir differs from the one its
+    constructor gets (``maybe_overwrite_model_dir_and_session_config`` tests
+    ``config.model_dir != model_dir``). A script that names its Estimator's
+    directory has chosen it: a default never differs, so the script's
+    model_dir replaces it. Everywhere else it is the path it holds.
+
+    Example::
+
+        config = TfeRunConfig()  # under `launch`: model_dir = DefaultModelDir(".../model/chief-0")
+        tf.estimator.LinearRegressor(columns, model_dir="runs/a", config=config).model_dir  # "runs/a"
+    """
+
+    def __ne__(self, other):
+        return False if isinstance(other, str) else NotImplemented
+
+    __hash__ = str.__hash__
+
+
 def default_model_dir(model_dir: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """`model_dir`, else `MODEL_DIR_ENV`; a relative one on an evaluator resolved against `OWNER_CWD_ENV`."""
+    """`model_dir`, else `MODEL_DIR_ENV` (a `DefaultModelDir`); a relative one on an evaluator resolved against
+    `OWNER_CWD_ENV`."""
     environ = os.environ if environ is None else environ
-    model_dir = model_dir or environ.get(MODEL_DIR_ENV) or None
+    if not model_dir and environ.get(MODEL_DIR_ENV):
+        resolved = default_model_dir(environ[MODEL_DIR_ENV], environ)
+        return DefaultModelDir(resolved)
+    model_dir = model_dir or None
     owner_cwd = environ.get(OWNER_CWD_ENV)
     if model_dir and owner_cwd and not _is_remote(model_dir) and not os.path.isabs(model_dir):
         resolved = os.path.join(owner_cwd, model_dir)

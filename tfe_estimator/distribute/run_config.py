@@ -206,6 +206,7 @@ class TfeRunConfig(tf.estimator.RunConfig):
         self._tfe_settings = settings
         _claim_owner_model_dir(self)
         _check_model_dir_replicas(self)
+        _say_when_resuming(self.model_dir)
 
     @property
     def tfe_settings(self) -> TfeSettings:
@@ -288,6 +289,18 @@ def _claim_owner_model_dir(config: "TfeRunConfig") -> None:
             config.train_distribute)):
         model_dir_claim.claim_model_dir(config.model_dir, f"{spec.task_type}:{spec.task_index}",
                                         model_dir_claim.cluster_id(spec.jobs))
+
+
+def _say_when_resuming(model_dir: Optional[str]) -> None:
+    """Says that Estimator will restore `model_dir`'s checkpoint (a restart resumes; a new model needs a new dir)."""
+    if not model_dir or not tf.io.gfile.exists(model_dir):
+        return
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    if checkpoint:
+        logging.getLogger("tfe_estimator").warning(
+            "model_dir %s already holds checkpoint %s: Estimator restores it and training resumes from there "
+            "(what a restarted owner needs). For a fresh model, pass another model_dir (to the Estimator or "
+            "TfeRunConfig) or delete that directory.", model_dir, os.path.basename(checkpoint))
 
 
 def _check_model_dir_replicas(config: "TfeRunConfig") -> None:
