@@ -420,3 +420,31 @@ def test_an_isolated_task_reads_its_own_key_and_no_other_tasks(tmp_path):
 def test_mutation_isolation_without_private_dirs_is_detected(tmp_path):
     with pytest.raises(AssertionError):
         check_isolated_task_reads_only_its_own_key(tmp_path, hide=False)
+
+
+# ------------------------------------------------------------ renewal without a restart --
+
+def test_a_server_takes_a_renewed_certificate_without_a_restart(sites, tmp_path):
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    root, _ = sites
+    own = tmp_path / "tfe-1"
+    shutil.copytree(root / "operator-y" / "tfe-1", own)
+    tls = TlsFiles.from_dir(str(own), "tfe", 1)
+    server = AggregationServer(1, "localhost:0", OWNERS, tls, step_timeout_secs=WAIT)
+    port = server.start()
+    owner = _tls(root, "chief:0")
+    try:
+        before = diagnose.presented_certificate(f"localhost:{port}", owner.cert, owner.key)
+        # Operator Y renews: a new key and certificate written in place, the server keeps running.
+        ca = root / "operator-y" / "ca"
+        key, csr = certs.make_key_and_csr("tfe", 1, "operator-y", CLUSTER)
+        new_cert = certs.sign_csr(csr, (ca / "ca.crt").read_bytes(), (ca / "ca.key").read_bytes(), CLUSTER)
+        keyfiles.write_private(tls.key, key)
+        keyfiles.write_public(tls.cert, new_cert)
+        after = diagnose.presented_certificate(f"localhost:{port}", owner.cert, owner.key)
+        assert before.serial_number != after.serial_number
+        assert after.serial_number == certs.load_certificate(new_cert, "new").serial_number
+        _raw(f"localhost:{port}", 1, "Rewind", wire.messages()["RewindRequest"](step=0), owner)  # still serves
+    finally:
+        server.stop(0)

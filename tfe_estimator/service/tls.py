@@ -17,6 +17,7 @@ Example::
                                   options=[server_name_option(tls, 0)])
 """
 import functools
+import logging
 import os
 from typing import NamedTuple, Optional, Tuple
 
@@ -28,6 +29,8 @@ from tfe_estimator.identity.federation import FEDERATION_FILE, Federation
 
 __all__ = ["TlsFiles", "peer_identity", "peer_certificate", "check_peer", "server_name", "server_name_option",
            "server_mismatch", "identity_of_common_name", "FEDERATION_FILE"]
+
+_LOG = logging.getLogger("tfe_estimator")
 
 
 @functools.lru_cache(maxsize=32)
@@ -95,11 +98,35 @@ class TlsFiles(NamedTuple):
                              [(f"{self.ca} (CA of {o.display_name})", o.ca_pem)
                               for o in self.trust().organisations.values()])
 
+    def _stamp(self) -> Tuple:
+        return tuple((os.stat(path).st_mtime_ns, os.stat(path).st_size) for path in self)
+
     def server_credentials(self) -> grpc.ServerCredentials:
-        """Server credentials that require a client certificate of one of the federation's CAs."""
+        """Server credentials that require a client certificate of one of the federation's CAs.
+
+        Renewed files (certificate, key, trust) are taken for new connections without a restart: gRPC asks
+        before each handshake, and the files are read again when one of them changed."""
         self.warn_expiring()
         roots, cert, key = self.read()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=roots, require_client_auth=True)
+        seen = {"stamp": self._stamp()}
+
+        def renewed():
+            try:
+                stamp = self._stamp()
+                if stamp == seen["stamp"]:
+                    return None
+                roots, cert, key = self.read()
+            except (OSError, ValueError) as e:  # half-written files: keep serving with the old ones
+                _LOG.warning("TLS files of %s changed but cannot be read yet (%s); keeping the old ones", self.cert, e)
+                return None
+            seen["stamp"] = stamp
+            _LOG.info("TLS files of %s changed: new connections use them", self.cert)
+            self.warn_expiring()
+            return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=roots)
+
+        return grpc.dynamic_ssl_server_credentials(
+            grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=roots), renewed,
+            require_client_authentication=True)
 
     def channel_credentials(self, server: Optional[int] = None) -> grpc.ChannelCredentials:
         """Client credentials presenting this task's certificate; trusting server `server`'s operator's CA
