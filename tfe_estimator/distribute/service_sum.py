@@ -115,11 +115,17 @@ def service_sum(
 def _call(contribute, channel, ring_bits, num_elements, step, key, share):
     """The numpy side of the contribution op: one call to the service, its two answers as arrays.
 
-    A failed call fails the session run with the server's message (TensorFlow reports an exception
-    raised inside a `tf.numpy_function` as ``UnknownError`` whatever its type, so Estimator does not
-    retry it in the same process): the owner's process exits, and its supervisor (the launcher's
-    ``--max-restarts``, Kubernetes' restart policy) restarts it from its latest checkpoint, where the
-    owners' handshake and rewind bring every owner back to one step.
+    The client waits out what can be waited out (`OwnerClient.contribute`): a step aborted because
+    another owner was missing, or a server unreachable mid-call, is put again with the SAME key and
+    masked share (a fresh mask is drawn only by a new session run): server0 may already have released
+    the step with this key, and server1 refuses a share of another key for it; nothing was released for
+    the aborted step, so the servers learn nothing new. A released step is answered from the servers'
+    replay window, so a restored owner replays bit-identically. A call that still fails fails the
+    session run with the server's message (TensorFlow reports an exception raised inside a
+    `tf.numpy_function` as ``UnknownError`` whatever its type, so Estimator does not retry it in the
+    same process): the owner's process exits, and its supervisor (the launcher's ``--max-restarts``,
+    Kubernetes' restart policy) restarts it from its latest checkpoint; its handshake drops its own
+    unreleased contributions, and it catches up from the replay window.
     """
     blind_key, masked_sum = contribute(channel, int(step), ring_bits, num_elements, key, share)
     return np.asarray(blind_key, np.int32), np.asarray(masked_sum, np.int64)
