@@ -24,7 +24,7 @@ from tfe_estimator.cluster.sidecar import stunnel_config
 from tfe_estimator.cluster.spec import cluster_tasks
 
 CLUSTER = "testnet"
-TASKS = cluster_tasks(1, evaluator=False)  # chief 0, worker 0, tfe 0-2
+TASKS = cluster_tasks(1, evaluator=True)  # chief 0, worker 0, evaluator 0, tfe 0-2
 STUNNEL = shutil.which("stunnel4") or shutil.which("stunnel")
 
 
@@ -86,11 +86,11 @@ def test_each_sidecar_accepts_and_calls_exactly_the_peer_table(mode):
         outbound = {s.split("]")[0][len("out-"):] for s in sections if s.startswith("out-")}
         assert outbound == {certs.task_name(*t) for t in TASKS
                             if t != task and t[0] in peers.allowed_callees(mode, task[0])}, (task, text)
-        assert "sslVersionMin = TLSv1.3" in text and "verifyChain = yes" in text
-    # Between-graph: an owner accepts the servers only, never the other owner.
-    chief = stunnel_config(("chief", 0), TASKS, peers.BETWEEN_GRAPH, "/certs", CLUSTER, tf_ports, tls)
-    if mode == peers.BETWEEN_GRAPH:
-        assert "checkHost = worker-0.testnet" not in chief.split("[out-")[0]
+        if want_in or outbound:  # (the evaluator neither accepts nor calls: no section at all)
+            assert "sslVersionMin = TLSv1.3" in text and "verifyChain = yes" in text
+    # The evaluator calls nobody: no task accepts it.
+    chief = stunnel_config(("chief", 0), TASKS, mode, "/certs", CLUSTER, tf_ports, tls)
+    assert "checkHost = evaluator-0.testnet" not in chief.split("[out-")[0]
 
 
 # ---------------------------------------------------------------- real handshakes through stunnel
@@ -188,7 +188,7 @@ def _echo_through(port, context, server_task):
 @pytest.mark.multiprocess
 def test_a_server_accepts_an_owner_and_refuses_the_other_cases(sidecar, tmp_path):
     server = ("tfe", 0)
-    port = sidecar(server, peers.BETWEEN_GRAPH)
+    port = sidecar(server, peers.IN_GRAPH)
     good = str(tmp_path / "certs")
     # Accepted: an owner (chief 0) with a certificate of this cluster's CA.
     assert _echo_through(port, _client_context(good, ("chief", 0)), server)
@@ -217,18 +217,18 @@ def test_a_server_accepts_an_owner_and_refuses_the_other_cases(sidecar, tmp_path
 
 @needs_stunnel
 @pytest.mark.multiprocess
-def test_an_owner_refuses_another_owner_but_accepts_a_server(sidecar, tmp_path):
+def test_an_owner_refuses_the_evaluator_but_accepts_a_server(sidecar, tmp_path):
     owner = ("worker", 0)
-    port = sidecar(owner, peers.BETWEEN_GRAPH)
+    port = sidecar(owner, peers.IN_GRAPH)
     good = str(tmp_path / "certs")
-    assert _echo_through(port, _client_context(good, ("tfe", 1)), owner)      # a server: allowed
-    assert not _echo_through(port, _client_context(good, ("chief", 0)), owner)  # the other owner: refused
+    assert _echo_through(port, _client_context(good, ("tfe", 1)), owner)           # a server: allowed
+    assert not _echo_through(port, _client_context(good, ("evaluator", 0)), owner)  # the evaluator: refused
 
 
 @needs_stunnel
 @pytest.mark.multiprocess
 def test_in_graph_mode_lets_the_chief_reach_an_owner(sidecar, tmp_path):
-    """The twin of the refusal above: the same certificate gets through where the table allows it."""
+    """The chief's certificate gets through to a worker: in-graph the chief runs ops on every task."""
     owner = ("worker", 0)
     port = sidecar(owner, peers.IN_GRAPH)
     assert _echo_through(port, _client_context(str(tmp_path / "certs"), ("chief", 0)), owner)

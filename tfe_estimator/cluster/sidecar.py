@@ -15,15 +15,15 @@ TensorFlow's gRPC server has no TLS and no authentication. The sidecar
   task. So every task's TF_CONFIG can say ``localhost:<TF port of task k>`` for
   every task k, and TensorFlow needs no change.
 
-Who may call whom is `tfe_estimator.cluster.peers` (between-graph: owners
-accept only the ``tfe`` tasks, never another owner). What this does not do by
+Who may call whom is `tfe_estimator.cluster.peers` (in-graph: every training
+task accepts every other; the evaluator neither accepts nor calls). What this does not do by
 itself: close TensorFlow's own port to everything but the host's loopback
 (a firewall rule, or a pod NetworkPolicy) — without that a peer could still
 reach TensorFlow directly.
 
 Example::
 
-    text = stunnel_config(("worker", 0), tasks, "between-graph", "/etc/tfe-tls", "demo",
+    text = stunnel_config(("worker", 0), tasks, "in-graph", "/etc/tfe-tls", "demo",
                           tf_ports={t: 7000 + i for i, t in enumerate(tasks)},
                           tls_addresses={t: f"{certs.task_name(*t)}.demo:8443" for t in tasks})
 """
