@@ -448,3 +448,19 @@ def test_a_server_takes_a_renewed_certificate_without_a_restart(sites, tmp_path)
         _raw(f"localhost:{port}", 1, "Rewind", wire.messages()["RewindRequest"](step=0), owner)  # still serves
     finally:
         server.stop(0)
+
+
+def test_certs_cli_refuses_foreign_key_files_and_a_swapped_key(sites, tmp_path, capsys):
+    target = tmp_path / "ca.key"
+    target.write_bytes(b"")
+    os.chown(target, 12345, 12345)
+    assert cli.main(["certs", "ca", "--org", "x", "--cluster", CLUSTER, "--dir", str(tmp_path)]) == 2
+    assert "belongs to uid 12345" in capsys.readouterr().err
+    root, _ = sites
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    (swapped / "worker-0.crt").write_bytes((root / "hospital-b" / "worker-0" / "worker-0.crt").read_bytes())
+    (swapped / "worker-0.key").write_bytes((root / "hospital-a" / "chief-0" / "chief-0.key").read_bytes())
+    assert cli.main(["certs", "verify", "--federation", str(root / "federation.json"), "--dir", str(swapped),
+                     "--identity", "worker:0"]) == 1
+    assert "worker-0.key is not the key of" in capsys.readouterr().out

@@ -43,6 +43,7 @@ from tfe_estimator.validation import check_int
 
 __all__ = ["make_ca", "make_key_and_csr", "sign_csr", "make_cluster_certs", "task_name", "task_dns_name",
            "task_uri", "identity_of_common_name", "certificate_identity", "ca_organisation", "load_certificate",
+           "key_matches",
            "CA_CERT", "CA_KEY", "DEFAULT_VALIDITY_DAYS"]
 
 _LOG = logging.getLogger("tfe_estimator")
@@ -94,6 +95,16 @@ def certificate_identity(cert: x509.Certificate) -> Optional[str]:
     """The task identity ``"job:index"`` a certificate's CN names, or None."""
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return identity_of_common_name(names[0].value) if len(names) == 1 else None
+
+
+def _public_der(public_key) -> bytes:
+    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def key_matches(key_pem: bytes, cert_pem: bytes) -> bool:
+    """Whether the private key `key_pem` belongs to the certificate `cert_pem`."""
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    return _public_der(key.public_key()) == _public_der(load_certificate(cert_pem, "the certificate").public_key())
 
 
 def ca_organisation(cert: x509.Certificate) -> Tuple[Optional[str], str]:
@@ -198,9 +209,7 @@ def sign_csr(csr_pem: bytes, ca_cert_pem: bytes, ca_key_pem: bytes, cluster: str
                          f"organisation {ca_org!r}: an organisation's CA signs only its own parties. Send the CSR "
                          f"to {organisation!r}'s CA, or make it again with --org {ca_org}.")
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
-    if ca_key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) \
-            != ca_cert.public_key().public_bytes(serialization.Encoding.DER,
-                                                 serialization.PublicFormat.SubjectPublicKeyInfo):
+    if _public_der(ca_key.public_key()) != _public_der(ca_cert.public_key()):
         raise ValueError(f"the CA key does not belong to the CA certificate {ca_name!r}: pass the ca.key made with "
                          "that ca.crt.")
     start, end = _validity(validity_days, not_before)

@@ -171,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
             if certs.certificate_identity(certs.load_certificate(cert, stem + ".crt")) != args.identity:
                 problems.append(f"{stem}.crt does not name {args.identity}.")
             problems += expiry.expiring([(stem + ".crt", cert)])
+            if os.path.exists(stem + ".key") and not certs.key_matches(_read(stem + ".key"), cert):
+                problems.append(f"{stem}.key is not the key of {stem}.crt: sign this party's own request.")
             if args.install and not problems:
                 keyfiles.write_public(os.path.join(args.dir, FEDERATION_FILE), _read(args.federation))
                 print(f"installed {os.path.join(args.dir, FEDERATION_FILE)}")
