@@ -66,7 +66,7 @@ def _sparse_data(rows, seed):
     return {"sex": sex, "town": rng.choice(["S", "C", "Q"], rows), "age": age}, y
 
 
-def _sparse_classifier(config):
+def _linear_v2(config):
     sex = tf.feature_column.categorical_column_with_vocabulary_list("sex", ["male", "female"])
     town = tf.feature_column.categorical_column_with_hash_bucket("town", 8)
     age = tf.feature_column.bucketized_column(tf.feature_column.numeric_column("age"), [18, 30, 50])
@@ -74,15 +74,29 @@ def _sparse_classifier(config):
     return tf.estimator.LinearClassifier(cols, config=config)
 
 
+def _dnn_v1(config):
+    # Estimator's v1 head computes accuracy_baseline on each replica (a PerReplica it could not fetch).
+    sex = tf.feature_column.categorical_column_with_vocabulary_list("sex", ["male", "female"])
+    town = tf.feature_column.categorical_column_with_hash_bucket("town", 8)
+    age = tf.feature_column.bucketized_column(tf.feature_column.numeric_column("age"), [18, 30, 50])
+    cols = [tf.feature_column.embedding_column(sex, 3), tf.feature_column.indicator_column(town), age,
+            tf.feature_column.indicator_column(tf.feature_column.crossed_column([age, "sex"], hash_bucket_size=20))]
+    return tf.compat.v1.estimator.DNNClassifier([8], cols, config=config)
+
+
 @pytest.mark.slow
-def test_sparse_columns_evaluate_every_batch_count_to_the_plaintext_metrics_loss_included(tmp_path):
-    # Prepare: a LinearClassifier on categorical, hashed, bucketized and crossed columns, trained secure.
-    features, y = _sparse_data(70, 0)
-    secure = _sparse_classifier(TfeRunConfig(model_dir=str(tmp_path), num_replicas=2))
-    secure.train(lambda: tf.data.Dataset.from_tensor_slices((features, y)).repeat().batch(16), steps=3)
-    plain = _sparse_classifier(tf.estimator.RunConfig(model_dir=str(tmp_path)))
+@pytest.mark.parametrize("make,batches", [
     # 1 batch (replica 1 empty); 3 uneven batches (replica 1 empty in the second step).
-    for batch in (70, 30):
+    (_linear_v2, (70, 30)),
+    (_dnn_v1, (30,)),
+], ids=["linear-v2", "dnn-v1"])
+def test_sparse_columns_evaluate_every_batch_count_to_the_plaintext_metrics_loss_included(make, batches, tmp_path):
+    # Prepare: a classifier on categorical, hashed, bucketized and crossed columns, trained secure.
+    features, y = _sparse_data(70, 0)
+    secure = make(TfeRunConfig(model_dir=str(tmp_path), num_replicas=2))
+    secure.train(lambda: tf.data.Dataset.from_tensor_slices((features, y)).repeat().batch(16), steps=3)
+    plain = make(tf.estimator.RunConfig(model_dir=str(tmp_path)))
+    for batch in batches:
         def input_fn(batch=batch):
             return tf.data.Dataset.from_tensor_slices((features, y)).batch(batch)
 

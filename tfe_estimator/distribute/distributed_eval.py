@@ -152,17 +152,32 @@ _LABEL_MEAN = "label/mean"
 def mend_accuracy_baseline(eval_metric_ops: dict) -> None:
     """Sets each ``[<head>/]accuracy_baseline`` value to ``max(m, 1 - m)`` of its head's label mean (in place).
 
-    Only where both values are single tensors (cross-replica results, as
-    Keras' `result()` gives them); anything else is left as it is.
+    The label mean is a cross-replica result (Keras' `result()`, or v1
+    `metrics.mean`), so a distributed value's replicas hold the same number.
+    Estimator v1 heads compute the baseline on each replica from it, a
+    `PerReplica` that Estimator cannot fetch ("Argument `fetch` = PerReplica
+    ... has invalid type"): it becomes one tensor too. Anything else is left
+    as it is.
     """
     for key, pair in list(eval_metric_ops.items()):
         if not (key == _BASELINE or key.endswith("/" + _BASELINE)):
             continue
         label_mean = eval_metric_ops.get(key[:-len(_BASELINE)] + _LABEL_MEAN)
-        if not (isinstance(pair, tuple) and isinstance(label_mean, tuple)
-                and isinstance(pair[0], tf.Tensor) and isinstance(label_mean[0], tf.Tensor)):
+        if not (isinstance(pair, tuple) and isinstance(label_mean, tuple)):
             continue
-        mean = label_mean[0]
-        with tf.control_dependencies([pair[0]]):  # Estimator reads it after the updates, as before
+        baseline, mean = (_one_value(pair[0]), _one_value(label_mean[0]))
+        if baseline is None or mean is None:
+            continue
+        with tf.control_dependencies([baseline]):  # Estimator reads it after the updates, as before
             value = tf.maximum(mean, 1.0 - mean, name="accuracy_baseline_over_replicas")
-        eval_metric_ops[key] = (tf.cast(value, pair[0].dtype), pair[1])
+        eval_metric_ops[key] = (tf.cast(value, baseline.dtype), pair[1])
+
+
+def _one_value(value) -> Optional[tf.Tensor]:
+    """A cross-replica metric value as one tensor: itself, or a distributed value's first replica's."""
+    if isinstance(value, tf.Tensor):
+        return value
+    values = getattr(value, "values", None)  # a tf.distribute DistributedValues (PerReplica, Mirrored)
+    if isinstance(values, tuple) and values and all(isinstance(v, tf.Tensor) for v in values):
+        return values[0]
+    return None
