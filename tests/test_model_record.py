@@ -130,6 +130,18 @@ def test_equal_records_agree_and_a_stale_row_of_another_model_only_waits(records
     assert error is None and waiting == ["worker:0: no handshake yet"]
 
 
+def test_an_owner_is_polling_for_another_model_only_when_its_calls_stay_fresh():
+    polling = service_handshake.Polling()
+    fresh, other = (5, [0, 1], 0.1), (5, [0, 1], 0.1)
+    assert polling.update(OWNERS, [(7, [0, 1], 0.0), fresh], 7, now=0.0) == set()
+    assert polling.update(OWNERS, [(7, [0, 1], 0.0), other], 7, now=0.5) == set()
+    assert polling.update(OWNERS, [(7, [0, 1], 0.0), other], 7, now=1.1) == {"worker:0"}
+    # An owner that agreed on its (previous) model stops calling: its calls age, it is never "polling".
+    polling = service_handshake.Polling()
+    for now in (0.0, 0.6, 1.2, 1.8):
+        assert polling.update(OWNERS, [(7, [0, 1], 0.0), (5, [0, 1], 0.2 + now)], 7, now=now) == set()
+
+
 def test_models_of_different_sizes_or_settings_get_different_ids_and_channels(records):
     ids = {model_record.model_id(records[k][2]) for k in ("base", "lr", "vocab", "dnn", "v1", "dp")}
     assert len(ids) == 6

@@ -13,11 +13,13 @@ owner has a row for the same model:
   and replays what it missed); their weight fingerprints are compared only
   when they are at the same step (a different ``tf_random_seed`` shows there
   at step 0);
-- an owner whose latest row is for another model and who is handshaking now
-  (it called within `ACTIVE_SECS`) would train a different model: refused
-  with `OwnersDisagreeError` naming the owners and what differs, with values
-  where they are numbers ("learning rate ... 0.05 on worker:0, 0.01 on
-  chief:0", "the vocabulary of feature 'sex' ... differs");
+- an owner whose latest row is for another model and who keeps handshaking
+  for it (its calls are fresh at this owner's polls over `ACTIVE_SECS`: it
+  waits too, so it is not merely finishing a previous model of the script)
+  would train a different model: refused with `OwnersDisagreeError` naming
+  the owners and what differs, with values where they are numbers
+  ("learning rate ... 0.05 on worker:0, 0.01 on chief:0", "the vocabulary of
+  feature 'sex' ... differs");
 - while it waits, the owner logs at WARNING every `WARN_EVERY_SECS` whom it
   waits for; after the timeout it stops naming them (and what differs, for
   an owner last seen with another model).
@@ -39,7 +41,7 @@ Example::
 """
 import logging
 import time
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import tensorflow as tf
 
@@ -48,13 +50,15 @@ from tfe_estimator.distribute import model_record
 from tfe_estimator.distribute import step_wait
 from tfe_estimator.distribute.service_sum import tf_errors
 
-__all__ = ["ServiceHandshakeHook", "ModelIdHook", "OwnersDisagreeError", "verdict", "ACTIVE_SECS",
-           "WARN_EVERY_SECS"]
+__all__ = ["ServiceHandshakeHook", "ModelIdHook", "OwnersDisagreeError", "verdict", "Polling", "ACTIVE_SECS",
+           "FRESH_SECS", "WARN_EVERY_SECS"]
 
 log = logging.getLogger("tfe_estimator")
 
-#: An owner that called Handshake this recently is handshaking now (it polls every `step_wait.POLL_SECONDS`).
-ACTIVE_SECS = 2.0
+#: An owner whose handshake calls stay fresh (younger than `FRESH_SECS`) over this long is waiting in its
+#: handshake (it polls every `step_wait.HANDSHAKE_POLL_SECONDS`); one that agreed stops calling.
+ACTIVE_SECS = 1.0
+FRESH_SECS = 0.5
 #: How often a waiting owner says whom it waits for.
 WARN_EVERY_SECS = 10.0
 
@@ -67,14 +71,43 @@ def _row_step(row) -> int:
     return int(row[0])
 
 
+class Polling:
+    """Which owners keep handshaking for another model: fresh calls seen over `ACTIVE_SECS` of polls.
+
+    Example::
+
+        polling = Polling()
+        waiting_too = polling.update(rows, model, now=time.monotonic())   # owners' names
+    """
+
+    def __init__(self):
+        self._since: Dict[int, Tuple[int, float]] = {}
+
+    def update(self, owners: Sequence[str], rows, model: int, now: float) -> Set[str]:
+        """The owners whose calls for a model other than `model` have stayed fresh for `ACTIVE_SECS`."""
+        found = set()
+        for index, (which, row, age) in enumerate(rows):
+            if row is None or which == model or age is None or age >= FRESH_SECS:
+                self._since.pop(index, None)
+                continue
+            first = self._since.setdefault(index, (which, now))
+            if first[0] != which:
+                self._since[index] = (which, now)
+            elif now - first[1] >= ACTIVE_SECS:
+                found.add(owners[index])
+        return found
+
+
 def verdict(me: str, owners: Sequence[str], mine: Tuple[int, int, List[model_record.Field]], model: int,
             rows: Sequence[Tuple[int, Optional[Sequence[int]], Optional[float]]],
-            final: bool = False) -> Tuple[Optional[str], List[str]]:
+            final: bool = False, polling: Optional[Set[str]] = None) -> Tuple[Optional[str], List[str]]:
     """``(error, waiting)`` for this owner's record `mine` = (step, weights, fields) and the server's `rows`.
 
     `rows[o]` is owner o's ``(model id, row, seconds since its last call)`` (`OwnerClient.handshake`).
     `error` is the refusal's message (None: no disagreement); `waiting` says, per owner not there yet,
-    why. With `final` (the wait timed out) an owner last seen with another model is a disagreement.
+    why. An owner last seen with another model is a disagreement when it is in `polling` (`Polling`:
+    it waits in its handshake too; None: when its last call is younger than `FRESH_SECS`), or with
+    `final` (the wait timed out).
     """
     step, weights, fields = mine
     problems, waiting = [], []
@@ -95,7 +128,8 @@ def verdict(me: str, owners: Sequence[str], mine: Tuple[int, int, List[model_rec
                     f"{model_record.format_fingerprint(weights)} on {me}; {hint}")
             continue
         differ = model_record.differences(fields, me, row, owner)
-        if final or (age is not None and age < ACTIVE_SECS):
+        active = (age is not None and age < FRESH_SECS) if polling is None else owner in polling
+        if final or active:
             problems.append("; ".join(differ) or f"{owner} runs another model")
         else:
             waiting.append(f"{owner}: its last handshake ({age:.0f} s ago, at step {_row_step(row)}) was for "
@@ -143,12 +177,14 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
         owners, me = list(self._binding.owners), self._binding.owner
         state = {"error": None, "waiting": [], "warned": time.monotonic()}
         started = time.monotonic()
+        polling = Polling()
 
         def agreed():
             with tf_errors():
                 rows = client.handshake(step, row, model)
-            state["error"], state["waiting"] = verdict(me, owners, mine, model, rows)
             now = time.monotonic()
+            state["error"], state["waiting"] = verdict(me, owners, mine, model, rows,
+                                                       polling=polling.update(owners, rows, model, now))
             if state["waiting"] and not state["error"] and now - state["warned"] >= WARN_EVERY_SECS:
                 state["warned"] = now
                 log.warning("service handshake at step %d: waiting for %s (%.0f s)", step,
