@@ -34,13 +34,13 @@ _LOG = logging.getLogger("tfe_estimator")
 
 
 @functools.lru_cache(maxsize=32)
-def _load_trust(path: str, mtime_ns: int, size: int, cluster: str) -> Federation:
-    """The trust of `path` as of its modification time (a renewed file is read again)."""
-    del mtime_ns, size  # the cache key only
+def _load_trust(path: str, stamp: Tuple[int, int], files: "TlsFiles") -> Federation:
+    """The trust of `path` as of its modification `stamp` (a renewed file is read again)."""
+    del stamp  # the cache key only
     if path.endswith(".json"):
         return Federation.load(path)
     with open(path, "rb") as f:
-        return Federation.single_ca(f.read(), cluster, source=path)
+        return Federation.single_ca(f.read(), files.cluster(), source=path)
 
 
 class TlsFiles(NamedTuple):
@@ -77,8 +77,7 @@ class TlsFiles(NamedTuple):
     def trust(self) -> Federation:
         """Who vouches for whom (re-read when the file changes)."""
         info = os.stat(self.ca)
-        return _load_trust(os.path.abspath(self.ca), info.st_mtime_ns, info.st_size,
-                           "" if self.ca.endswith(".json") else self.cluster())
+        return _load_trust(os.path.abspath(self.ca), (info.st_mtime_ns, info.st_size), self)
 
     def _own(self) -> Tuple[bytes, bytes]:
         with open(self.cert, "rb") as f:
