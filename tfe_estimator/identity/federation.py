@@ -38,7 +38,7 @@ from cryptography.x509.oid import NameOID
 
 from tfe_estimator.identity import certs
 
-__all__ = ["Federation", "Organisation", "Party", "FORMAT", "FEDERATION_FILE", "SERVERS"]
+__all__ = ["Federation", "Organisation", "Party", "owners_of", "FORMAT", "FEDERATION_FILE", "SERVERS"]
 
 FORMAT = "tfe-estimator-federation/1"
 #: The federation file's name in a task's TLS directory (`tfe_estimator.service.tls.TlsFiles.from_dir`).
