@@ -22,6 +22,11 @@ Estimator's ``loss`` key included, must agree to 1e-5 relative: a replica
 whose batch is empty once halved ``loss`` (issue 35) and crashed the sparse
 columns' reshape.
 """
+import io
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -123,25 +128,26 @@ def iris():
     return split(slice(0, 120)), split(slice(120, 150))
 
 
+def _titanic_frame(rng, rows):
+    """Titanic-shaped columns: the linear tutorial's names and vocabularies, and a label that depends on them."""
+    sex = rng.choice(["male", "female"], rows)
+    cls = rng.choice(["First", "Second", "Third"], rows)
+    age = rng.uniform(1, 80, rows).astype(np.float32)
+    fare = rng.gamma(2.0, 15.0, rows).astype(np.float32)
+    survived = ((sex == "female").astype(float) + (cls == "First") * 0.5 - age / 200
+                + rng.normal(0, 0.4, rows) > 0.5).astype(np.int64)
+    return {"sex": sex, "n_siblings_spouses": rng.choice(np.array([0, 1, 2, 3]), rows),
+            "parch": rng.choice(np.array([0, 1, 2]), rows), "class": cls,
+            "deck": rng.choice(["A", "B", "C", "unknown"], rows),
+            "embark_town": rng.choice(["Southampton", "Cherbourg", "Queenstown"], rows),
+            "alone": rng.choice(["y", "n"], rows), "age": age, "fare": fare}, survived
+
+
 @pytest.fixture(scope="module")
 def titanic():
-    """Titanic-shaped columns (the tutorial's names and vocabularies), 160 training and 70 evaluation rows."""
+    """160 training and 70 evaluation rows."""
     rng = np.random.RandomState(1)
-
-    def frame(rows):
-        sex = rng.choice(["male", "female"], rows)
-        cls = rng.choice(["First", "Second", "Third"], rows)
-        age = rng.uniform(1, 80, rows).astype(np.float32)
-        fare = rng.gamma(2.0, 15.0, rows).astype(np.float32)
-        survived = ((sex == "female").astype(float) + (cls == "First") * 0.5 - age / 200
-                    + rng.normal(0, 0.4, rows) > 0.5).astype(np.int64)
-        return {"sex": sex, "n_siblings_spouses": rng.choice(np.array([0, 1, 2, 3]), rows),
-                "parch": rng.choice(np.array([0, 1, 2]), rows), "class": cls,
-                "deck": rng.choice(["A", "B", "C", "unknown"], rows),
-                "embark_town": rng.choice(["Southampton", "Cherbourg", "Queenstown"], rows),
-                "alone": rng.choice(["y", "n"], rows), "age": age, "fare": fare}, survived
-
-    return frame(160), frame(70)
+    return _titanic_frame(rng, 160), _titanic_frame(rng, 70)
 
 
 def _assert_same_metrics(secure, plain):
@@ -159,3 +165,42 @@ def test_the_tutorial_with_tfe_run_config_reports_the_plaintext_metrics(tutorial
     plain = tutorial(_plaintext(str(tmp_path / "plain")), data, **per_replica)
     secure = tutorial(_secure(str(tmp_path / "secure")), data)
     _assert_same_metrics(secure, plain)
+
+
+def _rows(frame, start, stop):
+    columns, labels = frame
+    return {k: v[start:stop] for k, v in columns.items()}, labels[start:stop]
+
+
+def _concatenate(frames):
+    return ({k: np.concatenate([f[0][k] for f in frames]) for k in frames[0][0]},
+            np.concatenate([f[1] for f in frames]))
+
+
+@pytest.mark.multiprocess
+def test_two_owners_in_service_mode_report_the_plaintext_metrics_of_the_linear_tutorial(tmp_path):
+    from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
+
+    # Prepare: each owner's own rows (96 training rows: 3 batches; 64 and 32 evaluation rows: 2 and 1 batches).
+    rng = np.random.RandomState(3)
+    owners = {"chief-0": (_titanic_frame(rng, 96), _titanic_frame(rng, 64)),
+              "worker-0": (_titanic_frame(rng, 96), _titanic_frame(rng, 32))}
+    for owner, (train, evaluation) in owners.items():
+        os.makedirs(tmp_path / owner)
+        np.savez(tmp_path / owner / "titanic.npz", train=train[1], eval=evaluation[1],
+                 **{f"train_{k}": v for k, v in train[0].items()}, **{f"eval_{k}": v for k, v in evaluation[0].items()})
+    # The twin's replica r reads owner r's batches (batches go to the replicas in turn); it evaluates the union.
+    chunks = [_rows(owners[o][0], i, i + 32) for i in range(0, 96, 32) for o in owners]
+    union = _concatenate([owners[o][1] for o in owners])
+    plain = linear_titanic(_plaintext(str(tmp_path / "plain")), (_concatenate(chunks), union))
+    # Execute: `tfe-estimator launch --cluster-mode service` of the tutorial with TfeRunConfig.
+    out = io.StringIO()
+    script = os.path.join(os.path.dirname(__file__), "scripts", "service_tutorial.py")
+    launcher = Launcher([sys.executable, script], workers=1, task_cwd=str(tmp_path / "{job}-{index}"), out=out,
+                        cluster_mode="service", down_timeout=120)
+    status = launcher.run()
+    # Assert: every owner reads the metrics of the union, equal to the twin's, `loss` included.
+    assert status == 0, out.getvalue()[-5000:]
+    for owner in owners:
+        with open(tmp_path / owner / "metrics.json") as f:
+            _assert_same_metrics(json.load(f), plain)
