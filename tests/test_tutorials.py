@@ -21,6 +21,12 @@ without a strategy, i.e. the metrics a plaintext user reads. Every metric,
 Estimator's ``loss`` key included, must agree to 1e-5 relative: a replica
 whose batch is empty once halved ``loss`` (issue 35) and crashed the sparse
 columns' reshape.
+
+In service mode (one multi-process test) two owners run the linear tutorial
+under `tfe-estimator launch --cluster-mode service`
+(tests/scripts/service_tutorial.py), each on its own rows; the twin's replica
+r reads owner r's batches and evaluates the union of the owners' evaluation
+rows, which is what federated evaluation reports to every owner.
 """
 import io
 import json
