@@ -10,7 +10,8 @@
 - `k8s_common`: labels, defaults and argument checks of the Kubernetes renderers.
 - `manifests`: plain Kubernetes manifests; `tfjob`: one Kubeflow TFJob.
 - `kubernetes`: `tfe-estimator k8s` (and the re-exported rendering names).
-- `evaluator`: an evaluator that survives checkpoint rotation.
+- `evaluator`: an evaluator that survives checkpoint rotation and waits quietly for checkpoints.
+- `quiet`: TensorFlow's INFO lines and deprecation blocks hidden in cluster tasks unless asked.
 
 Example::
 
