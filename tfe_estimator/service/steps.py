@@ -266,8 +266,10 @@ class StepChannel:
                     f"its replay window ({window}). The owner restored a checkpoint older than the window: "
                     f"restore a newer one (checkpoint at least every {self._replay.window_steps} steps), or start "
                     f"the servers with a larger {flag}.")
-        return (f"{me} puts step {step}, which was never released here (it was aborted) while step "
-                f"{self._last_released} was: the owners moved past it. Restore every owner's latest checkpoint.")
+        return (f"{me} puts step {step}, which this server has no answer for while it released step "
+                f"{self._last_released}: the step was aborted and the owners moved past it, or it was released "
+                "before this server restarted (a restarted server has no replay window). Restore every owner's "
+                "latest checkpoint.")
 
     def _release(self, current: _Open) -> Released:
         del self._open[current.step]
