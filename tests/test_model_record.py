@@ -183,3 +183,47 @@ def test_the_weights_fingerprint_is_exact():
     assert model_record.weights_fingerprint(a) == model_record.weights_fingerprint([x.copy() for x in a])
     assert model_record.weights_fingerprint(a) != model_record.weights_fingerprint(b)
     assert len(model_record.format_fingerprint(model_record.weights_fingerprint(a))) == 16
+
+
+# ---------------------------------------------- weight checks through server0 --
+
+from service_helpers import cert_dirs, make_service, owner_names  # noqa: E402,F401 (fixtures)
+from tfe_estimator.distribute import weight_check  # noqa: E402
+
+
+def _weight_rows(make_service, worker_weights):
+    """What the chief's weight check at step 12 concludes after both owners put their fingerprints on server0."""
+    service = make_service(owner_names(2))
+    chief, worker = service.clients_of(2)
+    key = weight_check.check_key(7)
+    mine = model_record.weights_fingerprint([np.arange(4, dtype=np.float32)])
+    worker.handshake(12, [12, model_record.weights_fingerprint(worker_weights)], key)
+    rows = chief.handshake(12, [12, mine], key)
+    return weight_check.compare("chief:0", OWNERS, 12, mine, rows, key)
+
+
+def check_an_altered_weight_stops_training_naming_the_owner_and_step(make_service):
+    altered = np.arange(4, dtype=np.float32)
+    altered[2] = np.nextafter(altered[2], np.float32(9))  # one bit of one weight
+    error, _ = _weight_rows(make_service, [altered])
+    assert error and "Weight check at step 12: the owners' weights differ" in error and "on worker:0" in error, error
+
+
+def test_owners_with_equal_weights_agree_and_an_altered_one_is_named(make_service):
+    assert _weight_rows(make_service, [np.arange(4, dtype=np.float32)]) == (None, [])
+    check_an_altered_weight_stops_training_naming_the_owner_and_step(make_service)
+
+
+def test_mutation_fingerprint_ignored_is_detected(make_service, monkeypatch):
+    monkeypatch.setattr(model_record, "weights_fingerprint", lambda values: 0)
+    with pytest.raises(AssertionError):
+        check_an_altered_weight_stops_training_naming_the_owner_and_step(make_service)
+
+
+def test_an_owner_behind_is_waited_for_and_one_ahead_is_not_compared():
+    key = weight_check.check_key(7)
+    assert key != 7 and weight_check.check_key(8) != key
+    rows = [(key, [12, 1], 0.0), (key, [8, 2], 0.0)]
+    assert weight_check.compare("chief:0", OWNERS, 12, 1, rows, key) == (None, ["worker:0"])
+    rows = [(key, [12, 1], 0.0), (key, [16, 2], 0.0)]  # the chief replays released steps: worker:0 is ahead
+    assert weight_check.compare("chief:0", OWNERS, 12, 1, rows, key) == (None, [])

@@ -239,8 +239,14 @@ class _ServiceExtended(_TfeExtended):
                     model["model"] = model_id
 
                 if result.mode == tf.estimator.ModeKeys.TRAIN:
-                    hook = service_handshake.ServiceHandshakeHook(agg.binding, settings, service_client, on_model)
-                    result = result._replace(training_hooks=(*result.training_hooks, hook))
+                    from tfe_estimator.distribute.weight_check import WeightCheckHook  # pylint: disable=import-outside-toplevel
+
+                    config = next((a for a in (*fn_args, *fn_kwargs.values()) if isinstance(a, tf.estimator.RunConfig)),
+                                  None)
+                    every = getattr(config, "save_checkpoints_steps", None)
+                    hooks = (service_handshake.ServiceHandshakeHook(agg.binding, settings, service_client, on_model),
+                             WeightCheckHook(agg.binding, service_client, model, every))
+                    result = result._replace(training_hooks=(*result.training_hooks, *hooks))
                 else:
                     hook = service_handshake.ModelIdHook(settings, len(agg.binding.owners), on_model)
                     result = result._replace(evaluation_hooks=(*(result.evaluation_hooks or ()), hook))
