@@ -40,6 +40,7 @@ Example::
     row = make_row(step, weights, fields)
 """
 import hashlib
+import logging
 import os
 import re
 import struct
@@ -51,6 +52,8 @@ from tensorflow.python.framework import tensor_util
 
 __all__ = ["ModelRecord", "Field", "INT", "FLOAT", "HASH", "model_id", "make_row", "parse_row", "differences",
            "weights_fingerprint", "format_fingerprint", "label_hash", "HEADER"]
+
+log = logging.getLogger("tfe_estimator")
 
 #: Field kinds: an integer, a float64 (its bits as int64), a 63-bit hash.
 INT, FLOAT, HASH = 0, 1, 2
@@ -341,10 +344,18 @@ class ModelRecord:
         """``(step, weights fingerprint, fields)``: read in `session` (one run; no input is consumed)."""
         step_tensor = tf.constant(0, tf.int64) if self._step is None else self._step
         step, weights = session.run([step_tensor, self._variables])
-        hyper = []
+        fields = list(self._static)
         if self._hyper_tensors:
             feeds = {read: np.zeros(read.shape.as_list() or (), read.dtype.as_numpy_dtype)
                      for read in self._step_reads}
-            hyper = session.run(self._hyper_tensors, feed_dict=feeds)
-        fields = list(self._static) + [_value_field(label, value) for label, value in zip(self._hyper_labels, hyper)]
+            try:
+                hyper = session.run(self._hyper_tensors, feed_dict=feeds)
+            except (tf.errors.OpError, ValueError, TypeError) as e:  # e.g. computed inside a loop: not fetchable
+                log.warning("the service handshake compares how %d optimizer hyperparameters are computed, not "
+                            "their values (%s)", len(self._hyper_tensors), str(e).splitlines()[0][:200])
+                hyper = None
+            for label, tensor, value in zip(self._hyper_labels, self._hyper_tensors,
+                                            hyper or [None] * len(self._hyper_tensors)):
+                fields.append(_value_field(label, value) if hyper is not None else
+                              (label, HASH, _hash63(tensor.op.type.encode())))
         return int(step), weights_fingerprint(weights), fields
