@@ -464,3 +464,57 @@ def test_certs_cli_refuses_foreign_key_files_and_a_swapped_key(sites, tmp_path, 
     assert cli.main(["certs", "verify", "--federation", str(root / "federation.json"), "--dir", str(swapped),
                      "--identity", "worker:0"]) == 1
     assert "worker-0.key is not the key of" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------ Kubernetes: one party's Secret --
+
+def check_party_secret_holds_only_its_own_files(root, tmp_path):
+    import base64  # pylint: disable=import-outside-toplevel
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    import yaml  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.identity.secret import party_secret  # pylint: disable=import-outside-toplevel
+
+    own = tmp_path / "worker-0"
+    shutil.copytree(root / "hospital-b" / "worker-0", own)
+    shutil.copy(root / "hospital-b" / "ca" / "ca.key", own)  # careless: the organisation's CA key beside it
+    shutil.copy(root / "hospital-a" / "chief-0" / "chief-0.key", own)  # and another party's key
+    manifest = party_secret(str(own), "worker", 0, name="demo", namespace="hospital-b")
+    assert sorted(manifest["data"]) == ["federation.json", "worker-0.crt", "worker-0.key"]
+    keys = [k for k, v in manifest["data"].items() if b"PRIVATE KEY" in base64.b64decode(v)]
+    assert keys == ["worker-0.key"], keys
+    assert manifest["metadata"]["name"] == "demo-worker-0-tls"
+    try:
+        from kubernetes_validate import utils  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return
+    utils.validate(yaml.safe_load(yaml.safe_dump(manifest)), utils.latest_version(), strict=True)
+
+
+def test_a_partys_secret_holds_its_key_certificate_and_federation_only(sites, tmp_path):
+    check_party_secret_holds_only_its_own_files(sites[0], tmp_path)
+
+
+def test_mutation_a_secret_of_the_whole_directory_is_detected(sites, tmp_path, monkeypatch):
+    import base64  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.identity import secret  # pylint: disable=import-outside-toplevel
+
+    def whole_directory(directory, job, index, name, namespace=None, secret_name=""):
+        data = {f: base64.b64encode(open(os.path.join(directory, f), "rb").read()).decode() for f in os.listdir(directory)}
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{name}-{job}-{index}-tls"}, "data": data}
+
+    monkeypatch.setattr(secret, "party_secret", whole_directory)
+    with pytest.raises(AssertionError):
+        check_party_secret_holds_only_its_own_files(sites[0], tmp_path)
+
+
+def test_certs_secret_prints_the_manifest(sites, capsys):
+    import yaml  # pylint: disable=import-outside-toplevel
+
+    root, _ = sites
+    assert cli.main(["certs", "secret", "--dir", str(root / "operator-x" / "tfe-0"), "--identity", "tfe:0",
+                     "--name", "demo"]) == 0
+    manifest = yaml.safe_load(capsys.readouterr().out)
+    assert manifest["kind"] == "Secret" and sorted(manifest["data"]) == ["federation.json", "tfe-0.crt", "tfe-0.key"]

@@ -12,6 +12,7 @@ Across organisations (each holds its own CA; no private key leaves where it was 
     $ tfe-estimator certs federation --cluster hospitals --party chief:0=a/ca/ca.crt ... \\
           --server tfe:0=tfe0.example:7000 --server tfe:1=tfe1.example:7000 --out federation.json
     $ tfe-estimator certs verify --federation federation.json --dir a/chief-0 --identity chief:0
+    $ tfe-estimator certs secret --dir a/chief-0 --identity chief:0 --name demo > chief-0-secret.yaml
 """
 import argparse
 import os
@@ -19,7 +20,7 @@ from typing import List
 
 __all__ = ["add_parser", "run"]
 
-_SUBCOMMANDS = ("ca", "request", "sign", "federation", "verify")
+_SUBCOMMANDS = ("ca", "request", "sign", "federation", "verify", "secret")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -73,8 +74,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     verify.add_argument("--install", action="store_true",
                         help="with --dir: copy the federation file into it as federation.json")
 
+    secret = steps.add_parser("secret", help="print a party's Kubernetes Secret: its key, certificate and "
+                                             "federation.json only (never a CA key)")
+    secret.add_argument("--dir", required=True, help="the party's TLS directory")
+    secret.add_argument("--identity", required=True, help="the party, job:index")
+    secret.add_argument("--name", required=True, help="the cluster name of `tfe-estimator k8s --name`")
+    secret.add_argument("--namespace", default=None, help="the Secret's namespace")
+    secret.add_argument("--secret-name", default="{name}-{job}-{index}-tls",
+                        help="as `tfe-estimator k8s --tls-secret` (default {name}-{job}-{index}-tls)")
+
     certs.epilog = "subcommands:\n" + "".join(
-        "  " + p.format_usage().replace("usage: ", "") for p in (ca, request, sign, federation, verify))
+        "  " + p.format_usage().replace("usage: ", "") for p in (ca, request, sign, federation, verify, secret))
     return certs
 
 
@@ -181,4 +191,13 @@ def run(args: argparse.Namespace) -> int:
         if not problems:
             print(f"{args.federation}: fine ({', '.join(federation.describe(i) for i in sorted(federation.parties))})")
         return 1 if problems else 0
+    if command == "secret":
+        import yaml  # pylint: disable=import-outside-toplevel
+
+        from tfe_estimator.identity.secret import party_secret  # pylint: disable=import-outside-toplevel
+
+        job, index = _split_identity(args.identity)
+        print(yaml.safe_dump(party_secret(args.dir, job, index, args.name, args.namespace, args.secret_name),
+                             sort_keys=False), end="")
+        return 0
     raise AssertionError(command)  # argparse allows only the subcommands above
