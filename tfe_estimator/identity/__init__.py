@@ -8,6 +8,7 @@ Below both the service (`tfe_estimator.service`) and the cluster layer
 - `federation`: the public federation file: each party's organisation and that organisation's CA,
   the servers' addresses and names; the per-organisation check of a caller's certificate.
 - `local`: the launcher's federation on one machine (each task its own organisation and directory).
+- `secret`: one party's Kubernetes Secret (its own files only).
 - `expiry`: warnings ahead of a certificate's expiry.
 - `diagnose`: what a server presented, when an owner's TLS handshake fails.
 
