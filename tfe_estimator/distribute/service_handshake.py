@@ -213,10 +213,11 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
 
 
 class ModelIdHook(tf.compat.v1.train.SessionRunHook):
-    """For evaluation: names the model's channels by its record and the evaluated weights (no handshake).
+    """For evaluation: names the model's channels by its record (no handshake).
 
-    Every owner evaluates the same checkpoint with the same model, so the id is equal on all of them,
-    and differs from the training's and any other model's.
+    Every owner evaluates the same model, so the id is equal on all of them and differs from any other
+    model's (and from the training's: an evaluation graph has no optimizer). The evaluated checkpoint's
+    step keys each evaluation's sums, so the channels are reused from one evaluation to the next.
 
     Args:
       settings, num_owners: as `ServiceHandshakeHook`; on_model: called with the id.
@@ -231,5 +232,5 @@ class ModelIdHook(tf.compat.v1.train.SessionRunHook):
 
     def after_create_session(self, session, coord):
         del coord
-        _, weights, fields = self._record.evaluate(session)
-        self._on_model(model_record.model_id([*fields, ("the weights", model_record.HASH, weights)]))
+        _, _, fields = self._record.evaluate(session)
+        self._on_model(model_record.model_id(fields))
