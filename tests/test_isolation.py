@@ -102,8 +102,13 @@ def _attack(workdir, tls):
         attack = subprocess.run([sys.executable, "-m", "tfe_estimator.tools.cli", "attack", "--network",
                                  cluster.network_file, "--read-file", secret],
                                 capture_output=True, text=True, timeout=300, check=False)
-    finally:
-        for task in ("chief-0", "worker-0", "evaluator-0"):
+    finally:  # the chief first: in-graph, a worker that ends while the chief runs is a failure
+        open(os.path.join(workdir, "chief-0", "stop"), "w").close()
+        chief = next(t for t in cluster.launcher.tasks if t.job == "chief")
+        deadline = time.monotonic() + 60
+        while chief.process is not None and chief.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for task in ("worker-0", "evaluator-0"):
             open(os.path.join(workdir, task, "stop"), "w").close()
     assert cluster.join() == 0, cluster.out.getvalue()[-3000:]
     return attack
