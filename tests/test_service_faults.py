@@ -35,14 +35,16 @@ def _progress(workdir, owner):
 
 
 def _kill_mid_training(workdir, victim, steps, *flags, join_secs=180, **kwargs):
-    """Launches 2 owners in service mode, kills `victim` once both trained 5 steps; (status, log)."""
+    """Launches 2 owners in service mode, kills `victim` (a task name or several) once both trained 5 steps;
+    (status, log)."""
     launcher = Launcher([sys.executable, SCRIPT, str(steps), str(LEARNING_RATE), "--step-seconds", "0.05", *flags],
                         workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"), out=io.StringIO(),
                         grace_seconds=5, cluster_mode="service", **kwargs)
     runner, status = _start(launcher)
     try:
         _wait_for(lambda: all(_progress(workdir, o) >= 5 for o in OWNERS), launcher, runner, 120, "both owners training")
-        _kill(launcher, victim)
+        for name in (victim,) if isinstance(victim, str) else victim:
+            _kill(launcher, name)
     finally:
         runner.join(timeout=join_secs)
     log = launcher._out.getvalue()  # pylint: disable=protected-access
@@ -75,16 +77,20 @@ def test_a_server_restarted_mid_training_recovers_to_the_undisturbed_weights(vic
     np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, 40), atol=1e-5)
 
 
-def test_an_owner_restarted_alone_catches_up_from_the_replay_window(tmp_path):
-    # The worker dies after 5 steps and restarts alone from its step-0 checkpoint while the chief waits in its
-    # step: the worker replays the released steps from the servers' window (nothing summed or released again)
-    # and joins; both owners end with the same weights, those of an undisturbed run. The chief never restarts.
+@pytest.mark.parametrize("victims", [("worker:0",), ("chief:0", "worker:0")])
+def test_restarted_owners_catch_up_from_the_replay_window(victims, tmp_path):
+    # After 5 steps the worker (alone, or every owner) dies and restarts from its step-0 checkpoint: it replays
+    # the released steps from the servers' window (nothing summed or released again) and joins the step the
+    # others wait in; the owners end with the same weights, those of an undisturbed run. Alone, the chief never
+    # restarts.
     workdir = str(tmp_path)
     data = _owner_data(workdir, OWNERS)
-    status, log = _kill_mid_training(workdir, "worker:0", 40, "--step-timeout-secs", "120", join_secs=240,
+    status, log = _kill_mid_training(workdir, victims, 40, "--step-timeout-secs", "120", join_secs=240,
                                      max_restarts=1, down_timeout=120)
-    assert "worker:0 died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
-    assert "chief:0 died" not in log, log[-5000:]
+    for victim in victims:
+        assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
+    if "chief:0" not in victims:
+        assert "chief:0 died" not in log, log[-5000:]
     assert status == [0], log[-5000:]
     assert log.count("owner finished at step 40") == 2, log[-5000:]
     weights = {owner: _weights(os.path.join(workdir, owner, "model"), 40) for owner in OWNERS}

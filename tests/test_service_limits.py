@@ -155,7 +155,7 @@ def test_a_timed_out_step_is_aborted_for_everyone_and_never_released_later(make_
 
 
 def test_mutation_without_the_abort_the_abandoned_vector_comes_back(make_service, monkeypatch):
-    def keep(self, current, why, keep_forward=True):
+    def keep(self, current, why):
         return steps.StepRefused("DEADLINE_EXCEEDED", f"step {current.step}: still missing "
                                  f"{self._missing(current)}")  # pylint: disable=protected-access
 
@@ -172,22 +172,23 @@ def test_mutation_without_the_abort_the_abandoned_vector_comes_back(make_service
 
 
 def test_a_share_masked_with_another_key_than_server0_summed_is_refused(make_service):
-    # Server0 released step 0 with the chief's key k1; the chief's share never reached server1; its fresh share
-    # (key k2, e.g. after a restart) must not be summed with server0's part of k1.
-    service = make_service(owner_names(1), step_timeout_secs=5.0)
+    # Server0 released step 0 with the chief's key k1 (its share not on server1 yet); a fresh share of key k2
+    # (e.g. after a restart) must not be summed with server0's part of k1; the same share of k1 completes it.
+    service = make_service(owner_names(1), step_timeout_secs=10.0)
     (chief,) = service.clients_of(1)
     x = np.arange(8, dtype=np.int64)
     share1, key1 = _mask(x)
     share2, key2 = _mask(x)
     stub = chief._stubs[0]["Contribute"]  # pylint: disable=protected-access
-    blind = stub(wire.encode("ContributeRequest", np.asarray(key1, "<i4"), channel="c", step=0, ring_bits=64,
-                             num_elements=8), timeout=10)  # server0 alone: released, forwarded
-    assert len(blind.payload) == 16
-    with pytest.raises(ServiceError) as e:
-        chief.contribute("c", 0, 64, 8, key2, share2)
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "masked with another key than the one server0 summed" in e.value.details
-    np.testing.assert_array_equal(_reveal(chief.contribute("c", 0, 64, 8, key1, share1)), x)  # the same one passes
+    key_only = wire.encode("ContributeRequest", np.asarray(key1, "<i4"), channel="c", step=0, ring_bits=64,
+                           num_elements=8)
+    results = in_threads([lambda: stub(key_only, timeout=20),  # server0 alone: released, forwarded, waits
+                          _later(0.5, lambda: chief.contribute("c", 0, 64, 8, key2, share2)),
+                          _later(1.0, lambda: chief.contribute("c", 0, 64, 8, key1, share1))])
+    assert isinstance(results[1], ServiceError) and results[1].code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "masked with another key than the one server0 summed" in results[1].details
+    np.testing.assert_array_equal(_reveal(results[2]), x)  # the same contribution completes the step
+    assert bytes(results[0].payload) == results[2][0].tobytes()  # one blind key: released once
 
 
 # ------------------------------------------------------------------ memory --

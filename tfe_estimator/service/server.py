@@ -149,7 +149,7 @@ class AggregationServer:
                             ("replay_window_bytes", replay_window_bytes)):
             if not is_int(value, minimum=1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1.")
-        self._max_workers = max_workers or 16 + max_waiting_puts * len(owners)
+        self._max_workers = max_workers or 16 + max_waiting_puts * (len(owners) + 1)  # the owners and server0
         self._max_elements, self._max_channels = max_elements, max_channels
         self._max_waiting = max_waiting_puts
         self._waiting: Dict[str, int] = {}  # owner -> its calls waiting on this server (under self._lock)
@@ -402,14 +402,21 @@ class AggregationServer:
             self._leave(identity)
 
     def _forwarded(self, identity: str, request, context, reply):
-        del identity
+        """Server0's part of a step: waits until server1 released the step (or aborted it), so that server0
+        keeps an answer only for a step server1 released too."""
         payload = request.payload
         self._check_request(request, payload, "ForwardBlinded")
-        _, channel = self._channel(None, request)
-        ticket = channel.put(len(self._owners), request.step, payload, np.frombuffer(payload, "<u8"),
-                             _digests(context, DIGESTS_METADATA))
-        if ticket.released is not None:
-            self._finish(channel, ticket.released)
+        self._enter(identity)
+        try:
+            _, channel = self._channel(None, request)
+            forwarder = len(self._owners)
+            ticket = channel.put(forwarder, request.step, payload, np.frombuffer(payload, "<u8"),
+                                 _digests(context, DIGESTS_METADATA))
+            if ticket.released is not None:
+                self._finish(channel, ticket.released)
+            channel.wait(forwarder, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())
+        finally:
+            self._leave(identity)
         return reply()
 
     def _handshake(self, identity: str, request, context, reply):

@@ -20,10 +20,11 @@ tells them to users):
 - a step not complete ``timeout_secs`` after it was opened, or whose caller's
   call ended, is aborted for everyone: the owners' contributions are dropped,
   every waiting call gets ABORTED naming the missing participants, and it is
-  never released with those parts (the owners may put it again). On server1 a
-  step that already holds server0's forwarded part keeps that part (server0
-  released the step and will not forward it again): the owners must put the
-  same masked shares again, which `client.OwnerClient` does;
+  never released with those parts (the owners may put it again). Server0's
+  forwarded part is a participant like the owners: its ``ForwardBlinded`` call
+  waits for server1's release, so server0 keeps a step's answer only if
+  server1 released it too (an abort on server1 fails server0's release, and the
+  owners put the step again on both);
 - memory: every byte held is reserved in a `budget.MemoryBudget` first;
 - a rewind drops only its owner's unreleased contributions (on every step).
 
@@ -282,7 +283,7 @@ class StepChannel:
                                                                                    current.step)
         self.ever_released = True
         for step in [s for s in self._open if s < current.step]:  # left only with a forwarded part
-            self._abort(self._open[step], f"step {current.step} was released after it", keep_forward=False)
+            self._abort(self._open[step], f"step {current.step} was released after it")
         self._cond.notify_all()
         return Released(current.step, current.acc, self.ring_bits, self.num_elements, result, dict(current.parts))
 
@@ -351,7 +352,7 @@ class StepChannel:
                                               f"last contributed step {last}") + ")")
         return ", ".join(missing)
 
-    def _abort(self, current: _Open, why: str, keep_forward: bool = True) -> StepRefused:
+    def _abort(self, current: _Open, why: str) -> StepRefused:
         """Aborts an open step for everyone (the caller holds the lock); returns the error its waiters get."""
         if current.aborted is not None or current.result is not None:
             return current.aborted
@@ -362,26 +363,11 @@ class StepChannel:
                        "owners put the step again. Check that the missing tasks run and reach this server.")
         current.aborted = error
         self._open.pop(current.step, None)
-        forwarded = len(self._owners) if len(self._owners) in current.parts else None
         for participant, charge in current.charges.items():
             self._budget.free(self._payer(participant), charge)
             if self._pending.get(participant) == current.step:
                 del self._pending[participant]
         current.charges.clear()
-        if forwarded is not None and keep_forward:
-            # Server0 released this step and will not forward it again: keep its part for the owners' same shares.
-            kept = _Open(current.step, self.words, time.monotonic() + self._timeout)
-            payload = current.parts[forwarded]
-            try:
-                self._budget.reserve(None, len(payload) + 8 * self.words, f"server0's part of step {current.step}")
-            except BudgetExceeded:
-                pass  # the part is dropped: the step cannot complete and its owners' puts are aborted again
-            else:
-                ring.add_into(kept.acc, self._addend_of(payload, self.words), self.ring_bits)
-                kept.parts[forwarded], kept.charges[forwarded] = payload, len(payload) + 8 * self.words
-                kept.expected = current.expected
-                self._pending[forwarded] = current.step
-                self._open[current.step] = kept
         self._cond.notify_all()
         return error
 
