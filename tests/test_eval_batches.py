@@ -106,3 +106,24 @@ def test_sparse_columns_evaluate_every_batch_count_to_the_plaintext_metrics_loss
         assert got.keys() == want.keys()
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (batch, key, got[key], want[key])
+
+
+def test_the_empty_safe_sparse_reshape_infers_minus_one_for_an_empty_batch_and_is_the_op_otherwise():
+    from tensorflow.python.ops import sparse_ops  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.distribute import distributed_eval  # pylint: disable=import-outside-toplevel
+
+    empty = tf.SparseTensor(tf.zeros([0, 2], tf.int64), tf.zeros([0], tf.int64), [0, 3])
+    full = tf.SparseTensor([[0, 1], [2, 0]], tf.constant([4, 5], tf.int64), [3, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="cannot infer"):
+        sparse_ops.sparse_reshape(empty, [tf.shape(empty)[0], -1])  # TensorFlow's own op
+    with distributed_eval.empty_safe_sparse_reshape():
+        reshaped = sparse_ops.sparse_reshape(empty, [tf.shape(empty)[0], -1])
+        same = sparse_ops.sparse_reshape(full, [-1, 1])
+    assert reshaped.dense_shape.numpy().tolist() == [0, 3]
+    assert same.dense_shape.numpy().tolist() == [6, 1] and same.indices.numpy().tolist() == [[1, 0], [4, 0]]
+    assert sparse_ops.sparse_reshape is distributed_eval._ORIGINAL_SPARSE_RESHAPE  # restored
+    # Which replicas have rows: any tensor's batch dimension, dense or sparse.
+    assert bool(distributed_eval.batch_has_rows(({"a": tf.zeros([0, 2]), "s": empty}, tf.zeros([0]))).numpy()) is False
+    assert bool(distributed_eval.batch_has_rows(({"s": full}, None)).numpy()) is True
+    assert distributed_eval.batch_has_rows(({"scalar": tf.constant(1.0)}, None)) is None
