@@ -70,30 +70,38 @@ def batch_has_rows(batch) -> Optional[tf.Tensor]:
 
 
 class LossRows:
-    """The last evaluation spec's per-replica loss and whether each replica's batch had rows.
+    """Evaluation specs' per-replica losses and whether each replica's batch had rows.
 
     Kept by the strategy between Estimator's two `call_for_each_replica`
-    calls (the model_fn, then ``metrics.mean(spec.loss)``). It holds graph
-    tensors, which Estimator's `copy.deepcopy` of its config cannot copy:
-    a copy starts empty.
+    calls (the model_fn, then ``metrics.mean(spec.loss)``), by the loss's
+    identity, so Estimators sharing a config may build evaluations at once
+    (the last `_KEEP`). It holds graph tensors, which Estimator's
+    `copy.deepcopy` of its config cannot copy: a copy starts empty.
     """
 
+    _KEEP = 8
+
     def __init__(self):
-        self.loss, self.has_rows = None, None
+        self._pending = {}  # id(loss) -> (loss, has_rows)
+        self._lock = threading.Lock()
 
     def __deepcopy__(self, memo):
         return type(self)()
 
     def record(self, loss, has_rows) -> None:
-        self.loss, self.has_rows = loss, has_rows
+        with self._lock:
+            self._pending[id(loss)] = (loss, has_rows)
+            while len(self._pending) > self._KEEP:
+                self._pending.pop(next(iter(self._pending)))
 
     def take(self, value):
-        """`has_rows` if `value` is the recorded loss (then forgotten), else None."""
-        if self.loss is None or value is not self.loss:
-            return None
-        has_rows = self.has_rows
-        self.loss, self.has_rows = None, None
-        return has_rows
+        """`has_rows` if `value` is a recorded loss (then forgotten), else None."""
+        with self._lock:
+            entry = self._pending.get(id(value))
+            if entry is None or entry[0] is not value:
+                return None
+            del self._pending[id(value)]
+            return entry[1]
 
 
 def masked_loss_mean(mean_fn):

@@ -172,7 +172,7 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
         if not eval_model_fn:
             return result
         spec, has_rows = result
-        if hasattr(spec, "loss"):
+        if getattr(spec, "loss", None) is not None:
             self._tfe_eval_loss.record(spec.loss, has_rows)
         if isinstance(getattr(spec, "eval_metric_ops", None), dict):
             distributed_eval.mend_accuracy_baseline(spec.eval_metric_ops)
