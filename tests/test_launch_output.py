@@ -11,6 +11,9 @@ pytestmark = [pytest.mark.multiprocess]
 
 NOISE = ("print('WARNING:tensorflow:From /x/estimator.py:12: Estimator.__init__ (from tensorflow) is deprecated and "
          "will be removed in a future version.'); print('Instructions for updating:'); print('Use tf.keras instead.'); "
+         "print('E external/local_xla/xla/stream_executor/cuda/cuda_dnn.cc:9261] Unable to register cuDNN factory: x'); "
+         "print('/x/dataset_ops.py:462: UserWarning: To make it possible to preserve tf.data options across ...'); "
+         "print('  warnings.warn(\"To make it possible to preserve tf.data options across \"'); "
          "print('step 10: loss 0.5')")
 
 
@@ -26,7 +29,8 @@ def test_tensorflows_deprecation_warnings_are_hidden_unless_asked_for(tf_warning
     assert launcher.run() == 0, out.getvalue()
     log = "\n".join(line for line in out.getvalue().splitlines() if line.startswith("[chief:0]"))  # its output
     assert "[chief:0] step 10: loss 0.5" in log
-    for noise in ("is deprecated", "Instructions for updating", "Use tf.keras instead."):
+    for noise in ("is deprecated", "Instructions for updating", "Use tf.keras instead.", "cuDNN factory",
+                  "preserve tf.data options"):
         assert (noise in log) == tf_warnings, (noise, log)
     _assert_all_gone(launcher)
 

@@ -85,8 +85,15 @@ _SERVICE_SERVING_JOBS = (TFE_JOB,)
 SERVICE_TFE_TASKS = 2
 
 
+#: Lines every TensorFlow 2.15 process prints that mean nothing for a CPU cluster (hidden with the deprecations):
+#: the CUDA plugins registered twice (printed at ERROR level on machines without a GPU).
+_BENIGN_NOISE = ("Unable to register cuDNN factory", "Unable to register cuFFT factory",
+                 "Unable to register cuBLAS factory")
+
+
 class _DeprecationFilter:
-    """Drops TensorFlow's deprecation warnings from a task's terminal output (`Launcher(tf_warnings=True)` keeps them).
+    """Drops TensorFlow's deprecation warnings and known benign noise from a task's terminal output
+    (`Launcher(tf_warnings=True)` keeps them).
 
     TensorFlow 1.x-style APIs (Estimator) print, per deprecated call site, a
     ``WARNING:tensorflow:From <file>: <name> ... is deprecated ...`` line, then
@@ -102,6 +109,11 @@ class _DeprecationFilter:
             self._skip -= 1
             return False
         if "is deprecated" in line and ("WARNING:tensorflow:From" in line or "deprecation.py" in line):
+            return False
+        if any(noise in line for noise in _BENIGN_NOISE):
+            return False
+        if "UserWarning: To make it possible to preserve tf.data options" in line:
+            self._skip = 1  # and the `warnings.warn(...)` source line Python prints after it
             return False
         if line.startswith("Instructions for updating"):
             self._skip = 1  # and its one line of advice
