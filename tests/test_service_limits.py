@@ -191,6 +191,42 @@ def test_a_share_masked_with_another_key_than_server0_summed_is_refused(make_ser
     assert bytes(results[0].payload) == results[2][0].tobytes()  # one blind key: released once
 
 
+def _step_after_an_abort_on_server1(service) -> bool:
+    """The worker's key reaches server0 (server0 releases step 0) but its share never reaches server1, which
+    aborts the step. True if the owners, putting step 0 again with fresh contributions, get their new sum."""
+    chief, worker = service.clients_of(2)
+    key_only = wire.encode("ContributeRequest", np.frombuffer(os.urandom(16), "<i4"), channel="c", step=0,
+                           ring_bits=64, num_elements=8)
+    first = in_threads([lambda: _put(chief, 0),
+                        lambda: worker._stubs[0]["Contribute"](key_only, timeout=10)])  # pylint: disable=W0212
+    if not all(isinstance(r, Exception) for r in first):
+        return False  # server0 answered a step server1 never released
+    again = in_threads([lambda: _put(chief, 0, x=np.full(8, 5, np.int64)),
+                        lambda: _put(worker, 0, x=np.full(8, 7, np.int64))])
+    return all(isinstance(r, tuple) and np.array_equal(_reveal(r), np.full(8, 12)) for r in again)
+
+
+def test_server0_keeps_a_step_only_if_server1_released_it_so_an_aborted_step_can_be_put_again(make_service):
+    assert _step_after_an_abort_on_server1(make_service(owner_names(2), step_timeout_secs=1.0))
+
+
+def test_mutation_a_forward_that_does_not_wait_leaves_server0_with_a_step_server1_never_released(
+        make_service, monkeypatch):
+    from tfe_estimator.service import server as server_module  # pylint: disable=import-outside-toplevel
+
+    def forwarded_without_waiting(self, identity, request, context, reply):
+        del identity
+        _, channel = self._channel(None, request)  # pylint: disable=protected-access
+        ticket = channel.put(len(self._owners), request.step, request.payload,  # pylint: disable=protected-access
+                             np.frombuffer(request.payload, "<u8"), None)
+        if ticket.released is not None:
+            self._finish(channel, ticket.released)  # pylint: disable=protected-access
+        return reply()
+
+    monkeypatch.setattr(server_module.AggregationServer, "_forwarded", forwarded_without_waiting)
+    assert not _step_after_an_abort_on_server1(make_service(owner_names(2), step_timeout_secs=1.0))
+
+
 # ------------------------------------------------------------------ memory --
 
 def _rss() -> int:
