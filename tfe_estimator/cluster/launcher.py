@@ -329,10 +329,6 @@ class Launcher:
                 self.isolation.set_private_dirs({(job, index): self.task_tls_dir(job, index)
                                                  for job, addresses in self.cluster.jobs.items()
                                                  for index in range(len(addresses))})
-            if self.isolation is not None:  # ... and, in its own mount and PID namespaces, no other task's
-                self.isolation.set_private_dirs({(job, index): self.task_tls_dir(job, index)
-                                                 for job, addresses in self.cluster.jobs.items()
-                                                 for index in range(len(addresses))})
         self.tasks = []
         for job, addresses in self.cluster.jobs.items():
             for index in range(len(addresses)):
