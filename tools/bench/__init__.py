@@ -164,7 +164,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 cpu = row["cpu_ms_per_step"]
                 service = (f"; CPU ms/step: servers {', '.join(f'{v:.1f}' for v in cpu['servers'])}, owners "
                            f"{', '.join(f'{v:.1f}' for v in cpu['service_owners'].values())} (MWMS owners "
-                           f"{', '.join(f'{v:.1f}' for v in cpu['mwms_owners'].values())})")
+                           f"{', '.join(f'{v:.1f}' for v in cpu['mwms_owners'].values())}); "
+                           f"{row['round_trips_per_step']:g} round trips/step, per owner "
+                           f"{row['bytes_per_owner_per_step']['up']:,.0f} B up, "
+                           f"{row['bytes_per_owner_per_step']['down']:,.0f} B down; predicted "
+                           + ", ".join(f"{v:.1f} ms/step at {k}" for k, v in row["predicted_ms_per_step"].items()))
             anchor = "MultiWorkerMirroredStrategy" if case.service else "plaintext"
             print(f"[bench] {case.name:>20}: {case.describe()}: secure {row['secure_ms_per_step']:.2f} ms/step, "
                   f"{anchor} {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "

@@ -131,6 +131,31 @@ def _service_anchors(cases) -> list:
     ]
 
 
+def _service_distance(cases) -> list:
+    """The service cases' round trips and bytes per step, and their step predicted at a distance."""
+    rows = []
+    for c in cases:
+        if c.get("service") and "round_trips_per_step" in c:
+            predicted = " | ".join(f"{v:.1f}" for v in c["predicted_ms_per_step"].values())
+            rows.append(f"| {c['name']} | {c['round_trips_per_step']:g} | {c['bytes_per_owner_per_step']['up']:,.0f} | "
+                        f"{c['bytes_per_owner_per_step']['down']:,.0f} | {c['secure_ms_per_step']:.2f} | {predicted} |")
+    if not rows:
+        return []
+    links = next(c for c in cases if c.get("service") and "round_trips_per_step" in c)["predicted_ms_per_step"]
+    return [
+        "",
+        "Service-mode cases at a distance: sequential round trips per step (Contribute calls x 2: the owner's "
+        "and server0's forward to server1), bytes per owner and step, and the step predicted by "
+        "`tools.bench.distance.predict_step_ms` (loopback step + round trips x RTT + bytes / bandwidth; "
+        "`python -m tools.bench.distance` checks it through a delaying relay):",
+        "",
+        "| case | round trips/step | up B/owner/step | down B/owner/step | loopback ms/step | "
+        + " | ".join(f"predicted ms/step, {k}" for k in links) + " |",
+        "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in links) + " |",
+        *rows,
+    ]
+
+
 def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
     """BENCHMARKS.md: machine, method, the table, the secure sum alone, traffic."""
     m, s = results["machine"], results["settings"]
@@ -175,6 +200,7 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
             f"{c['download_bytes_per_param_per_replica_per_step']:.3f} |"
         )
     lines += _service_anchors(results["cases"])
+    lines += _service_distance(results["cases"])
     micro = results.get("secure_sum") or []
     if micro:
         lines += [

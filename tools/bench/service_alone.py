@@ -12,7 +12,10 @@ Run::
     PYTHONPATH=. python -m tools.bench.service_alone --elements 100000 1000000 --steps 50 --owners 2
 
 Prints per size: wall ms per step, CPU ms per step of server0, server1 and of
-all owner clients together, and ns per parameter (per owner for the clients).
+all owner clients together, ns per parameter (per owner for the clients), and
+per owner and step the round trips (Contribute calls) and bytes up and down.
+`measure` also runs the owners through a latency-adding relay
+(`tools.bench.distance`).
 """
 import argparse
 import subprocess
@@ -20,44 +23,79 @@ import sys
 import tempfile
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import portpicker
 
 from tools.bench.service_case import process_cpu_seconds
 
-__all__ = ["main"]
+__all__ = ["main", "measure"]
 
 _SERVER = """
 import sys
 from tfe_estimator.service import AggregationServer, TlsFiles
 role, certs, addresses, owners = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
 server = AggregationServer(role, addresses[role], owners, TlsFiles.from_dir(certs, "tfe", role),
-                           peer_address=addresses[1] if role == 0 else None)
+                           peer_address=sys.argv[5] if role == 0 else None)
 server.start()
 print("up", flush=True)
 server.wait()
 """
 
 
-def _measure(elements: int, steps: int, owners: int, certs_dir: str) -> str:
+def _start_relays(addresses: List[str], rtt_ms: float, bandwidth_mbps: Optional[float]):
+    """A `tools.bench.relay` process relaying to each server; returns it and its addresses, in order."""
+    from tools.bench import relay as relay_module  # pylint: disable=import-outside-toplevel
+
+    # The file as a script: `-m tools.bench.relay` would import the package, and TensorFlow with it.
+    command = [sys.executable, relay_module.__file__, "--rtt-ms", str(rtt_ms)]
+    command += [f"--target={a}" for a in addresses]
+    if bandwidth_mbps is not None:
+        command += ["--bandwidth-mbps", str(bandwidth_mbps)]
+    relay = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,  # pylint: disable=consider-using-with
+                             text=True)
+    line = relay.stdout.readline().strip()
+    if not line.startswith("relay ports "):
+        relay.kill()
+        relay.wait()
+        raise RuntimeError(f"the relay did not start (it printed {line!r})")
+    return relay, [f"localhost:{p}" for p in line.split()[-1].split(",")]
+
+
+def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Optional[float] = None,
+            bandwidth_mbps: Optional[float] = None) -> Dict:
+    """Times `steps` secure sums of `elements` between `owners` owner threads and two server processes.
+
+    With `rtt_ms`, every owner reaches each server, and server0 reaches server1, through a
+    `tools.bench.relay` process adding that round-trip time (and `bandwidth_mbps` per connection).
+
+    Returns wall ``ms_per_step``; CPU ms per step of ``server_cpu_ms`` (server0, server1) and ``owners_cpu_ms``
+    (all owner clients); per owner and step the Contribute calls (``calls_per_step``: one round trip to both
+    servers each) and the serialized bytes sent and received (``up_bytes``, ``down_bytes``), counted by the
+    clients' counters (`OwnerClient.bytes_sent`, ``bytes_received``, ``contributions``); the server pids.
+    """
     from tfe_estimator.service import OwnerClient, TlsFiles  # pylint: disable=import-outside-toplevel
 
     tasks = [("chief", 0)] + [("worker", i) for i in range(owners - 1)]
     addresses = [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]
+    relay, reached = None, addresses
+    if rtt_ms is not None:
+        relay, reached = _start_relays(addresses, rtt_ms, bandwidth_mbps)
     servers = {}
-    for role in (1, 0):  # server1 first: server0 connects to it
-        servers[role] = subprocess.Popen(  # pylint: disable=consider-using-with
-            [sys.executable, "-c", _SERVER, str(role), certs_dir, ",".join(addresses),
-             ",".join(f"{j}:{i}" for j, i in tasks)], stdout=subprocess.PIPE, text=True)
-        if servers[role].stdout.readline().strip() != "up":
-            raise RuntimeError(f"aggregation server{role} did not start")
-    clients = [OwnerClient(addresses, TlsFiles.from_dir(certs_dir, job, index)) for job, index in tasks]
-    rng = np.random.default_rng(0)
-    shares = [rng.integers(-2**62, 2**62, elements, dtype=np.int64) for _ in tasks]
-    key = np.arange(4, dtype=np.int32)
+    clients: List = []
     try:
+        for role in (1, 0):  # server1 first: server0 connects to it
+            servers[role] = subprocess.Popen(  # pylint: disable=consider-using-with
+                [sys.executable, "-c", _SERVER, str(role), certs_dir, ",".join(addresses),
+                 ",".join(f"{j}:{i}" for j, i in tasks), reached[1]], stdout=subprocess.PIPE, text=True)
+            if servers[role].stdout.readline().strip() != "up":
+                raise RuntimeError(f"aggregation server{role} did not start")
+        clients = [OwnerClient(reached, TlsFiles.from_dir(certs_dir, job, index)) for job, index in tasks]
+        rng = np.random.default_rng(0)
+        shares = [rng.integers(-2**62, 2**62, elements, dtype=np.int64) for _ in tasks]
+        key = np.arange(4, dtype=np.int32)
+
         def run(first: int, count: int) -> None:
             def owner(k: int) -> None:
                 for step in range(first, first + count):
@@ -68,24 +106,41 @@ def _measure(elements: int, steps: int, owners: int, certs_dir: str) -> str:
             for thread in threads:
                 thread.join()
 
+        def counters():
+            return ([process_cpu_seconds(servers[r].pid) for r in (0, 1)], time.process_time(), time.perf_counter(),
+                    [sum(getattr(c, n) for c in clients) for n in ("contributions", "bytes_sent", "bytes_received")])
+
         run(0, 3)
-        before = [process_cpu_seconds(servers[r].pid) for r in (0, 1)], time.process_time(), time.perf_counter()
+        before = counters()
         run(3, steps)
-        after = [process_cpu_seconds(servers[r].pid) for r in (0, 1)], time.process_time(), time.perf_counter()
+        after = counters()
     finally:
         for client in clients:
             client.close()
         for server in servers.values():
             server.terminate()
             server.wait(timeout=30)
-    server_ms = [1e3 * (a - b) / steps for a, b in zip(after[0], before[0])]
-    owners_ms = 1e3 * (after[1] - before[1]) / steps
-    wall_ms = 1e3 * (after[2] - before[2]) / steps
+        if relay is not None:
+            relay.stdin.close()
+            relay.wait(timeout=30)
+    calls, sent, received = [(a - b) / steps / owners for a, b in zip(after[3], before[3])]
+    return {"elements": elements, "owners": owners, "rtt_ms": rtt_ms, "bandwidth_mbps": bandwidth_mbps,
+            "ms_per_step": 1e3 * (after[2] - before[2]) / steps,
+            "server_cpu_ms": [1e3 * (a - b) / steps for a, b in zip(after[0], before[0])],
+            "owners_cpu_ms": 1e3 * (after[1] - before[1]) / steps,
+            "calls_per_step": calls, "up_bytes": sent, "down_bytes": received,
+            "server_pids": [servers[0].pid, servers[1].pid]}
+
+
+def _measure(elements: int, steps: int, owners: int, certs_dir: str) -> str:
+    m = measure(elements, steps, owners, certs_dir)
+    server_ms, owners_ms, wall_ms = m["server_cpu_ms"], m["owners_cpu_ms"], m["ms_per_step"]
     per_param = [1e6 * ms / elements for ms in server_ms] + [1e6 * owners_ms / elements / owners]
-    return (f"{elements:,} elements, {owners} owners (server pids {servers[0].pid}, {servers[1].pid}): wall "
-            f"{wall_ms:.2f} ms/step; CPU ms/step server0 {server_ms[0]:.2f}, server1 {server_ms[1]:.2f}, owner "
+    return (f"{elements:,} elements, {owners} owners (server pids {m['server_pids'][0]}, {m['server_pids'][1]}): "
+            f"wall {wall_ms:.2f} ms/step; CPU ms/step server0 {server_ms[0]:.2f}, server1 {server_ms[1]:.2f}, owner "
             f"clients {owners_ms:.2f}; ns/param server0 {per_param[0]:.1f}, server1 {per_param[1]:.1f}, "
-            f"each owner's client {per_param[2]:.1f}")
+            f"each owner's client {per_param[2]:.1f}; per owner and step {m['calls_per_step']:.0f} round trip(s), "
+            f"{m['up_bytes']:,.0f} B up, {m['down_bytes']:,.0f} B down")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -53,6 +53,9 @@ SERVER_PIDS_ENV = "TFE_BENCH_SERVER_PIDS"
 _SHORT_PARAMS = 10**7
 #: Bytes of one float32 value.
 _FLOAT_BYTES = 4
+#: The distance at which the service cases' step is predicted (`tools.bench.distance.predict_step_ms`):
+#: owners and servers 20 ms apart, on 1 Gbit/s links.
+DISTANCE_RTT_MS, DISTANCE_MBPS = 20.0, 1000.0
 
 
 def run_service_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
@@ -92,7 +95,26 @@ def run_service_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
         owner_ms_per_step={twin: [{o: r[o]["ms_per_step"] for o in r} for r in launches[twin]] for twin in twins},
     )
     row.update(_service_figures(launches, params, rounds))
+    row.update(_distance_figures(row))
     return row
+
+
+def _distance_figures(row: Dict) -> Dict:
+    """Round trips and bytes per owner and step, and the step predicted at `DISTANCE_RTT_MS` (`tools.bench.distance`).
+
+    Bytes are the chief's client's per step (each owner sends and receives the same); round trips are its
+    Contribute calls per step x `distance.SERVICE_HOPS` (the owner's and server0's forward to server1).
+    """
+    from tools.bench.distance import SERVICE_HOPS, predict_step_ms  # pylint: disable=import-outside-toplevel
+
+    round_trips = row["contributions_per_step"] * SERVICE_HOPS
+    up, down = row["upload_bytes_per_step"], row["download_bytes_per_step"]
+    return {"round_trips_per_step": round_trips,
+            "bytes_per_owner_per_step": {"up": up, "down": down},
+            "predicted_ms_per_step": {f"rtt {DISTANCE_RTT_MS:g} ms": predict_step_ms(
+                row["secure_ms_per_step"], round_trips, up, down, DISTANCE_RTT_MS),
+                f"rtt {DISTANCE_RTT_MS:g} ms, {DISTANCE_MBPS:g} Mbit/s": predict_step_ms(
+                row["secure_ms_per_step"], round_trips, up, down, DISTANCE_RTT_MS, DISTANCE_MBPS * 1e6 / 8)}}
 
 
 def _service_figures(launches: Dict[str, List[Dict]], params: int, rounds: int) -> Dict:
