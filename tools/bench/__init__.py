@@ -67,6 +67,7 @@ def service_cases() -> List[Workload]:
         Workload("svc-linear-1e5", "linear", 100_000, **service),
         Workload("svc-dnn-256", "dnn", 256, hidden_units=(512, 256, 128), **service),
         Workload("svc-linear-1e6", "linear", 1_000_000, **service),
+        Workload("svc-linear-1e5-3own", "linear", 100_000, replicas=3, **service),  # docs: three hospitals
         Workload("svc-linear-1e5-4own", "linear", 100_000, replicas=4, **service),
         Workload("svc-linear-1e5-8own", "linear", 100_000, replicas=8, **service),
         Workload("svc-linear-1e5-ring32", "linear", 100_000, update_ring_bits=32, clip_norm=10.0, **service),

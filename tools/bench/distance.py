@@ -100,14 +100,17 @@ def compare(elements: int, owners: int, steps: int, rtt_ms: float, bandwidth_mbp
               "predicted_ms": predicted, "measured_ms": ms["relayed"],
               "measured_over_predicted": ms["relayed"] / predicted,
               "runs_ms": {name: [r["ms_per_step"] for r in rs] for name, rs in runs.items() if rs}}
-    if control:
+    if control:  # the relay's own cost on this machine, apart from the distance it adds
         result["relay_0ms_ms"] = ms["control"]
+        result["predicted_from_relay_0ms_ms"] = predict_step_ms(
+            ms["control"], round_trips, loopback["up_bytes"], loopback["down_bytes"], rtt_ms, rate)
     return result
 
 
 def _line(r: Dict) -> str:
     link = f"RTT {r['rtt_ms']:g} ms" + (f", {r['bandwidth_mbps']:g} Mbit/s" if r["bandwidth_mbps"] else "")
-    control = f"; relay at 0 ms {r['relay_0ms_ms']:.1f} ms" if "relay_0ms_ms" in r else ""
+    control = (f"; through the relay at 0 ms {r['relay_0ms_ms']:.1f} ms/step, predicted from it "
+               f"{r['predicted_from_relay_0ms_ms']:.1f}" if "relay_0ms_ms" in r else "")
     return (f"[distance] {r['elements']:,} elements, {r['owners']} owners, {link} (medians of {r['rounds']} runs of "
             f"{r['steps']} steps): loopback {r['loopback_ms']:.1f} "
             f"ms/step, {r['round_trips_per_step']:g} round trips/step ({r['calls_per_step']:g} Contribute x "
