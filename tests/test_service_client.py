@@ -71,3 +71,38 @@ def test_without_patience_the_aborted_step_fails_at_once(make_service):
     chief = service.client("chief", 0, retry_secs=0.0)
     result = in_threads([lambda: _put(chief, 0)])[0]
     assert isinstance(result, ServiceError) and "still missing worker:0" in result.details
+
+
+def _restart_server0_mid_step(service, cert_dir, retry_secs):
+    """The chief waits in step 0 when server0 dies (its calls cut) and a new server0 starts at its address; the
+    worker puts step 0 then. Returns both owners' results."""
+    from tfe_estimator.service import AggregationServer, TlsFiles  # pylint: disable=import-outside-toplevel
+
+    chief = service.client("chief", 0, retry_secs=retry_secs, timeout_secs=15.0)
+    worker = service.client("worker", 0, retry_secs=retry_secs, timeout_secs=15.0)
+    server0 = service.servers[1]
+
+    def restart():
+        time.sleep(1.0)
+        server0._server.stop(0)  # pylint: disable=protected-access  # as if killed: no goodbye to the calls
+        time.sleep(0.5)
+        fresh = AggregationServer(0, service.addresses[0], service.owners, TlsFiles.from_dir(cert_dir, "tfe", 0),
+                                  peer_address=service.addresses[1], step_timeout_secs=15.0)
+        fresh.start()
+        service.servers.append(fresh)
+        return _put(worker, 0)
+
+    return in_threads([lambda: _put(chief, 0), restart])
+
+
+def test_a_server_restarted_mid_step_is_waited_out_with_the_same_contribution(make_service, cert_dirs):
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    for result in _restart_server0_mid_step(service, cert_dirs[0], retry_secs=None):
+        blind, w = result
+        np.testing.assert_array_equal((w.view(np.uint64) + ring.keystream_words(blind, 8)).view(np.int64),
+                                      2 * np.arange(8))
+
+
+def test_without_patience_a_restarted_server_fails_the_waiting_owner(make_service, cert_dirs):
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    assert isinstance(_restart_server0_mid_step(service, cert_dirs[0], retry_secs=0.0)[0], ServiceError)

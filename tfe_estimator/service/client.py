@@ -134,13 +134,16 @@ class OwnerClient:
         return None
 
     def _await(self, method: str, what: str, calls: Dict[int, "grpc.Future"], start: float) -> None:
-        """Waits until every call in `calls` is done; names a server that does not answer within seconds and
-        every ~10 s after (WARNING), e.g. ``waiting for aggregation server0 at host:port: connection refused
-        (20 s)``."""
+        """Waits until a call in `calls` is done (its failure may be retried at once); names a server that does
+        not answer within seconds and every ~10 s after (WARNING), e.g. ``waiting for aggregation server0 at
+        host:port: connection refused (20 s)``."""
         next_check = start + _FIRST_CHECK_SECS
+        done = threading.Event()
+        for call in calls.values():
+            call.add_done_callback(lambda _: done.set())
         while True:
             pending = {k: c for k, c in calls.items() if not c.done()}
-            if not pending:
+            if len(pending) < len(calls):
                 return
             now = time.monotonic()
             if now >= next_check:
@@ -153,12 +156,7 @@ class OwnerClient:
                     elif now - start >= _NOTICE_SECS:
                         _LOG.info("service mode: %s of %s waits on aggregation server%d for the other owners "
                                   "(%.0f s)", method, what, server, now - start)
-            try:
-                next(iter(pending.values())).result(timeout=min(1.0, max(0.05, next_check - now)))
-            except grpc.FutureTimeoutError:
-                pass
-            except grpc.RpcError:
-                pass  # read by the caller
+            done.wait(timeout=min(1.0, max(0.05, next_check - now)))
 
     def _error(self, method: str, server: int, error: grpc.RpcError) -> ServiceError:
         return ServiceError(method, self._addresses[server], error.code(), error.details())
