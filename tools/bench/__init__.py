@@ -99,6 +99,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--no-cluster", action="store_true", help="skip the loopback cluster cases")
     parser.add_argument("--no-secure-sum", action="store_true", help="skip the secure-sum microbenchmark")
     parser.add_argument("--protocol", default="pond", help="tf-encrypted protocol (default pond)")
+    parser.add_argument("--relay-rtt-ms", type=float, default=None,
+                        help="svc-* cases: also run the service with each owner's links to the servers through a "
+                             "relay adding this round-trip time, measured beside the predicted step")
     parser.add_argument("--markdown", default=None, help="also write the Markdown report to this path")
     parser.add_argument("--plot", default=None, help="also copy the PNG plot to this path")
     parser.add_argument("--cluster-task", default=None, help=argparse.SUPPRESS)  # JSON of one case, for tasks
@@ -116,6 +119,7 @@ def _settings(args) -> Dict:
         "protocol": args.protocol,
         "precision": "low",
         "quick": quick,
+        "relay_rtt_ms": args.relay_rtt_ms,
     }
 
 
@@ -170,6 +174,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            f"{row['bytes_per_owner_per_step']['up']:,.0f} B up, "
                            f"{row['bytes_per_owner_per_step']['down']:,.0f} B down; predicted "
                            + ", ".join(f"{v:.1f} ms/step at {k}" for k, v in row["predicted_ms_per_step"].items()))
+                if "relayed_owner_links" in row:
+                    r = row["relayed_owner_links"]
+                    service += (f"; owners' links through the relay at {r['rtt_ms']:g} ms: predicted "
+                                f"{r['predicted_ms_per_step']:.1f} ms/step, measured {r['measured_ms_per_step']:.1f}")
             anchor = "MultiWorkerMirroredStrategy" if case.service else "plaintext"
             print(f"[bench] {case.name:>20}: {case.describe()}: secure {row['secure_ms_per_step']:.2f} ms/step, "
                   f"{anchor} {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "

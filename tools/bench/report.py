@@ -142,6 +142,14 @@ def _service_distance(cases) -> list:
     if not rows:
         return []
     links = next(c for c in cases if c.get("service") and "round_trips_per_step" in c)["predicted_ms_per_step"]
+    relayed = [f"| {c['name']} | {r['rtt_ms']:g} | {c['contributions_per_step']:g} | {c['secure_ms_per_step']:.2f} | "
+               f"{r['predicted_ms_per_step']:.1f} | {r['measured_ms_per_step']:.1f} |"
+               for c in cases if c.get("service") and (r := c.get("relayed_owner_links"))]
+    if relayed:
+        relayed = ["", "Checked (`--relay-rtt-ms`): the service twin again with each owner's links to the servers "
+                   "through `tools.bench.relay` (server0 reaches server1 directly, so one round trip per call):", "",
+                   "| case | RTT ms | round trips/step | loopback ms/step | predicted ms/step | measured ms/step |",
+                   "| --- | ---: | ---: | ---: | ---: | ---: |", *relayed]
     return [
         "",
         "Service-mode cases at a distance: sequential round trips per step (Contribute calls x 2: the owner's "
@@ -153,6 +161,7 @@ def _service_distance(cases) -> list:
         + " | ".join(f"predicted ms/step, {k}" for k in links) + " |",
         "| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in links) + " |",
         *rows,
+        *relayed,
     ]
 
 

@@ -47,6 +47,8 @@ __all__ = ["run_service_case", "run_owner_task", "process_cpu_seconds", "TWINS"]
 #: Service mode: owners through the aggregation service (mTLS) and the MultiWorkerMirroredStrategy anchor,
 #: in the order of even rounds.
 TWINS = ("service", "mwms")
+#: The service twin with each owner's links to the servers through `tools.bench.relay` (``--relay-rtt-ms``).
+RELAYED = "service-relayed"
 #: Environment of a service-mode owner task: the aggregation servers' pids (comma-separated), for their CPU.
 SERVER_PIDS_ENV = "TFE_BENCH_SERVER_PIDS"
 #: Parameters from which a case runs once, short (a 1e7-parameter step moves ~160 MB per owner).
@@ -60,7 +62,7 @@ DISTANCE_RTT_MS, DISTANCE_MBPS = 20.0, 1000.0
 
 def run_service_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
     """Launches each twin once per round on a loopback cluster of `workload.replicas` owners."""
-    twins = TWINS
+    twins = TWINS + ((RELAYED,) if settings.get("relay_rtt_ms") is not None else ())
     rounds = max(1, settings["rounds"] // 3)  # a launch costs seconds: fewer, longer rounds
     timed = settings["steps"] * 3
     if workload.features >= _SHORT_PARAMS:  # "it works": one short launch per twin
@@ -96,6 +98,16 @@ def run_service_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
     )
     row.update(_service_figures(launches, params, rounds))
     row.update(_distance_figures(row))
+    if RELAYED in launches:  # checked: the same cluster with each owner's links through a delaying relay
+        rtt = settings["relay_rtt_ms"]
+        relayed = statistics.median(r["chief"]["ms_per_step"] for r in launches[RELAYED])
+        from tools.bench.distance import predict_step_ms  # pylint: disable=import-outside-toplevel
+
+        # Only the owners' links are relayed (server0 reaches server1 directly): one round trip per call.
+        predicted = predict_step_ms(row["secure_ms_per_step"], row["contributions_per_step"],
+                                    row["upload_bytes_per_step"], row["download_bytes_per_step"], rtt)
+        row["relayed_owner_links"] = {"rtt_ms": rtt, "measured_ms_per_step": relayed, "predicted_ms_per_step":
+                                      predicted, "round_ms": [r["chief"]["ms_per_step"] for r in launches[RELAYED]]}
     return row
 
 
@@ -195,6 +207,14 @@ def run_owner_task(task: Dict) -> int:
     settings, twin = task["settings"], task["twin"]
     cluster = TfeCluster.from_environment()
     kwargs = estimator_settings(os.path.abspath("model"))
+    relays = []
+    if twin == RELAYED:  # this owner reaches each server through its own delaying relay (TLS end to end)
+        from tools.bench.relay import DelayRelay  # pylint: disable=import-outside-toplevel
+
+        tf_config = json.loads(os.environ["TF_CONFIG"])
+        relays = [DelayRelay(a, settings["relay_rtt_ms"]).start() for a in tf_config["cluster"][TFE_JOB]]
+        tf_config["cluster"][TFE_JOB] = [r.address for r in relays]
+        os.environ["TF_CONFIG"] = json.dumps(tf_config)
     if twin != "mwms":  # service mode
         from tfe_estimator.distribute.run_config import TfeRunConfig  # pylint: disable=import-outside-toplevel
 
@@ -206,13 +226,17 @@ def run_owner_task(task: Dict) -> int:
         os.environ["TF_CONFIG"] = json.dumps(tf_config)
         strategy = tf.compat.v1.distribute.experimental.MultiWorkerMirroredStrategy()
         config = tf.estimator.RunConfig(train_distribute=strategy, **kwargs)
-    timer = _StepTimes(settings["warmup"], timed=task["timed"], service=twin == "service",
+    timer = _StepTimes(settings["warmup"], timed=task["timed"], service=twin != "mwms",
                        chief=cluster.task_type == "chief")
     estimator = make_estimator(workload, config)
     data = input_fn(workload.features, settings["batch_size"])
-    tf.estimator.train_and_evaluate(
-        estimator, tf.estimator.TrainSpec(data, max_steps=settings["warmup"] + task["timed"], hooks=[timer]),
-        tf.estimator.EvalSpec(data, steps=1))
+    try:
+        tf.estimator.train_and_evaluate(
+            estimator, tf.estimator.TrainSpec(data, max_steps=settings["warmup"] + task["timed"], hooks=[timer]),
+            tf.estimator.EvalSpec(data, steps=1))
+    finally:
+        for relay in relays:
+            relay.close()
     result = {"ms_per_step": 1e3 * statistics.median(timer.times), "timed_steps": len(timer.times), **timer.graph,
               **timer.usage}
     with open("result.json", "w") as f:
