@@ -230,6 +230,11 @@ class OwnerClient:
                                      patience - time.monotonic())
                         time.sleep(0.2 if e.code() == grpc.StatusCode.ABORTED else 1.0)
                         calls[server] = put(server)
+                        if server == 0 and 1 in replies:
+                            # Server0 releases the step again (its first release failed): server1's answer must
+                            # come from that same release (w and the blind key pair up), so ask server1 again.
+                            del replies[1]
+                            calls[1] = put(1)
                         continue
                     for other in calls.values():
                         other.cancel()
