@@ -1,9 +1,11 @@
 """`tfe-estimator k8s`: Kubernetes manifests for a secure-aggregation cluster, from the command line.
 
-The rendering is `tfe_estimator.cluster.manifests` (plain manifests) and
-`tfe_estimator.cluster.tfjob` (``--tfjob``); their shared labels, defaults and
-checks are `tfe_estimator.cluster.k8s_common`. This module re-exports the
-public names of the first and the third, so ``kubernetes.render_manifests``
+The rendering is `tfe_estimator.cluster.manifests` (plain manifests),
+`tfe_estimator.cluster.tfjob` (``--tfjob``) and, for one organisation's part
+of a federation (``--party IDENTITY --federation FILE``),
+`tfe_estimator.cluster.k8s_site`; their shared labels, defaults and checks are
+`tfe_estimator.cluster.k8s_common`. This module re-exports the public names of
+`manifests` and `k8s_common`, so ``kubernetes.render_manifests``
 and ``kubernetes.CLUSTER_LABEL`` keep working. Nothing here imports
 TensorFlow: rendering takes well under a second.
 
@@ -121,6 +123,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tfjob", action="store_true",
                         help="render one Kubeflow TFJob (kubeflow.org/v1) and a NetworkPolicy per replica type "
                         "instead (no --tls, no claims: see tfe_estimator.cluster.tfjob)")
+    site = parser.add_argument_group(
+        "one organisation's party (service mode across organisations, tfe_estimator.cluster.k8s_site)")
+    site.add_argument("--party", default=None, metavar="IDENTITY",
+                      help="render only this party of --federation for its organisation's own cluster: an owner "
+                      "(chief:0, worker:K: its Job, no ingress, egress to the two servers only) or a server "
+                      "(tfe:0, tfe:1: its Deployment, an exposed Service, ingress on its one port only); the owners "
+                      "come from the federation file, not --workers")
+    site.add_argument("--federation", default=None, metavar="FILE",
+                      help="the federation file (`tfe-estimator certs federation`): the owners, the servers and "
+                      "their addresses")
+    site.add_argument("--server-address", action="append", default=[], metavar="tfe:K=HOST:PORT",
+                      help="a server's address instead of the federation file's (every site must render the same)")
+    site.add_argument("--server-cidr", action="append", default=[], metavar="tfe:K=CIDR",
+                      help="a server's IP range for the egress policies (needed when its address is a host name)")
+    site.add_argument("--allow-from", action="append", default=[], metavar="CIDR",
+                      help="a server admits only these IP ranges (the owners', and server0's for tfe:1) on its "
+                      "port (default: any source)")
+    site.add_argument("--expose", default="LoadBalancer", choices=("LoadBalancer", "NodePort", "ClusterIP"),
+                      help="a server's Service type (default LoadBalancer; NodePort: the address's port is the "
+                      "node port; ClusterIP: you route the federation address to it)")
     parser.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help=f"training command after '--' (default: {' '.join(DEFAULT_COMMAND)})"
@@ -149,6 +171,48 @@ def _tfjob(args, command) -> List[Dict[str, Any]]:
                         run_as_user=args.run_as_user)
 
 
+def _pairs(values: Sequence[str], flag: str) -> Dict[str, str]:
+    result = {}
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not rest:
+            raise ValueError(f"{flag} {value!r}: expected IDENTITY=VALUE, e.g. '{flag} tfe:0=203.0.113.10/32'.")
+        result[key.strip()] = rest.strip()
+    return result
+
+
+def _party(args, command) -> List[Dict[str, Any]]:
+    """`--party`: one organisation's part (`tfe_estimator.cluster.k8s_site`), refusing what does not apply."""
+    from tfe_estimator.cluster import k8s_site  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.identity.federation import Federation  # pylint: disable=import-outside-toplevel
+
+    if args.federation is None:
+        raise ValueError(f"--party {args.party} needs --federation FILE (the federation file every site shares, "
+                         "made by `tfe-estimator certs federation`).")
+    unsupported = [flag for flag, value in (("--tfjob", args.tfjob), ("--tls", args.tls),
+                                             ("--evaluator", args.evaluator)) if value]
+    if args.cluster_mode not in (None, peers.SERVICE):
+        unsupported.append(f"--cluster-mode {args.cluster_mode}")
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)} cannot be used with --party: one organisation's part is a "
+                         "service-mode party speaking mutual TLS itself. Drop them.")
+    try:
+        fed = Federation.load(args.federation)
+    except OSError as e:
+        raise ValueError(f"--federation {args.federation}: cannot read it ({e.strerror}); give the federation "
+                         "file every site shares (`tfe-estimator certs federation --out FILE`).") from None
+    return k8s_site.render_party(
+        fed, args.party, args.name, args.image, command=command or DEFAULT_COMMAND,
+        namespace=args.namespace, server_addresses=_pairs(args.server_address, "--server-address"),
+        server_cidrs=_pairs(args.server_cidr, "--server-cidr"), allow_from=args.allow_from, expose=args.expose,
+        tls_secret=args.tls_secret, data_claim=args.data_claim, data_mount_path=args.data_mount_path,
+        model_claim=args.model_claim, model_mount_path=args.model_mount_path,
+        active_deadline_seconds=args.active_deadline_seconds,
+        resources={"requests": parse_quantities(args.requests, "--requests"),
+                   "limits": parse_quantities(args.limits, "--limits")},
+        run_as_user=args.run_as_user, read_only_root=args.read_only_root)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Prints the manifests for the cluster that the arguments describe.
 
@@ -170,28 +234,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command and command[0] == "--":
         command = command[1:]
     try:
-        text = to_yaml(_tfjob(args, command) if args.tfjob else render_manifests(
-            args.name,
-            args.image,
-            args.workers,
-            evaluator=args.evaluator,
-            command=command or DEFAULT_COMMAND,
-            namespace=args.namespace,
-            port=args.port,
-            data_claim=args.data_claim,
-            data_mount_path=args.data_mount_path,
-            model_claim=args.model_claim,
-            model_mount_path=args.model_mount_path,
-            active_deadline_seconds=args.active_deadline_seconds,
-            cluster_mode=args.cluster_mode or peers.SERVICE,
-            tls=args.tls,
-            sidecar_image=args.sidecar_image,
-            tls_secret=args.tls_secret,
-            resources={"requests": parse_quantities(args.requests, "--requests"),
-                       "limits": parse_quantities(args.limits, "--limits")},
-            run_as_user=args.run_as_user,
-            read_only_root=args.read_only_root,
-        ))
+        if args.party is not None:
+            text = to_yaml(_party(args, command))
+        elif args.federation is not None:
+            raise ValueError("--federation is read only with --party IDENTITY (one organisation's part): add "
+                             "--party, e.g. --party worker:0.")
+        else:
+            text = to_yaml(_tfjob(args, command) if args.tfjob else render_manifests(
+                args.name,
+                args.image,
+                args.workers,
+                evaluator=args.evaluator,
+                command=command or DEFAULT_COMMAND,
+                namespace=args.namespace,
+                port=args.port,
+                data_claim=args.data_claim,
+                data_mount_path=args.data_mount_path,
+                model_claim=args.model_claim,
+                model_mount_path=args.model_mount_path,
+                active_deadline_seconds=args.active_deadline_seconds,
+                cluster_mode=args.cluster_mode or peers.SERVICE,
+                tls=args.tls,
+                sidecar_image=args.sidecar_image,
+                tls_secret=args.tls_secret,
+                resources={"requests": parse_quantities(args.requests, "--requests"),
+                           "limits": parse_quantities(args.limits, "--limits")},
+                run_as_user=args.run_as_user,
+                read_only_root=args.read_only_root,
+            ))
     except ValueError as e:
         parser.error(str(e))
     if args.output:

@@ -1,0 +1,315 @@
+"""`tfe-estimator k8s --party`: one organisation's part of a federation, each schema-valid, no key in any."""
+import base64
+import ipaddress
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tfe_estimator.cluster import k8s_site, kubernetes
+from tfe_estimator.cluster.spec import TfeCluster
+from tfe_estimator.identity import certs
+from tfe_estimator.identity.federation import Federation
+from tfe_estimator.tools import cli
+
+CLUSTER = "hospitals"
+IMAGE = "registry.example.com/train:1.0"
+#: organisation -> (identity, display name)
+PARTIES = {"hospital-a": ("chief:0", "Hospital A"), "hospital-b": ("worker:0", "Hospital B"),
+           "operator-x": ("tfe:0", "Operator X"), "operator-y": ("tfe:1", "Operator Y")}
+SERVERS = {"tfe:0": ("203.0.113.10", 7000), "tfe:1": ("198.51.100.7", 7001)}
+OWNER_CIDR = "192.0.2.0/24"
+
+
+def _cli(*argv):
+    assert cli.main(list(argv)) == 0, argv
+
+
+def _stem(identity):
+    job, index = identity.split(":")
+    return certs.task_name(job, int(index))
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory):
+    """docs/deployment.md's flow: a CA per organisation, a key per party, the federation file installed."""
+    root = tmp_path_factory.mktemp("sites")
+    party_args = []
+    for org, (identity, name) in PARTIES.items():
+        ca_dir, own = str(root / org / "ca"), str(root / org / _stem(identity))
+        _cli("certs", "ca", "--org", org, "--name", name, "--cluster", CLUSTER, "--dir", ca_dir)
+        _cli("certs", "request", "--identity", identity, "--org", org, "--cluster", CLUSTER, "--dir", own)
+        _cli("certs", "sign", "--ca-dir", ca_dir, "--csr", os.path.join(own, _stem(identity) + ".csr"),
+             "--cluster", CLUSTER)
+        party_args += ["--party", f"{identity}={ca_dir}/ca.crt"]
+    fed = str(root / "federation.json")
+    _cli("certs", "federation", "--cluster", CLUSTER, *party_args,
+         *[a for s, (host, port) in SERVERS.items() for a in ("--server", f"{s}={host}:{port}")], "--out", fed)
+    for org, (identity, _) in PARTIES.items():
+        _cli("certs", "verify", "--federation", fed, "--dir", str(root / org / _stem(identity)),
+             "--identity", identity, "--install")
+    return root, fed
+
+
+def _render(capsys, fed, party, *extra):
+    argv = ["--name", "demo", "--namespace", "ml", "--image", IMAGE, "--federation", fed, "--party", party, *extra]
+    if not party.startswith("tfe"):
+        argv += ["--", "python", "train.py"]
+    assert kubernetes.main(argv) == 0
+    text = capsys.readouterr().out
+    return text, list(yaml.safe_load_all(text))
+
+
+def _private_pems(root, parties=len(PARTIES)):
+    """Every private key made for the federation (the CAs' and the parties'), as PEM bodies."""
+    keys = []
+    for dirpath, _, files in os.walk(root):
+        keys += [open(os.path.join(dirpath, f)).read() for f in files if f.endswith(".key")]
+    assert len(keys) == 2 * parties
+    return [k.split("-----")[2].strip().splitlines()[0] for k in keys]  # a line of each key's base64
+
+
+def _no_key(text, keys):
+    """No private key in the stream: neither as PEM text nor base64-encoded (as a Secret's data holds it)."""
+    blobs = [text]
+    for doc in yaml.safe_load_all(text):
+        for value in (doc.get("data") or {}).values() if isinstance(doc, dict) else ():
+            blobs.append(base64.b64decode(value).decode("latin-1"))
+    return not any("PRIVATE KEY" in b or any(k in b for k in keys) for b in blobs)
+
+
+def _in(cidr, ip):
+    return ipaddress.ip_address(ip) in ipaddress.ip_network(cidr)
+
+
+def _policy(objs):
+    (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    return policy["spec"]
+
+
+def _schema_validator():
+    try:
+        from kubernetes_validate import utils
+    except ImportError:
+        pytest.skip("kubernetes-validate is not installed (the test extra): no schema check")
+    return utils
+
+
+def test_each_organisations_part_is_schema_valid_and_holds_no_key(sites, capsys):
+    root, fed = sites
+    utils = _schema_validator()
+    keys = _private_pems(root)
+    configs = {}
+    for org, (identity, _) in PARTIES.items():
+        extra = ["--allow-from", OWNER_CIDR] if identity.startswith("tfe") else []
+        text, objs = _render(capsys, fed, identity, *extra)
+        # The party's Secret as its organisation makes it, applied beside the rendered objects.
+        _cli("certs", "secret", "--dir", str(root / org / _stem(identity)), "--identity", identity,
+             "--name", "demo")
+        secret = yaml.safe_load(capsys.readouterr().out)
+        for manifest in objs + [secret]:
+            utils.validate(manifest, utils.latest_version(), strict=True)
+        assert _no_key(text, keys)
+        job, index = identity.split(":")
+        workloads = [o for o in objs if o["kind"] in ("Job", "Deployment")]
+        assert [o["metadata"]["name"] for o in workloads] == [f"demo-{job}-{index}"]  # only its own party
+        spec = workloads[0]["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["tls-certs"]["secret"]["secretName"] == secret["metadata"]["name"]
+        (container,) = spec["containers"]
+        configs[identity] = json.loads([e["value"] for e in container["env"] if e["name"] == "TF_CONFIG"][0])
+        TfeCluster.from_json(json.dumps(configs[identity]))
+    clusters = {json.dumps(c["cluster"], sort_keys=True) for c in configs.values()}
+    assert len(clusters) == 1  # every site the same cluster: the owners' initial weights agree
+    assert configs["chief:0"]["cluster"]["tfe"] == [f"{h}:{p}" for h, p in SERVERS.values()]
+
+
+def _check_owner(objs):
+    """An owner: no Service, no port, no ingress rule, egress only to the two servers' ports (every rule has `to`)."""
+    assert sorted(o["kind"] for o in objs) == ["Job", "NetworkPolicy"]  # no Service: nothing to reach
+    policy = _policy(objs)
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["ingress"] == []
+    reached = set()
+    for rule in policy["egress"]:
+        if rule.get("ports") and all(p["port"] == 53 for p in rule["ports"]) and "to" not in rule:
+            continue  # DNS (only when a server's address is a host name)
+        assert rule.get("to"), rule  # no rule open to every destination
+        for peer in rule["to"]:
+            assert set(peer) == {"ipBlock"}
+            assert ipaddress.ip_network(peer["ipBlock"]["cidr"]).num_addresses <= 16, peer  # a server's range only
+            for port in rule["ports"]:
+                reached |= {(s, port["port"]) for s, (host, p) in SERVERS.items() if _in(peer["ipBlock"]["cidr"], host)}
+                assert any(_in(peer["ipBlock"]["cidr"], h) and port["port"] == p for h, p in SERVERS.values())
+    assert reached == {(s, p) for s, (_, p) in SERVERS.items()}
+    (job,) = [o for o in objs if o["kind"] == "Job"]
+    assert "ports" not in job["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("owner", ["chief:0", "worker:0"])
+def test_an_owner_admits_nothing_and_reaches_only_the_two_servers(sites, capsys, owner):
+    _, fed = sites
+    _, objs = _render(capsys, fed, owner)
+    _check_owner(objs)
+    assert all(rule.get("to") for rule in _policy(objs)["egress"])  # IP addresses: not even DNS
+
+
+@pytest.mark.parametrize("plant", ["egress anywhere", "egress elsewhere", "ingress", "service"])
+def test_mutation_an_owner_open_to_more_is_caught(sites, capsys, plant):
+    """Plant a rule that opens the owner further: the owner check must fail."""
+    _, fed = sites
+    _, objs = _render(capsys, fed, "chief:0")
+    policy = _policy(objs)
+    if plant == "egress anywhere":
+        policy["egress"].append({"ports": [{"protocol": "TCP", "port": 443}]})
+    elif plant == "egress elsewhere":
+        policy["egress"][0]["to"].append({"ipBlock": {"cidr": "0.0.0.0/0"}})
+    elif plant == "ingress":
+        policy["ingress"].append({"ports": [{"protocol": "TCP", "port": 7000}]})
+    else:
+        objs.append({"kind": "Service"})
+    with pytest.raises(AssertionError):
+        _check_owner(objs)
+
+
+def test_mutation_a_key_in_a_manifest_is_caught(sites, capsys):
+    """Plant the party's own Secret (its key) in the rendered stream: the no-key check must fail."""
+    root, fed = sites
+    text, _ = _render(capsys, fed, "worker:0")
+    _cli("certs", "secret", "--dir", str(root / "hospital-b" / "worker-0"), "--identity", "worker:0", "--name", "demo")
+    leaked = text + capsys.readouterr().out
+    keys = _private_pems(root)
+    assert _no_key(text, keys)
+    assert not _no_key(leaked, keys)
+    assert not _no_key(text + "# " + keys[0] + "\n", keys)  # a key's base64 in a comment too
+
+
+@pytest.mark.parametrize("server", ["tfe:0", "tfe:1"])
+def test_a_server_is_exposed_and_admits_only_its_port(sites, capsys, server):
+    _, fed = sites
+    host, port = SERVERS[server]
+    _, objs = _render(capsys, fed, server, "--allow-from", OWNER_CIDR)
+    (service,) = [o for o in objs if o["kind"] == "Service"]
+    assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["externalTrafficPolicy"] == "Local"
+    assert service["spec"]["ports"][0]["port"] == port and service["spec"]["loadBalancerSourceRanges"] == [OWNER_CIDR]
+    policy = _policy(objs)
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+    assert rule["from"] == [{"ipBlock": {"cidr": OWNER_CIDR}}]
+    if server == "tfe:1":
+        assert policy["egress"] == []  # server1 calls nobody
+    else:
+        h1, p1 = SERVERS["tfe:1"]
+        assert policy["egress"] == [{"to": [{"ipBlock": {"cidr": f"{h1}/32"}}],
+                                     "ports": [{"protocol": "TCP", "port": p1}]}]
+    (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["ports"][0]["containerPort"] == port
+
+
+def test_node_port_and_host_names(sites, capsys):
+    _, fed = sites
+    _, objs = _render(capsys, fed, "tfe:1", "--expose", "NodePort", "--server-address", "tfe:1=198.51.100.7:30701")
+    (service,) = [o for o in objs if o["kind"] == "Service"]
+    assert service["spec"]["ports"][0]["nodePort"] == 30701
+    with pytest.raises(SystemExit):
+        _render(capsys, fed, "tfe:1", "--expose", "NodePort")
+    assert "7001 is no node port" in capsys.readouterr().err
+    # A server at a host name: the owner needs its IP range, and then may resolve it (DNS).
+    names = ["--server-address", "tfe:0=tfe0.operator-x.example:7000"]
+    with pytest.raises(SystemExit):
+        _render(capsys, fed, "worker:0", *names)
+    assert "--server-cidr tfe:0=CIDR" in capsys.readouterr().err
+    _, objs = _render(capsys, fed, "worker:0", *names, "--server-cidr", "tfe:0=203.0.113.0/28")
+    egress = _policy(objs)["egress"]
+    assert egress[0]["to"] == [{"ipBlock": {"cidr": "203.0.113.0/28"}}]
+    assert egress[-1] == {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--party", "worker:0"], "needs --federation FILE"),
+    (["--party", "worker:7", "--federation", "{fed}"], "has no such party"),
+    (["--party", "worker:0", "--federation", "{fed}", "--tls"], "--tls cannot be used with --party"),
+    (["--party", "worker:0", "--federation", "{fed}", "--allow-from", OWNER_CIDR], "Drop --allow-from"),
+    (["--party", "tfe:0", "--federation", "{fed}", "--allow-from", "hospital"], "is not an IP range"),
+    (["--party", "tfe:0", "--federation", "{fed}", "--server-address", "tfe:0=localhost:7000"], "loopback"),
+    (["--party", "tfe:0", "--federation", "/nonexistent.json"], "cannot read it"),
+    (["--federation", "{fed}"], "only with --party"),
+])
+def test_bad_party_arguments_name_the_value_and_the_fix(sites, capsys, argv, message):
+    _, fed = sites
+    with pytest.raises(SystemExit):
+        kubernetes.main(["--name", "demo", "--image", IMAGE] + [a.format(fed=fed) for a in argv])
+    assert message in capsys.readouterr().err
+
+
+def test_owners_not_a_chief_and_workers_are_refused(sites):
+    _, fed = sites
+    data = Federation.load(fed).to_dict()
+    data["parties"]["worker:3"] = data["parties"]["worker:0"]
+    with pytest.raises(ValueError, match=r"needs exactly \['chief:0', 'worker:0', 'worker:1'"):
+        k8s_site.render_party(Federation.from_dict(data), "worker:0", "demo", IMAGE)
+
+
+def _doc_commands(path):
+    """docs/deployment.md's `tfe-estimator certs`/`k8s` commands (continuations joined, $VARS expanded), with
+    their `> file` redirection; the processes of step 4 and kubectl are left out."""
+    text = open(path, encoding="utf-8").read()
+    variables, commands = {}, []
+    for block in text.split("```sh\n")[1:]:
+        body = block.split("```")[0].replace("\\\n", " ")
+        for line in body.splitlines():
+            name, sep, value = line.partition("=")
+            if sep and name.isidentifier() and name.isupper() and name not in ("CLUSTER", "TF_CONFIG"):
+                variables[name] = shlex.split(value)[0]
+                continue
+            if not line.startswith(("tfe-estimator certs ", "tfe-estimator k8s ")):
+                continue
+            for name, value in variables.items():
+                line = line.replace(f"${name}", value)
+            argv = shlex.split(line)[1:]
+            out = argv[argv.index(">") + 1] if ">" in argv else None
+            commands.append((argv[:argv.index(">")] if out else argv, out))
+    return commands
+
+
+def test_the_deployment_pages_commands_render_schema_valid_parts_without_keys(tmp_path, monkeypatch, capsys):
+    """The three-hospital page, steps 1-3 and 5, run as written: every rendered file is schema-valid, names
+    only its own party, holds no key but its own Secret's."""
+    utils = _schema_validator()
+    monkeypatch.chdir(tmp_path)
+    commands = _doc_commands(os.path.join(os.path.dirname(__file__), "..", "docs", "deployment.md"))
+    assert sum(a[0] == "k8s" for a, _ in commands) == 5  # 3 owners and 2 servers
+    for argv, out in commands:
+        capsys.readouterr()  # the earlier commands' messages
+        assert cli.main(argv) == 0, argv
+        if out:
+            (tmp_path / out).write_text(capsys.readouterr().out)
+    keys = _private_pems(tmp_path, parties=5)
+    for identity in ("chief:0", "worker:0", "worker:1", "tfe:0", "tfe:1"):
+        stem = _stem(identity)
+        text = (tmp_path / f"{stem}.yaml").read_text()
+        objs = list(yaml.safe_load_all(text))
+        secret = yaml.safe_load((tmp_path / f"{stem}-secret.yaml").read_text())
+        for manifest in objs + [secret]:
+            utils.validate(manifest, utils.latest_version(), strict=True)
+        assert _no_key(text, keys)
+        assert {o["metadata"]["name"] for o in objs} <= {f"demo-{stem}", f"demo-{stem}-peers"}
+        own = base64.b64decode(secret["data"][f"{stem}.key"]).decode()
+        assert sum(k in own for k in keys) == 1 and set(secret["data"]) == {f"{stem}.crt", f"{stem}.key",
+                                                                            "federation.json"}
+
+
+def test_a_party_renders_without_tensorflow(sites, tmp_path):
+    _, fed = sites
+    code = ("import sys\nfrom tfe_estimator.tools import cli\nrc = cli.main(sys.argv[1:])\n"
+            "assert 'tensorflow' not in sys.modules, 'tfe-estimator k8s --party imported TensorFlow'\n"
+            "sys.exit(rc)\n")
+    out_file = tmp_path / "tfe-0.yaml"
+    argv = ["k8s", "--name", "demo", "--image", IMAGE, "--federation", fed, "--party", "tfe:0", "-o", str(out_file)]
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "kind: NetworkPolicy" in out_file.read_text()
