@@ -103,7 +103,7 @@ def test_each_organisations_part_is_schema_valid_and_holds_no_key(sites, capsys)
     root, fed = sites
     utils = _schema_validator()
     keys = _private_pems(root)
-    configs = {}
+    configs, digests = {}, set()
     for org, (identity, _) in PARTIES.items():
         extra = ["--allow-from", OWNER_CIDR] if identity.startswith("tfe") else []
         text, objs = _render(capsys, fed, identity, *extra)
@@ -117,6 +117,7 @@ def test_each_organisations_part_is_schema_valid_and_holds_no_key(sites, capsys)
         job, index = identity.split(":")
         workloads = [o for o in objs if o["kind"] in ("Job", "Deployment")]
         assert [o["metadata"]["name"] for o in workloads] == [f"demo-{job}-{index}"]  # only its own party
+        digests.add(workloads[0]["metadata"]["annotations"][k8s_site.DIGEST_ANNOTATION])
         spec = workloads[0]["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["tls-certs"]["secret"]["secretName"] == secret["metadata"]["name"]
@@ -125,6 +126,7 @@ def test_each_organisations_part_is_schema_valid_and_holds_no_key(sites, capsys)
         TfeCluster.from_json(json.dumps(configs[identity]))
     clusters = {json.dumps(c["cluster"], sort_keys=True) for c in configs.values()}
     assert len(clusters) == 1  # every site the same cluster: the owners' initial weights agree
+    assert len(digests) == 1  # and the annotation the sites compare says so
     assert configs["chief:0"]["cluster"]["tfe"] == [f"{h}:{p}" for h, p in SERVERS.values()]
 
 
@@ -289,6 +291,7 @@ def test_the_deployment_pages_commands_render_schema_valid_parts_without_keys(tm
         if out:
             (tmp_path / out).write_text(capsys.readouterr().out)
     keys = _private_pems(tmp_path, parties=5)
+    digests = set()
     for identity in ("chief:0", "worker:0", "worker:1", "tfe:0", "tfe:1"):
         stem = _stem(identity)
         text = (tmp_path / f"{stem}.yaml").read_text()
@@ -298,9 +301,12 @@ def test_the_deployment_pages_commands_render_schema_valid_parts_without_keys(tm
             utils.validate(manifest, utils.latest_version(), strict=True)
         assert _no_key(text, keys)
         assert {o["metadata"]["name"] for o in objs} <= {f"demo-{stem}", f"demo-{stem}-peers"}
+        digests |= {o["metadata"]["annotations"][k8s_site.DIGEST_ANNOTATION] for o in objs
+                    if o["kind"] in ("Job", "Deployment")}
         own = base64.b64decode(secret["data"][f"{stem}.key"]).decode()
         assert sum(k in own for k in keys) == 1 and set(secret["data"]) == {f"{stem}.crt", f"{stem}.key",
                                                                             "federation.json"}
+    assert len(digests) == 1  # the five sites render one cluster
 
 
 def test_a_party_renders_without_tensorflow(sites, tmp_path):

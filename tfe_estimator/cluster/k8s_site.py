@@ -44,11 +44,15 @@ from tfe_estimator.cluster.k8s_common import (DEFAULT_COMMAND, DEFAULT_RESOURCES
                                               labels, pod_security_context, selector)
 from tfe_estimator.cluster.manifests import _pod_spec  # pylint: disable=protected-access
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV
-from tfe_estimator.cluster.spec import DATA_DIR_ENV, TFE_JOB, cluster_jobs, cluster_tasks, tf_config_json
+from tfe_estimator.cluster.spec import (DATA_DIR_ENV, TFE_JOB, cluster_digest, cluster_jobs, cluster_tasks,
+                                        tf_config_json)
 from tfe_estimator.identity import certs
 from tfe_estimator.identity.federation import SERVERS, Federation
 
-__all__ = ["render_party", "owner_address", "EXPOSE_TYPES", "NODE_PORTS"]
+__all__ = ["render_party", "owner_address", "EXPOSE_TYPES", "NODE_PORTS", "DIGEST_ANNOTATION"]
+
+#: On every rendered workload: the cluster's digest, the same at every site (compare it before starting).
+DIGEST_ANNOTATION = "tfe-estimator/cluster-digest"
 
 #: How a server's Service is exposed to the other organisations (`render_party`'s `expose`).
 EXPOSE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
@@ -216,9 +220,11 @@ def render_party(
             return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         return owner_address(j, i, fed.cluster)
 
-    tf_config = tf_config_json(cluster_jobs(tasks, address), job, index)
+    jobs = cluster_jobs(tasks, address)
+    tf_config = tf_config_json(jobs, job, index)
     task_labels = labels(name, job, index)
-    metadata = {"name": f"{name}-{job}-{index}", "namespace": namespace, "labels": dict(task_labels)}
+    metadata = {"name": f"{name}-{job}-{index}", "namespace": namespace, "labels": dict(task_labels),
+                "annotations": {DIGEST_ANNOTATION: cluster_digest(jobs).hex()[:16]}}
     pod_options = {"resources": resources, "run_as_user": run_as_user, "read_only_root": read_only_root,
                    "mode": peers.SERVICE, "cert_secret": tls_secret.format(name=name, job=job, index=index)}
     if job != TFE_JOB:
