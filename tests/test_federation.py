@@ -17,43 +17,18 @@ from tfe_estimator.identity import certs, diagnose, expiry, federation as federa
 from tfe_estimator.service import AggregationServer, OwnerClient, ServiceError, TlsFiles, ring, tls as tls_lib, wire
 from tfe_estimator.tools import cli
 
-CLUSTER = "hospitals"
-#: organisation -> (identity, display name)
-PARTIES = {"hospital-a": ("chief:0", "Hospital A"), "hospital-b": ("worker:0", "Hospital B"),
-           "operator-x": ("tfe:0", "Operator X"), "operator-y": ("tfe:1", "Operator Y")}
+from federation_helpers import CLUSTER, PARTIES, make_federation, stem as _stem
+
 OWNERS = ["chief:0", "worker:0"]
 WAIT = 10.0
 
 
-def _cli(*argv):
-    assert cli.main(list(argv)) == 0, argv
-
-
-def _stem(identity):
-    job, index = identity.split(":")
-    return certs.task_name(job, int(index))
-
-
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory):
-    """The deployment page's flow through `tfe-estimator certs`: each organisation's CA, each party's key and
-    CSR, each CA signing its own party, the federation file assembled, verified and installed at every party."""
+    """The deployment page's flow through `tfe-estimator certs` (`federation_helpers.make_federation`)."""
     root = tmp_path_factory.mktemp("sites")
     ports = [portpicker.pick_unused_port() for _ in range(2)]
-    party_args = []
-    for org, (identity, name) in PARTIES.items():
-        ca_dir, own = str(root / org / "ca"), str(root / org / _stem(identity))
-        _cli("certs", "ca", "--org", org, "--name", name, "--cluster", CLUSTER, "--dir", ca_dir)
-        _cli("certs", "request", "--identity", identity, "--org", org, "--cluster", CLUSTER, "--dir", own)
-        _cli("certs", "sign", "--ca-dir", ca_dir, "--csr", os.path.join(own, _stem(identity) + ".csr"),
-             "--cluster", CLUSTER)
-        party_args += ["--party", f"{identity}={ca_dir}/ca.crt"]
-    fed = str(root / "federation.json")
-    _cli("certs", "federation", "--cluster", CLUSTER, *party_args, "--server", f"tfe:0=localhost:{ports[0]}",
-         "--server", f"tfe:1=localhost:{ports[1]}", "--out", fed)
-    for org, (identity, _) in PARTIES.items():
-        _cli("certs", "verify", "--federation", fed, "--dir", str(root / org / _stem(identity)),
-             "--identity", identity, "--install")
+    make_federation(root, {"tfe:0": ("localhost", ports[0]), "tfe:1": ("localhost", ports[1])})
     return root, ports
 
 

@@ -12,47 +12,21 @@ import yaml
 
 from tfe_estimator.cluster import k8s_site, kubernetes
 from tfe_estimator.cluster.spec import TfeCluster
-from tfe_estimator.identity import certs
 from tfe_estimator.identity.federation import Federation
 from tfe_estimator.tools import cli
 
-CLUSTER = "hospitals"
+from federation_helpers import PARTIES, make_federation, run_cli as _cli, stem as _stem
+
 IMAGE = "registry.example.com/train:1.0"
-#: organisation -> (identity, display name)
-PARTIES = {"hospital-a": ("chief:0", "Hospital A"), "hospital-b": ("worker:0", "Hospital B"),
-           "operator-x": ("tfe:0", "Operator X"), "operator-y": ("tfe:1", "Operator Y")}
 SERVERS = {"tfe:0": ("203.0.113.10", 7000), "tfe:1": ("198.51.100.7", 7001)}
 OWNER_CIDR = "192.0.2.0/24"
-
-
-def _cli(*argv):
-    assert cli.main(list(argv)) == 0, argv
-
-
-def _stem(identity):
-    job, index = identity.split(":")
-    return certs.task_name(job, int(index))
 
 
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory):
     """docs/deployment.md's flow: a CA per organisation, a key per party, the federation file installed."""
     root = tmp_path_factory.mktemp("sites")
-    party_args = []
-    for org, (identity, name) in PARTIES.items():
-        ca_dir, own = str(root / org / "ca"), str(root / org / _stem(identity))
-        _cli("certs", "ca", "--org", org, "--name", name, "--cluster", CLUSTER, "--dir", ca_dir)
-        _cli("certs", "request", "--identity", identity, "--org", org, "--cluster", CLUSTER, "--dir", own)
-        _cli("certs", "sign", "--ca-dir", ca_dir, "--csr", os.path.join(own, _stem(identity) + ".csr"),
-             "--cluster", CLUSTER)
-        party_args += ["--party", f"{identity}={ca_dir}/ca.crt"]
-    fed = str(root / "federation.json")
-    _cli("certs", "federation", "--cluster", CLUSTER, *party_args,
-         *[a for s, (host, port) in SERVERS.items() for a in ("--server", f"{s}={host}:{port}")], "--out", fed)
-    for org, (identity, _) in PARTIES.items():
-        _cli("certs", "verify", "--federation", fed, "--dir", str(root / org / _stem(identity)),
-             "--identity", identity, "--install")
-    return root, fed
+    return root, make_federation(root, SERVERS)
 
 
 def _render(capsys, fed, party, *extra):
