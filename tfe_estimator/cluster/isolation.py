@@ -28,7 +28,7 @@ the launcher (`cluster.launcher`):
 
 Example::
 
-    iso = IsolatedCluster(cluster_tasks(1, evaluator=False), tls=True, mode="between-graph")
+    iso = IsolatedCluster(cluster_tasks(1, evaluator=False), tls=True, mode="in-graph")
     iso.start(workdir)                      # namespaces, certificates, firewall, sidecars
     argv = iso.exec_argv(("worker", 0), ["python", "train.py"])
     ...
