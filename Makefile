@@ -24,7 +24,7 @@ ifeq ($(VENV),)
 $(error unknown STACK=$(STACK): use tf215 (default) or tf29)
 endif
 
-.PHONY: demo demo-cluster test test-fast bench venv clean
+.PHONY: demo demo-cluster test test-fast bench bench-flower venv clean
 
 venv:
 	bash scripts/system-deps.sh
@@ -44,8 +44,13 @@ test: venv
 bench: venv
 	$(VENV_PY) -m tools.bench
 
+# Our service's CPU per secure sum beside Flower's SecAgg+ (its own virtualenv, .venv-flower).
+bench-flower: venv
+	bash scripts/flower-venv.sh
+	PYTHONPATH=. $(VENV_PY) -m tools.bench.flower_compare
+
 test-fast: venv
 	$(VENV_PY) -m pytest $(TESTS) -m "not slow and not multiprocess"
 
 clean:
-	rm -rf .venv .venv-tf29 .pytest_cache build *.egg-info
+	rm -rf .venv .venv-tf29 .venv-flower .pytest_cache build *.egg-info
