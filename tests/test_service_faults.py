@@ -9,12 +9,14 @@ checkpoint than the other owner's step and catches up from the servers' replay
 window while the other owner waits for it.
 """
 import io
+import json
 import re
 import os
 import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tfe_estimator.cluster.launcher import Launcher
 from test_faults import _CHIEF_TOO, _kill, _start, _wait_for
@@ -77,22 +79,85 @@ def test_a_server_restarted_mid_training_recovers_to_the_undisturbed_weights(vic
     np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, 40), atol=1e-5)
 
 
-@pytest.mark.parametrize("victims", [("worker:0",), ("chief:0", "worker:0")])
-def test_restarted_owners_catch_up_from_the_replay_window(victims, tmp_path):
+def _released_once(workdir, owner, steps):
+    """Per training channel of `owner`: the fresh releases its processes received, and its last process's replays.
+
+    Each process writes how many answers of each channel were fresh releases and how many came from the servers'
+    replay window (``answers-<pid>.json``, after every step; the servers flag a replay). A killed process may die
+    between a step's answers and its write: its last step may be missing from its count (then replayed).
+    """
+    counts = []
+    for name in sorted(os.listdir(os.path.join(workdir, owner)), key=lambda n: os.path.getmtime(
+            os.path.join(workdir, owner, n))):
+        if name.startswith("answers-"):
+            with open(os.path.join(workdir, owner, name)) as f:
+                counts.append({k: v for k, v in json.load(f).items() if k.split("/", 1)[1].startswith("sum_")})
+    assert counts and counts[-1], (owner, counts)
+    fresh = {channel: sum(c.get(channel, [0, 0])[0] for c in counts) for channel in counts[-1]}
+    return fresh, {channel: replayed for channel, (_, replayed) in counts[-1].items()}, len(counts)
+
+
+def _checkpoint(model_dir, steps):
+    checkpoint = tf.train.latest_checkpoint(model_dir)
+    assert checkpoint and checkpoint.endswith(f"model.ckpt-{steps}"), checkpoint
+    return {name: tf.train.load_variable(checkpoint, name) for name, _ in tf.train.list_variables(checkpoint)}
+
+
+@pytest.mark.parametrize("victims, dp", [(("worker:0",), True), (("chief:0", "worker:0"), False),
+                                         (("chief:0", "worker:0"), True)])
+def test_restarted_owners_catch_up_from_the_replay_window(victims, dp, tmp_path):
     # After 5 steps the worker (alone, or every owner) dies and restarts from its step-0 checkpoint: it replays
     # the released steps from the servers' window (nothing summed or released again) and joins the step the
     # others wait in; the owners end with the same weights, those of an undisturbed run. Alone, the chief never
-    # restarts.
-    workdir = str(tmp_path)
+    # restarts: it IS the undisturbed run. Under DP every step is released once (the owners' clients count fresh
+    # releases and replays) and epsilon counts each step once, as dp-accounting does.
+    workdir, steps, multiplier = str(tmp_path), 40, 4.0
     data = _owner_data(workdir, OWNERS)
-    status, log = _kill_mid_training(workdir, victims, 40, "--step-timeout-secs", "120", join_secs=240,
+    flags = ("--dp", str(multiplier)) if dp else ()
+    status, log = _kill_mid_training(workdir, victims, steps, "--step-timeout-secs", "120", *flags, join_secs=240,
                                      max_restarts=1, down_timeout=120)
     for victim in victims:
         assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
     if "chief:0" not in victims:
         assert "chief:0 died" not in log, log[-5000:]
     assert status == [0], log[-5000:]
-    assert log.count("owner finished at step 40") == 2, log[-5000:]
-    weights = {owner: _weights(os.path.join(workdir, owner, "model"), 40) for owner in OWNERS}
-    np.testing.assert_array_equal(weights["chief-0"], weights["worker-0"])  # bit-identical
-    np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, 40), atol=1e-5)
+    assert log.count(f"owner finished at step {steps}") == 2, log[-5000:]
+    if not dp:
+        weights = {owner: _weights(os.path.join(workdir, owner, "model"), steps) for owner in OWNERS}
+        np.testing.assert_array_equal(weights["chief-0"], weights["worker-0"])  # bit-identical
+        np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, steps), atol=1e-5)
+        return
+    # Bit-identical owners. Restarted alone, the worker ends on the chief's weights: those of the uninterrupted
+    # run. With every owner restarted, the replayed steps are the first run's releases (its noise, from the
+    # window) and the later steps are released once with fresh noise: a run in which every step was released once,
+    # not a copy of some other run (the noise comes from each owner's own RAND_bytes, never from a seed another
+    # party could know, so no two runs draw the same noise).
+    chief, worker = (_checkpoint(os.path.join(workdir, owner, "model"), steps) for owner in OWNERS)
+    assert sorted(chief) == sorted(worker)
+    for name, value in chief.items():
+        np.testing.assert_array_equal(value, worker[name], err_msg=name)
+    assert np.all(np.isfinite(chief["linear/kernel"])) and np.any(chief["linear/kernel"] != 0)
+    # No (channel, step) released twice: each owner received at most `steps` fresh releases per training channel
+    # over its processes, a restarted owner's last process replayed the steps released before it died.
+    for owner in OWNERS:
+        fresh, replayed, processes = _released_once(workdir, owner, steps)
+        restarted = owner.replace("-", ":") in victims
+        assert processes == (2 if restarted else 1), (owner, processes)
+        for channel, count in fresh.items():
+            assert (steps - 1 if restarted else steps) <= count <= steps, (owner, channel, fresh, replayed)
+            assert replayed[channel] >= (5 if restarted else 0) and (replayed[channel] == 0 or restarted), \
+                (owner, channel, replayed)
+    # Epsilon counts every step once: dp-accounting's RDP for `steps` full-batch steps (q = 128 / 128) with the
+    # other owner's noise known (t = 1 of N = 2: noise_multiplier as given); on each owner's terminal and in its
+    # evaluation.
+    import dp_accounting  # pylint: disable=import-outside-toplevel
+
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        1.0, dp_accounting.GaussianDpEvent(multiplier)), steps)
+    epsilon = dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+    for owner in OWNERS:
+        with open(os.path.join(workdir, owner, "eval_metrics.json")) as f:
+            assert json.load(f)["dp_epsilon"] == pytest.approx(epsilon, rel=1e-12)
+        task = owner.replace("-", ":")
+        assert f"[{task}] tfe_estimator: step {steps}, DP epsilon {epsilon:.4g} at delta 1e-05 (against 1 " \
+               "colluding owner(s) of 2;" in log, log[-5000:]

@@ -112,6 +112,8 @@ def _released_twice(service) -> bool:
 def test_a_released_step_is_replayed_bit_identically_and_an_older_one_is_refused_naming_the_flag(make_service):
     service = make_service(owner_names(2), replay_window_steps=2)
     assert not _released_twice(service)
+    # Each owner's client tells the releases from the replays (the servers' trailing metadata): 3 and 2.
+    assert [client.answers["c"] for client in service.clients] == [[3, 2], [3, 2]]
     chief = service.clients[0]
     with pytest.raises(ServiceError) as e:
         _put(chief, 0)

@@ -4,9 +4,13 @@ Run by `tfe-estimator launch --cluster-mode service` in each owner's own directo
 (tests/test_service_mode.py). Writes ./eval_metrics.json (the final, federated evaluation) and ./graph_audit.json: the devices of the training graph's ops
 and, per contribution op (the only op that talks to the service), the ops its inputs come from.
 Usage: service_owner.py STEPS LEARNING_RATE [--num-replicas L] [--step-timeout-secs S] [--step-seconds S]
-                        [--second-model STEPS] [--learning-rate-in TASK_DIR LR]
---second-model: then trains a second, larger LinearRegressor (x and x**2) into ./model2 in the same launch.
+                        [--second-model STEPS] [--learning-rate-in TASK_DIR LR] [--dp MULTIPLIER]
+--second-model: then trains a second, larger LinearRegressor (x and x**2) into ./model2 in the same launch, and a
+  fresh copy of the first (the same model record) on other data (labels doubled) into ./model3.
 --learning-rate-in: the owner running in directory TASK_DIR (e.g. worker-0) uses LR instead.
+--dp: DP-SGD instead (model_fns.linear_regression with `DistributedDP(l2_norm_clip=1, MULTIPLIER)`, full
+  batches of every owner's 64 rows: num_examples 128); --step-seconds then also writes, per process, how many
+  answers of each channel were fresh releases and how many replays (./answers-<pid>.json).
 """
 import json
 import os
@@ -16,7 +20,10 @@ import time
 import numpy as np
 import tensorflow as tf
 
-import tfe_estimator
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # model_fns
+import tfe_estimator  # noqa: E402  pylint: disable=wrong-import-position
+from model_fns import linear_regression  # noqa: E402  pylint: disable=wrong-import-position
+from tfe_estimator.service.client import live_clients  # noqa: E402  pylint: disable=wrong-import-position
 
 
 class GraphAudit(tf.estimator.SessionRunHook):
@@ -41,12 +48,19 @@ class SlowSteps(tf.estimator.SessionRunHook):
         self.steps += 1
         with open("progress", "w") as f:
             f.write(str(self.steps))
+        answers = {}  # per channel [fresh releases, replays] this process received (the service's answers)
+        for client in live_clients():
+            for channel, counts in client.answers.items():
+                answers[channel] = [a + b for a, b in zip(answers.get(channel, [0, 0]), counts)]
+        with open("answers.tmp", "w") as f:
+            json.dump(answers, f)
+        os.replace("answers.tmp", f"answers-{os.getpid()}.json")  # whole, even if the process is killed now
         time.sleep(self.seconds)
 
 
 def main(argv):
     steps, learning_rate = int(argv[1]), float(argv[2])
-    options, hooks = {}, [GraphAudit()]
+    options, hooks, dp = {}, [GraphAudit()], None
     for flag, value in zip(argv, argv[1:]):
         if flag == "--step-seconds":  # slow steps, so a test can look at the processes mid-training
             hooks.append(SlowSteps(float(value)))
@@ -56,6 +70,8 @@ def main(argv):
             options["num_replicas"] = int(value)
         if flag == "--second-model":
             options["second_model"] = int(value)
+        if flag == "--dp":
+            dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=float(value), num_examples=128)
         if flag == "--learning-rate-in" and os.path.basename(os.getcwd()) == value:
             learning_rate = float(argv[argv.index(flag) + 2])
     second = options.pop("second_model", None)
@@ -64,14 +80,22 @@ def main(argv):
     replicas = options.get("num_replicas", 1)
 
     def input_fn():  # each local replica gets its own part of this owner's rows
-        dataset = tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(len(x) // replicas)
+        # Under DP the batches' size is static (DP-SGD in service mode refuses unknown sizes without
+        # expected_batch_size: the sum of the sizes would cross the owners un-noised).
+        dataset = tf.data.Dataset.from_tensor_slices(({"x": x}, y)).batch(len(x) // replicas,
+                                                                            drop_remainder=dp is not None)
         return dataset.take(replicas).repeat() if replicas > 1 else dataset.repeat()
 
-    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps, **options)
-    estimator = tf.compat.v1.estimator.LinearRegressor(
-        feature_columns=[tf.feature_column.numeric_column("x", shape=[x.shape[1]])],
-        optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
-        loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE, config=config)
+    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps, dp=dp,
+                                        **options)
+    columns = [tf.feature_column.numeric_column("x", shape=[x.shape[1]])]
+    if dp is not None:  # DP-SGD: the model_fns' DP path (per-example clipping, each owner's noise in the sum)
+        estimator = tf.estimator.Estimator(linear_regression.model_fn, config=config, params={
+            "feature_columns": columns, "optimizer": "sgd", "learning_rate": learning_rate})
+    else:
+        estimator = tf.compat.v1.estimator.LinearRegressor(
+            feature_columns=columns, optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
+            loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE, config=config)
     metrics, _ = tf.estimator.train_and_evaluate(
         estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=hooks),
         tf.estimator.EvalSpec(input_fn, steps=1, throttle_secs=0, start_delay_secs=0))
@@ -88,6 +112,15 @@ def main(argv):
         second_estimator.train(lambda: tf.data.Dataset.from_tensor_slices(({"x": squares}, y)).batch(len(x)).repeat(),
                                max_steps=second)
         print("second model finished at step", second_estimator.get_variable_value("global_step"))
+        # A fresh copy of the first model (an identical model record) on other data: its own training run, so
+        # its own channels (the servers' window still holds the first model's steps).
+        copy = tf.compat.v1.estimator.LinearRegressor(
+            feature_columns=columns, optimizer=lambda: tf.compat.v1.train.GradientDescentOptimizer(learning_rate),
+            loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE,
+            config=tfe_estimator.TfeRunConfig(model_dir="model3", tf_random_seed=7, **options))
+        copy.train(lambda: tf.data.Dataset.from_tensor_slices(({"x": x}, 2 * y)).batch(len(x)).repeat(),
+                   max_steps=second)
+        print("copy of the first model finished at step", copy.get_variable_value("global_step"))
 
 
 if __name__ == "__main__":

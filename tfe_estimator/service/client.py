@@ -102,6 +102,10 @@ class OwnerClient:
         #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
         #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
         self.bytes_sent = self.bytes_received = self.contributions = 0
+        #: Per channel ``[fresh, replayed]``: answers of a release made for this call, and answers from the
+        #: servers' replay window (a step released before, e.g. before this owner restarted; nothing was summed
+        #: or released for the call). A step released once is answered fresh once per owner.
+        self.answers: Dict[str, List[int]] = {}
         # Each server pinned by its operator's CA only and by its name (tls.TlsFiles.channel_credentials).
         self._channels = [grpc.secure_channel(address, tls.channel_credentials(k),
                                               options=list(CLIENT_OPTIONS) + [server_name_option(tls, k)])
@@ -248,6 +252,9 @@ class OwnerClient:
         self.bytes_received += sum(wire.encoded_size("ContributeReply", len(p), step=r.step)
                                    for p, r in zip(payloads, replies))
         self.contributions += 1
+        replayed = all((ring.REPLAYED_METADATA, "1") in tuple(calls[server].trailing_metadata() or ())
+                       for server in (0, 1))
+        self.answers.setdefault(channel, [0, 0])[1 if replayed else 0] += 1
         if len(payloads[0]) != ring.KEY_BYTES or len(payloads[1]) != 8 * words:
             raise ServiceError("Contribute", self._addresses[0 if len(payloads[0]) != ring.KEY_BYTES else 1],
                                grpc.StatusCode.INTERNAL,

@@ -25,7 +25,7 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 __all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "add_into", "sub_into", "key_digest",
-           "KEY_METADATA", "DIGESTS_METADATA"]
+           "KEY_METADATA", "DIGESTS_METADATA", "REPLAYED_METADATA"]
 
 RING_BITS = (32, 64, 128)
 KEY_BYTES = 16
@@ -34,6 +34,9 @@ _ZERO_COUNTER = bytes(16)
 #: server0's forward: the digests of every owner's key it summed (hex, comma-separated, owner order). Server1
 #: refuses a share whose key is not the one server0 summed for the step (`steps.StepChannel.put`).
 KEY_METADATA, DIGESTS_METADATA = "tfe-key-digest", "tfe-key-digests"
+#: Trailing gRPC metadata of a Contribute answered from the replay window (a step released before): nothing was
+#: summed or released for the call. The owner counts fresh and replayed answers (`OwnerClient.answers`).
+REPLAYED_METADATA = "tfe-replayed"
 #: Zeros the keystream is encrypted from, a chunk at a time (no zero buffer of the vector's size per call).
 _ZEROS = memoryview(bytes(1 << 20))
 

@@ -46,7 +46,7 @@ import numpy as np
 from tfe_estimator.service import ring, wire
 from tfe_estimator.service.handshake_table import HandshakeTable
 from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
-from tfe_estimator.service.ring import DIGESTS_METADATA, KEY_METADATA, key_digest
+from tfe_estimator.service.ring import DIGESTS_METADATA, KEY_METADATA, REPLAYED_METADATA, key_digest
 from tfe_estimator.service.steps import Released, ReplayLimits, StepChannel, StepRefused
 from tfe_estimator.service.tls import TlsFiles, check_peer, peer_identity, server_name_option
 from tfe_estimator.validation import is_int
@@ -397,7 +397,10 @@ class AggregationServer:
                 self._budget.free(identity, expansion)
             if ticket.released is not None:
                 self._finish(channel, ticket.released)
-            return channel.wait(owner, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())
+            answer = channel.wait(owner, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())
+            if ticket.replay is not None:  # the owner counts it apart from the releases (OwnerClient.answers)
+                context.set_trailing_metadata(((REPLAYED_METADATA, "1"),))
+            return answer
         finally:
             self._leave(identity)
 
