@@ -227,3 +227,80 @@ def test_an_owner_behind_is_waited_for_and_one_ahead_is_not_compared():
     assert weight_check.compare("chief:0", OWNERS, 12, 1, rows, key) == (None, ["worker:0"])
     rows = [(key, [12, 1], 0.0), (key, [16, 2], 0.0)]  # the chief replays released steps: worker:0 is ahead
     assert weight_check.compare("chief:0", OWNERS, 12, 1, rows, key) == (None, [])
+
+
+# ------------------------------------------------------------ training runs --
+
+from tfe_estimator.distribute import training_run  # noqa: E402
+
+
+def _checkpoint_in(model_dir):
+    """A real checkpoint in `model_dir` (what a training that ran leaves there)."""
+    with tf.Graph().as_default():
+        step = tf.compat.v1.train.get_or_create_global_step()
+        saver = tf.compat.v1.train.Saver([step])
+        with tf.compat.v1.Session() as session:
+            session.run(step.initializer)
+            saver.save(session, str(model_dir / "model.ckpt"), global_step=0)
+
+
+def test_each_fresh_training_of_a_process_gets_its_own_run_and_a_restarted_one_reads_its_own(tmp_path):
+    training_run.reset()
+    first, copy = tmp_path / "model", tmp_path / "model3"
+    assert training_run.for_training(str(first)) == training_run.TrainingRun(0, fresh=True)
+    _checkpoint_in(first)
+    assert training_run.for_training(str(copy)) == training_run.TrainingRun(1, fresh=True)  # a fresh copy
+    assert (copy / training_run.RUN_FILE).read_text() == "1\n"
+    _checkpoint_in(copy)
+    # The process restarts (alone, or every owner) during the copy: the first training resumes (or is skipped,
+    # max_steps reached), the copy reads its own run back; a later fresh training is numbered after both.
+    training_run.reset()
+    assert training_run.for_training(str(copy)) == training_run.TrainingRun(1, fresh=False)
+    assert training_run.for_evaluation(str(copy)) == 1 and training_run.for_evaluation(str(tmp_path / "x")) == 0
+    assert training_run.for_training(str(tmp_path / "model4")).number == 2
+    training_run.reset()
+
+
+def test_identical_records_of_two_training_runs_get_two_model_ids_and_a_mismatch_is_named(records):
+    step, weights, fields = records["base"]
+    runs = [make_run_record(fields, n) for n in (0, 1)]
+    assert model_record.model_id(runs[0]) != model_record.model_id(runs[1])
+    assert model_record.model_id(make_run_record(fields, 1)) == model_record.model_id(runs[1])
+    error, _ = _verdict((step, weights, runs[0]), (step, weights, runs[1]))
+    assert "setting training run: 1 on worker:0, 0 on chief:0" in error, error
+
+
+def make_run_record(fields, number):
+    """`fields` with the training run's setting (as `ServiceHandshakeHook` reads it from its settings)."""
+    return list(fields) + [model_record._value_field("setting training run", number)]  # pylint: disable=protected-access
+
+
+def _answered_twice(make_service, model):
+    """Both owners put step 0 of a channel twice; `check_answer` on the chief's second (replayed) answer."""
+    import os  # pylint: disable=import-outside-toplevel
+
+    from service_helpers import in_threads  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.service import ring  # pylint: disable=import-outside-toplevel
+
+    clients = make_service(owner_names(2)).clients_of(2)
+    channel = channel_name(7, "sum_0")
+
+    def put(client):
+        key = np.frombuffer(os.urandom(16), np.int32)
+        return client.contribute(channel, 0, 64, 4, key, (-ring.keystream_words(key, 4)).view(np.int64))
+
+    for _ in range(2):  # an earlier training's step 0, then the same step again
+        in_threads([lambda c=c: put(c) for c in clients])
+    assert clients[0].answers[channel] == [1, 1]  # the servers flagged the second answer as a replay
+    training_run.check_answer(model, "chief:0", channel, 0, replayed=True)
+
+
+def test_a_fresh_training_answered_from_the_replay_window_is_refused_naming_the_fix(make_service):
+    fresh = {"model": 7, "run": training_run.TrainingRun(0, fresh=True), "sessions": 1}
+    with pytest.raises(ValueError, match=r"trains model 0000000000000007 afresh .* answered step 0 of "
+                                         r"'0000000000000007/sum_0' from their replay window.*Restart the "
+                                         r"aggregation servers"):
+        _answered_twice(make_service, fresh)
+    # A restored training (or a later session of a fresh one) catches up from the window: no refusal.
+    _answered_twice(make_service, {**fresh, "run": training_run.TrainingRun(0, fresh=False)})
+    _answered_twice(make_service, {**fresh, "sessions": 2})

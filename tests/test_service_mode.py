@@ -62,9 +62,16 @@ def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_
               for owner in owners]
     assert second[0].shape == (4, 1) and not np.allclose(second[0], 0.0)
     np.testing.assert_array_equal(second[0], second[1])
+    # A fresh copy of the first model (the same model record) on labels doubled: its own training run and
+    # channels, so its own sums (the first model's replay window would answer its steps with the first's sums).
+    assert log.count("copy of the first model finished at step 4") == 2, log[-5000:]
+    doubled = {owner: np.column_stack([rows[:, :2], 2 * rows[:, 2]]) for owner, rows in data.items()}
+    for owner in owners:
+        np.testing.assert_allclose(_weights(os.path.join(workdir, owner, "model3"), 4), _plaintext_twin(doubled, 4),
+                                   atol=1e-5)
     # Each owner's last lines name its weights' fingerprint, equal on both: they hold one model.
-    ended = re.findall(r"training ended at step 4; weights fingerprint ([0-9a-f]{16})", log)
-    assert len(ended) == 2 and ended[0] == ended[1], log[-5000:]
+    ended = re.findall(r"training ended at step 4; weights fingerprint ([0-9a-f]{16})", log)  # model2, model3
+    assert len(ended) == 4 and ended[0] == ended[1] and ended[2] == ended[3], log[-5000:]
     np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
     assert not np.allclose(twin, 0.0, atol=0.1)  # it learned from the data
     # Federated evaluation: each owner evaluated its own rows; every owner reads the loss of the union.

@@ -44,6 +44,7 @@ from tensorflow.python.distribute import values as value_lib
 
 from tfe_estimator.distribute import service_sum as service_sum_lib
 from tfe_estimator.distribute import step_sum
+from tfe_estimator.distribute import training_run
 from tfe_estimator.distribute.aggregation import SecureAggregation
 from tfe_estimator.distribute.devices import cpus_needed, local_layout
 from tfe_estimator.distribute.strategy import TfeStrategy, _TfeExtended
@@ -179,7 +180,12 @@ class ServiceAggregation(SecureAggregation):
                 raise ValueError(f"sum {name!r} of owner {binding.owner} runs before the owners' handshake named "
                                  "the model: train and evaluate through Estimator with this strategy (its hooks "
                                  "name the model's channels on the servers).")
-            return service_client(binding).contribute(channel_name(model["model"], name), *args)
+            client, sum_channel = service_client(binding), channel_name(model["model"], name)
+            replays = client.answers.get(sum_channel, [0, 0])[1]
+            answer = client.contribute(sum_channel, *args)
+            training_run.check_answer(model, binding.owner, sum_channel, int(args[0]),
+                                      replayed=client.answers[sum_channel][1] > replays)
+            return answer
 
         return service_sum_lib.service_sum(vectors, sources, targets, encoding, dtype, binding.owner, hint, scale,
                                            channel, step, contribute, noise_variance=noise_variance)
@@ -234,20 +240,26 @@ class _ServiceExtended(_TfeExtended):
                 agg = self._cross_device_ops
                 settings = self._settings()
                 model = _model_of(tf.compat.v1.get_default_graph())
+                config = next((a for a in (*fn_args, *fn_kwargs.values()) if isinstance(a, tf.estimator.RunConfig)),
+                              None)
+                model_dir = getattr(config, "model_dir", None)
 
                 def on_model(model_id):
                     model["model"] = model_id
+                    model["sessions"] = model.get("sessions", 0) + 1
 
                 if result.mode == tf.estimator.ModeKeys.TRAIN:
                     from tfe_estimator.distribute.weight_check import WeightCheckHook  # pylint: disable=import-outside-toplevel
 
-                    config = next((a for a in (*fn_args, *fn_kwargs.values()) if isinstance(a, tf.estimator.RunConfig)),
-                                  None)
+                    if "run" not in model:  # once per graph: its replicas' model_fn calls share it
+                        model["run"] = training_run.for_training(model_dir)
+                    settings["training run"] = model["run"].number  # in the model id: one id per training run
                     every = getattr(config, "save_checkpoints_steps", None)
                     hooks = (service_handshake.ServiceHandshakeHook(agg.binding, settings, service_client, on_model),
                              WeightCheckHook(agg.binding, service_client, model, every))
                     result = result._replace(training_hooks=(*result.training_hooks, *hooks))
                 else:
+                    settings["training run"] = training_run.for_evaluation(model_dir)  # the evaluated training's
                     hook = service_handshake.ModelIdHook(settings, len(agg.binding.owners), on_model)
                     result = result._replace(evaluation_hooks=(*(result.evaluation_hooks or ()), hook))
             return result

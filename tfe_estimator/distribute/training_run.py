@@ -1,0 +1,133 @@
+"""Which training run of a model an owner's session belongs to: a setting of its model record, so of its model id.
+
+Two Estimators with identical model records (the same columns, optimizer,
+seed and settings: a script that trains a model, then a fresh copy in another
+model_dir or on other data) would get one model id, so the second's first
+steps would be answered from the first's replay window on the servers (the
+first model's sums, silently). Each training run of a model is therefore
+numbered, and the number is one of the settings the handshake compares
+(``"training run"``):
+
+- a fresh training (no checkpoint in its model_dir when its graph is built)
+  takes this process's next number: the process numbers the service-mode
+  trainings it starts or resumes, 0, 1, 2, ...; the number is written to
+  ``<model_dir>/tfe_training_run`` before the session starts;
+- a training that restores a checkpoint reads its number from that file (0
+  without one: a model_dir from before the file), and the process's next fresh
+  training is numbered after it.
+
+Every owner runs the same script, so every owner numbers the same training
+alike, and a restarted owner (alone or with all the others) reads its
+training's number back from its model_dir: it finds its run's channels and
+replays what it missed. Owners whose numbers differ (one owner's script trains
+another model first) are refused by the handshake, naming the setting.
+
+What numbering cannot tell apart: a training of an identical model with the
+same number in an earlier launch, against servers that kept running (their
+replay window still holds its steps). A fresh training is never answered from
+the window (nobody released any of its steps before its owners contributed),
+so such an answer is refused (`check_answer`) instead of trained on.
+
+Example::
+
+    run = training_run.for_training(config.model_dir)    # 0 for the script's first training, then 1, ...
+    settings["training run"] = run.number
+"""
+import dataclasses
+import logging
+import os
+import threading
+from typing import Optional
+
+import tensorflow as tf
+
+__all__ = ["TrainingRun", "for_training", "for_evaluation", "check_answer", "fresh_replay_error", "RUN_FILE",
+           "reset"]
+
+log = logging.getLogger("tfe_estimator")
+
+#: The file in model_dir that keeps the number of the training run that wrote its checkpoints.
+RUN_FILE = "tfe_training_run"
+
+_LOCK = threading.Lock()
+_NEXT = [0]  # the number of this process's next fresh training
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRun:
+    """A training's number, and whether it starts afresh (no checkpoint to restore)."""
+
+    number: int
+    fresh: bool
+
+
+def _path(model_dir: str) -> str:
+    return os.path.join(model_dir, RUN_FILE)
+
+
+def _read(model_dir: Optional[str]) -> Optional[int]:
+    if not model_dir or not tf.io.gfile.exists(_path(model_dir)):
+        return None
+    with tf.io.gfile.GFile(_path(model_dir)) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{_path(model_dir)} holds {text[:40]!r}, not a training run's number: it is written by "
+                         "tfe_estimator when a training starts; restore it from a backup of this model_dir or "
+                         "delete the model_dir to train afresh.")
+    return int(text)
+
+
+def for_training(model_dir: Optional[str]) -> TrainingRun:
+    """The training run of a training graph built now for `model_dir` (module docstring); records a fresh one."""
+    fresh = not model_dir or tf.train.latest_checkpoint(model_dir) is None
+    with _LOCK:
+        if fresh:
+            number = _NEXT[0]
+            if model_dir:
+                tf.io.gfile.makedirs(model_dir)
+                with tf.io.gfile.GFile(_path(model_dir), "w") as f:
+                    f.write(f"{number}\n")
+        else:
+            number = _read(model_dir) or 0
+        _NEXT[0] = max(_NEXT[0], number + 1)
+    log.info("service mode: training run %d of this process's models (%s)", number,
+             "afresh" if fresh else f"resumed from {model_dir}")
+    return TrainingRun(number, fresh)
+
+
+def for_evaluation(model_dir: Optional[str]) -> int:
+    """The number of the training run whose checkpoints `model_dir` holds (0 without a record)."""
+    return _read(model_dir) or 0
+
+
+def check_answer(model: dict, owner: str, channel: str, step: int, replayed: bool) -> None:
+    """Refuses an answer from the replay window in a fresh training's first session (module docstring).
+
+    Args:
+      model: the graph's model state: ``"model"`` its id, ``"run"`` its `TrainingRun`, ``"sessions"`` how many
+        sessions agreed on it so far (a later session restored a checkpoint: replays are its catch-up).
+      owner, channel, step: the answer's; replayed: whether the servers answered it from their window.
+
+    Raises:
+      ValueError: `fresh_replay_error`.
+    """
+    run = model.get("run")
+    if replayed and run is not None and run.fresh and model.get("sessions") == 1:
+        raise fresh_replay_error(owner, model["model"], channel, step)
+
+
+def fresh_replay_error(owner: str, model: int, channel: str, step: int) -> ValueError:
+    """The error for a replayed answer in a fresh training: the servers released that step for another training."""
+    return ValueError(
+        f"Service mode: {owner} trains model {model:016x} afresh (no checkpoint in its model_dir), but the "
+        f"aggregation servers answered step {step} of {channel!r} from their replay window: they released that "
+        "step before, for another training of an identical model (the same model record and training run "
+        "number), e.g. in an earlier launch while the servers kept running. Those sums are not this training's. "
+        "Restart the aggregation servers (they forget every earlier training), or resume that earlier "
+        "training from its model_dir.")
+
+
+def reset() -> None:
+    """Forgets this process's numbering (tests)."""
+    with _LOCK:
+        _NEXT[0] = 0
