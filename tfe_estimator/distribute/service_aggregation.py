@@ -187,8 +187,13 @@ class ServiceAggregation(SecureAggregation):
                                       replayed=client.answers[sum_channel][1] > replays)
             return answer
 
+        def checks():  # the model's sum checks under the owners' check seed (the handshake's); None: evaluation
+            from tfe_estimator.distribute import check_seed  # pylint: disable=import-outside-toplevel
+
+            return check_seed.lookup(binding.owner, model["model"])
+
         return service_sum_lib.service_sum(vectors, sources, targets, encoding, dtype, binding.owner, hint, scale,
-                                           channel, step, contribute, noise_variance=noise_variance)
+                                           channel, step, contribute, noise_variance=noise_variance, checks=checks)
 
     def _next_channel(self):
         """The graph's next sum's name (equal on every owner: they build the same graph) and the step."""

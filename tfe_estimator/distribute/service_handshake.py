@@ -24,8 +24,15 @@ owner has a row for the same model:
   waits for; after the timeout it stops naming them (and what differs, for
   an owner last seen with another model).
 
+In the same calls the owners agree on the check seed of the sums' integrity
+checks (`check_seed`: each row carries the owner's certificate, owners[0]'s
+also the seed wrapped for every other owner); an owner is done when it holds
+the seed too, and keeps it (`check_seed.remember`) for the model's sums
+(`sum_check`): a sum a server altered stops every owner given it.
+
 The server learns hashes, the step, fingerprints and hyperparameter values,
-nothing of the data. The model id also prefixes every channel of the model's
+the owners' certificates and wrapped seeds it cannot unwrap, nothing of the
+data. The model id also prefixes every channel of the model's
 sums (`service_aggregation`), so two models trained one after another in a
 launch never meet on the servers.
 
@@ -46,6 +53,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import tensorflow as tf
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
+from tfe_estimator.distribute import check_seed
 from tfe_estimator.distribute import model_record
 from tfe_estimator.distribute import step_wait
 from tfe_estimator.distribute.service_sum import tf_errors
@@ -153,6 +161,7 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
 
     Raises (from `after_create_session`):
       OwnersDisagreeError: naming the owners and what differs, or whom it waited for.
+      check_seed.CheckSeedError: a handshake part that proves no owner, or a check seed that does not decrypt.
     """
 
     def __init__(self, binding, settings: Mapping[str, object], client: Callable,
@@ -178,13 +187,20 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
         state = {"error": None, "waiting": [], "warned": time.monotonic()}
         started = time.monotonic()
         polling = Polling()
+        agreement = check_seed.SeedAgreement(_tls_files(self._binding), owners, me, model)
 
         def agreed():
+            sent = agreement.part
             with tf_errors():
-                rows = client.handshake(step, row, model)
+                rows, parts = client.handshake_parts(step, row, model, sent)
             now = time.monotonic()
             state["error"], state["waiting"] = verdict(me, owners, mine, model, rows,
                                                        polling=polling.update(owners, rows, model, now))
+            if not state["error"] and not state["waiting"]:
+                seed_wait = agreement.update([which for which, _, _ in rows], parts, sent)
+                state["seed_wait"] = seed_wait
+                if seed_wait:
+                    state["waiting"] = [seed_wait]
             if state["waiting"] and not state["error"] and now - state["warned"] >= WARN_EVERY_SECS:
                 state["warned"] = now
                 log.warning("service handshake at step %d: waiting for %s (%.0f s)", step,
@@ -197,6 +213,8 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
             with tf_errors():
                 rows = client.handshake(step, row, model)
             state["error"], state["waiting"] = verdict(me, owners, mine, model, rows, final=True)
+            if not state["waiting"] and state.get("seed_wait"):
+                state["waiting"] = [state["seed_wait"]]
             if not state["error"]:
                 state["error"] = (f"Service handshake: {me} at step {step} waited {timeout:g} s for "
                                   f"{'; '.join(state['waiting'])}. Start every owner (each restores its own "
@@ -204,12 +222,22 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
                                   "only slow.")
         if state["error"]:
             raise OwnersDisagreeError(state["error"])
-        log.info("service handshake at step %d: every owner trains model %016x; weights %s", step, model,
-                 model_record.format_fingerprint(weights))
+        check = agreement.check()
+        check_seed.remember(me, model, check)
+        log.info("service handshake at step %d: every owner trains model %016x; weights %s; sums checked "
+                 "(check seed %s)", step, model, model_record.format_fingerprint(weights), check.fingerprint)
         if self._on_model is not None:
             self._on_model(model)
         with tf_errors():
             client.rewind(int(step))
+
+
+def _tls_files(binding):
+    """The owner's TLS files (its certificate and key, the federation) for the check-seed agreement."""
+    from tfe_estimator.service import TlsFiles  # pylint: disable=import-outside-toplevel
+
+    job, index = binding.owner.split(":")
+    return TlsFiles.from_dir(binding.tls_dir, job, int(index))
 
 
 class ModelIdHook(tf.compat.v1.train.SessionRunHook):

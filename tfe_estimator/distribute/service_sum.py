@@ -13,6 +13,12 @@ to which it only connects out. Per sum and step, in the owner's graph::
                            server1 adds it to the owners' shares: w = enc(sum) - AES(blind_key)
     owner (its device):    y = dec(w + AES(blind_key))      `reveal_sum`, then copied to the local replicas
 
+With `checks` (service mode's training sums: the owners' check seed from the
+handshake, `check_seed`), the owner appends `sum_check.CHECK_WORDS` check
+words to its masked share inside the contribution op and verifies them on the
+revealed sum before it goes on to `reveal_sum`: a sum a server altered stops
+the session run (`sum_check.SumIntegrityError`), nothing of it applied.
+
 Nothing but a fresh key and a masked share leaves the graph; what comes back
 is the sum of all owners, masked, and the key that unmasks it. The service
 binds every contribution to the caller's certificate, releases a step only
@@ -40,6 +46,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import errors_impl
 
+from tfe_estimator.distribute import sum_check
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 
@@ -65,6 +72,7 @@ def service_sum(
     step: tf.Tensor,
     contribute: Callable[[str, int, int, int, np.ndarray, np.ndarray], tuple],
     noise_variance: Optional[float] = None,
+    checks: Optional[Callable[[], Optional[sum_check.SumCheck]]] = None,
 ) -> List[List[tf.Tensor]]:
     """This owner's contribution to the sum over all owners of `vectors`, revealed on each target.
 
@@ -81,6 +89,8 @@ def service_sum(
         the service call (`tfe_estimator.service.OwnerClient.contribute` behind a process-wide client).
       noise_variance: DP (`tfe_estimator.DistributedDP`): this owner's discrete Gaussian part, in ring
         units^2, added to its encoded local sum inside the mask op (before masking), or None.
+      checks: called at run time, before each contribution: the `sum_check.SumCheck` of the model's
+        check seed (the sum is checked), or None (not checked: equal on every owner, e.g. evaluation).
 
     Returns:
       Per target, the decoded sums shaped like ``vectors[0]``.
@@ -95,7 +105,7 @@ def service_sum(
                                     encoding.fraction_bits, owner, hint, noise=noise)
     graph = tf.compat.v1.get_default_graph()
     after = [_LAST[graph]] if graph in _LAST else []
-    call = functools.partial(_call, contribute, channel, encoding.ring_bits, num_elements)
+    call = functools.partial(_call, contribute, channel, encoding.ring_bits, num_elements, checks)
     with tf.device(sources[0]), tf.control_dependencies(after):
         blind_key, masked_sum = tf.numpy_function(call, [step, key, share], [tf.int32, tf.int64], stateful=True,
                                                   name=CONTRIBUTE_OP_NAME)
@@ -112,7 +122,7 @@ def service_sum(
     return results
 
 
-def _call(contribute, channel, ring_bits, num_elements, step, key, share):
+def _call(contribute, channel, ring_bits, num_elements, checks, step, key, share):
     """The numpy side of the contribution op: one call to the service, its two answers as arrays.
 
     The client waits out what can be waited out (`OwnerClient.contribute`): a step aborted because
@@ -126,8 +136,13 @@ def _call(contribute, channel, ring_bits, num_elements, step, key, share):
     same process): the owner's process exits, and its supervisor (the launcher's ``--max-restarts``,
     Kubernetes' restart policy) restarts it from its latest checkpoint; its handshake drops its own
     unreleased contributions, and it catches up from the replay window.
+
+    With `checks`, the contribution carries the owner's check words and its answer is verified
+    (`sum_check.checked_contribute`; a replayed answer too): `SumIntegrityError` fails the run.
     """
-    blind_key, masked_sum = contribute(channel, int(step), ring_bits, num_elements, key, share)
+    check = checks() if checks is not None else None
+    blind_key, masked_sum = sum_check.checked_contribute(contribute, check, channel, int(step), ring_bits,
+                                                         num_elements, key, share)
     return np.asarray(blind_key, np.int32), np.asarray(masked_sum, np.int64)
 
 

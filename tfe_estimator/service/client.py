@@ -272,15 +272,21 @@ class OwnerClient:
         ``(0, None, ...)``; ``age_secs``: since its last handshake call (None: never). See
         `tfe_estimator.service.handshake_table`.
         """
+        return self.handshake_parts(step, descriptor, model)[0]
+
+    def handshake_parts(self, step: int, descriptor, model: int = 0, part: bytes = b""):
+        """`handshake` with this owner's check-seed `part` (`tfe_estimator.distribute.check_seed`; empty:
+        keep the previous one); returns ``(rows, parts)``, parts[o] the seed part of owner o's row."""
         descriptor = [int(v) for v in np.asarray(descriptor).reshape(-1)]
         reply = self._call(0, "Handshake", self._messages["HandshakeRequest"](step=step, descriptor=descriptor,
-                                                                              model=int(model)))
+                                                                              model=int(model), seed_part=part))
         rows, start = [], 0
         for length, which, age in zip(reply.lengths, reply.models, reply.ages_ms):
             row = np.asarray(reply.rows[start:start + length], np.int64) if length else None
             start += length
             rows.append((int(which), row, None if age < 0 else age / 1000.0))
-        return rows
+        parts = list(reply.seed_parts) or [b""] * len(rows)
+        return rows, parts
 
     def rewind(self, step: int) -> None:
         """Drops this owner's unreleased contributions on both servers; it contributes from `step` again."""

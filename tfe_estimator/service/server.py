@@ -431,15 +431,16 @@ class AggregationServer:
                          f"Handshake of {identity} at step {request.step}: empty descriptor; send at least one field.")
         owner = self._owners.index(identity)
         try:
-            changed = self._handshakes.put(owner, request.model, descriptor)
+            changed = self._handshakes.put(owner, request.model, descriptor, request.seed_part)
         except ValueError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Handshake of {identity}: {e}") from None
-        rows, models, ages = self._handshakes.view(request.model)
+        rows, models, ages, parts = self._handshakes.view_parts(request.model)
         # A new row at INFO; the owners' polls while they wait for each other at DEBUG.
         _LOG.log(logging.INFO if changed else logging.DEBUG, "aggregation server0: handshake of %s at step %d "
                  "(model %016x)", identity, request.step, request.model)
         return reply(rows=[v for row in rows if row for v in row], lengths=[len(row or ()) for row in rows],
-                     models=models, ages_ms=[-1 if age is None else int(age * 1000) for age in ages])
+                     models=models, ages_ms=[-1 if age is None else int(age * 1000) for age in ages],
+                     seed_parts=parts)
 
     def _rewind(self, identity: str, request, context, reply):
         del context

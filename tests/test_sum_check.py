@@ -1,0 +1,432 @@
+"""Service mode: every owner detects a sum that a server altered (`sum_check`), under a seed no server knows
+(`check_seed`).
+
+In-process servers (the real `AggregationServer`, mTLS on loopback) with a tampering server1 or server0: it
+adds to one element of one step's answer (1, and 2**63), replaces the blind key, answers two owners
+differently, or alters a replayed answer; every owner given a tampered answer fails that step with
+`SumIntegrityError`, and honest runs (many steps, channels, rings 32/64/128) never do. Mutations: the check
+skipped accepts the tampered sum; a server1 that knows the seed forges a change that passes. The seed
+agreement runs through server0's real Handshake: equal seeds, none of it in server0's table, the same seed
+after restarts, a certificate from another CA or an altered wrapped seed refused.
+"""
+import base64
+import json
+import secrets
+
+import numpy as np
+import portpicker
+import pytest
+import tensorflow as tf
+from cryptography import x509
+
+from service_helpers import OWNER_TASKS, WAIT_SECS, cert_dirs, in_threads, owner_names  # noqa: F401 (fixtures)
+from tfe_estimator.distribute import check_seed, service_sum, sum_check
+from tfe_estimator.distribute.sum_check import CHECK_WORDS, PRIMES, SumCheck, SumIntegrityError
+from tfe_estimator.secure.fused_sum import Encoding
+from tfe_estimator.service import AggregationServer, OwnerClient, TlsFiles, ring, wire
+
+SEED = bytes(range(32))
+
+
+class TamperingServer(AggregationServer):
+    """An aggregation server whose answers pass through ``tamper(identity, request, payload) -> payload``."""
+
+    tamper = None
+
+    def _contribute(self, identity, request, context, reply):
+        answer = super()._contribute(identity, request, context, reply)
+        if self.tamper is None:
+            return answer
+        classes = wire.messages()
+        message = classes["ContributeReply"].FromString(answer if isinstance(answer, bytes)
+                                                        else answer.SerializeToString())
+        payload = self.tamper(identity, request, message.payload)
+        return classes["ContributeReply"](step=message.step, payload=payload).SerializeToString()
+
+
+class Cluster:
+    """server0 and server1 (both `TamperingServer`, honest until told otherwise) and one client per owner."""
+
+    def __init__(self, certs_dir, n):
+        self.owners = owner_names(n)
+        ports = [portpicker.pick_unused_port() for _ in range(2)]
+        self.addresses = tuple(f"localhost:{p}" for p in ports)
+        self.server1 = TamperingServer(1, self.addresses[1], self.owners, TlsFiles.from_dir(certs_dir, "tfe", 1),
+                                       step_timeout_secs=WAIT_SECS)
+        self.server1.start()
+        self.server0 = TamperingServer(0, self.addresses[0], self.owners, TlsFiles.from_dir(certs_dir, "tfe", 0),
+                                       peer_address=self.addresses[1], step_timeout_secs=WAIT_SECS)
+        self.server0.start()
+        self.tls = [TlsFiles.from_dir(certs_dir, job, index) for job, index in OWNER_TASKS[:n]]
+        self.clients = [OwnerClient(self.addresses, tls, timeout_secs=WAIT_SECS, retry_secs=0.0) for tls in self.tls]
+
+    def close(self):
+        for client in self.clients:
+            client.close()
+        for server in (self.server0, self.server1):
+            server.stop(0)
+
+
+@pytest.fixture
+def cluster(cert_dirs):  # noqa: F811
+    made = []
+
+    def make(n=2):
+        made.append(Cluster(cert_dirs[0], n))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _vector(values, ring_bits):
+    """The ring words of signed integers `values` (an owner's encoded vector)."""
+    n = len(values)
+    words = np.zeros(ring.ring_words(n, ring_bits), np.uint64)
+    if ring_bits == 32:
+        words.view("<i4")[:n] = values
+    elif ring_bits == 64:
+        words.view("<i8")[:] = values
+    else:
+        words.view("<i8")[0::2] = values
+        words.view("<i8")[1::2] = np.where(np.asarray(values) < 0, -1, 0)
+    return words
+
+
+def _signed(words, n, ring_bits):
+    if ring_bits == 32:
+        return words.view("<i4")[:n].astype(np.int64)
+    return words.view("<i8")[:n] if ring_bits == 64 else words.view("<i8")[0::2][:n]
+
+
+def _masked(values, ring_bits):
+    """``(key int32[4], share int64)`` of `values`, as ``ops.mask_share`` makes them."""
+    key = np.frombuffer(secrets.token_bytes(16), np.int32).copy()
+    share = _vector(values, ring_bits)
+    ring.sub_into(share, ring.keystream_words(key, share.size), ring_bits)
+    return key, share.view(np.int64)
+
+
+def _reveal(blind_key, w, n, ring_bits):
+    words = np.array(np.asarray(w).view(np.uint64), copy=True)
+    ring.add_into(words, ring.keystream_words(blind_key, words.size), ring_bits)
+    return _signed(words, n, ring_bits)
+
+
+def _sum_round(c, checks, channel, step, ring_bits, values):
+    """Every owner contributes `values[o]` (checked with `checks[o]`); per owner its revealed sum or error."""
+    def owner(o):
+        key, share = _masked(values[o], ring_bits)
+        blind_key, w = sum_check.checked_contribute(c.clients[o].contribute, checks[o], channel, step, ring_bits,
+                                                    len(values[o]), key, share)
+        return _reveal(blind_key, w, len(values[o]), ring_bits)
+
+    return in_threads([lambda o=o: owner(o) for o in range(len(values))])
+
+
+def _values(rng, owners, n, ring_bits):
+    bound = 1 << (ring_bits - 8 if ring_bits < 128 else 56)
+    return [rng.integers(-bound, bound, n) for _ in range(owners)]
+
+
+def _is_prime(n):
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97):
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def test_the_check_primes_are_prime_and_cover_the_ring():
+    for ring_bits, primes in PRIMES.items():
+        assert all(_is_prime(p) for p in primes), ring_bits
+        assert primes[0] * primes[1] > 2**ring_bits  # a nonzero change is nonzero modulo one of them
+        assert sum_check.MAX_OWNERS[ring_bits] * max(primes) <= 2**ring_bits  # the check words never wrap
+        assert 2**sum_check.COEFFICIENT_BITS <= min(primes)
+    assert sum_check.ROWS * sum_check.COEFFICIENT_BITS >= 40
+    assert sum_check.CHUNK * (2**16 - 1) * (2**sum_check.COEFFICIENT_BITS - 1) < 2**53  # exact float64 products
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_honest_sums_pass_over_many_steps_and_channels(cluster, ring_bits):
+    c = cluster(3)
+    rng = np.random.default_rng(ring_bits)
+    checks = [SumCheck(SEED, num_owners=3)] * 3
+    for step in range(6):
+        for channel, n in (("sum_0", 1), ("sum_1", 7), ("sum_2", 1000)):
+            values = _values(rng, 3, n, ring_bits)
+            results = _sum_round(c, checks, channel, step, ring_bits, values)
+            for result in results:
+                assert not isinstance(result, Exception), result
+                np.testing.assert_array_equal(result, np.sum(values, axis=0))
+
+
+def test_a_large_sum_crosses_chunks_exactly():
+    # n above CHUNK (several float64 products) at the bounds of the encodings: the check words still agree.
+    n = sum_check.CHUNK + 5
+    check = SumCheck(SEED)
+    rng = np.random.default_rng(1)
+    values = [rng.integers(-2**62, 2**62, n), rng.integers(-2**60, 2**60, n)]
+    acc = np.zeros(ring.ring_words(n + CHECK_WORDS, 64), np.uint64)
+    for v in values:
+        key, share = _masked(v, 64)
+        ring.add_into(acc, check.extend("big", 3, 64, n, key, share), 64)
+        ring.add_into(acc, ring.keystream_words(key, acc.size), 64)
+    check.verify("big", 3, 64, n, np.zeros(4, np.int32), acc.view(np.int64) - ring.keystream_words(
+        np.zeros(4, np.int32), acc.size).view(np.int64))
+
+
+def _add_to_element(index, delta, step=None, only=None):
+    """server1's tamper: adds `delta` (ring 64) to element `index` of the answer (of `step`, to `only`)."""
+    def tamper(identity, request, payload):
+        if (step is not None and request.step != step) or (only is not None and identity != only):
+            return payload
+        words = np.frombuffer(payload, np.uint64).copy()
+        words[index:index + 1] += np.uint64(delta)
+        return words.tobytes()
+
+    return tamper
+
+
+@pytest.mark.parametrize("delta", [1, 2**63], ids=["one", "2**63"])
+def test_server1_adding_to_one_element_of_one_step_is_caught_by_every_owner_in_that_step(cluster, delta):
+    c = cluster(2)
+    checks = [SumCheck(SEED)] * 2
+    rng = np.random.default_rng(0)
+    c.server1.tamper = _add_to_element(5, delta, step=2)
+    for step in range(4):
+        results = _sum_round(c, checks, "sum_0", step, 64, _values(rng, 2, 100, 64))
+        if step == 2:
+            assert all(isinstance(r, SumIntegrityError) for r in results), results
+            message = str(results[0])
+            assert "step 2 on channel sum_0 failed" in message and "of 4 integrity checks" in message
+            assert "tfe:0" in message and "tfe:1" in message and "training stopped" in message
+        else:
+            assert not any(isinstance(r, Exception) for r in results), results
+
+
+def test_the_check_skipped_accepts_the_tampered_sum(cluster):
+    # Mutation: without the check the same tampering goes through, and the owners apply a wrong sum.
+    c = cluster(2)
+    c.server1.tamper = _add_to_element(5, 2**63)
+    values = _values(np.random.default_rng(0), 2, 100, 64)
+    results = _sum_round(c, [None, None], "sum_0", 0, 64, values)
+    truth = np.sum(values, axis=0)
+    for result in results:
+        assert not isinstance(result, Exception)
+        assert result[5] != truth[5] and np.array_equal(np.delete(result, 5), np.delete(truth, 5))
+
+
+def test_server0_replacing_the_blind_key_is_caught(cluster):
+    c = cluster(2)
+    c.server0.tamper = lambda identity, request, payload: secrets.token_bytes(16)
+    results = _sum_round(c, [SumCheck(SEED)] * 2, "sum_0", 0, 64, _values(np.random.default_rng(0), 2, 50, 64))
+    assert all(isinstance(r, SumIntegrityError) for r in results), results
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64])
+def test_server1_answering_two_owners_differently_is_caught_by_the_owner_given_the_change(cluster, ring_bits):
+    c = cluster(2)
+
+    def tamper(identity, request, payload):
+        if identity != "worker:0":
+            return payload
+        words = np.frombuffer(payload, np.uint32).copy()
+        words[3:4] += np.uint32(1 << 31)
+        return words.tobytes()
+
+    c.server1.tamper = tamper
+    results = _sum_round(c, [SumCheck(SEED)] * 2, "sum_0", 0, ring_bits,
+                         _values(np.random.default_rng(0), 2, 9, ring_bits))
+    assert not isinstance(results[0], Exception)  # chief:0 got the true sum
+    assert isinstance(results[1], SumIntegrityError), results[1]
+
+
+def test_a_replayed_answer_is_checked_too(cluster):
+    # A step released honestly, then put again (a restored owner replays it from the window): server1 now
+    # alters the stored answer it hands out; the replaying owner catches it.
+    c = cluster(2)
+    check = SumCheck(SEED)
+    values = _values(np.random.default_rng(0), 2, 20, 64)
+    keys_shares = [_masked(v, 64) for v in values]
+
+    def put(o):
+        key, share = keys_shares[o]
+        return sum_check.checked_contribute(c.clients[o].contribute, check, "sum_0", 0, 64, 20, key, share)
+
+    assert not any(isinstance(r, Exception) for r in in_threads([lambda: put(0), lambda: put(1)]))
+    c.server1.tamper = _add_to_element(0, 1)
+    with pytest.raises(SumIntegrityError, match="step 0 on channel sum_0"):
+        put(0)
+
+
+def _forge_with_the_seed(seed, index, n):
+    """server1's tamper knowing the seed: +1 on element `index`, and every check word moved to match."""
+    known = SumCheck(seed)
+
+    def tamper(identity, request, payload):
+        del identity
+        words = np.frombuffer(payload, np.uint64).copy()
+        coefficients = known.coefficients(request.channel, request.step, n)
+        words[index] += np.uint64(1)
+        for m in range(sum_check.ROWS):
+            for k, p in enumerate(PRIMES[64]):
+                words[n + 2 * m + k] += np.uint64(int(coefficients[m, index]) % p)
+        return words.tobytes()
+
+    return tamper
+
+
+def test_a_server_that_knows_the_seed_forges_a_change_that_passes(cluster):
+    # Mutation: a seed derived from public data (here: a constant server1 knows) lets server1 forge a
+    # change; so the seed's secrecy is what the checks rest on.
+    c = cluster(2)
+    c.server1.tamper = _forge_with_the_seed(SEED, 4, 30)
+    values = _values(np.random.default_rng(0), 2, 30, 64)
+    results = _sum_round(c, [SumCheck(SEED)] * 2, "sum_0", 0, 64, values)
+    for result in results:
+        assert not isinstance(result, Exception), result
+        assert result[4] == np.sum(values, axis=0)[4] + 1  # altered, and accepted
+    # The same forgery under a seed server1 does not know is caught.
+    c.server1.tamper = _forge_with_the_seed(SEED, 4, 30)
+    results = _sum_round(c, [SumCheck(b"another seed the servers never see")] * 2, "sum_0", 1, 64, values)
+    assert all(isinstance(r, SumIntegrityError) for r in results), results
+
+
+def test_a_tampered_sum_fails_the_session_run_of_the_contribution_op(cluster):
+    # Through the real graph on chief:0 (service_sum's tf.numpy_function, the mask and reveal kernels); worker:0
+    # contributes from numpy in another thread.
+    c = cluster(2)
+    check = SumCheck(SEED)
+    x = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((2, 3), np.float32)]
+    fraction_bits = 16
+
+    def chief(steps):
+        graph = tf.Graph()
+        with graph.as_default():
+            step = tf.compat.v1.placeholder(tf.int64, [])
+            total = service_sum.service_sum([[tf.constant(x[0])]], ["/cpu:0"], ["/cpu:0"],
+                                            Encoding(64, fraction_bits, 2.0**20), tf.float32, "chief:0", "clip",
+                                            1.0, "sum_0", step, c.clients[0].contribute, checks=lambda: check)
+            with tf.compat.v1.Session(graph=graph) as session:
+                out = []
+                for s in steps:
+                    try:
+                        out.append(session.run(total[0][0], {step: s}))
+                    except tf.errors.OpError as e:
+                        out.append(e)
+                return out
+
+    def worker(steps):
+        out = []
+        for s in steps:
+            key, share = _masked((x[1].reshape(-1) * 2**fraction_bits).astype(np.int64), 64)
+            try:
+                out.append(sum_check.checked_contribute(c.clients[1].contribute, check, "sum_0", s, 64, 6, key, share))
+            except SumIntegrityError as e:
+                out.append(e)
+        return out
+
+    c.server1.tamper = _add_to_element(1, 2**63, step=1)
+    chief_results, worker_results = in_threads([lambda: chief([0, 1]), lambda: worker([0, 1])])
+    np.testing.assert_allclose(chief_results[0], x[0] + x[1])
+    assert isinstance(chief_results[1], tf.errors.UnknownError), chief_results[1]
+    assert "failed 4 of 4 integrity checks" in chief_results[1].message
+    assert not isinstance(worker_results[0], Exception) and isinstance(worker_results[1], SumIntegrityError)
+
+
+# ------------------------------------------------------------------------------------------- the seed --
+
+def _agree(c, model, owners=None, parts_of=None, rounds=50):
+    """Runs the agreement of `owners` (indexes; all) through server0's Handshake until each is done."""
+    owners = range(len(c.owners)) if owners is None else owners
+    agreements = {o: check_seed.SeedAgreement(c.tls[o], c.owners, c.owners[o], model) for o in owners}
+    done = set()
+    for _ in range(rounds):
+        for o, agreement in agreements.items():
+            if o in done:
+                continue
+            sent = agreement.part
+            rows, parts = c.clients[o].handshake_parts(0, [0, 1], model, sent)
+            if parts_of is not None:
+                parts = parts_of(o, parts)
+            if agreement.update([which for which, _, _ in rows], parts, sent) is None:
+                done.add(o)
+        if len(done) == len(agreements):
+            return agreements
+    raise AssertionError(f"no agreement after {rounds} rounds: {sorted(done)} done")
+
+
+def test_the_owners_agree_on_one_seed_that_server0_never_holds(cluster):
+    c = cluster(3)
+    agreements = _agree(c, model=0x1234)
+    seeds = {a.seed for a in agreements.values()}
+    assert len(seeds) == 1 and None not in seeds
+    seed = seeds.pop()
+    assert len({a.check().fingerprint for a in agreements.values()}) == 1
+    rows, _, _, parts = c.server0._handshakes.view_parts(0x1234)
+    stored = b"".join(parts) + repr(rows).encode()
+    for form in (seed, seed.hex().encode(), base64.b64encode(seed)):
+        assert form not in stored
+    assert all(p for p in parts)  # every owner's certificate is there, and owners[0]'s wrapped seeds
+    assert set(json.loads(parts[0])["seeds"]) == {"worker:0", "worker:1"}
+    # Another model: another seed.
+    assert _agree(c, model=0x5678)[0].seed != seed
+
+
+def test_restarted_owners_obtain_the_same_seed_alone(cluster):
+    c = cluster(3)
+    seed = _agree(c, model=7)[0].seed
+    # worker:1 restarted alone: owners[0] and worker:0 keep training (no handshake); it reads the stored parts.
+    assert _agree(c, model=7, owners=[2])[2].seed == seed
+    # owners[0] restarted alone: the same seed from its key, wrapped again for everyone.
+    assert _agree(c, model=7, owners=[0])[0].seed == seed
+    assert _agree(c, model=7, owners=[1])[1].seed == seed
+
+
+def test_a_certificate_of_another_ca_cannot_inject_a_seed(cluster, cert_dirs):  # noqa: F811
+    # server0 (or an impostor) hands worker:0 a part for chief:0 signed by another CA, wrapping a seed it
+    # knows for worker:0's certificate key: worker:0 refuses it, naming the certificate.
+    c = cluster(2)
+    impostor = check_seed.SeedAgreement(TlsFiles.from_dir(cert_dirs[1], "chief", 0), c.owners, "chief:0", 9)
+    worker = check_seed.SeedAgreement(c.tls[1], c.owners, "worker:0", 9)
+    impostor._verified_key = lambda owner, body: x509.load_pem_x509_certificate(  # the attacker checks nothing
+        body["cert"].encode()).public_key()
+    impostor.update([9, 9], [b"", worker.part], b"")
+    assert "worker:0" in json.loads(impostor.part)["seeds"]
+    with pytest.raises(check_seed.CheckSeedError, match="does not prove chief:0"):
+        worker.update([9, 9], [impostor.part, worker.part], worker.part)
+    # The same injection the other way: owners[0] refuses to wrap its seed for a foreign worker:0.
+    chief = check_seed.SeedAgreement(c.tls[0], c.owners, "chief:0", 9)
+    foreign_worker = check_seed.SeedAgreement(TlsFiles.from_dir(cert_dirs[1], "worker", 0), c.owners, "worker:0", 9)
+    with pytest.raises(check_seed.CheckSeedError, match="does not prove worker:0"):
+        chief.update([9, 9], [chief.part, foreign_worker.part], chief.part)
+
+
+def test_a_wrapped_seed_server0_altered_does_not_decrypt(cluster):
+    c = cluster(2)
+
+    def alter(o, parts):
+        if o != 1 or not parts[0]:
+            return parts
+        body = json.loads(parts[0])
+        if "worker:0" in body["seeds"]:
+            raw = bytearray(base64.b64decode(body["seeds"]["worker:0"]))
+            raw[0] ^= 1
+            body["seeds"]["worker:0"] = base64.b64encode(bytes(raw)).decode()
+        return [json.dumps(body).encode(), parts[1]]
+
+    with pytest.raises(check_seed.CheckSeedError, match="does not decrypt"):
+        _agree(c, model=3, parts_of=alter)

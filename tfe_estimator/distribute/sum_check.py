@@ -1,0 +1,231 @@
+"""Integrity checks of a service sum: every owner detects a revealed sum that a server altered.
+
+The aggregation servers only add ring words; nothing stops one of them from
+adding something else to a released step (a bug, a bad disk, an operator).
+Each owner therefore appends `CHECK_WORDS` check words to its masked vector,
+and after the reveal recomputes them on the sum. The check coefficients come
+from a seed the owners agree on without the servers (`check_seed`), per sum
+and step, so a server cannot aim a change at them.
+
+The check (``k = ROWS`` rows of coefficients, two primes ``p1, p2``): per
+channel and step, AES-CTR under ``HKDF(seed, channel, step)`` gives each
+element i and row m a coefficient ``r_mi`` in ``[0, 2**20)``. Every owner's
+encoded vector is a vector of signed integers ``x_i`` (the ring word read as
+two's complement), and the encodings' bounds and the ring's headroom
+(`Precision.check_headroom`, `check_noise_headroom` under DP) make the honest
+sum of all owners an integer vector that never wraps the ring. An owner
+contributes, per row m and prime p, ``(sum_i r_mi x_i) mod p`` (inside its
+masked share: the words after its n elements, masked with the same key's
+keystream); the servers sum them like any element (fewer than ``2**b / p``
+owners: no wrap). After the reveal an owner reads the sum's n elements as
+signed integers ``s_i`` and compares ``(sum_i r_mi s_i) mod p`` with the
+revealed check word mod p.
+
+Why it catches any change (a server that adds ``e != 0`` to the n elements,
+in any ring): the revealed signed sum changes by an integer vector ``e'`` with
+``0 < max |e'_i| < 2**b < p1 * p2``, so ``e'`` is nonzero modulo p1 or p2;
+for that prime a row passes only if ``sum_i r_mi e'_i`` equals the change the
+server made to that check word modulo p, which, with every coefficient but one
+(whose ``e'_i`` is nonzero mod p) fixed, holds for at most one of its 2**20
+values: at most ``2**-20`` per row, ``2**-40`` for both rows, whatever the
+change (a multiple of ``2**63`` included: a check of ring words modulo
+``2**b`` itself would pass such a change half the time per check, since
+``r * 2**63 = 0`` for every even r). Replaced blind keys, answers that differ
+between owners, and answers of another step or channel are changes like any
+other. The server sees neither the seed nor the owners' check values (each
+masked like the vector), so its change is independent of the coefficients.
+
+Cost: per contribution one AES expansion for the coefficients and one of the
+owner's key (to read its own vector back from its share), and two exact
+float64 products of the ``(ROWS, n)`` coefficients with the vector's 16-bit
+limbs (chunks of `CHUNK` elements, below 2**53); tools/bench/check_cost.py
+measures it.
+
+Example::
+
+    check = SumCheck(seed, operators="tfe:0 (Operator A), tfe:1 (Operator B)")
+    blind_key, w = checked_contribute(client.contribute, check, "sum_0", 7, 64, n, key, share)
+"""
+import hashlib
+import logging
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from tfe_estimator.service import ring
+
+__all__ = ["SumCheck", "SumIntegrityError", "checked_contribute", "ROWS", "COEFFICIENT_BITS", "PRIMES",
+           "CHECK_WORDS", "CHUNK", "MAX_OWNERS"]
+
+log = logging.getLogger("tfe_estimator")
+
+#: Rows of check coefficients, each of `COEFFICIENT_BITS` bits: a change passes one row with probability at
+#: most 2**-COEFFICIENT_BITS, all rows with at most 2**-(ROWS * COEFFICIENT_BITS) = 2**-40.
+ROWS = 2
+COEFFICIENT_BITS = 20
+#: Per ring, two primes below 2**(ring_bits - 8 or - 16) whose product exceeds 2**ring_bits (the largest two
+#: primes below 2**24, 2**48, 2**112; tests/test_sum_check.py checks that they are prime).
+PRIMES = {32: (2**24 - 3, 2**24 - 17), 64: (2**48 - 59, 2**48 - 65), 128: (2**112 - 75, 2**112 - 189)}
+#: Check words per sum (one element each, appended to the owner's vector).
+CHECK_WORDS = ROWS * 2
+#: Owners whose check words sum without wrapping the ring (each word is below the prime).
+MAX_OWNERS = {32: 1 << 8, 64: 1 << 16, 128: 1 << 16}
+#: Elements per exact float64 product: CHUNK * (2**16 - 1) * (2**20 - 1) < 2**53.
+CHUNK = 1 << 17
+_LIMB = 16
+
+
+class SumIntegrityError(RuntimeError):
+    """A revealed sum failed its integrity checks: a server altered it; nothing of it may be applied."""
+
+
+def _derive(seed: bytes, channel: str, step: int) -> bytes:
+    info = b"tfe-estimator sum check v1\0" + channel.encode() + b"\0" + int(step).to_bytes(8, "big", signed=True)
+    return HKDF(algorithm=hashes.SHA256(), length=ring.KEY_BYTES, salt=None, info=info).derive(seed)
+
+
+def _limbs(words: np.ndarray, n: int, ring_bits: int, start: int, stop: int) -> np.ndarray:
+    """Elements ``[start, stop)`` of a ring vector as ``(limbs, stop - start)`` float64: 16-bit limbs,
+    the top one signed (the element read as a two's complement integer); exact."""
+    per = ring_bits // _LIMB
+    unsigned = words.view("<u2")[:n * per].reshape(n, per)[start:stop]
+    signed = words.view("<i2")[:n * per].reshape(n, per)[start:stop]
+    out = np.empty((per, stop - start), np.float64)
+    out[:per - 1] = unsigned[:, :per - 1].T
+    out[per - 1] = signed[:, per - 1]
+    return out
+
+
+def _element(words: np.ndarray, index: int, ring_bits: int) -> int:
+    """Element `index` of a ring vector as an unsigned integer below 2**ring_bits."""
+    per = ring_bits // 32
+    lanes = words.view("<u4")[index * per:(index + 1) * per]
+    return sum(int(v) << (32 * i) for i, v in enumerate(lanes))
+
+
+def _set_element(words: np.ndarray, index: int, ring_bits: int, value: int) -> None:
+    per = ring_bits // 32
+    lanes = words.view("<u4")
+    for i in range(per):
+        lanes[index * per + i] = (value >> (32 * i)) & 0xFFFFFFFF
+
+
+class SumCheck:
+    """The owners' integrity checks of their sums under one check seed (module docstring).
+
+    Args:
+      seed: the 32-byte check seed every owner of the model holds and no server (`check_seed`).
+      operators: who runs the servers (named in the error), e.g. ``"tfe:0 (Operator A), tfe:1 (...)"``.
+      num_owners: how many owners sum (refused above `MAX_OWNERS` of the ring, at the first sum).
+    """
+
+    def __init__(self, seed: bytes, operators: str = "tfe:0, tfe:1", num_owners: int = 2):
+        if not isinstance(seed, bytes) or len(seed) < 16:
+            raise ValueError(f"a check seed has at least 16 random bytes, got {type(seed).__name__} of "
+                             f"{len(seed) if isinstance(seed, bytes) else '?'}: take it from check_seed.")
+        self._seed, self.operators, self.num_owners = seed, operators, int(num_owners)
+
+    @property
+    def fingerprint(self) -> str:
+        """8 hex digits of SHA-256 of the seed (logs: equal on every owner; reveals nothing)."""
+        return hashlib.sha256(b"tfe-estimator check seed fingerprint" + self._seed).hexdigest()[:8]
+
+    def coefficients(self, channel: str, step: int, n: int) -> np.ndarray:
+        """The ``(ROWS, n)`` float64 coefficients of `channel`'s sum at `step`, integers below 2**20."""
+        key = _derive(self._seed, channel, step)
+        stream = ring.keystream_words(key, (ROWS * n + 1) // 2).view("<u4")[:ROWS * n]
+        return np.right_shift(stream, np.uint32(32 - COEFFICIENT_BITS)).astype(np.float64).reshape(ROWS, n)
+
+    @staticmethod
+    def values(coefficients: np.ndarray, words: np.ndarray, n: int, ring_bits: int) -> List[int]:
+        """Per row, ``sum_i r_mi x_i`` over the first `n` elements of `words` (signed), exactly."""
+        totals = [0] * ROWS
+        for start in range(0, n, CHUNK):
+            stop = min(n, start + CHUNK)
+            products = coefficients[:, start:stop] @ _limbs(words, n, ring_bits, start, stop).T  # exact
+            for m in range(ROWS):
+                totals[m] += sum(int(v) << (_LIMB * limb) for limb, v in enumerate(products[m]))
+        return totals
+
+    @staticmethod
+    def residues(values: Sequence[int], ring_bits: int) -> List[int]:
+        """The check words: each row's value modulo each prime of the ring."""
+        return [v % p for v in values for p in PRIMES[ring_bits]]
+
+    def _check_owners(self, ring_bits: int) -> None:
+        if self.num_owners > MAX_OWNERS[ring_bits]:
+            raise ValueError(f"the sums' integrity checks hold for at most {MAX_OWNERS[ring_bits]} owners in the "
+                             f"{ring_bits}-bit ring, got {self.num_owners}: use a wider ring (update_ring_bits).")
+
+    def extend(self, channel: str, step: int, ring_bits: int, n: int, key: np.ndarray, share: np.ndarray,
+               coefficients: Optional[np.ndarray] = None) -> np.ndarray:
+        """The owner's masked share with its `CHECK_WORDS` check words appended (``n + CHECK_WORDS`` elements).
+
+        Reads its own vector back (share + AES(key)), computes its check words and masks them with the
+        keystream of the same key at elements ``n, n + 1, ...`` (what server0 expands for the longer vector).
+        """
+        self._check_owners(ring_bits)
+        total = n + CHECK_WORDS
+        stream = ring.keystream_words(np.asarray(key), ring.ring_words(total, ring_bits))
+        mine = np.array(np.asarray(share).reshape(-1).view(np.uint64), copy=True)
+        ring.add_into(mine, stream[:mine.size], ring_bits)  # this owner's encoded vector (plus its noise)
+        if coefficients is None:
+            coefficients = self.coefficients(channel, step, n)
+        checks = self.residues(self.values(coefficients, mine, n, ring_bits), ring_bits)
+        out = np.zeros(ring.ring_words(total, ring_bits), np.uint64)
+        per = ring_bits // 32
+        out.view("<u4")[:n * per] = np.asarray(share).reshape(-1).view("<u4")[:n * per]
+        modulus = 1 << ring_bits
+        for j, value in enumerate(checks):
+            _set_element(out, n + j, ring_bits, (value - _element(stream, n + j, ring_bits)) % modulus)
+        return out.view(np.int64)
+
+    def verify(self, channel: str, step: int, ring_bits: int, n: int, blind_key: np.ndarray, masked: np.ndarray,
+               coefficients: Optional[np.ndarray] = None) -> None:
+        """Checks the revealed sum ``masked + AES(blind_key)`` (``n + CHECK_WORDS`` elements).
+
+        Raises:
+          SumIntegrityError: naming the step, the channel, how many checks failed and the servers' operators.
+        """
+        total = n + CHECK_WORDS
+        revealed = np.array(np.asarray(masked).reshape(-1).view(np.uint64), copy=True)
+        if revealed.size != ring.ring_words(total, ring_bits):
+            raise SumIntegrityError(
+                f"the sum released for step {step} on channel {channel} has {revealed.size} ring words, not the "
+                f"{ring.ring_words(total, ring_bits)} of {n} elements and {CHECK_WORDS} check words: a server "
+                f"altered it (server operators: {self.operators}); training stopped, nothing of it applied.")
+        ring.add_into(revealed, ring.keystream_words(np.asarray(blind_key), revealed.size), ring_bits)
+        if coefficients is None:
+            coefficients = self.coefficients(channel, step, n)
+        expected = self.residues(self.values(coefficients, revealed, n, ring_bits), ring_bits)
+        primes = PRIMES[ring_bits] * ROWS
+        failed = sum(_element(revealed, n + j, ring_bits) % p != e for j, (p, e) in enumerate(zip(primes, expected)))
+        if failed:
+            raise SumIntegrityError(
+                f"the sum released for step {step} on channel {channel} failed {failed} of {CHECK_WORDS} integrity "
+                f"checks (each passes a change with probability at most 2**-{COEFFICIENT_BITS}): a server altered "
+                f"it (server operators: {self.operators}); training stopped, nothing of it applied. The servers' "
+                "logs and operators can say why; restart the owners once the servers are fixed (each resumes from "
+                "its latest checkpoint).")
+
+
+def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel: str, step: int, ring_bits: int,
+                       n: int, key: np.ndarray, share: np.ndarray):
+    """One contribution through `contribute` (`OwnerClient.contribute`'s signature), checked with `check`.
+
+    Returns ``(blind_key, w)`` with w of the share's n elements (``ring_words(n)`` words), as without checks;
+    with `check` None, exactly `contribute`'s answer.
+
+    Raises:
+      SumIntegrityError: the revealed sum fails its checks (`SumCheck.verify`).
+    """
+    if check is None:
+        return contribute(channel, step, ring_bits, n, key, share)
+    coefficients = check.coefficients(channel, step, n)
+    extended = check.extend(channel, step, ring_bits, n, key, share, coefficients)
+    blind_key, masked = contribute(channel, step, ring_bits, n + CHECK_WORDS, key, extended)
+    check.verify(channel, step, ring_bits, n, blind_key, masked, coefficients)
+    words = ring.ring_words(n, ring_bits)
+    return blind_key, np.asarray(masked).reshape(-1)[:words]
