@@ -38,14 +38,11 @@ from typing import Any, Mapping, Sequence
 import tensorflow as tf
 
 from model_fns._params import make_optimizer
+# The eval metrics of the evaluated checkpoint's epsilon: against t colluding owners, and against outsiders.
+from tfe_estimator.privacy.dp import EPSILON_METRIC, OUTSIDER_EPSILON_METRIC
 
 __all__ = ["dp_settings", "dp_estimator_spec", "EPSILON_METRIC", "OUTSIDER_EPSILON_METRIC"]
 
-#: The eval metric that reports the epsilon spent by the evaluated checkpoint,
-#: against t colluding owners (`DistributedDP.colluding_owners`).
-EPSILON_METRIC = "dp_epsilon"
-#: The same against outsiders (anyone who knows none of the noise parts).
-OUTSIDER_EPSILON_METRIC = "dp_epsilon_outsiders"
 _BATCH_VARIABLE = "dp_global_batch_size"
 _PARTIES_VARIABLE = "dp_noise_parties"
 

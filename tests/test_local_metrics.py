@@ -90,6 +90,20 @@ def test_the_exporter_evaluates_each_checkpoint_train_and_evaluate_evaluated(tmp
         exporter.last_metrics["average_loss"], rel=1e-5)
 
 
+def test_under_dp_the_own_line_carries_the_checkpoints_epsilon(tmp_path, linear_data):
+    # Under DP the local evaluation (a plain RunConfig) has no epsilon: the line takes the evaluation's.
+    x, y, _ = linear_data
+    est = _trained(tmp_path, linear_data)
+    out = io.StringIO()
+    exporter = tfe_estimator.LocalMetricsExporter(_input_fn(x, y, False), stream=out)
+    exporter.export(est, None, tf.train.latest_checkpoint(str(tmp_path)),
+                    {"global_step": 5, "average_loss": 9.0, "dp_epsilon": 1.25, "dp_epsilon_outsiders": 0.75}, False)
+    line = out.getvalue()
+    assert line.startswith("tfe_estimator: evaluation at step 5, this owner's data only: average_loss "), line
+    assert ", dp_epsilon 1.25, dp_epsilon_outsiders 0.75, " in line, line
+    assert float(line.split("average_loss ")[1].split(",")[0]) == pytest.approx(_mse(est, x, y), rel=1e-5)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(input_fn="data.csv"), TypeError, r"input_fn='data.csv' is not callable: pass the owner's evaluation"),
     (dict(input_fn=lambda: None, name=""), ValueError, r"name='': give a non-empty string"),

@@ -161,3 +161,6 @@ def test_restarted_owners_catch_up_from_the_replay_window(victims, dp, tmp_path)
         task = owner.replace("-", ":")
         assert f"[{task}] tfe_estimator: step {steps}, DP epsilon {epsilon:.4g} at delta 1e-05 (against 1 " \
                "colluding owner(s) of 2;" in log, log[-5000:]
+        evaluation = re.search(rf"\[{task}\] tfe_estimator: evaluation at step {steps}, this owner's data only: .*",
+                               log)
+        assert evaluation and f"dp_epsilon {epsilon:.6g}, " in evaluation.group(0), log[-5000:]

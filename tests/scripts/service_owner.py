@@ -98,7 +98,8 @@ def main(argv):
             loss_reduction=tf.compat.v1.losses.Reduction.SUM_OVER_BATCH_SIZE, config=config)
     metrics, _ = tf.estimator.train_and_evaluate(
         estimator, tf.estimator.TrainSpec(input_fn, max_steps=steps, hooks=hooks),
-        tf.estimator.EvalSpec(input_fn, steps=1, throttle_secs=0, start_delay_secs=0))
+        tf.estimator.EvalSpec(input_fn, steps=1, throttle_secs=0, start_delay_secs=0,  # under DP: own metrics line
+                              exporters=[tfe_estimator.LocalMetricsExporter(input_fn, steps=1)] if dp else []))
     with open("eval_metrics.json", "w") as f:  # federated: the metrics of every owner's evaluation data
         json.dump({k: float(v) for k, v in metrics.items()}, f)
     print("owner finished at step", estimator.get_variable_value("global_step"))

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfe_estimator.cluster.spec import tf_config_hidden
+from tfe_estimator.privacy.dp import EPSILON_METRICS
 
 __all__ = ["LocalMetricsExporter", "evaluate_locally"]
 
@@ -66,6 +67,9 @@ class LocalMetricsExporter(tf.estimator.Exporter):
         tfe_estimator: evaluation at step 300, all owners' data: average_loss 5131.75, ...
         tfe_estimator: evaluation at step 300, this owner's data only: average_loss 4522.48, ...
 
+    Under DP the own line also carries the evaluated checkpoint's epsilon
+    (``dp_epsilon``, ``dp_epsilon_outsiders``: what its training spent).
+
     Args:
       input_fn: this owner's evaluation data (usually the EvalSpec's own input_fn).
       steps: as `Estimator.evaluate`.
@@ -96,7 +100,10 @@ class LocalMetricsExporter(tf.estimator.Exporter):
         stream = self._stream or sys.stderr
         if getattr(estimator.config.eval_distribute, "federated_metrics", False):
             stream.write(_metrics_line("all owners' data", eval_result))
-        stream.write(_metrics_line("this owner's data only", self.last_metrics))
+        # Under DP the checkpoint's epsilon (of its training, not of any data) comes from the evaluation: the
+        # local one runs without the DP settings.
+        own = {**{k: v for k, v in eval_result.items() if k in EPSILON_METRICS}, **self.last_metrics}
+        stream.write(_metrics_line("this owner's data only", own))
         stream.flush()
         return None
 

@@ -78,6 +78,9 @@ __all__ = [
     "clipped_sum_norm",
     "clipped_sum_group",
     "EpsilonLoggingHook",
+    "EPSILON_METRIC",
+    "OUTSIDER_EPSILON_METRIC",
+    "EPSILON_METRICS",
     "noise_parties",
     "NOISE_TAIL_SIGMAS",
     "MAX_REPLICA_VARIANCE",
@@ -242,6 +245,12 @@ class DistributedDP:
         batch = self.expected_batch_size or global_batch_size
         return tuple(dp_epsilon(m, batch, self.num_examples, steps, self.delta)
                      for m in self.noise_multipliers(num_replicas))
+
+
+#: The eval metric that reports the epsilon spent by the evaluated checkpoint's training, against t colluding
+#: owners (`DistributedDP.colluding_owners`: the guarantee), and the same against outsiders.
+EPSILON_METRIC, OUTSIDER_EPSILON_METRIC = "dp_epsilon", "dp_epsilon_outsiders"
+EPSILON_METRICS = (EPSILON_METRIC, OUTSIDER_EPSILON_METRIC)
 
 
 def dp_epsilon(noise_multiplier: float, global_batch_size: int, num_examples: int, steps: int,
