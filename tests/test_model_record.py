@@ -304,3 +304,52 @@ def test_a_fresh_training_answered_from_the_replay_window_is_refused_naming_the_
     # A restored training (or a later session of a fresh one) catches up from the window: no refusal.
     _answered_twice(make_service, {**fresh, "run": training_run.TrainingRun(0, fresh=False)})
     _answered_twice(make_service, {**fresh, "sessions": 2})
+
+
+def _released_again_after_both_servers_restart(make_service, model):
+    """Steps 0-2 released to both owners, both servers restarted (no window), step 1 put again: `check_answer`
+    on each of the chief's answers, as the owner's contribution op calls it."""
+    import os  # pylint: disable=import-outside-toplevel
+
+    from service_helpers import in_threads  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.service import ring  # pylint: disable=import-outside-toplevel
+
+    channel = channel_name(7, "sum_0")
+
+    def put(client, step):
+        key = np.frombuffer(os.urandom(16), np.int32)
+        before = client.answers.get(channel, [0, 0])[1]
+        result = client.contribute(channel, step, 64, 4, key, (-ring.keystream_words(key, 4)).view(np.int64))
+        return client.answers[channel][1] > before, result
+
+    answers = []
+    for steps in ((0, 1, 2), (1,)):  # the second service: both servers restarted, their windows lost
+        clients = make_service(owner_names(2)).clients_of(2)
+        for step in steps:
+            (replayed, _), _ = in_threads([lambda c=c, s=step: put(c, s) for c in clients])
+            answers.append((step, replayed))
+            training_run.check_answer(model, "chief:0", channel, step, replayed)
+    return answers
+
+
+def test_under_dp_a_step_released_again_with_fresh_noise_is_refused_and_a_replay_is_not(tmp_path, make_service):
+    ledger = training_run.ReleaseLedger(str(tmp_path), fresh=True)
+    with pytest.raises(ValueError, match=r"chief:0 received step 1 of '0000000000000007/sum_0' as a fresh release, "
+                                         r"but it received steps up to 2 before .*tfe_released.*Training stops"):
+        _released_again_after_both_servers_restart(make_service, {"model": 7, "ledger": ledger})
+    # The ledger survives the owner's restart (it is in model_dir): a restored owner's replays pass, a fresh
+    # release of a step it had is refused, a later step is recorded.
+    restored = training_run.ReleaseLedger(str(tmp_path), fresh=False)
+    assert restored.high == 2
+    model = {"model": 7, "ledger": restored}
+    training_run.check_answer(model, "chief:0", channel_name(7, "sum_0"), 1, replayed=True)
+    with pytest.raises(ValueError, match="received step 2"):
+        training_run.check_answer(model, "chief:0", channel_name(7, "sum_0"), 2, replayed=False)
+    training_run.check_answer(model, "chief:0", channel_name(7, "sum_0"), 3, replayed=False)
+    assert training_run.ReleaseLedger(str(tmp_path), fresh=False).high == 3
+    assert training_run.ReleaseLedger(str(tmp_path), fresh=True).high == -1  # a fresh training starts over
+
+
+def test_mutation_without_the_ledger_a_second_release_passes_unnoticed(make_service):
+    # Step 1 is released a second time (fresh, not from a window) and nothing refuses it.
+    assert _released_again_after_both_servers_restart(make_service, {"model": 7})[-1] == (1, False)

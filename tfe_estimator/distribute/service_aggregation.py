@@ -18,7 +18,9 @@ checks: only where the sum is computed differs.
   weights (`service_handshake`), then rewinds its own state on both servers.
   The record's hash, the model id, prefixes every channel of the model's
   sums (`channel_name`), so models trained one after another in one launch
-  never share the servers' state.
+  never share the servers' state. The record includes the training's number
+  in this process (`training_run`): two trainings of identical models get
+  two ids, and a restarted owner reads its training's back from model_dir.
 - A MEAN divides by every replica of every owner; every owner has the same
   number of local replicas (the handshake's settings include it).
 - Evaluation is federated (``ServiceStrategy(evaluation=True)``, what
@@ -258,6 +260,8 @@ class _ServiceExtended(_TfeExtended):
 
                     if "run" not in model:  # once per graph: its replicas' model_fn calls share it
                         model["run"] = training_run.for_training(model_dir)
+                        if agg.dp is not None:  # each step's noise released once (training_run.ReleaseLedger)
+                            model["ledger"] = training_run.ReleaseLedger(model_dir, model["run"].fresh)
                     settings["training run"] = model["run"].number  # in the model id: one id per training run
                     every = getattr(config, "save_checkpoints_steps", None)
                     hooks = (service_handshake.ServiceHandshakeHook(agg.binding, settings, service_client, on_model),

@@ -28,6 +28,13 @@ replay window still holds its steps). A fresh training is never answered from
 the window (nobody released any of its steps before its owners contributed),
 so such an answer is refused (`check_answer`) instead of trained on.
 
+Under DP each owner also keeps, in ``<model_dir>/tfe_released``, the highest
+step whose first sum it received as a fresh release (`ReleaseLedger`). A
+restored owner receives the steps it had before from the servers' replay
+window; a fresh release of such a step (both servers restarted, so neither
+kept its window) would release its noise again while epsilon counts the step
+once: it is refused (`check_answer`).
+
 Example::
 
     run = training_run.for_training(config.model_dir)    # 0 for the script's first training, then 1, ...
@@ -41,13 +48,17 @@ from typing import Optional
 
 import tensorflow as tf
 
-__all__ = ["TrainingRun", "for_training", "for_evaluation", "check_answer", "fresh_replay_error", "RUN_FILE",
-           "reset"]
+__all__ = ["TrainingRun", "ReleaseLedger", "for_training", "for_evaluation", "check_answer", "fresh_replay_error",
+           "RUN_FILE", "RELEASED_FILE", "reset"]
 
 log = logging.getLogger("tfe_estimator")
 
 #: The file in model_dir that keeps the number of the training run that wrote its checkpoints.
 RUN_FILE = "tfe_training_run"
+#: Under DP, the file in model_dir that keeps the highest step this owner received as a fresh release.
+RELEASED_FILE = "tfe_released"
+#: The sum whose releases the ledger follows: a training graph's first, summed at every step.
+_LEDGER_SUM = "/sum_0"
 
 _LOCK = threading.Lock()
 _NEXT = [0]  # the number of this process's next fresh training
@@ -59,6 +70,55 @@ class TrainingRun:
 
     number: int
     fresh: bool
+
+
+class ReleaseLedger:
+    """The highest step whose first sum this owner received as a fresh release (under DP), kept in model_dir.
+
+    Args:
+      model_dir: where ``tfe_released`` is kept (None: in memory only).
+      fresh: a fresh training (no checkpoint): nothing was released for it yet, whatever the file says.
+
+    Example::
+
+        ledger = ReleaseLedger("/data/model", fresh=False)
+        ledger.released(owner, channel, step)   # raises if `step` was released to this owner before
+    """
+
+    def __init__(self, model_dir: Optional[str], fresh: bool):
+        self._path = os.path.join(model_dir, RELEASED_FILE) if model_dir else None
+        self.high = -1
+        if not fresh and self._path and tf.io.gfile.exists(self._path):
+            with tf.io.gfile.GFile(self._path) as f:
+                text = f.read().strip()
+            self.high = int(text) if text.lstrip("-").isdigit() else -1
+        elif self._path:
+            self._write()
+
+    def _write(self) -> None:
+        tf.io.gfile.makedirs(os.path.dirname(self._path))
+        with tf.io.gfile.GFile(self._path + ".tmp", "w") as f:
+            f.write(f"{self.high}\n")
+        tf.io.gfile.rename(self._path + ".tmp", self._path, overwrite=True)  # whole, even if killed now
+
+    def released(self, owner: str, channel: str, step: int) -> None:
+        """Records a fresh release of `step`; refuses one of a step this owner received before.
+
+        Raises:
+          ValueError: naming the step, the ledger and the fix.
+        """
+        if step <= self.high:
+            raise ValueError(
+                f"Service mode under DP: {owner} received step {step} of {channel!r} as a fresh release, but it "
+                f"received steps up to {self.high} before ({self._path or 'this process'}): the servers released "
+                "the step again, with fresh noise, while epsilon counts each step once. Neither server still holds "
+                "the step's answer (both were restarted, or their --replay-window-steps is shorter than the "
+                "steps since the owners' checkpoint). Training stops instead of spending privacy silently. Keep "
+                "the servers running while owners restart and checkpoint at least every --replay-window-steps "
+                "steps; to go on from here, train a fresh model (a new model_dir on every owner).")
+        self.high = step
+        if self._path:
+            self._write()
 
 
 def _path(model_dir: str) -> str:
@@ -101,11 +161,13 @@ def for_evaluation(model_dir: Optional[str]) -> int:
 
 
 def check_answer(model: dict, owner: str, channel: str, step: int, replayed: bool) -> None:
-    """Refuses an answer from the replay window in a fresh training's first session (module docstring).
+    """Refuses an answer from the replay window in a fresh training's first session, and under DP a second
+    fresh release of a step (module docstring).
 
     Args:
       model: the graph's model state: ``"model"`` its id, ``"run"`` its `TrainingRun`, ``"sessions"`` how many
-        sessions agreed on it so far (a later session restored a checkpoint: replays are its catch-up).
+        sessions agreed on it so far (a later session restored a checkpoint: replays are its catch-up), under DP
+        ``"ledger"`` its `ReleaseLedger`.
       owner, channel, step: the answer's; replayed: whether the servers answered it from their window.
 
     Raises:
@@ -114,6 +176,9 @@ def check_answer(model: dict, owner: str, channel: str, step: int, replayed: boo
     run = model.get("run")
     if replayed and run is not None and run.fresh and model.get("sessions") == 1:
         raise fresh_replay_error(owner, model["model"], channel, step)
+    ledger = model.get("ledger")
+    if ledger is not None and not replayed and channel.endswith(_LEDGER_SUM):
+        ledger.released(owner, channel, step)
 
 
 def fresh_replay_error(owner: str, model: int, channel: str, step: int) -> ValueError:
