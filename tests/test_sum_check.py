@@ -305,7 +305,8 @@ def test_a_server_that_knows_the_seed_forges_a_change_that_passes(cluster):
     assert all(isinstance(r, SumIntegrityError) for r in results), results
 
 
-def test_a_tampered_sum_fails_the_session_run_of_the_contribution_op(cluster):
+@pytest.mark.parametrize("ring_bits", [64, 128])
+def test_a_tampered_sum_fails_the_session_run_of_the_contribution_op(cluster, ring_bits):
     # Through the real graph on chief:0 (service_sum's tf.numpy_function, the mask and reveal kernels); worker:0
     # contributes from numpy in another thread.
     c = cluster(2)
@@ -318,7 +319,7 @@ def test_a_tampered_sum_fails_the_session_run_of_the_contribution_op(cluster):
         with graph.as_default():
             step = tf.compat.v1.placeholder(tf.int64, [])
             total = service_sum.service_sum([[tf.constant(x[0])]], ["/cpu:0"], ["/cpu:0"],
-                                            Encoding(64, fraction_bits, 2.0**20), tf.float32, "chief:0", "clip",
+                                            Encoding(ring_bits, fraction_bits, 2.0**20), tf.float32, "chief:0", "clip",
                                             1.0, "sum_0", step, c.clients[0].contribute, checks=lambda: check)
             with tf.compat.v1.Session(graph=graph) as session:
                 out = []
@@ -332,9 +333,10 @@ def test_a_tampered_sum_fails_the_session_run_of_the_contribution_op(cluster):
     def worker(steps):
         out = []
         for s in steps:
-            key, share = _masked((x[1].reshape(-1) * 2**fraction_bits).astype(np.int64), 64)
+            key, share = _masked((x[1].reshape(-1) * 2**fraction_bits).astype(np.int64), ring_bits)
             try:
-                out.append(sum_check.checked_contribute(c.clients[1].contribute, check, "sum_0", s, 64, 6, key, share))
+                out.append(sum_check.checked_contribute(c.clients[1].contribute, check, "sum_0", s, ring_bits, 6, key,
+                                                        share))
             except SumIntegrityError as e:
                 out.append(e)
         return out

@@ -11,7 +11,8 @@ to which it only connects out. Per sum and step, in the owner's graph::
                            talks to anything outside the process); server0 expands every owner's key,
                            subtracts the keystream of a fresh blind key and forwards that part to server1;
                            server1 adds it to the owners' shares: w = enc(sum) - AES(blind_key)
-    owner (its device):    y = dec(w + AES(blind_key))      `reveal_sum`, then copied to the local replicas
+    owner (its device):    y = dec(w + AES(blind_key))      unmasked in the contribution op, decoded by
+                                                            `reveal_sum`, then copied to the local replicas
 
 With `checks` (service mode's training sums: the owners' check seed from the
 handshake, `check_seed`), the owner appends `sum_check.CHECK_WORDS` check
@@ -107,14 +108,13 @@ def service_sum(
     after = [_LAST[graph]] if graph in _LAST else []
     call = functools.partial(_call, contribute, channel, encoding.ring_bits, num_elements, checks)
     with tf.device(sources[0]), tf.control_dependencies(after):
-        blind_key, masked_sum = tf.numpy_function(call, [step, key, share], [tf.int32, tf.int64], stateful=True,
-                                                  name=CONTRIBUTE_OP_NAME)
-    blind_key.set_shape(key.shape)
-    masked_sum.set_shape(share.shape)
-    _LAST[graph] = masked_sum
+        revealed = tf.numpy_function(call, [step, key, share], tf.int64, stateful=True, name=CONTRIBUTE_OP_NAME)
+    revealed.set_shape(share.shape)
+    _LAST[graph] = revealed
     with tf.device(sources[0]), tf.name_scope("service_reveal"):
-        total = ops.reveal_sum(masked_sum, None, dtype, encoding.ring_bits, encoding.fraction_bits, scale, shapes,
-                               key=blind_key)
+        # The sum's ring words are unmasked in the contribution op (its checks need them): decode them.
+        total = ops.reveal_sum(revealed, tf.zeros_like(revealed), dtype, encoding.ring_bits, encoding.fraction_bits,
+                               scale, shapes)
     results = []
     for device in targets:
         with tf.device(device):
@@ -123,7 +123,8 @@ def service_sum(
 
 
 def _call(contribute, channel, ring_bits, num_elements, checks, step, key, share):
-    """The numpy side of the contribution op: one call to the service, its two answers as arrays.
+    """The numpy side of the contribution op: one call to the service; returns the revealed sum's ring words
+    (its answers unmasked, ``w + AES(blind_key)``), which the graph decodes.
 
     The client waits out what can be waited out (`OwnerClient.contribute`): a step aborted because
     another owner was missing, or a server unreachable mid-call, is put again with the SAME key and
@@ -141,9 +142,9 @@ def _call(contribute, channel, ring_bits, num_elements, checks, step, key, share
     (`sum_check.checked_contribute`; a replayed answer too): `SumIntegrityError` fails the run.
     """
     check = checks() if checks is not None else None
-    blind_key, masked_sum = sum_check.checked_contribute(contribute, check, channel, int(step), ring_bits,
-                                                         num_elements, key, share)
-    return np.asarray(blind_key, np.int32), np.asarray(masked_sum, np.int64)
+    revealed = sum_check.checked_contribute(contribute, check, channel, int(step), ring_bits, num_elements, key,
+                                            share, reveal=True)
+    return revealed.reshape(np.shape(share))  # the share's shape (the 128-bit ring: (n, 2) words)
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ masked like the vector), so its change is independent of the coefficients.
 Cost: per contribution one AES expansion for the coefficients and one of the
 owner's key (to read its own vector back from its share), and two exact
 float64 products of the ``(ROWS, n)`` coefficients with the vector's 16-bit
-limbs (chunks of `CHUNK` elements, below 2**53); tools/bench/check_cost.py
+limbs (blocks of `BLOCK` elements, each product below 2**53); tools/bench/check_cost.py
 measures it.
 
 Example::
@@ -57,7 +57,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from tfe_estimator.service import ring
 
 __all__ = ["SumCheck", "SumIntegrityError", "checked_contribute", "ROWS", "COEFFICIENT_BITS", "PRIMES",
-           "CHECK_WORDS", "CHUNK", "MAX_OWNERS"]
+           "CHECK_WORDS", "CHUNK", "BLOCK", "MAX_OWNERS"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -72,8 +72,10 @@ PRIMES = {32: (2**24 - 3, 2**24 - 17), 64: (2**48 - 59, 2**48 - 65), 128: (2**11
 CHECK_WORDS = ROWS * 2
 #: Owners whose check words sum without wrapping the ring (each word is below the prime).
 MAX_OWNERS = {32: 1 << 8, 64: 1 << 16, 128: 1 << 16}
-#: Elements per exact float64 product: CHUNK * (2**16 - 1) * (2**20 - 1) < 2**53.
+#: Elements per exact float64 product at most: CHUNK * (2**16 - 1) * (2**20 - 1) < 2**53.
 CHUNK = 1 << 17
+#: Elements per product (below CHUNK: exact; its limbs and coefficients stay in the CPU's cache).
+BLOCK = 1 << 14
 _LIMB = 16
 
 
@@ -84,18 +86,6 @@ class SumIntegrityError(RuntimeError):
 def _derive(seed: bytes, channel: str, step: int) -> bytes:
     info = b"tfe-estimator sum check v1\0" + channel.encode() + b"\0" + int(step).to_bytes(8, "big", signed=True)
     return HKDF(algorithm=hashes.SHA256(), length=ring.KEY_BYTES, salt=None, info=info).derive(seed)
-
-
-def _limbs(words: np.ndarray, n: int, ring_bits: int, start: int, stop: int) -> np.ndarray:
-    """Elements ``[start, stop)`` of a ring vector as ``(limbs, stop - start)`` float64: 16-bit limbs,
-    the top one signed (the element read as a two's complement integer); exact."""
-    per = ring_bits // _LIMB
-    unsigned = words.view("<u2")[:n * per].reshape(n, per)[start:stop]
-    signed = words.view("<i2")[:n * per].reshape(n, per)[start:stop]
-    out = np.empty((per, stop - start), np.float64)
-    out[:per - 1] = unsigned[:, :per - 1].T
-    out[per - 1] = signed[:, per - 1]
-    return out
 
 
 def _element(words: np.ndarray, index: int, ring_bits: int) -> int:
@@ -140,14 +130,27 @@ class SumCheck:
 
     @staticmethod
     def values(coefficients: np.ndarray, words: np.ndarray, n: int, ring_bits: int) -> List[int]:
-        """Per row, ``sum_i r_mi x_i`` over the first `n` elements of `words` (signed), exactly."""
-        totals = [0] * ROWS
-        for start in range(0, n, CHUNK):
-            stop = min(n, start + CHUNK)
-            products = coefficients[:, start:stop] @ _limbs(words, n, ring_bits, start, stop).T  # exact
+        """Per row, ``sum_i r_mi x_i`` over the first `n` elements of `words` read as signed integers, exactly.
+
+        Per block of `BLOCK` elements (cache-sized; small products also keep BLAS single-threaded) the
+        elements' 16-bit limbs, the top one signed, go to float64 and one product with the block's
+        coefficients gives per row and limb an exact integer (below 2**53: `CHUNK`).
+        """
+        per = ring_bits // _LIMB
+        unsigned = words.view("<u2")[:n * per].reshape(n, per)
+        top = words.view("<i2")[:n * per].reshape(n, per)[:, per - 1]
+        sums = [[0] * per for _ in range(ROWS)]
+        buffer = np.empty((min(n, BLOCK), per), np.float64)
+        for start in range(0, n, BLOCK):
+            stop = min(n, start + BLOCK)
+            limbs = buffer[:stop - start]
+            limbs[...] = unsigned[start:stop]
+            limbs[:, per - 1] = top[start:stop]
+            products = (coefficients[:, start:stop] @ limbs).astype(np.int64).tolist()  # exact
             for m in range(ROWS):
-                totals[m] += sum(int(v) << (_LIMB * limb) for limb, v in enumerate(products[m]))
-        return totals
+                for limb in range(per):
+                    sums[m][limb] += products[m][limb]
+        return [sum(v << (_LIMB * limb) for limb, v in enumerate(row)) for row in sums]
 
     @staticmethod
     def residues(values: Sequence[int], ring_bits: int) -> List[int]:
@@ -183,8 +186,9 @@ class SumCheck:
         return out.view(np.int64)
 
     def verify(self, channel: str, step: int, ring_bits: int, n: int, blind_key: np.ndarray, masked: np.ndarray,
-               coefficients: Optional[np.ndarray] = None) -> None:
-        """Checks the revealed sum ``masked + AES(blind_key)`` (``n + CHECK_WORDS`` elements).
+               coefficients: Optional[np.ndarray] = None) -> np.ndarray:
+        """Checks the revealed sum ``masked + AES(blind_key)`` (``n + CHECK_WORDS`` elements); returns it
+        (uint64 ring words, its check words included).
 
         Raises:
           SumIntegrityError: naming the step, the channel, how many checks failed and the servers' operators.
@@ -209,23 +213,31 @@ class SumCheck:
                 f"it (server operators: {self.operators}); training stopped, nothing of it applied. The servers' "
                 "logs and operators can say why; restart the owners once the servers are fixed (each resumes from "
                 "its latest checkpoint).")
+        return revealed
 
 
 def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel: str, step: int, ring_bits: int,
-                       n: int, key: np.ndarray, share: np.ndarray):
+                       n: int, key: np.ndarray, share: np.ndarray, reveal: bool = False):
     """One contribution through `contribute` (`OwnerClient.contribute`'s signature), checked with `check`.
 
-    Returns ``(blind_key, w)`` with w of the share's n elements (``ring_words(n)`` words), as without checks;
-    with `check` None, exactly `contribute`'s answer.
+    Returns ``(blind_key, w)`` with w of the share's n elements (``ring_words(n)`` words), as without checks
+    (with `check` None, exactly `contribute`'s answer); with `reveal`, the revealed sum ``w + AES(blind_key)``
+    instead (int64, ``ring_words(n)`` words: what the check computed anyway, so the reveal needs no key).
 
     Raises:
       SumIntegrityError: the revealed sum fails its checks (`SumCheck.verify`).
     """
+    words = ring.ring_words(n, ring_bits)
     if check is None:
-        return contribute(channel, step, ring_bits, n, key, share)
+        blind_key, masked = contribute(channel, step, ring_bits, n, key, share)
+        if not reveal:
+            return blind_key, masked
+        revealed = np.array(np.asarray(masked).reshape(-1).view(np.uint64), copy=True)
+        return ring.add_into(revealed, ring.keystream_words(np.asarray(blind_key), words), ring_bits).view(np.int64)
     coefficients = check.coefficients(channel, step, n)
     extended = check.extend(channel, step, ring_bits, n, key, share, coefficients)
     blind_key, masked = contribute(channel, step, ring_bits, n + CHECK_WORDS, key, extended)
-    check.verify(channel, step, ring_bits, n, blind_key, masked, coefficients)
-    words = ring.ring_words(n, ring_bits)
+    revealed = check.verify(channel, step, ring_bits, n, blind_key, masked, coefficients)
+    if reveal:
+        return revealed[:words].view(np.int64)
     return blind_key, np.asarray(masked).reshape(-1)[:words]
