@@ -258,6 +258,9 @@ def test_each_fresh_training_of_a_process_gets_its_own_run_and_a_restarted_one_r
     assert training_run.for_training(str(copy)) == training_run.TrainingRun(1, fresh=False)
     assert training_run.for_evaluation(str(copy)) == 1 and training_run.for_evaluation(str(tmp_path / "x")) == 0
     assert training_run.for_training(str(tmp_path / "model4")).number == 2
+    # A process that died after numbering a fresh training, before its first checkpoint: the same number again.
+    training_run.reset()
+    assert training_run.for_training(str(tmp_path / "model4")) == training_run.TrainingRun(2, fresh=True)
     training_run.reset()
 
 

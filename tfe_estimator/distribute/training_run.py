@@ -14,13 +14,16 @@ numbered, and the number is one of the settings the handshake compares
   ``<model_dir>/tfe_training_run`` before the session starts;
 - a training that restores a checkpoint reads its number from that file (0
   without one: a model_dir from before the file), and the process's next fresh
-  training is numbered after it.
+  training is numbered after it; so does a fresh training whose model_dir
+  already has the file (its process died before the first checkpoint).
 
 Every owner runs the same script, so every owner numbers the same training
 alike, and a restarted owner (alone or with all the others) reads its
 training's number back from its model_dir: it finds its run's channels and
 replays what it missed. Owners whose numbers differ (one owner's script trains
-another model first) are refused by the handshake, naming the setting.
+another model first; or a restarted script whose finished first training
+Estimator skips, max_steps reached, before a second training that has neither
+checkpoint nor file yet) are refused by the handshake, naming the setting.
 
 What numbering cannot tell apart: a training of an identical model with the
 same number in an earlier launch, against servers that kept running (their
@@ -142,7 +145,10 @@ def for_training(model_dir: Optional[str]) -> TrainingRun:
     fresh = not model_dir or tf.train.latest_checkpoint(model_dir) is None
     with _LOCK:
         if fresh:
-            number = _NEXT[0]
+            # A file without a checkpoint: this training was numbered, then its process died before the first
+            # checkpoint (the other owners may be waiting in its step 0 under that number).
+            recorded = _read(model_dir)
+            number = _NEXT[0] if recorded is None else recorded
             if model_dir:
                 tf.io.gfile.makedirs(model_dir)
                 with tf.io.gfile.GFile(_path(model_dir), "w") as f:
