@@ -156,7 +156,7 @@ def for_training(model_dir: Optional[str]) -> TrainingRun:
         else:
             number = _read(model_dir) or 0
         _NEXT[0] = max(_NEXT[0], number + 1)
-    log.info("service mode: training run %d of this process's models (%s)", number,
+    log.debug("service mode: training run %d of this process's models (%s)", number,
              "afresh" if fresh else f"resumed from {model_dir}")
     return TrainingRun(number, fresh)
 
