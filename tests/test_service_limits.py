@@ -20,6 +20,7 @@ import pytest
 from service_helpers import cert_dirs, in_threads, make_service, owner_names  # noqa: F401 (fixtures)
 from tfe_estimator.service import ServiceError, ring, steps, wire
 from tfe_estimator.service import budget as budget_module
+from tfe_estimator.service import buffers
 
 
 def _mask(x):
@@ -151,9 +152,12 @@ def test_a_timed_out_step_is_aborted_for_everyone_and_never_released_later(make_
     service = make_service(owner_names(2), step_timeout_secs=1.0)
     assert not _abandoned_vector_returned(service)
     deadline = time.monotonic() + 3.0  # server1 sees the worker's cancelled call within its poll
-    while any(s._budget.total for s in service.servers) and time.monotonic() < deadline:  # pylint: disable=W0212
+    def held():  # beside the spare buffers the servers keep for the next steps (charged to themselves)
+        return [s._budget.total - s._pool.held for s in service.servers]  # pylint: disable=W0212
+
+    while any(held()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [s._budget.total for s in service.servers] == [0, 0]  # nothing held  # pylint: disable=W0212
+    assert held() == [0, 0]  # nothing held for an owner
 
 
 def test_mutation_without_the_abort_the_abandoned_vector_comes_back(make_service, monkeypatch):
@@ -245,7 +249,8 @@ def _held(service) -> int:
     for server in service.servers:
         for channel in list(server._channels.values()):  # pylint: disable=protected-access
             for current in list(channel._open.values()):  # pylint: disable=protected-access
-                total += current.acc.nbytes + sum(len(p) for p in current.parts.values())
+                acc = current.acc  # None once the step is aborted (its buffer back in the pool)
+                total += (0 if acc is None else acc.nbytes) + sum(len(p) for p in current.parts.values())
     return total
 
 
@@ -295,13 +300,87 @@ def test_one_owner_cannot_make_a_server_hold_more_than_its_budget(make_service):
 
 
 def test_mutation_without_the_budget_one_owner_makes_the_server_hold_more(make_service, monkeypatch):
-    monkeypatch.setattr(budget_module.MemoryBudget, "reserve", lambda self, owner, nbytes, what: None)
+    monkeypatch.setattr(budget_module.MemoryBudget, "reserve", lambda self, owner, nbytes, what, reclaim=True: None)
     budget = 16 << 20
     service = make_service(owner_names(2), step_timeout_secs=2.0, owner_memory_budget_bytes=budget,
                            max_waiting_puts=64)
     chief, _ = service.clients_of(2)
     _, peak = _flood(service, chief, 12, 1 << 19)
     assert peak > 2 * budget, peak
+
+
+def _steps_with_reused_buffers(service, ring_bits):
+    """Five steps of two owners at `ring_bits`, then step 1 again (a replay); returns (answers right, replay
+    bit-identical). The servers reuse accumulators and key expansions across the steps (`buffers.BufferPool`)."""
+    chief, worker = service.clients_of(2)
+    rng = np.random.default_rng(ring_bits)
+    n = 6  # ring 32: 3 words (two lanes each); ring 128: 12 words
+    words = ring.ring_words(n, ring_bits)
+
+    def put(client, step, x):
+        key = np.frombuffer(os.urandom(16), np.int32)
+        share = x.copy()
+        ring.sub_into(share.view(np.uint64), ring.keystream_words(key, words), ring_bits)
+        return client.contribute("reused", step, ring_bits, n, key, share)
+
+    right, first = True, {}
+    for step in range(5):
+        xs = [rng.integers(-2**62, 2**62, words, dtype=np.int64) for _ in range(2)]
+        results = in_threads([lambda c=c, x=x: put(c, step, x) for c, x in zip((chief, worker), xs)])
+        for blind, w in results:
+            total = w.copy().view(np.uint64)
+            ring.add_into(total, ring.keystream_words(blind, words), ring_bits)
+            expected = xs[0].copy().view(np.uint64)
+            ring.add_into(expected, xs[1], ring_bits)
+            right = right and np.array_equal(total, expected)
+        first[step] = [(b.copy(), w.copy()) for b, w in results]
+    again = put(chief, 1, np.zeros(words, np.int64))  # a replay: the stored answer, after four later steps
+    identical = np.array_equal(again[0], first[1][0][0]) and np.array_equal(again[1], first[1][0][1])
+    return right, identical
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_buffers_reused_across_steps_keep_every_answer_exact_and_stored_answers_unchanged(make_service, ring_bits):
+    service = make_service(owner_names(2))
+    assert _steps_with_reused_buffers(service, ring_bits) == (True, True)
+    server1, server0 = service.servers
+    for server in (server0, server1):
+        # The spares are counted in the budget, as the server's own bytes.
+        assert server._pool.held > 0 and server._budget.held(None) == server._pool.held  # pylint: disable=W0212
+    assert server0._pool._ready  # server0 prepared the next step's blinded accumulator  # pylint: disable=W0212
+
+
+def test_mutation_a_reused_accumulator_summed_onto_its_stale_contents_gives_wrong_answers(make_service, monkeypatch):
+    monkeypatch.setattr(ring, "copy_into", lambda acc, other: ring.add_into(acc, other, 64))
+    assert _steps_with_reused_buffers(make_service(owner_names(2)), 64)[0] is False
+
+
+def _small_budget_steps(service) -> list:
+    """Two steps of 4096 elements leave server0 spares (2-3 x 32 KiB); a step of 5000 elements then needs the
+    room. Returns the last step's errors."""
+    clients = service.clients_of(2)
+    for step in range(2):
+        for result in in_threads([lambda c=c: _put(c, step, n=4096) for c in clients]):
+            assert not isinstance(result, Exception), result
+    pool, deadline = service.servers[1]._pool, time.monotonic() + 5.0  # pylint: disable=protected-access
+    while not pool._ready and time.monotonic() < deadline:  # the next step's accumulator, prepared in the background
+        time.sleep(0.01)
+    assert pool.held >= 2 * 32768, pool.held  # the prepared accumulator and at least one spare
+    results = in_threads([lambda c=c: _put(c, 0, n=5000, channel="other") for c in clients])
+    return [r for r in results if isinstance(r, Exception)]
+
+
+def test_spare_buffers_give_way_to_a_put_that_needs_the_room(make_service):
+    # 160 KiB: a 5000-element step on server0 (keys, its sum, two key expansions: 117 KiB) fits only once the
+    # 4096-element channel's spares (64-96 KiB) are dropped.
+    assert _small_budget_steps(make_service(owner_names(2), memory_budget_bytes=5 * 32768)) == []
+
+
+def test_mutation_spares_kept_under_pressure_refuse_a_put_that_would_fit(make_service, monkeypatch):
+    monkeypatch.setattr(buffers.BufferPool, "reclaim", lambda self: 0)
+    errors = _small_budget_steps(make_service(owner_names(2), memory_budget_bytes=5 * 32768, step_timeout_secs=1.0))
+    assert any(isinstance(e, ServiceError) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and
+               "--memory-budget-bytes" in e.details for e in errors), errors
 
 
 # ----------------------------------------------------------------- threads --

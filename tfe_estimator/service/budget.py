@@ -7,7 +7,9 @@ expansion of its key into ring words (8 bytes per ring word: a 128-bit ring
 counts two words per element). A reservation that would pass either limit is
 refused with ``RESOURCE_EXHAUSTED`` naming the limit, what holds it and the
 flag that raises it, so one owner cannot exhaust a server (the others' steps
-keep their share of the budget).
+keep their share of the budget). Spare buffers the server keeps across steps
+(`buffers.BufferPool`) are held for owner None; a reservation that does not fit
+first drops them (`MemoryBudget.reclaim`), so they never cause a refusal.
 
 Example::
 
@@ -16,7 +18,7 @@ Example::
     budget.free("worker:0", 8 * words)
 """
 import threading
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 __all__ = ["MemoryBudget", "BudgetExceeded", "SERVER_FLAG", "OWNER_FLAG"]
 
@@ -27,9 +29,10 @@ OWNER_FLAG = "--owner-memory-budget-bytes"
 class BudgetExceeded(Exception):
     """A refused reservation: `message` names the limit, the holder and the flag (``RESOURCE_EXHAUSTED``)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, whole: bool = False):
         super().__init__(message)
         self.code, self.message = "RESOURCE_EXHAUSTED", message
+        self.whole = whole  # the server's limit (not one owner's) was passed
 
 
 def _mib(nbytes: int) -> str:
@@ -50,15 +53,28 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._held: Dict[Optional[str], int] = {}
         self.total = 0
+        #: Called (outside the lock) when a reservation does not fit: frees what the server keeps only to be
+        #: fast (spare buffers) and returns the bytes freed; the reservation is then tried once more.
+        self.reclaim: Optional[Callable[[], int]] = None
 
     def held(self, owner: Optional[str]) -> int:
         """Bytes held for `owner` (None: the server's own parts, e.g. server0's forwarded part on server1)."""
         with self._lock:
             return self._held.get(owner, 0)
 
-    def reserve(self, owner: Optional[str], nbytes: int, what: str) -> None:
-        """Reserves `nbytes` for `owner` (None: counted against the server's limit only) or raises `BudgetExceeded`."""
-        nbytes = int(nbytes)
+    def reserve(self, owner: Optional[str], nbytes: int, what: str, reclaim: bool = True) -> None:
+        """Reserves `nbytes` for `owner` (None: counted against the server's limit only) or raises `BudgetExceeded`.
+
+        With `reclaim` (default), a reservation that does not fit calls `self.reclaim` (if set) and tries again.
+        """
+        try:
+            self._reserve(owner, int(nbytes), what)
+        except BudgetExceeded as e:
+            if not (reclaim and e.whole) or self.reclaim is None or not self.reclaim():
+                raise
+            self._reserve(owner, int(nbytes), what)
+
+    def _reserve(self, owner: Optional[str], nbytes: int, what: str) -> None:
         with self._lock:
             mine = self._held.get(owner, 0)
             if owner is not None and mine + nbytes > self.owner_bytes:
@@ -73,7 +89,8 @@ class MemoryBudget:
                     f"Service mode: {self.name} refuses {what}" + (f" of {owner}" if owner else "") +
                     f": {_mib(nbytes)} more would make it hold {_mib(self.total + nbytes)}, above its memory "
                     f"budget of {_mib(self.server_bytes)} ({SERVER_FLAG}={self.server_bytes}). Start the servers "
-                    f"with a larger {SERVER_FLAG} (the machine's memory allowing) or train fewer models at once.")
+                    f"with a larger {SERVER_FLAG} (the machine's memory allowing) or train fewer models at once.",
+                    whole=True)
             self._held[owner] = mine + nbytes
             self.total += nbytes
 

@@ -24,8 +24,8 @@ import sys
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-__all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "add_into", "sub_into", "key_digest",
-           "KEY_METADATA", "DIGESTS_METADATA", "REPLAYED_METADATA"]
+__all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "keystream_into", "add_into", "copy_into",
+           "negate", "sub_into", "key_digest", "KEY_METADATA", "DIGESTS_METADATA", "REPLAYED_METADATA"]
 
 RING_BITS = (32, 64, 128)
 KEY_BYTES = 16
@@ -77,6 +77,37 @@ def keystream_words(key16: bytes, words: int) -> np.ndarray:
     return stream
 
 
+def keystream_into(key16, out: np.ndarray) -> np.ndarray:
+    """Writes ``keystream_words(key16, out.size)`` into `out` (a writable contiguous uint64 array): no allocation.
+
+    Example::
+
+        buffer = np.empty(words, np.uint64)
+        keystream_into(key, buffer)      # buffer == keystream_words(key, words)
+    """
+    key = np.ascontiguousarray(key16).tobytes() if isinstance(key16, np.ndarray) else bytes(key16)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"an AES-128 key has {KEY_BYTES} bytes, got {len(key)}: pass the kernels' int32[4] "
+                         "seed or 16 bytes.")
+    if not isinstance(out, np.ndarray) or out.dtype != np.uint64 or not out.flags.writeable or \
+            not out.flags.c_contiguous:
+        raise TypeError(f"out must be a writable contiguous uint64 array, got {getattr(out, 'dtype', type(out))}.")
+    encryptor = Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor()
+    view = memoryview(out.reshape(-1)).cast("B")
+    size = view.nbytes
+    # update_into wants 15 bytes of room beyond what it writes: the last bytes go through a small scratch.
+    tail = min(size, 4096)
+    body = size - tail
+    for start in range(0, body, len(_ZEROS)):
+        chunk = min(len(_ZEROS), body - start)
+        encryptor.update_into(_ZEROS[:chunk], view[start:start + chunk + 15])
+    if tail:
+        scratch = bytearray(tail + 15)
+        encryptor.update_into(_ZEROS[:tail], scratch)
+        view[body:] = scratch[:tail]
+    return out
+
+
 def key_digest(key16) -> bytes:
     """16 bytes of SHA-256 of a mask key: names the key (to match a share with it) without revealing it."""
     key = np.ascontiguousarray(key16).tobytes() if isinstance(key16, np.ndarray) else bytes(key16)
@@ -113,6 +144,29 @@ def add_into(acc: np.ndarray, other: np.ndarray, ring_bits: int) -> np.ndarray:
         carry = low < other_low  # the low word wrapped
         np.add(high, other[1::2], out=high)
         np.add(high, carry, out=high, casting="unsafe")
+    return acc
+
+
+def copy_into(acc: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """``acc = other`` (the first addend of a reused accumulator: ``0 + other`` in every ring); returns `acc`."""
+    acc, other = _operands(acc, other)
+    np.copyto(acc, other)
+    return acc
+
+
+def negate(acc: np.ndarray, ring_bits: int) -> np.ndarray:
+    """``acc = -acc`` modulo 2**ring_bits per element, in place; returns `acc`."""
+    acc, _ = _operands(acc, acc)
+    if _check_ring_bits(ring_bits) == 32:
+        np.negative(acc.view(np.uint32), out=acc.view(np.uint32))
+    elif ring_bits == 64:
+        np.negative(acc, out=acc)
+    else:  # -(high * 2**64 + low) = ~high * 2**64 + (-low), plus 2**64 when low is 0
+        low, high = acc[0::2], acc[1::2]
+        zero = low == 0
+        np.negative(low, out=low)
+        np.invert(high, out=high)
+        np.add(high, zero, out=high, casting="unsafe")
     return acc
 
 

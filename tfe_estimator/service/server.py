@@ -46,6 +46,7 @@ import numpy as np
 from tfe_estimator.service import ring, wire
 from tfe_estimator.service.handshake_table import HandshakeTable
 from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
+from tfe_estimator.service.buffers import BufferPool
 from tfe_estimator.service.ring import DIGESTS_METADATA, KEY_METADATA, REPLAYED_METADATA, key_digest
 from tfe_estimator.service.steps import Released, ReplayLimits, StepChannel, StepRefused
 from tfe_estimator.service.tls import TlsFiles, check_peer, peer_identity, server_name_option
@@ -154,6 +155,10 @@ class AggregationServer:
         self._max_waiting = max_waiting_puts
         self._waiting: Dict[str, int] = {}  # owner -> its calls waiting on this server (under self._lock)
         self._budget = MemoryBudget(memory_budget_bytes, owner_memory_budget_bytes, f"aggregation server{role}")
+        # Accumulators and key expansions reused across steps (counted in the budget, dropped when it is short).
+        self._pool = BufferPool(self._budget, per_size=len(owners) + 2)
+        self._budget.reclaim = self._pool.reclaim
+        self._ahead = None  # server0: prepares each channel's next blinded accumulator (masks ahead of data)
         self._replay = ReplayLimits(replay_window_steps, replay_window_bytes)
         self._receive_limit = min(owner_memory_budget_bytes + (1 << 20), 2**31 - 1)
         self._lock = threading.Lock()  # the channel table and the waiting calls
@@ -193,6 +198,7 @@ class AggregationServer:
             raise RuntimeError(f"aggregation server{self._role} cannot listen on {self._address} ({cause}): the "
                                "port is taken or the address is not local. Pick a free port (0 picks one).")
         if self._role == 0:
+            self._ahead = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tfe-agg0-ahead")
             options = list(SERVER_OPTIONS[1:]) + [server_name_option(self._tls, 1),
                                                   ("grpc.initial_reconnect_backoff_ms", 100),
                                                   ("grpc.min_reconnect_backoff_ms", 100),
@@ -217,6 +223,9 @@ class AggregationServer:
             self._server.stop(grace).wait()
         if self._peer is not None:
             self._peer.close()
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=False, cancel_futures=True)
+        self._pool.reclaim()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Blocks until the server stops (or `timeout`); True if it stopped."""
@@ -282,7 +291,7 @@ class AggregationServer:
             if channel is not None:
                 return key, channel
             for other in [k for k, c in self._channels.items() if c.idle()]:  # nothing open, nothing stored
-                del self._channels[other]
+                self._pool.unstock(self._channels.pop(other))
                 self._created_by.pop(other, None)
             if len(self._channels) >= self._max_channels:
                 raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -302,7 +311,7 @@ class AggregationServer:
             forwarder = f"{_FORWARDER} (server0's part)" if self._role == 1 else None
             channel = self._channels[key] = StepChannel(
                 request.channel, int(request.ring_bits), int(request.num_elements), self._owners, forwarder,
-                self._addend, self._replay, self._budget, self._timeout)
+                self._addend, self._replay, self._budget, self._timeout, self._pool)
             if identity is not None:
                 self._created_by[key] = identity
             return key, channel
@@ -338,13 +347,28 @@ class AggregationServer:
         is_key = self._role == 0 and len(payload) == ring.KEY_BYTES
         return ring.keystream_words(payload, words) if is_key else np.frombuffer(payload, "<u8")
 
+    def _prepare(self, channel: StepChannel) -> None:
+        """Server0, in the background after a release: the channel's next accumulator, ``-AES(blind)`` under a
+        fresh blind key (`BufferPool.stock`), so the next release only forwards. Masks do not depend on data."""
+        if self._stopped.is_set():
+            return
+        acc = self._pool.take(channel.words)
+        blind = secrets.token_bytes(ring.KEY_BYTES)
+        ring.negate(ring.keystream_into(blind, acc), channel.ring_bits)
+        if not self._pool.stock(channel, acc, blind):
+            self._pool.give(acc)
+
     def _finish(self, channel: StepChannel, released: Released) -> None:
         """Computes a released step's answer outside the channel's lock (server0 also forwards); wakes the owners."""
         if self._role == 1:
             payload = released.acc
         else:
-            blind = secrets.token_bytes(ring.KEY_BYTES)
-            ring.sub_into(released.acc, ring.keystream_words(blind, released.acc.size), released.ring_bits)
+            blind = released.blind
+            if blind is None:  # no prepared accumulator (the channel's first step): blind it now
+                blind = secrets.token_bytes(ring.KEY_BYTES)
+                stream = ring.keystream_into(blind, self._pool.take(released.acc.size))
+                ring.sub_into(released.acc, stream, released.ring_bits)
+                self._pool.give(stream)
             forward = wire.encode("ForwardRequest", released.acc, channel=channel.name, step=released.step,
                                   ring_bits=released.ring_bits, num_elements=released.num_elements)
             digests = ",".join(key_digest(released.parts[o]).hex() for o in range(len(self._owners)))
@@ -358,7 +382,13 @@ class AggregationServer:
                           f"blinded part to server1 at {self._peer_address}: {e.details()}"))
                 return
             payload = blind
-        channel.finish(released, wire.encode("ContributeReply", payload, step=released.step))  # the one copy
+        # The one copy: the answer is bytes of its own, stored in the replay window while the buffer is reused.
+        channel.finish(released, wire.encode("ContributeReply", payload, step=released.step))
+        if self._ahead is not None and not self._stopped.is_set():
+            try:
+                self._ahead.submit(self._prepare, channel)
+            except RuntimeError:  # stopping
+                pass
 
     def _enter(self, identity: str) -> None:
         """Counts one more waiting call of `identity`; refuses past ``max_waiting_puts``."""
@@ -390,11 +420,15 @@ class AggregationServer:
                 raise StepRefused(e.code, e.message) from None
             addend = None
             try:
-                addend = self._addend(payload, words)  # server0: the key's keystream, outside any lock
+                # server0: the key's keystream, outside any lock, into a buffer reused across steps
+                addend = ring.keystream_into(payload, self._pool.take(words)) if self._role == 0 else \
+                    np.frombuffer(payload, "<u8")
                 ticket = channel.put(owner, request.step, payload, addend, _digests(context, KEY_METADATA))
             finally:
-                del addend
                 self._budget.free(identity, expansion)
+                if self._role == 0 and addend is not None:
+                    self._pool.give(addend)
+                del addend
             if ticket.released is not None:
                 self._finish(channel, ticket.released)
             answer = channel.wait(owner, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())

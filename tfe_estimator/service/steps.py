@@ -25,7 +25,10 @@ tells them to users):
   waits for server1's release, so server0 keeps a step's answer only if
   server1 released it too (an abort on server1 fails server0's release, and the
   owners put the step again on both);
-- memory: every byte held is reserved in a `budget.MemoryBudget` first;
+- memory: every byte held is reserved in a `budget.MemoryBudget` first; a
+  step's accumulator comes from the server's `buffers.BufferPool` and goes back
+  there when the step's answer is built or the step is aborted (answers are
+  copies: a stored answer never changes when its buffer is reused);
 - a rewind drops only its owner's unreleased contributions (on every step).
 
 Participants are numbered in the configured owner order; server1 has one more,
@@ -49,6 +52,7 @@ import numpy as np
 
 from tfe_estimator.service import ring
 from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
+from tfe_estimator.service.buffers import BufferPool
 
 __all__ = ["StepChannel", "StepRefused", "Released", "Ticket", "ReplayLimits", "WINDOW_STEPS_FLAG",
            "WINDOW_BYTES_FLAG", "TIMEOUT_FLAG"]
@@ -100,10 +104,15 @@ class _Result:
 
 
 class _Open:
-    """A step being summed: its ring accumulator, who put what, who pays for which bytes."""
+    """A step being summed: its ring accumulator, who put what, who pays for which bytes.
 
-    def __init__(self, step: int, words: int, deadline: float):
-        self.step, self.acc, self.deadline = step, np.zeros(words, np.uint64), deadline
+    ``acc`` is a reused buffer: until ``filled``, its contents are stale and the first put copies into it.
+    ``blind``: server0, the key of ``-AES(blind)`` the accumulator was prepared with (None: not prepared).
+    """
+
+    def __init__(self, step: int, acc: np.ndarray, deadline: float, blind: Optional[bytes] = None):
+        self.step, self.acc, self.deadline = step, acc, deadline
+        self.blind, self.filled = blind, blind is not None
         self.parts: Dict[int, bytes] = {}  # participant -> its payload (a key or ring words)
         self.charges: Dict[int, int] = {}  # participant -> bytes reserved for it (its payload, the accumulator)
         self.result: Optional[_Result] = None  # set when released
@@ -121,6 +130,7 @@ class Released(NamedTuple):
     num_elements: int
     result: _Result
     parts: Dict[int, bytes]
+    blind: Optional[bytes] = None  # server0: acc already holds -AES(blind) (a prepared accumulator)
 
 
 class Ticket(NamedTuple):
@@ -141,16 +151,19 @@ class StepChannel:
       addend_of: ``(payload, words) -> uint64 words`` a payload adds to the sum (to subtract it on a rewind).
       replay: the server's `ReplayLimits`; budget: its `MemoryBudget`.
       timeout_secs: how long an open step may wait for its participants before it is aborted.
+      pool: the server's `BufferPool` (accumulators reused across steps; server0's prepared ones); default:
+        a pool of this channel's own.
     """
 
     def __init__(self, name: str, ring_bits: int, num_elements: int, owners: Sequence[str], forwarder: Optional[str],
                  addend_of: Callable[[bytes, int], np.ndarray], replay: ReplayLimits, budget: MemoryBudget,
-                 timeout_secs: float = 300.0):
+                 timeout_secs: float = 300.0, pool: Optional[BufferPool] = None):
         self.name, self.ring_bits, self.num_elements = name, ring_bits, num_elements
         self.words = ring.ring_words(num_elements, ring_bits)
         self._owners, self._addend_of, self._replay, self._budget = list(owners), addend_of, replay, budget
         self._names = self._owners + ([forwarder] if forwarder else [])
         self._timeout = float(timeout_secs)
+        self._pool = pool if pool is not None else BufferPool(budget)
         self._cond = threading.Condition()
         self._open: Dict[int, _Open] = {}
         self._pending: Dict[int, int] = {}  # participant -> the step of its unreleased contribution
@@ -237,8 +250,14 @@ class StepChannel:
         except BudgetExceeded as e:
             raise StepRefused(e.code, e.message) from None
         if current is None:
-            current = self._open[step] = _Open(step, self.words, time.monotonic() + self._timeout)
-        ring.add_into(current.acc, addend, self.ring_bits)
+            ready = self._pool.take_ready(self, self.words)
+            acc, blind = ready if ready is not None else (self._pool.take(self.words), None)
+            current = self._open[step] = _Open(step, acc, time.monotonic() + self._timeout, blind)
+        if current.filled:
+            ring.add_into(current.acc, addend, self.ring_bits)
+        else:
+            ring.copy_into(current.acc, addend)
+            current.filled = True
         current.parts[participant] = payload
         current.charges[participant] = charge
         self._pending[participant] = step
@@ -285,13 +304,16 @@ class StepChannel:
         for step in [s for s in self._open if s < current.step]:  # left only with a forwarded part
             self._abort(self._open[step], f"step {current.step} was released after it")
         self._cond.notify_all()
-        return Released(current.step, current.acc, self.ring_bits, self.num_elements, result, dict(current.parts))
+        return Released(current.step, current.acc, self.ring_bits, self.num_elements, result, dict(current.parts),
+                        current.blind)
 
     def finish(self, released: Released, reply: Optional[bytes], error: Optional[StepRefused] = None) -> None:
         """Sets a released step's answer (or the error every owner's call gets) and wakes the owners.
 
-        A failed step (server0 could not forward it) leaves the window: the owners may put it again.
+        A failed step (server0 could not forward it) leaves the window: the owners may put it again. The
+        step's accumulator goes back to the pool: `reply` must not be a view of it (`wire.encode` copies).
         """
+        self._pool.give(released.acc)
         with self._cond:
             result = released.result
             result.reply, result.error = reply, error
@@ -363,6 +385,7 @@ class StepChannel:
                        "owners put the step again. Check that the missing tasks run and reach this server.")
         current.aborted = error
         self._open.pop(current.step, None)
+        self._recycle(current)
         for participant, charge in current.charges.items():
             self._budget.free(self._payer(participant), charge)
             if self._pending.get(participant) == current.step:
@@ -396,7 +419,14 @@ class StepChannel:
         current.dropped[participant] = error
         if not current.parts:
             del self._open[current.step]
+            self._recycle(current)
         self._cond.notify_all()
+
+    def _recycle(self, current: _Open) -> None:
+        """An abandoned open step's accumulator back to the pool (its prepared blind key, if any, forgotten)."""
+        if current.acc is not None:
+            self._pool.give(current.acc)
+        current.acc, current.blind = None, None
 
     def wake(self) -> None:
         """Wakes every waiting call (the server is stopping: they see their `alive()` false)."""
