@@ -164,7 +164,7 @@ def test_honest_sums_pass_over_many_steps_and_channels(cluster, ring_bits):
     c = cluster(3)
     rng = np.random.default_rng(ring_bits)
     checks = [SumCheck(SEED, num_owners=3)] * 3
-    for step in range(6):
+    for step in range(12):
         for channel, n in (("sum_0", 1), ("sum_1", 7), ("sum_2", 1000)):
             values = _values(rng, 3, n, ring_bits)
             results = _sum_round(c, checks, channel, step, ring_bits, values)

@@ -17,7 +17,9 @@ Prints per size: the median wall ms per step of each twin and their ratio, the
 extra ms per step and in % of the unchecked step; and the owner's own check
 work alone (coefficients, reading its vector back, both products: the CPU
 time of those calls in the owner's thread, averaged over the owners) in ms per step and ns per parameter,
-with its share of the Estimator step of docs/benchmarks.md when given
+and the same work alone (one owner's coefficients, extend and verify in one
+thread, no service: the CPU it needs on an otherwise idle core), with its
+share of the Estimator step of docs/benchmarks.md when given
 (``--estimator-step-ms``, e.g. 23.5 for svc-linear-1e5).
 """
 import argparse
@@ -144,6 +146,35 @@ def measure(elements: int, rounds: int, steps: int, owners: int, certs_dir: str)
             "extra_ms": checked - plain, "check_ms": check_ms, "check_ns_per_param": 1e6 * check_ms / elements}
 
 
+def micro(elements: int, repeats: int = 20) -> float:
+    """The check work of one owner and step alone (no service, one thread, best of 5): ms."""
+    # pylint: disable=import-outside-toplevel
+    from tfe_estimator.distribute import sum_check
+    from tfe_estimator.service import ring
+
+    vector = np.random.default_rng(0).integers(-2**50, 2**50, elements, dtype=np.int64).view(np.uint64)
+    check = sum_check.SumCheck(bytes(32))
+    key = np.arange(4, dtype=np.int32)
+    share = vector.copy()
+    ring.sub_into(share, ring.keystream_words(key, share.size), 64)
+    total = ring.ring_words(elements + sum_check.CHECK_WORDS, 64)
+
+    def once(step: int) -> None:
+        coefficients = check.coefficients("c", step, elements)
+        extended = check.extend("c", step, 64, elements, key, share.view(np.int64), coefficients)
+        # Stand-in answer of one owner: its own extended share, unmasked by its key (blind key = key).
+        check.verify("c", step, 64, elements, key, extended[:total], coefficients)
+
+    once(0)
+    best = float("inf")
+    for _ in range(5):
+        start = time.thread_time()
+        for step in range(repeats):
+            once(step)
+        best = min(best, (time.thread_time() - start) / repeats)
+    return 1e3 * best
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench.check_cost", description=__doc__.split("\n")[0])
     parser.add_argument("--elements", type=int, nargs="+", default=[100_000, 1_000_000], help="vector sizes")
@@ -159,14 +190,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tasks: List = [("chief", 0)] + [("worker", i) for i in range(args.owners - 1)] + [("tfe", 0), ("tfe", 1)]
         certs.make_cluster_certs(certs_dir, tasks, cluster="bench")
         for i, elements in enumerate(args.elements):
+            alone = micro(elements)
             m = measure(elements, args.rounds, args.steps, args.owners, certs_dir)
             line = (f"[check-cost] {elements:,} elements, {args.owners} owners: step unchecked {m['plain_ms']:.2f} ms, "
                     f"checked {m['checked_ms']:.2f} ms (ratio {m['ratio']:.3f}; extra {m['extra_ms']:+.2f} ms = "
                     f"{100 * m['extra_ms'] / m['plain_ms']:+.1f}% of the unchecked step); the owner's check work "
                     f"{m['check_ms']:.3f} ms/step = {m['check_ns_per_param']:.2f} ns/param")
+            line += f"; alone (one thread, no service) {alone:.3f} ms = {1e6 * alone / elements:.2f} ns/param"
             if i < len(args.estimator_step_ms):
                 step_ms = args.estimator_step_ms[i]
-                line += f" = {100 * m['check_ms'] / step_ms:.1f}% of a {step_ms} ms step"
+                line += (f" = {100 * alone / step_ms:.1f}% of a {step_ms} ms Estimator step (in the run: "
+                         f"{100 * m['check_ms'] / step_ms:.1f}%)")
             print(line, flush=True)
     return 0
 
