@@ -12,7 +12,9 @@ their own noise: the guarantee) and `dp_epsilon_outsiders`, and training logs
 both at its end (TensorFlow's logger), when the `DistributedDP` has
 `num_examples`. Under DP the reported loss and metrics are the chief's
 replica's own (see `SecureAggregation`): no un-noised value from another
-owner's data.
+owner's data. In service mode with ``count_repeated_releases=True`` the
+steps the servers released twice (`tfe_estimator.distribute.training_run`)
+count twice in both.
 
 What the checkpoint keeps for the epsilon of evaluation:
 
@@ -81,12 +83,15 @@ def _parties_variable(parties: int):
         trainable=False, aggregation=tf.VariableAggregation.NONE)
 
 
-def _epsilon_metrics(dp, batch_variable, parties_variable):
+def _epsilon_metrics(dp, batch_variable, parties_variable, model_dir=None):
     def epsilons(steps, batch, parties):
+        from tfe_estimator.distribute.training_run import repeated_releases  # pylint: disable=import-outside-toplevel
+
         batch = dp.expected_batch_size or int(batch)
         if batch <= 0:
             return [float("nan")] * 2  # no training step recorded yet
-        return list(dp.epsilons(batch, int(steps), int(parties)))
+        # Service mode: steps the servers released twice count twice (DistributedDP(count_repeated_releases)).
+        return list(dp.epsilons(batch, int(steps) + repeated_releases(model_dir), int(parties)))
 
     def value(_=None):
         step = tf.compat.v1.train.get_global_step()
@@ -108,8 +113,10 @@ def dp_estimator_spec(
     logits: tf.Tensor,
     params: Mapping[str, Any],
     layers: Sequence[tf.keras.layers.Layer],
+    model_dir=None,
 ) -> tf.estimator.EstimatorSpec:
     """The head's `EstimatorSpec` with DP-SGD training (see the module docstring)."""
+    from tfe_estimator.distribute.service_aggregation import repeated_releases  # pylint: disable=import-outside-toplevel
     from tfe_estimator.privacy.dp import EpsilonLoggingHook, make_dp_optimizer, noise_parties  # pylint: disable=import-outside-toplevel
 
     trainable = [v for layer in layers for v in layer.trainable_variables]
@@ -123,7 +130,7 @@ def dp_estimator_spec(
         spec = head.create_estimator_spec(features=features, mode=mode, logits=logits, labels=labels)
         if mode == tf.estimator.ModeKeys.EVAL and dp.num_examples is not None:
             metrics = dict(spec.eval_metric_ops or {})
-            metrics.update(_epsilon_metrics(dp, batch_variable, parties_variable))
+            metrics.update(_epsilon_metrics(dp, batch_variable, parties_variable, model_dir))
             spec = spec._replace(eval_metric_ops=metrics)
         return spec
     optimizer = make_dp_optimizer(make_optimizer(params), dp.l2_norm_clip, dp.expected_batch_size)
@@ -144,6 +151,7 @@ def dp_estimator_spec(
                                       train_op_fn=train_op_fn, trainable_variables=trainable)
     hooks = list(spec.training_hooks or ())
     if dp.num_examples is not None:
-        hooks.append(EpsilonLoggingHook(dp, global_batch, parties))
+        graph = tf.compat.v1.get_default_graph()
+        hooks.append(EpsilonLoggingHook(dp, global_batch, parties, repeated_releases=lambda: repeated_releases(graph)))
     return spec._replace(training_hooks=hooks)
 

@@ -82,7 +82,8 @@ def estimator_spec(
     check_labels(head, labels, params)
     dp = dp_settings(config)
     if dp is not None:
-        return dp_estimator_spec(dp, head, features, labels, mode, logits, params, layers)
+        return dp_estimator_spec(dp, head, features, labels, mode, logits, params, layers,
+                                 model_dir=getattr(config, "model_dir", None))
     optimizer = make_optimizer(params) if mode == tf.estimator.ModeKeys.TRAIN else None
     trainable = [v for layer in layers for v in layer.trainable_variables]
     return head.create_estimator_spec(

@@ -353,6 +353,19 @@ def test_under_dp_a_step_released_again_with_fresh_noise_is_refused_and_a_replay
     assert training_run.ReleaseLedger(str(tmp_path), fresh=True).high == -1  # a fresh training starts over
 
 
+def test_when_the_user_allows_it_a_second_release_is_counted_for_epsilon(tmp_path, make_service):
+    from tfe_estimator.distribute import service_aggregation  # pylint: disable=import-outside-toplevel
+
+    ledger = training_run.ReleaseLedger(str(tmp_path), fresh=True, count_repeats=True)
+    answers = _released_again_after_both_servers_restart(make_service, {"model": 7, "ledger": ledger})
+    assert answers[-1] == (1, False) and ledger.repeated == 1 and ledger.high == 2
+    # Kept in model_dir: a restarted owner and the evaluation of its checkpoints count it too.
+    assert training_run.repeated_releases(str(tmp_path)) == 1
+    assert training_run.ReleaseLedger(str(tmp_path), fresh=False).repeated == 1
+    assert training_run.repeated_releases(str(tmp_path / "none")) == 0
+    assert service_aggregation.repeated_releases(tf.Graph()) == 0  # outside service mode
+
+
 def test_mutation_without_the_ledger_a_second_release_passes_unnoticed(make_service):
     # Step 1 is released a second time (fresh, not from a window) and nothing refuses it.
     assert _released_again_after_both_servers_restart(make_service, {"model": 7})[-1] == (1, False)

@@ -153,6 +153,27 @@ def test_epsilon_is_printed_on_the_terminal_beside_the_progress_line():
                          f"owner(s) of 2; {outsiders:.4g} against outsiders)")
 
 
+def test_with_count_repeated_releases_epsilon_counts_every_release_on_the_terminal():
+    # Steps the servers released twice (both restarted, windows lost) count twice when the user allows them.
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0, num_examples=800, expected_batch_size=40,
+                                     count_repeated_releases=True)
+    out = io.StringIO()
+    with tf.Graph().as_default():
+        step = tf.compat.v1.train.get_or_create_global_step()
+        hook = dp_lib.EpsilonLoggingHook(dp, tf.constant(40, tf.int64), 2, every_n_steps=100, stream=out,
+                                         repeated_releases=lambda: 2)
+        train_op = tf.compat.v1.assign_add(step, 1)
+        with tf.compat.v1.train.MonitoredSession(hooks=[hook]) as session:
+            for _ in range(3):
+                session.run(train_op)
+    outsiders, colluders = dp.epsilons(40, 3 + 2, 2)
+    assert out.getvalue().splitlines()[-1] == (
+        f"tfe_estimator: step 3, DP epsilon {colluders:.4g} at delta 1e-05 (against 1 colluding owner(s) of 2; "
+        f"{outsiders:.4g} against outsiders; 2 step(s) released twice, counted twice)")
+    with pytest.raises(TypeError, match=r"count_repeated_releases must be True or False, got 'yes'"):
+        tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.0, count_repeated_releases="yes")
+
+
 def test_clipped_sum_marks_are_not_a_graph_collection_so_the_meta_graph_serializes_cleanly():
     with tf.Graph().as_default() as graph:
         t = tf.zeros([2])

@@ -52,7 +52,8 @@ from tfe_estimator.distribute.devices import cpus_needed, local_layout
 from tfe_estimator.distribute.strategy import TfeStrategy, _TfeExtended
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
-__all__ = ["ServiceBinding", "ServiceAggregation", "ServiceStrategy", "service_client", "channel_name"]
+__all__ = ["ServiceBinding", "ServiceAggregation", "ServiceStrategy", "service_client", "channel_name",
+           "repeated_releases"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -96,6 +97,14 @@ def _model_of(graph: tf.Graph) -> dict:
         step = step_sum.read_step(global_step, name="service_step")
         state = _CHANNELS[graph] = [0, step, {"model": None}]
     return state[2]
+
+
+def repeated_releases(graph: tf.Graph) -> int:
+    """How many steps of `graph`'s training the servers released again, counted under
+    ``DistributedDP(count_repeated_releases=True)`` (`training_run.ReleaseLedger`); 0 outside service mode."""
+    state = _CHANNELS.get(graph)
+    ledger = state[2].get("ledger") if state is not None else None
+    return ledger.repeated if ledger is not None else 0
 
 
 def channel_name(model: int, name: str) -> str:
@@ -261,7 +270,8 @@ class _ServiceExtended(_TfeExtended):
                     if "run" not in model:  # once per graph: its replicas' model_fn calls share it
                         model["run"] = training_run.for_training(model_dir)
                         if agg.dp is not None:  # each step's noise released once (training_run.ReleaseLedger)
-                            model["ledger"] = training_run.ReleaseLedger(model_dir, model["run"].fresh)
+                            model["ledger"] = training_run.ReleaseLedger(model_dir, model["run"].fresh,
+                                                                         agg.dp.count_repeated_releases)
                     settings["training run"] = model["run"].number  # in the model id: one id per training run
                     every = getattr(config, "save_checkpoints_steps", None)
                     hooks = (service_handshake.ServiceHandshakeHook(agg.binding, settings, service_client, on_model),

@@ -36,7 +36,9 @@ step whose first sum it received as a fresh release (`ReleaseLedger`). A
 restored owner receives the steps it had before from the servers' replay
 window; a fresh release of such a step (both servers restarted, so neither
 kept its window) would release its noise again while epsilon counts the step
-once: it is refused (`check_answer`).
+once: it is refused (`check_answer`), unless
+``DistributedDP(count_repeated_releases=True)``: then the ledger counts it and
+epsilon counts every release (`repeated_releases`).
 
 Example::
 
@@ -52,7 +54,7 @@ from typing import Optional
 import tensorflow as tf
 
 __all__ = ["TrainingRun", "ReleaseLedger", "for_training", "for_evaluation", "check_answer", "fresh_replay_error",
-           "RUN_FILE", "RELEASED_FILE", "reset"]
+           "repeated_releases", "RUN_FILE", "RELEASED_FILE", "reset"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -78,9 +80,13 @@ class TrainingRun:
 class ReleaseLedger:
     """The highest step whose first sum this owner received as a fresh release (under DP), kept in model_dir.
 
+    The file holds ``"<highest step> <steps released again>"``.
+
     Args:
       model_dir: where ``tfe_released`` is kept (None: in memory only).
       fresh: a fresh training (no checkpoint): nothing was released for it yet, whatever the file says.
+      count_repeats: count a step released again (`repeated`) instead of refusing it
+        (``DistributedDP(count_repeated_releases=True)``).
 
     Example::
 
@@ -88,20 +94,19 @@ class ReleaseLedger:
         ledger.released(owner, channel, step)   # raises if `step` was released to this owner before
     """
 
-    def __init__(self, model_dir: Optional[str], fresh: bool):
+    def __init__(self, model_dir: Optional[str], fresh: bool, count_repeats: bool = False):
         self._path = os.path.join(model_dir, RELEASED_FILE) if model_dir else None
-        self.high = -1
+        self._count = bool(count_repeats)
+        self.high, self.repeated = -1, 0
         if not fresh and self._path and tf.io.gfile.exists(self._path):
-            with tf.io.gfile.GFile(self._path) as f:
-                text = f.read().strip()
-            self.high = int(text) if text.lstrip("-").isdigit() else -1
+            self.high, self.repeated = _read_ledger(self._path)
         elif self._path:
             self._write()
 
     def _write(self) -> None:
         tf.io.gfile.makedirs(os.path.dirname(self._path))
         with tf.io.gfile.GFile(self._path + ".tmp", "w") as f:
-            f.write(f"{self.high}\n")
+            f.write(f"{self.high} {self.repeated}\n")
         tf.io.gfile.rename(self._path + ".tmp", self._path, overwrite=True)  # whole, even if killed now
 
     def released(self, owner: str, channel: str, step: int) -> None:
@@ -110,6 +115,14 @@ class ReleaseLedger:
         Raises:
           ValueError: naming the step, the ledger and the fix.
         """
+        if step <= self.high and self._count:  # released again: epsilon counts it once more
+            self.repeated += 1
+            log.warning("service mode under DP: step %d of %r was released again with fresh noise (the servers "
+                        "no longer held it); epsilon counts it twice (%d repeated release(s) so far)", step,
+                        channel, self.repeated)
+            if self._path:
+                self._write()
+            return
         if step <= self.high:
             raise ValueError(
                 f"Service mode under DP: {owner} received step {step} of {channel!r} as a fresh release, but it "
@@ -118,10 +131,27 @@ class ReleaseLedger:
                 "the step's answer (both were restarted, or their --replay-window-steps is shorter than the "
                 "steps since the owners' checkpoint). Training stops instead of spending privacy silently. Keep "
                 "the servers running while owners restart and checkpoint at least every --replay-window-steps "
-                "steps; to go on from here, train a fresh model (a new model_dir on every owner).")
+                "steps. To go on from here: DistributedDP(count_repeated_releases=True) on every owner (epsilon "
+                "then counts every release), or train a fresh model (a new model_dir on every owner).")
         self.high = step
         if self._path:
             self._write()
+
+
+def _read_ledger(path: str):
+    with tf.io.gfile.GFile(path) as f:
+        parts = f.read().split()
+    numbers = [int(p) for p in parts if p.lstrip("-").isdigit()]
+    if len(numbers) != len(parts) or not 1 <= len(numbers) <= 2:
+        raise ValueError(f"{path} holds {' '.join(parts)[:40]!r}, not '<highest step> <steps released again>': it "
+                         "is written by tfe_estimator under DP; restore it from a backup of this model_dir.")
+    return numbers[0], (numbers[1] if len(numbers) > 1 else 0)
+
+
+def repeated_releases(model_dir: Optional[str]) -> int:
+    """How many steps of the training in `model_dir` were released again and counted (0 without a ledger)."""
+    path = os.path.join(model_dir, RELEASED_FILE) if model_dir else None
+    return _read_ledger(path)[1] if path and tf.io.gfile.exists(path) else 0
 
 
 def _path(model_dir: str) -> str:

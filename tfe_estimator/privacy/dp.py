@@ -63,7 +63,7 @@ import sys
 import threading
 import weakref
 from fractions import Fraction
-from typing import Hashable, Optional, Tuple
+from typing import Callable, Hashable, Optional, Tuple
 
 import tensorflow as tf
 
@@ -158,6 +158,13 @@ class DistributedDP:
         stay equal). None: fixed-size batches, divided by local batch size
         times replicas. Required in service mode when the batch size is not
         static (Poisson sampling): refused otherwise.
+      count_repeated_releases: service mode. A step is released once: an owner
+        restored from an earlier checkpoint is answered from the servers'
+        replay window. If the servers release a step again with fresh noise
+        (both were restarted and lost their windows), the owners refuse it by
+        default (`tfe_estimator.distribute.training_run.ReleaseLedger`); True
+        lets training go on and epsilon counts every release (each repeated
+        step once more), on the terminal and in evaluation.
 
     Raises:
       TypeError, ValueError: for non-numbers, ``l2_norm_clip <= 0``,
@@ -177,6 +184,7 @@ class DistributedDP:
     delta: float = 1e-5
     colluding_owners: Optional[int] = None
     expected_batch_size: Optional[int] = None
+    count_repeated_releases: bool = False
 
     def __post_init__(self):
         check_dp_stack()
@@ -195,6 +203,9 @@ class DistributedDP:
             raise ValueError(f"DistributedDP: colluding_owners must be >= 0, got {self.colluding_owners!r}.")
         if self.expected_batch_size is not None and _number("expected_batch_size", self.expected_batch_size) < 1:
             raise ValueError(f"DistributedDP: expected_batch_size must be >= 1, got {self.expected_batch_size!r}.")
+        if not isinstance(self.count_repeated_releases, bool):
+            raise TypeError(f"DistributedDP: count_repeated_releases must be True or False, got "
+                            f"{self.count_repeated_releases!r}.")
         object.__setattr__(self, "l2_norm_clip", float(clip))
         object.__setattr__(self, "noise_multiplier", float(multiplier))
         if multiplier == 0:
@@ -513,11 +524,14 @@ class EpsilonLoggingHook(tf.estimator.SessionRunHook):
         ``dp.expected_batch_size``).
       num_replicas: N, the number of noise parties (`noise_parties`: replicas, or owners).
       every_n_steps: how often to print (session runs); stream: where (default: standard error).
+      repeated_releases: in service mode, ``repeated_releases()`` counts the steps the servers released
+        again (``DistributedDP(count_repeated_releases=True)``): epsilon counts them once more.
     """
 
     def __init__(self, dp: DistributedDP, global_batch_size, num_replicas: int = 1, every_n_steps: int = 100,
-                 stream=None):
+                 stream=None, repeated_releases: Optional[Callable[[], int]] = None):
         self._dp = dp
+        self._repeated = repeated_releases or (lambda: 0)
         self._batch = global_batch_size
         self._replicas = int(num_replicas)
         self._every = max(1, int(every_n_steps))
@@ -536,11 +550,13 @@ class EpsilonLoggingHook(tf.estimator.SessionRunHook):
             self._show(int(run_values.results["step"]) + 1)
 
     def _show(self, steps: int):
-        outsiders, colluders = self._dp.epsilons(self._last, steps, self._replicas)
+        repeated = int(self._repeated())
+        outsiders, colluders = self._dp.epsilons(self._last, steps + repeated, self._replicas)
         stream = self._stream or sys.stderr
+        again = f"; {repeated} step(s) released twice, counted twice" if repeated else ""
         stream.write(f"tfe_estimator: step {steps}, DP epsilon {colluders:.4g} at delta {self._dp.delta:g} "
                      f"(against {self._dp.colluders(self._replicas)} colluding owner(s) of {self._replicas}; "
-                     f"{outsiders:.4g} against outsiders)\n")
+                     f"{outsiders:.4g} against outsiders{again})\n")
         stream.flush()
         return outsiders, colluders
 
