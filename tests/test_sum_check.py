@@ -425,10 +425,39 @@ def test_a_wrapped_seed_server0_altered_does_not_decrypt(cluster):
             return parts
         body = json.loads(parts[0])
         if "worker:0" in body["seeds"]:
-            raw = bytearray(base64.b64decode(body["seeds"]["worker:0"]))
+            raw = bytearray(base64.b64decode(body["seeds"]["worker:0"]["seed"]))
             raw[0] ^= 1
-            body["seeds"]["worker:0"] = base64.b64encode(bytes(raw)).decode()
+            body["seeds"]["worker:0"]["seed"] = base64.b64encode(bytes(raw)).decode()
         return [json.dumps(body).encode(), parts[1]]
 
     with pytest.raises(check_seed.CheckSeedError, match="does not decrypt"):
         _agree(c, model=3, parts_of=alter)
+
+
+def test_a_renewed_certificate_gets_the_same_seed_wrapped_again(cluster, cert_dirs, tmp_path):  # noqa: F811
+    # worker:0 renews its key and certificate (same CA) and restarts alone while owners[0] handshakes again:
+    # owners[0] wraps the seed for the new certificate; the old wrapping is not taken for it.
+    import shutil
+
+    from cryptography.x509.oid import NameOID
+
+    from tfe_estimator.identity import certs
+
+    c = cluster(2)
+    seed = _agree(c, model=11)[0].seed
+    renewed = str(tmp_path / "renewed")
+    shutil.copytree(cert_dirs[0], renewed)
+    old = certs.load_certificate(open(f"{renewed}/worker-0.crt", "rb").read(), "worker-0.crt")
+    organisation = old.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value
+    key, csr = certs.make_key_and_csr("worker", 0, organisation, "t")
+    with open(f"{renewed}/ca.crt", "rb") as ca_cert, open(f"{renewed}/ca.key", "rb") as ca_key:
+        cert = certs.sign_csr(csr, ca_cert.read(), ca_key.read(), "t")
+    with open(f"{renewed}/worker-0.crt", "wb") as f:
+        f.write(cert)
+    with open(f"{renewed}/worker-0.key", "wb") as f:
+        f.write(key)
+    c.tls[1] = TlsFiles.from_dir(renewed, "worker", 0)
+    worker = check_seed.SeedAgreement(c.tls[1], c.owners, "worker:0", 11)
+    rows, parts = c.clients[1].handshake_parts(0, [0, 1], 11, worker.part)
+    assert "certificate yet" in worker.update([w for w, _, _ in rows], parts, worker.part)  # the old wrapping
+    assert _agree(c, model=11)[1].seed == seed

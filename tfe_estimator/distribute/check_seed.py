@@ -36,6 +36,7 @@ Example::
     check = agreement.check()   # the `sum_check.SumCheck` of the seed
 """
 import base64
+import hashlib
 import json
 import logging
 import threading
@@ -82,6 +83,11 @@ def owner_seed(private_key, model: int) -> bytes:
                 info=_model_bytes(model)).derive(scalar.to_bytes(66, "big"))
 
 
+def _cert_id(pem: str) -> str:
+    """Names a certificate in a part (which certificate a seed was wrapped for): 16 hex digits of SHA-256."""
+    return hashlib.sha256(pem.encode("ascii")).hexdigest()[:16]
+
+
 def _wrap_key(private_key, peer_public_key, model: int, first: str, other: str) -> Tuple[AESGCM, bytes]:
     peer = _ec_key(peer_public_key, "a certificate's key")
     shared = _ec_key(private_key, "the private key").exchange(ec.ECDH(), peer)
@@ -107,7 +113,7 @@ class SeedAgreement:
         _ec_key(self._key, f"the private key of {me} ({tls.key})")
         self._first = self._owners[0]
         self._seed = owner_seed(self._key, model) if me == self._first else None
-        self._wrapped: Dict[str, str] = {}
+        self._wrapped: Dict[str, Dict[str, str]] = {}  # owner -> its certificate's id and the wrapped seed
         self._part = self._encode()
 
     @property
@@ -176,10 +182,12 @@ class SeedAgreement:
                 if body is None:
                     missing.append(owner)
                     continue
-                if owner not in self._wrapped:
+                made_for = _cert_id(body["cert"])
+                if self._wrapped.get(owner, {}).get("for") != made_for:  # new, or its certificate was renewed
                     aead, info = _wrap_key(self._key, self._verified_key(owner, body), self._model, self._first,
                                            owner)
-                    self._wrapped[owner] = base64.b64encode(aead.encrypt(_NONCE, self._seed, info)).decode()
+                    self._wrapped[owner] = {"for": made_for,
+                                            "seed": base64.b64encode(aead.encrypt(_NONCE, self._seed, info)).decode()}
             self._part = self._encode()
             if missing:
                 return f"the check seed: no handshake part of {', '.join(missing)} yet"
@@ -187,9 +195,10 @@ class SeedAgreement:
         if self._seed is not None:
             return None
         body = bodies.get(self._first)
-        wrapped = None if body is None else body.get("seeds", {}).get(self._me)
-        if wrapped is None:
-            return f"the check seed: {self._first} has not wrapped it for {self._me} yet"
+        entry = None if body is None else body.get("seeds", {}).get(self._me)
+        if not isinstance(entry, dict) or entry.get("for") != _cert_id(self._cert_pem.decode("ascii")):
+            return f"the check seed: {self._first} has not wrapped it for {self._me}'s certificate yet"
+        wrapped = entry.get("seed", "")
         aead, info = _wrap_key(self._key, self._verified_key(self._first, body), self._model, self._first, self._me)
         try:
             seed = aead.decrypt(_NONCE, base64.b64decode(wrapped), info)
