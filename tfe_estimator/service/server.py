@@ -352,9 +352,17 @@ class AggregationServer:
         fresh blind key (`BufferPool.stock`), so the next release only forwards. Masks do not depend on data."""
         if self._stopped.is_set():
             return
-        acc = self._pool.take(channel.words)
-        blind = secrets.token_bytes(ring.KEY_BYTES)
-        ring.negate(ring.keystream_into(blind, acc), channel.ring_bits)
+        nbytes = 8 * channel.words
+        try:  # counted while it is being prepared too; never at the cost of a put (no reclaim)
+            self._budget.reserve(None, nbytes, f"the next accumulator of {channel.label}", reclaim=False)
+        except BudgetExceeded:
+            return
+        try:
+            acc = self._pool.take(channel.words)
+            blind = secrets.token_bytes(ring.KEY_BYTES)
+            ring.negate(ring.keystream_into(blind, acc), channel.ring_bits)
+        finally:
+            self._budget.free(None, nbytes)
         if not self._pool.stock(channel, acc, blind):
             self._pool.give(acc)
 

@@ -13,11 +13,17 @@ Run::
 
 Prints per size: wall ms per step, CPU ms per step of server0, server1 and of
 all owner clients together, ns per parameter (per owner for the clients), and
-per owner and step the round trips (Contribute calls) and bytes up and down.
+per owner and step the round trips (Contribute calls) and bytes up and down;
+then, measured in the same run on this CPU, each role's floor (`floor`): the
+AES its bytes need at one core's speed (AES-128-GCM for TLS, AES-128-CTR for
+key expansion, `cryptography`'s OpenSSL) plus its ring sums, and the ratio
+to it. ``--huge-pages`` starts the servers as the launcher and the Kubernetes
+manifests do (`tfe_estimator.cluster.huge_pages`).
 `measure` also runs the owners through a latency-adding relay
 (`tools.bench.distance`).
 """
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,7 +36,7 @@ import portpicker
 
 from tools.bench.service_case import process_cpu_seconds
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "floor"]
 
 _SERVER = """
 import sys
@@ -63,18 +69,57 @@ def _start_relays(addresses: List[str], rtt_ms: float, bandwidth_mbps: Optional[
     return relay, [f"localhost:{p}" for p in line.split()[-1].split(",")]
 
 
+def _seconds_per_byte(run, nbytes: int, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best / nbytes
+
+
+def floor(owners: int) -> Dict[str, float]:
+    """Each role's floor in ns per parameter (per owner for ``client``) at 64-bit ring words on this CPU, one core.
+
+    Measured here on 1 MiB blocks (cache-resident, like ``openssl speed``): AES-128-GCM (TLS records) and
+    AES-128-CTR (key expansion) with `cryptography`, and NumPy's uint64 addition. With N owners, per parameter:
+    server1 decrypts 8 (N + 1) B (the shares and server0's part), encrypts 8 N B (w to each owner) and adds
+    N + 1 vectors; server0 expands N + 1 keys (the owners' and its blind key), adds them and encrypts its
+    8 B forward; an owner's client encrypts 8 B and decrypts 8 B. Copies, the kernel and gRPC come on top.
+    """
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes  # pylint: disable=import-outside-toplevel
+
+    block, out = bytes(1 << 20), bytearray((1 << 20) + 15)
+
+    def speed(mode) -> float:  # seconds per byte, into a preallocated buffer (no allocation timed)
+        encryptor = Cipher(algorithms.AES(bytes(16)), mode).encryptor()
+        return _seconds_per_byte(lambda: [encryptor.update_into(block, out) for _ in range(8)], 8 * len(block))
+
+    gcm_s, ctr_s = speed(modes.GCM(bytes(12))), speed(modes.CTR(bytes(16)))
+    a, b = np.zeros(1 << 17, np.uint64), np.ones(1 << 17, np.uint64)
+    add_s = _seconds_per_byte(lambda: [np.add(a, b, out=a) for _ in range(8)], 8 * a.nbytes)
+    ns = 1e9
+    return {"server0": ns * 8 * ((owners + 1) * (ctr_s + add_s) + gcm_s),
+            "server1": ns * 8 * ((2 * owners + 1) * gcm_s + (owners + 1) * add_s),
+            "client": ns * 8 * 2 * gcm_s,
+            "gcm_gb_s": 1 / gcm_s / 1e9, "ctr_gb_s": 1 / ctr_s / 1e9}
+
+
 def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Optional[float] = None,
-            bandwidth_mbps: Optional[float] = None) -> Dict:
+            bandwidth_mbps: Optional[float] = None, huge_pages: bool = False) -> Dict:
     """Times `steps` secure sums of `elements` between `owners` owner threads and two server processes.
 
     With `rtt_ms`, every owner reaches each server, and server0 reaches server1, through a
     `tools.bench.relay` process adding that round-trip time (and `bandwidth_mbps` per connection).
+    With `huge_pages`, the servers start with glibc's huge-page tunable, as deployed
+    (`tfe_estimator.cluster.huge_pages`).
 
     Returns wall ``ms_per_step``; CPU ms per step of ``server_cpu_ms`` (server0, server1) and ``owners_cpu_ms``
     (all owner clients); per owner and step the Contribute calls (``calls_per_step``: one round trip to both
     servers each) and the serialized bytes sent and received (``up_bytes``, ``down_bytes``), counted by the
     clients' counters (`OwnerClient.bytes_sent`, ``bytes_received``, ``contributions``); the server pids.
     """
+    from tfe_estimator.cluster.huge_pages import with_huge_pages  # pylint: disable=import-outside-toplevel
     from tfe_estimator.service import OwnerClient, TlsFiles  # pylint: disable=import-outside-toplevel
 
     tasks = [("chief", 0)] + [("worker", i) for i in range(owners - 1)]
@@ -88,7 +133,8 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
         for role in (1, 0):  # server1 first: server0 connects to it
             servers[role] = subprocess.Popen(  # pylint: disable=consider-using-with
                 [sys.executable, "-c", _SERVER, str(role), certs_dir, ",".join(addresses),
-                 ",".join(f"{j}:{i}" for j, i in tasks), reached[1]], stdout=subprocess.PIPE, text=True)
+                 ",".join(f"{j}:{i}" for j, i in tasks), reached[1]], stdout=subprocess.PIPE, text=True,
+                env=with_huge_pages(os.environ) if huge_pages else None)
             if servers[role].stdout.readline().strip() != "up":
                 raise RuntimeError(f"aggregation server{role} did not start")
         clients = [OwnerClient(reached, TlsFiles.from_dir(certs_dir, job, index)) for job, index in tasks]
@@ -132,15 +178,20 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
             "server_pids": [servers[0].pid, servers[1].pid]}
 
 
-def _measure(elements: int, steps: int, owners: int, certs_dir: str) -> str:
-    m = measure(elements, steps, owners, certs_dir)
+def _measure(elements: int, steps: int, owners: int, certs_dir: str, huge_pages: bool = False) -> str:
+    m = measure(elements, steps, owners, certs_dir, huge_pages=huge_pages)
+    low = floor(owners)
     server_ms, owners_ms, wall_ms = m["server_cpu_ms"], m["owners_cpu_ms"], m["ms_per_step"]
     per_param = [1e6 * ms / elements for ms in server_ms] + [1e6 * owners_ms / elements / owners]
     return (f"{elements:,} elements, {owners} owners (server pids {m['server_pids'][0]}, {m['server_pids'][1]}): "
             f"wall {wall_ms:.2f} ms/step; CPU ms/step server0 {server_ms[0]:.2f}, server1 {server_ms[1]:.2f}, owner "
             f"clients {owners_ms:.2f}; ns/param server0 {per_param[0]:.1f}, server1 {per_param[1]:.1f}, "
             f"each owner's client {per_param[2]:.1f}; per owner and step {m['calls_per_step']:.0f} round trip(s), "
-            f"{m['up_bytes']:,.0f} B up, {m['down_bytes']:,.0f} B down")
+            f"{m['up_bytes']:,.0f} B up, {m['down_bytes']:,.0f} B down; floor ns/param (AES-GCM "
+            f"{low['gcm_gb_s']:.1f} GB/s, AES-CTR {low['ctr_gb_s']:.1f} GB/s, ring sums) s0 {low['server0']:.1f}, "
+            f"s1 {low['server1']:.1f}, owner {low['client']:.1f}; x floor s0 {per_param[0] / low['server0']:.1f}, "
+            f"s1 {per_param[1] / low['server1']:.1f}, owner {per_param[2] / low['client']:.1f}"
+            + ("; servers with huge pages" if huge_pages else ""))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -148,6 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--elements", type=int, nargs="+", default=[100_000, 1_000_000], help="vector sizes")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per size (default 30)")
     parser.add_argument("--owners", type=int, default=2, help="owners (default 2)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="start the servers with glibc's huge-page tunable, as the launcher does")
     args = parser.parse_args(argv)
     from tfe_estimator.cluster import certs  # pylint: disable=import-outside-toplevel
 
@@ -155,7 +208,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tasks: List = [("chief", 0)] + [("worker", i) for i in range(args.owners - 1)] + [("tfe", 0), ("tfe", 1)]
         certs.make_cluster_certs(certs_dir, tasks, cluster="bench")
         for elements in args.elements:
-            print(f"[service-alone] {_measure(elements, args.steps, args.owners, certs_dir)}", flush=True)
+            print(f"[service-alone] {_measure(elements, args.steps, args.owners, certs_dir, args.huge_pages)}",
+                  flush=True)
     return 0
 
 
