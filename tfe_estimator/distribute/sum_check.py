@@ -88,6 +88,15 @@ def _derive(seed: bytes, channel: str, step: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=ring.KEY_BYTES, salt=None, info=info).derive(seed)
 
 
+def _plus(a: np.ndarray, b: np.ndarray, ring_bits: int) -> np.ndarray:
+    """A new ring vector ``a + b`` (uint64 words), in one pass where the ring allows."""
+    if ring_bits == 64:
+        return np.add(a, b)
+    if ring_bits == 32:
+        return np.add(a.view(np.uint32), b.view(np.uint32)).view(np.uint64)
+    return ring.add_into(np.array(a, copy=True), b, ring_bits)
+
+
 def _element(words: np.ndarray, index: int, ring_bits: int) -> int:
     """Element `index` of a ring vector as an unsigned integer below 2**ring_bits."""
     per = ring_bits // 32
@@ -172,12 +181,13 @@ class SumCheck:
         self._check_owners(ring_bits)
         total = n + CHECK_WORDS
         stream = ring.keystream_words(np.asarray(key), ring.ring_words(total, ring_bits))
-        mine = np.array(np.asarray(share).reshape(-1).view(np.uint64), copy=True)
-        ring.add_into(mine, stream[:mine.size], ring_bits)  # this owner's encoded vector (plus its noise)
+        shared = np.asarray(share).reshape(-1).view(np.uint64)
+        mine = _plus(shared, stream[:shared.size], ring_bits)  # this owner's encoded vector (plus its noise)
         if coefficients is None:
             coefficients = self.coefficients(channel, step, n)
         checks = self.residues(self.values(coefficients, mine, n, ring_bits), ring_bits)
-        out = np.zeros(ring.ring_words(total, ring_bits), np.uint64)
+        out = np.empty(ring.ring_words(total, ring_bits), np.uint64)
+        out[-1] = 0  # the 32-bit ring's padding lane
         per = ring_bits // 32
         out.view("<u4")[:n * per] = np.asarray(share).reshape(-1).view("<u4")[:n * per]
         modulus = 1 << ring_bits
@@ -194,13 +204,13 @@ class SumCheck:
           SumIntegrityError: naming the step, the channel, how many checks failed and the servers' operators.
         """
         total = n + CHECK_WORDS
-        revealed = np.array(np.asarray(masked).reshape(-1).view(np.uint64), copy=True)
-        if revealed.size != ring.ring_words(total, ring_bits):
+        answer = np.asarray(masked).reshape(-1).view(np.uint64)
+        if answer.size != ring.ring_words(total, ring_bits):
             raise SumIntegrityError(
-                f"the sum released for step {step} on channel {channel} has {revealed.size} ring words, not the "
+                f"the sum released for step {step} on channel {channel} has {answer.size} ring words, not the "
                 f"{ring.ring_words(total, ring_bits)} of {n} elements and {CHECK_WORDS} check words: a server "
                 f"altered it (server operators: {self.operators}); training stopped, nothing of it applied.")
-        ring.add_into(revealed, ring.keystream_words(np.asarray(blind_key), revealed.size), ring_bits)
+        revealed = _plus(answer, ring.keystream_words(np.asarray(blind_key), answer.size), ring_bits)
         if coefficients is None:
             coefficients = self.coefficients(channel, step, n)
         expected = self.residues(self.values(coefficients, revealed, n, ring_bits), ring_bits)
@@ -232,8 +242,8 @@ def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel:
         blind_key, masked = contribute(channel, step, ring_bits, n, key, share)
         if not reveal:
             return blind_key, masked
-        revealed = np.array(np.asarray(masked).reshape(-1).view(np.uint64), copy=True)
-        return ring.add_into(revealed, ring.keystream_words(np.asarray(blind_key), words), ring_bits).view(np.int64)
+        answer = np.asarray(masked).reshape(-1).view(np.uint64)
+        return _plus(answer, ring.keystream_words(np.asarray(blind_key), words), ring_bits).view(np.int64)
     coefficients = check.coefficients(channel, step, n)
     extended = check.extend(channel, step, ring_bits, n, key, share, coefficients)
     blind_key, masked = contribute(channel, step, ring_bits, n + CHECK_WORDS, key, extended)
