@@ -220,9 +220,10 @@ class SumCheck:
             raise SumIntegrityError(
                 f"the sum released for step {step} on channel {channel} failed {failed} of {CHECK_WORDS} integrity "
                 f"checks (each passes a change with probability at most 2**-{COEFFICIENT_BITS}): a server altered "
-                f"it (server operators: {self.operators}); training stopped, nothing of it applied. The servers' "
-                "logs and operators can say why; restart the owners once the servers are fixed (each resumes from "
-                "its latest checkpoint).")
+                f"it (server operators: {self.operators}), or an owner contributed check words that do not match "
+                "its own vector (a modified owner: the checks cannot tell which); training stopped, nothing of it "
+                "applied. The servers' logs and operators can say why; restart the owners once the cause is fixed "
+                "(each resumes from its latest checkpoint).")
         return revealed
 
 
