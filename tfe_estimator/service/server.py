@@ -465,7 +465,7 @@ class AggregationServer:
         return reply()
 
     def _handshake(self, identity: str, request, context, reply):
-        """Stores the caller's row for its model; answers every owner's row (`handshake_table`)."""
+        """Stores the caller's row (and check-seed part) for its model; answers every owner's (`handshake_table`)."""
         del context
         descriptor = list(request.descriptor)
         if not descriptor:
