@@ -48,6 +48,7 @@ Example::
 """
 import hashlib
 import logging
+import threading
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
@@ -88,13 +89,17 @@ def _derive(seed: bytes, channel: str, step: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=ring.KEY_BYTES, salt=None, info=info).derive(seed)
 
 
-def _plus(a: np.ndarray, b: np.ndarray, ring_bits: int) -> np.ndarray:
-    """A new ring vector ``a + b`` (uint64 words), in one pass where the ring allows."""
+def _plus(a: np.ndarray, b: np.ndarray, ring_bits: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """The ring vector ``a + b`` (uint64 words) in `out` (default: a new array), in one pass where the ring allows."""
+    if out is None:
+        out = np.empty(a.shape, np.uint64)
     if ring_bits == 64:
-        return np.add(a, b)
+        return np.add(a, b, out=out)
     if ring_bits == 32:
-        return np.add(a.view(np.uint32), b.view(np.uint32)).view(np.uint64)
-    return ring.add_into(np.array(a, copy=True), b, ring_bits)
+        np.add(a.view(np.uint32), b.view(np.uint32), out=out.view(np.uint32))
+        return out
+    out[...] = a
+    return ring.add_into(out, b, ring_bits)
 
 
 def _element(words: np.ndarray, index: int, ring_bits: int) -> int:
@@ -125,6 +130,17 @@ class SumCheck:
             raise ValueError(f"a check seed has at least 16 random bytes, got {type(seed).__name__} of "
                              f"{len(seed) if isinstance(seed, bytes) else '?'}: take it from check_seed.")
         self._seed, self.operators, self.num_owners = seed, operators, int(num_owners)
+        # Per thread, arrays reused from one contribution to the next (fresh multi-megabyte arrays cost page
+        # faults that doubled the checks' time at 1e5); never the arrays handed back to the caller.
+        self._scratch_arrays = threading.local()
+
+    def _scratch(self, name: str, words: int) -> np.ndarray:
+        """This thread's reusable uint64 array `name` of `words` words (its contents are stale)."""
+        arrays = self._scratch_arrays.__dict__
+        array = arrays.get(name)
+        if array is None or array.size != words:
+            array = arrays[name] = np.empty(words, np.uint64)
+        return array
 
     @property
     def fingerprint(self) -> str:
@@ -136,9 +152,10 @@ class SumCheck:
 
         Kept as uint32 (4 bytes each, shifted in place): `values` turns one cache-sized block at a time
         into float64, instead of a (ROWS, n) float64 array that cost most of the checks' time at 1e6.
+        The array is this thread's scratch: the next call in the thread overwrites it.
         """
         key = _derive(self._seed, channel, step)
-        stream = ring.keystream_into(key, np.empty((ROWS * n + 1) // 2, np.uint64)).view("<u4")[:ROWS * n]
+        stream = ring.keystream_into(key, self._scratch("coefficients", (ROWS * n + 1) // 2)).view("<u4")[:ROWS * n]
         np.right_shift(stream, np.uint32(32 - COEFFICIENT_BITS), out=stream)
         return stream.reshape(ROWS, n)
 
@@ -188,9 +205,10 @@ class SumCheck:
         """
         self._check_owners(ring_bits)
         total = n + CHECK_WORDS
-        stream = ring.keystream_words(np.asarray(key), ring.ring_words(total, ring_bits))
+        stream = ring.keystream_into(np.asarray(key), self._scratch("stream", ring.ring_words(total, ring_bits)))
         shared = np.asarray(share).reshape(-1).view(np.uint64)
-        mine = _plus(shared, stream[:shared.size], ring_bits)  # this owner's encoded vector (plus its noise)
+        # this owner's encoded vector (plus its noise)
+        mine = _plus(shared, stream[:shared.size], ring_bits, out=self._scratch("mine", shared.size))
         if coefficients is None:
             coefficients = self.coefficients(channel, step, n)
         checks = self.residues(self.values(coefficients, mine, n, ring_bits), ring_bits)
@@ -218,7 +236,8 @@ class SumCheck:
                 f"the sum released for step {step} on channel {channel} has {answer.size} ring words, not the "
                 f"{ring.ring_words(total, ring_bits)} of {n} elements and {CHECK_WORDS} check words: a server "
                 f"altered it (server operators: {self.operators}); training stopped, nothing of it applied.")
-        revealed = _plus(answer, ring.keystream_words(np.asarray(blind_key), answer.size), ring_bits)
+        stream = ring.keystream_into(np.asarray(blind_key), self._scratch("stream", answer.size))
+        revealed = _plus(answer, stream, ring_bits)  # a new array: it is handed to TensorFlow
         if coefficients is None:
             coefficients = self.coefficients(channel, step, n)
         expected = self.residues(self.values(coefficients, revealed, n, ring_bits), ring_bits)
