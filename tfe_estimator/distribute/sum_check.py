@@ -249,8 +249,10 @@ class SumCheck:
                 f"checks (each passes a change with probability at most 2**-{COEFFICIENT_BITS}): a server altered "
                 f"it (server operators: {self.operators}), or an owner contributed check words that do not match "
                 "its own vector (a modified owner: the checks cannot tell which); training stopped, nothing of it "
-                "applied. The servers' logs and operators can say why; restart the owners once the cause is fixed "
-                "(each resumes from its latest checkpoint).")
+                f"applied. This owner's check seed is {self.fingerprint}: each owner logs its own at the handshake "
+                "('sums checked (check seed ...)'); if they differ, the first owner renewed its key while the others "
+                "kept training: restart every owner. Otherwise the servers' logs and operators can say why; restart "
+                "the owners once the cause is fixed (each resumes from its latest checkpoint).")
         return revealed
 
 
