@@ -72,8 +72,8 @@ def test_a_server_restarted_mid_training_recovers_to_the_undisturbed_weights(vic
     status, log = _kill_mid_training(workdir, victim, 40, "--step-timeout-secs", "30", max_restarts=1,
                                      down_timeout=60)
     assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
-    assert status == [0], log[-5000:]
-    assert log.count("owner finished at step 40") == 2, log[-5000:]
+    assert status == [0], _why(log)  # the owners' error lines first: one CI run in two saw a bare traceback
+    assert log.count("owner finished at step 40") == 2, _why(log)
     weights = {owner: _weights(os.path.join(workdir, owner, "model"), 40) for owner in OWNERS}
     np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
     np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, 40), atol=1e-5)
