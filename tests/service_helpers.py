@@ -42,11 +42,13 @@ def cert_dirs(tmp_path_factory):
 class Service:
     """server0 and server1 on free loopback ports, and the clients made for them."""
 
-    def __init__(self, certs_dir, owners, step_timeout_secs=WAIT_SECS, **limits):
+    def __init__(self, certs_dir, owners, step_timeout_secs=WAIT_SECS, data_plane=False, **limits):
         self.certs_dir, self.owners = certs_dir, owners
         ports = [portpicker.pick_unused_port() for _ in range(2)]
         self.addresses = tuple(f"localhost:{p}" for p in ports)
         self.servers, self.clients = [], []
+        if data_plane:
+            limits["data_address"] = "localhost:0"
         server1 = AggregationServer(1, self.addresses[1], owners, TlsFiles.from_dir(certs_dir, "tfe", 1),
                                     step_timeout_secs=step_timeout_secs, **limits)
         self.servers.append(server1)

@@ -24,9 +24,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import grpc
 import numpy as np
 
-from tfe_estimator.service import ring, wire
+from tfe_estimator.service import frames, ring, wire
 from tfe_estimator.service import tls as tls_lib
-from tfe_estimator.service.tls import TlsFiles, server_name_option
+from tfe_estimator.service.data_link import DataLink, LinkError
+from tfe_estimator.service.tls import TlsFiles, server_name, server_name_option
 
 __all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "live_clients", "release_client"]
 
@@ -72,6 +73,110 @@ class ServiceError(RuntimeError):
         self.method, self.address, self.code, self.details = method, address, code, details
 
 
+class _CallError(grpc.RpcError):
+    """A failed call's status, read like gRPC's own error (``code()``, ``details()``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Put:
+    """One Contribute to one server, in a thread of its own, read like a gRPC future (``done``, ``result``,
+    ``cancel``, ``add_done_callback``, ``trailing_metadata``): on the server's data plane if it has one
+    (`OwnerClient._plane`), else on gRPC."""
+
+    def __init__(self, client: "OwnerClient", server: int, fields: dict, meta, payload, timeout: float):
+        self._client, self._server, self._fields, self._meta = client, server, fields, meta
+        self._payload, self._timeout = payload, timeout
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list = []
+        self._started: list = []
+        self._grpc = None
+        self._cancelled = False
+        self._reply = self._error = None
+        self._trailing: tuple = ()
+        threading.Thread(target=self._run, name=f"tfe-put{server}", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            link = self._client._plane(self._server, self._timeout)  # pylint: disable=protected-access
+            if link is not None:
+                self._on_plane(link)
+            else:
+                self._on_grpc()
+        except grpc.RpcError as e:
+            self._error = e
+        except Exception as e:  # pylint: disable=broad-except  # reported by result(), never lost in a thread
+            self._error = _CallError(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                self._done.set()
+                callbacks, self._callbacks = self._callbacks, []
+            for callback in callbacks:
+                callback(self)
+
+    def _on_plane(self, link: DataLink) -> None:
+        head = self._client._messages["ContributeRequest"](**self._fields).SerializeToString()
+        try:
+            code, replayed, message = link.call("Contribute", head, frames.encode_meta(self._meta), self._payload,
+                                                self._timeout, self._started)
+        except LinkError as e:
+            self._client._plane_failed(self._server, link)  # pylint: disable=protected-access
+            raise _CallError(grpc.StatusCode.CANCELLED if self._cancelled else e.code, e.details) from None
+        if code != grpc.StatusCode.OK:
+            raise _CallError(code, bytes(message).decode("utf-8", "replace"))
+        self._reply = wire.decode("ContributeReply", message)
+        self._trailing = ((ring.REPLAYED_METADATA, "1"),) if replayed else ()
+
+    def _on_grpc(self) -> None:
+        # The share's bytes are copied once, from the array into the message's wire bytes.
+        message = wire.encode("ContributeRequest", self._payload, **self._fields)
+        with self._lock:
+            if self._cancelled:
+                raise _CallError(grpc.StatusCode.CANCELLED, "cancelled")
+            self._grpc = self._client._stubs[self._server]["Contribute"].future(  # pylint: disable=protected-access
+                message, timeout=self._timeout, wait_for_ready=self._client._wait,  # pylint: disable=protected-access
+                metadata=self._meta)
+        self._reply = self._grpc.result()
+        self._trailing = tuple(self._grpc.trailing_metadata() or ())
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self):
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._reply
+
+    def trailing_metadata(self):
+        return self._trailing
+
+    def add_done_callback(self, callback) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def cancel(self) -> bool:
+        with self._lock:
+            self._cancelled = True
+            call = self._grpc
+        if call is not None:
+            call.cancel()
+        DataLink.abort(self._started)
+        return True
+
+
 class OwnerClient:
     """One data owner's connections to server0 and server1, with mutual TLS and pinned server names.
 
@@ -80,6 +185,8 @@ class OwnerClient:
       tls: this owner's `TlsFiles` (its certificate is its identity on the servers).
       timeout_secs: deadline of each call (longer than the servers' step timeout).
       wait_for_ready: calls wait for a server that is not up yet (owners may start first).
+      data_plane: put contributions on a server's data plane when it has one (`data_plane`: the same
+        rules and certificates without gRPC's copies); False: always gRPC.
 
     Example::
 
@@ -88,7 +195,7 @@ class OwnerClient:
     """
 
     def __init__(self, addresses: Sequence[str], tls: TlsFiles, timeout_secs: float = 600.0,
-                 wait_for_ready: bool = True, retry_secs: Optional[float] = None):
+                 wait_for_ready: bool = True, retry_secs: Optional[float] = None, data_plane: bool = True):
         addresses = tuple(addresses)
         if len(addresses) != 2 or not all(isinstance(a, str) and a for a in addresses):
             raise ValueError(f"addresses={addresses!r} must be (server0 address, server1 address).")
@@ -99,6 +206,10 @@ class OwnerClient:
         self._addresses, self._timeout, self._wait = addresses, float(timeout_secs), bool(wait_for_ready)
         self._retry = float(timeout_secs if retry_secs is None else retry_secs)
         self._tls = tls
+        self._use_plane = bool(data_plane)
+        self._plane_lock = threading.Lock()
+        self._links: List[Optional[DataLink]] = [None, None]
+        self._plane_asked: List[Optional[float]] = [None, None]  # when each server was last asked for its plane
         #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
         #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
         self.bytes_sent = self.bytes_received = self.contributions = 0
@@ -162,6 +273,42 @@ class OwnerClient:
                                   "(%.0f s)", method, what, server, now - start)
             done.wait(timeout=min(1.0, max(0.05, next_check - now)))
 
+    def _plane(self, server: int, timeout: float) -> Optional[DataLink]:
+        """The link to server `server`'s data plane, asked for once (again 10 s after a failure); None: gRPC."""
+        if not self._use_plane:
+            return None
+        with self._plane_lock:
+            link, asked = self._links[server], self._plane_asked[server]
+            if link is not None or (asked is not None and time.monotonic() - asked < 10.0):
+                return link
+            self._plane_asked[server] = time.monotonic()
+        try:
+            port = self._stubs[server]["DataPlane"](self._messages["DataPlaneRequest"](), timeout=timeout,
+                                                    wait_for_ready=self._wait).port
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None  # a server without the call: gRPC only
+            with self._plane_lock:
+                self._plane_asked[server] = None  # ask again with the put's retry
+            raise
+        if not port:
+            return None
+        host = self._addresses[server].rpartition(":")[0]
+        link = DataLink(host, port, self._tls.ssl_client_context(server), server_name(self._tls, server))
+        with self._plane_lock:
+            if self._links[server] is None:
+                self._links[server] = link
+                return link
+        link.close()
+        return self._links[server]
+
+    def _plane_failed(self, server: int, link: DataLink) -> None:
+        """Forgets a data-plane link whose connection failed (the server may have restarted on another port)."""
+        with self._plane_lock:
+            if self._links[server] is link:
+                self._links[server], self._plane_asked[server] = None, None
+        link.close()
+
     def _error(self, method: str, server: int, error: grpc.RpcError) -> ServiceError:
         return ServiceError(method, self._addresses[server], error.code(), error.details())
 
@@ -199,20 +346,19 @@ class OwnerClient:
         if share.dtype != np.int64 or share.size != words:
             raise ValueError(f"share is {share.dtype} with {share.size} elements; ops.mask_share of "
                              f"{num_elements} elements at ring {ring_bits} gives int64 with {words}.")
-        messages, metadata = [], [None, ((ring.KEY_METADATA, ring.key_digest(key_bytes).hex()),)]
-        for payload in (key_bytes, np.ascontiguousarray(share.reshape(-1), "<i8")):
-            # The share's bytes are copied once, from the array into the message's wire bytes.
-            messages.append(wire.encode("ContributeRequest", payload, channel=channel, step=step,
-                                        ring_bits=ring_bits, num_elements=num_elements))
+        metadata = [None, ((ring.KEY_METADATA, ring.key_digest(key_bytes).hex()),)]
+        payloads = [key_bytes, np.ascontiguousarray(share.reshape(-1), "<i8")]
+        fields = dict(channel=channel, step=step, ring_bits=ring_bits, num_elements=num_elements)
         start = time.monotonic()
         patience = start + max(self._retry, 0.0)
         what = f"step {step} of {channel!r}"
 
         def put(server):
-            self.bytes_sent += len(messages[server])
+            self.bytes_sent += wire.encoded_size("ContributeRequest", payloads[server].nbytes
+                                                 if isinstance(payloads[server], np.ndarray)
+                                                 else len(payloads[server]), **fields)
             timeout = max(1.0, min(self._timeout, patience - time.monotonic()) if self._retry else self._timeout)
-            return self._stubs[server]["Contribute"].future(messages[server], timeout=timeout,
-                                                           wait_for_ready=self._wait, metadata=metadata[server])
+            return _Put(self, server, fields, metadata[server], payloads[server], timeout)
 
         calls = {server: put(server) for server in (0, 1)}
         replies = {}
@@ -294,9 +440,14 @@ class OwnerClient:
             self._call(server, "Rewind", self._messages["RewindRequest"](step=step))
 
     def close(self) -> None:
-        """Closes both channels."""
+        """Closes both channels and the data-plane links."""
         for channel in self._channels:
             channel.close()
+        with self._plane_lock:
+            links, self._links = self._links, [None, None]
+        for link in links:
+            if link is not None:
+                link.close()
 
 
 _CLIENTS: Dict[str, OwnerClient] = {}

@@ -38,18 +38,21 @@ import logging
 import re
 import secrets
 import threading
+import time
 from typing import Dict, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
 
-from tfe_estimator.service import ring, wire
+from tfe_estimator.service import frames, ring, wire
+from tfe_estimator.service.data_link import DataLink, LinkError
+from tfe_estimator.service.data_plane import DataPlane, Refused
 from tfe_estimator.service.handshake_table import HandshakeTable
 from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
 from tfe_estimator.service.buffers import BufferPool
 from tfe_estimator.service.ring import DIGESTS_METADATA, KEY_METADATA, REPLAYED_METADATA, key_digest
 from tfe_estimator.service.steps import Released, ReplayLimits, StepChannel, StepRefused
-from tfe_estimator.service.tls import TlsFiles, check_peer, peer_identity, server_name_option
+from tfe_estimator.service.tls import TlsFiles, check_peer, peer_identity, server_name, server_name_option
 from tfe_estimator.validation import is_int
 
 __all__ = ["AggregationServer", "SERVER_OPTIONS"]
@@ -79,12 +82,29 @@ def _digests(context, name: str) -> Optional[list]:
     return None
 
 
+class _DataContext:
+    """What `_contribute` and `_forwarded` read of a gRPC context, for a data-plane call (`data_plane`)."""
+
+    def __init__(self, metadata, alive):
+        self._metadata, self.is_active, self.replayed = metadata, alive, False
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def set_trailing_metadata(self, pairs) -> None:
+        self.replayed = (REPLAYED_METADATA, "1") in tuple(pairs)
+
+
 class _Abort(Exception):
     """A refusal: the gRPC status code and its message."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+class _Forwarded(_Abort):
+    """Server1 did not take server0's forward: its status code and message."""
 
 
 class AggregationServer:
@@ -110,6 +130,10 @@ class AggregationServer:
       replay_window_steps, replay_window_bytes: how many released steps per channel keep their answer for
         owners that restored an earlier checkpoint (default 64), and how many bytes of answers in all
         (default 1 GiB).
+      data_address: where its data plane listens, e.g. ``"[::]:7002"`` (port 0: any free port; None: no data
+        plane). Contribute and ForwardBlinded are served there too, with the same rules and certificates,
+        without gRPC's copies (`data_plane`); callers learn its port from the ``DataPlane`` call. A server0
+        with one forwards to server1's data plane when server1 has one.
 
     Example::
 
@@ -123,7 +147,8 @@ class AggregationServer:
                  peer_address: Optional[str] = None, step_timeout_secs: float = 300.0,
                  max_workers: Optional[int] = None, max_elements: int = 2**27, max_channels: int = 4096,
                  memory_budget_bytes: int = 4 << 30, owner_memory_budget_bytes: int = 768 << 20,
-                 max_waiting_puts: int = 8, replay_window_steps: int = 64, replay_window_bytes: int = 1 << 30):
+                 max_waiting_puts: int = 8, replay_window_steps: int = 64, replay_window_bytes: int = 1 << 30,
+                 data_address: Optional[str] = None):
         if role not in (0, 1) or isinstance(role, bool):
             raise ValueError(f"role={role!r} must be 0 (server0, tfe:0) or 1 (server1, tfe:1).")
         owners = list(owners)
@@ -169,6 +194,10 @@ class AggregationServer:
         self._peer = None
         self._forward = None
         self._stopped = threading.Event()
+        self._data_address, self._data_plane = data_address, None
+        self._peer_link: Optional[DataLink] = None  # server0: server1's data plane, once known
+        self._peer_link_checked = 0.0  # server0: when it last asked server1 for its data plane
+        self._peer_plane_call = None
 
     # ------------------------------------------------------------ lifecycle --
 
@@ -207,8 +236,22 @@ class AggregationServer:
             self._forward = self._peer.unary_unary(
                 wire.method_path("ForwardBlinded"), request_serializer=wire.serialize,
                 response_deserializer=classes["ForwardReply"].FromString)
+            self._peer_plane_call = self._peer.unary_unary(
+                wire.method_path("DataPlane"), request_serializer=wire.serialize,
+                response_deserializer=classes["DataPlaneReply"].FromString)
+        if self._data_address is not None:
+            self._data_plane = DataPlane(self._tls, self._data_address, self._data_call,
+                                         max_connections=self._max_waiting + 1,
+                                         frame_timeout_secs=self._timeout, name=f"aggregation server{self._role}")
+            try:
+                self._data_plane.start()
+            except RuntimeError:
+                server.stop(None)
+                raise
         server.start()
         self._server = server
+        if self._data_plane is not None:
+            _LOG.info("aggregation server%d: data plane on port %d", self._role, self._data_plane.port)
         _LOG.info("aggregation server%d serves owners %s on port %d", self._role, self._owners, port)
         return port
 
@@ -219,10 +262,14 @@ class AggregationServer:
             channels = list(self._channels.values())
         for channel in channels:
             channel.wake()
+        if self._data_plane is not None:
+            self._data_plane.stop()
         if self._server is not None:
             self._server.stop(grace).wait()
         if self._peer is not None:
             self._peer.close()
+        if self._peer_link is not None:
+            self._peer_link.close()
         if self._ahead is not None:
             self._ahead.shutdown(wait=False, cancel_futures=True)
         self._pool.reclaim()
@@ -235,7 +282,8 @@ class AggregationServer:
 
     def _callers(self, method: wire.Method) -> Sequence[str]:
         """Who may call `method` (the table in `wire.METHODS`)."""
-        return self._owners if method.callers == wire.OWNERS else (_FORWARDER,)
+        return {wire.OWNERS: self._owners, wire.SERVER0: (_FORWARDER,),
+                wire.OWNERS_AND_SERVER0: self._owners + [_FORWARDER]}[method.callers]
 
     def _serves(self, method: wire.Method) -> bool:
         return self._role in method.roles
@@ -252,6 +300,11 @@ class AggregationServer:
                          f"{method.name} refused on aggregation server{self._role}: {problem} Ask "
                          f"{identity}'s organisation for a certificate signed by its CA (`tfe-estimator certs "
                          "sign`), or correct the federation file.")
+        self._admit(method, identity)
+        return identity
+
+    def _admit(self, method: wire.Method, identity: str) -> None:
+        """Refuses `identity` (proved by its certificate) a method it may not call or this role does not serve."""
         if identity not in self._callers(method):
             raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
                          f"{identity} may not call {method.name} on aggregation server{self._role}: only "
@@ -261,11 +314,10 @@ class AggregationServer:
             raise _Abort(grpc.StatusCode.UNIMPLEMENTED,
                          f"{method.name} is served by aggregation server{'/'.join(map(str, method.roles))}, "
                          f"not by server{self._role}: call tfe:{method.roles[0]} instead.")
-        return identity
 
     def _handler(self, method: wire.Method):
         work = {"Contribute": self._contribute, "Handshake": self._handshake, "Rewind": self._rewind,
-                "ForwardBlinded": self._forwarded}[method.name]
+                "ForwardBlinded": self._forwarded, "DataPlane": self._data_port}[method.name]
         reply = wire.messages()[method.reply]
 
         def handle(request, context):
@@ -316,11 +368,8 @@ class AggregationServer:
                 self._created_by[key] = identity
             return key, channel
 
-    def _check_request(self, request, payload: bytes, what: str) -> int:
-        """Validates a put's settings and payload size; returns the ring words.
-
-        `payload` is ``request.payload``: a view of the received bytes (`wire.decode`).
-        """
+    def _check_request(self, request, nbytes: int, what: str) -> int:
+        """Validates a put's settings and its payload's size `nbytes`; returns the ring words."""
         if not request.channel:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: empty channel name; name the sum.")
         if request.ring_bits not in ring.RING_BITS or request.num_elements < 0:
@@ -334,10 +383,10 @@ class AggregationServer:
                          "larger --max-elements for a model that large.")
         words = ring.ring_words(request.num_elements, request.ring_bits)
         expected = ring.KEY_BYTES if what.startswith("Contribute") and self._role == 0 else 8 * words
-        if len(payload) != expected:
+        if nbytes != expected:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{what} to channel {request.channel!r} step {request.step}: payload has "
-                         f"{len(payload)} bytes, expected {expected} ("
+                         f"{nbytes} bytes, expected {expected} ("
                          f"{'a 16-byte key' if expected == ring.KEY_BYTES else 'the masked share: ring words'} "
                          f"for {request.num_elements} elements at ring {request.ring_bits}).")
         return words
@@ -377,17 +426,13 @@ class AggregationServer:
                 stream = ring.keystream_into(blind, self._pool.take(released.acc.size))
                 ring.sub_into(released.acc, stream, released.ring_bits)
                 self._pool.give(stream)
-            forward = wire.encode("ForwardRequest", released.acc, channel=channel.name, step=released.step,
-                                  ring_bits=released.ring_bits, num_elements=released.num_elements)
             digests = ",".join(key_digest(released.parts[o]).hex() for o in range(len(self._owners)))
             try:
-                self._forward(forward, timeout=self._timeout, wait_for_ready=True,
-                              metadata=((DIGESTS_METADATA, digests),))
-            except grpc.RpcError as e:
-                code = (e.code() or grpc.StatusCode.UNKNOWN).name
+                self._send_forward(channel, released, digests)
+            except _Forwarded as e:
                 channel.finish(released, None, StepRefused(
-                    code, f"Service mode, {channel.label} step {released.step}: server0 could not forward its "
-                          f"blinded part to server1 at {self._peer_address}: {e.details()}"))
+                    e.code.name, f"Service mode, {channel.label} step {released.step}: server0 could not forward "
+                                 f"its blinded part to server1 at {self._peer_address}: {e.message}"))
                 return
             payload = blind
         # The one copy: the answer is bytes of its own, stored in the replay window while the buffer is reused.
@@ -416,7 +461,7 @@ class AggregationServer:
     def _contribute(self, identity: str, request, context, reply):
         del reply  # the answer is serialized once per step (see _serialize)
         payload = request.payload
-        words = self._check_request(request, payload, f"Contribute of {identity}")
+        words = self._check_request(request, len(payload), f"Contribute of {identity}")
         owner = self._owners.index(identity)
         self._enter(identity)
         try:
@@ -450,7 +495,7 @@ class AggregationServer:
         """Server0's part of a step: waits until server1 released the step (or aborted it), so that server0
         keeps an answer only for a step server1 released too."""
         payload = request.payload
-        self._check_request(request, payload, "ForwardBlinded")
+        self._check_request(request, len(payload), "ForwardBlinded")
         self._enter(identity)
         try:
             _, channel = self._channel(None, request)
@@ -463,6 +508,83 @@ class AggregationServer:
         finally:
             self._leave(identity)
         return reply()
+
+    def _data_port(self, identity: str, request, context, reply):
+        del identity, request, context
+        return reply(port=self._data_plane.port if self._data_plane is not None else 0)
+
+    def _data_call(self, identity: str, name: str, request, metadata, nbytes: int, receive, alive):
+        """A Contribute or ForwardBlinded on the data plane (`data_plane.DataPlane`'s handler): the same
+        checks as on gRPC, the payload read into a reused buffer once its size and budget are checked."""
+        method = wire.method(name)
+        try:
+            self._admit(method, identity)
+            what = f"Contribute of {identity}" if name == "Contribute" else "ForwardBlinded"
+            words = self._check_request(request, nbytes, what)
+            payer = identity if identity in self._owners else None
+            try:  # the bytes are reserved before they are read (gRPC's counterpart: its receive limit)
+                self._budget.reserve(payer, nbytes, f"receiving {what} for channel {request.channel!r}")
+            except BudgetExceeded as e:
+                raise StepRefused(e.code, e.message) from None
+            try:
+                buffer = self._pool.take(words) if nbytes == 8 * words else bytearray(nbytes)
+                receive(memoryview(buffer).cast("B"))
+            finally:
+                self._budget.free(payer, nbytes)
+            context = _DataContext(metadata, alive)
+            decoded = wire.Decoded(request, memoryview(buffer).cast("B"))
+            if name == "Contribute":
+                answer = self._contribute(identity, decoded, context, None)
+            else:
+                self._forwarded(identity, decoded, context, wire.messages()["ForwardReply"])
+                answer = b""
+        except (StepRefused, _Abort) as e:
+            code = grpc.StatusCode[e.code] if isinstance(e, StepRefused) else e.code
+            _LOG.warning("aggregation server%d: %s: %s", self._role, code.name, e.message)
+            raise Refused(code, e.message) from None
+        # Released (its contribution left the step) or answered from the window (never added): reuse the buffer.
+        self._pool.give(buffer)
+        return answer, context.replayed
+
+    def _peer_data_link(self) -> Optional[DataLink]:
+        """Server0: a link to server1's data plane if it has one (asked again at most every 10 s), else None."""
+        if self._peer_link is not None or time.monotonic() - self._peer_link_checked < 10.0:
+            return self._peer_link
+        self._peer_link_checked = time.monotonic()
+        try:
+            port = self._peer_plane_call(wire.messages()["DataPlaneRequest"](), timeout=5.0,
+                                         wait_for_ready=True).port
+        except grpc.RpcError:
+            return None  # unreachable now, or a server1 without the call: gRPC waits for it
+        if port:
+            host = self._peer_address.rpartition(":")[0]
+            self._peer_link = DataLink(host, port, self._tls.ssl_client_context(1), server_name(self._tls, 1))
+        return self._peer_link
+
+    def _send_forward(self, channel: StepChannel, released: Released, digests: str) -> None:
+        """Forwards a released step's blinded part to server1: on its data plane if it has one, else gRPC."""
+        fields = dict(channel=channel.name, step=released.step, ring_bits=released.ring_bits,
+                      num_elements=released.num_elements)
+        meta = ((DIGESTS_METADATA, digests),)
+        link = self._peer_data_link()
+        if link is not None:
+            head = wire.messages()["ForwardRequest"](**fields).SerializeToString()
+            try:
+                code, _, message = link.call("ForwardBlinded", head, frames.encode_meta(meta), released.acc,
+                                             self._timeout)
+            except LinkError as e:
+                self._peer_link, self._peer_link_checked = None, 0.0  # server1 restarted? ask for its port again
+                link.close()
+                _LOG.info("aggregation server0: server1's data plane failed (%s); forwarding on gRPC", e.details)
+            else:
+                if code != grpc.StatusCode.OK:
+                    raise _Forwarded(code, bytes(message).decode("utf-8", "replace"))
+                return
+        forward = wire.encode("ForwardRequest", released.acc, **fields)
+        try:
+            self._forward(forward, timeout=self._timeout, wait_for_ready=True, metadata=meta)
+        except grpc.RpcError as e:
+            raise _Forwarded(e.code() or grpc.StatusCode.UNKNOWN, e.details()) from None
 
     def _handshake(self, identity: str, request, context, reply):
         """Stores the caller's row (and check-seed part) for its model; answers every owner's (`handshake_table`)."""

@@ -19,6 +19,7 @@ Example::
 import functools
 import logging
 import os
+import ssl
 from typing import NamedTuple, Optional, Tuple
 
 import grpc
@@ -28,7 +29,7 @@ from tfe_estimator.identity.certs import identity_of_common_name
 from tfe_estimator.identity.federation import FEDERATION_FILE, Federation
 
 __all__ = ["TlsFiles", "peer_identity", "peer_certificate", "check_peer", "server_name", "server_name_option",
-           "server_mismatch", "identity_of_common_name", "FEDERATION_FILE"]
+           "server_mismatch", "identity_of_common_name", "FEDERATION_FILE", "ssl_peer"]
 
 _LOG = logging.getLogger("tfe_estimator")
 
@@ -136,6 +137,33 @@ class TlsFiles(NamedTuple):
             roots = self.trust().server_ca_pem(server)
         return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=cert)
 
+    def ssl_server_context(self) -> ssl.SSLContext:
+        """The same trust as `server_credentials` for Python's `ssl` (the data plane, `data_plane`): TLS 1.2
+        or newer, a client certificate of one of the federation's CAs required. Make a new one to take
+        renewed files (`data_plane.DataPlane` does on each connection when a file changed)."""
+        roots, _, _ = self.read()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=roots.decode("ascii"))
+        context.load_cert_chain(self.cert, self.key)
+        return context
+
+    def ssl_client_context(self, server: int) -> ssl.SSLContext:
+        """The same pinning as `channel_credentials(server)` for Python's `ssl`: server `server`'s operator's
+        CA only; connect with ``server_hostname=server_name(tls, server)`` (its name is checked)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.check_hostname = True
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=self.trust().server_ca_pem(server).decode("ascii"))
+        context.load_cert_chain(self.cert, self.key)
+        return context
+
+    def stamp(self) -> Tuple:
+        """The files' modification stamps: changes when one of them is renewed."""
+        return self._stamp()
+
     def _certificate(self):
         return certs.load_certificate(self._own()[0], self.cert)
 
@@ -189,6 +217,20 @@ def peer_identity(context: grpc.ServicerContext) -> Optional[str]:
 def peer_certificate(context: grpc.ServicerContext) -> Optional[bytes]:
     """The caller's certificate (PEM), as gRPC verified it; None without one."""
     return _first(context, "x509_pem_cert")
+
+
+def ssl_peer(tls: TlsFiles, connection: ssl.SSLSocket) -> Tuple[Optional[str], Optional[str]]:
+    """A Python `ssl` connection's caller: ``(identity, None)`` if its verified certificate proves it in
+    `tls`'s federation (issued by the CA of that identity's own organisation, the check `check_peer` makes
+    for gRPC), else ``(identity or None, why not)``."""
+    der = connection.getpeercert(binary_form=True)
+    if not der:
+        return None, "the caller presented no certificate."
+    pem = ssl.DER_cert_to_PEM_cert(der).encode("ascii")
+    identity = certs.certificate_identity(certs.load_certificate(pem, "the caller's certificate"))
+    if identity is None:
+        return None, "the caller's certificate names no task (CN <job>-<index>)."
+    return identity, tls.trust().check_peer(identity, pem)
 
 
 def check_peer(tls: TlsFiles, identity: str, context: grpc.ServicerContext) -> Optional[str]:

@@ -27,7 +27,7 @@ import functools
 from typing import Dict, NamedTuple, Tuple
 
 __all__ = ["encode", "encoded_size", "serialize", "decode", "decoder", "Decoded", "PACKAGE", "SERVICE",
-           "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0", "file_descriptor",
+           "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0", "OWNERS_AND_SERVER0", "file_descriptor",
            "messages", "method", "method_path"]
 
 PACKAGE = "tfe_estimator.aggregation.v1"
@@ -35,8 +35,8 @@ SERVICE = "Aggregation"
 SERVICE_NAME = f"{PACKAGE}.{SERVICE}"
 PROTO_FILE = "tfe_estimator/service/aggregation.proto"
 
-#: Who may call a method: every configured data owner, or server0 (task tfe:0) only.
-OWNERS, SERVER0 = "owners", "tfe:0"
+#: Who may call a method: every configured data owner, server0 (task tfe:0) only, or both.
+OWNERS, SERVER0, OWNERS_AND_SERVER0 = "owners", "tfe:0", "owners and tfe:0"
 
 #: message -> ((field, type, number), ...); type "repeated int64" for a repeated field.
 MESSAGES: Tuple[Tuple[str, Tuple[Tuple[str, str, int], ...]], ...] = (
@@ -53,6 +53,8 @@ MESSAGES: Tuple[Tuple[str, Tuple[Tuple[str, str, int], ...]], ...] = (
     ("ForwardRequest", (("channel", "string", 1), ("step", "int64", 2), ("ring_bits", "int32", 3),
                         ("num_elements", "int64", 4), ("payload", "bytes", 5))),
     ("ForwardReply", ()),
+    ("DataPlaneRequest", ()),
+    ("DataPlaneReply", (("port", "int32", 1),)),
 )
 
 
@@ -62,7 +64,7 @@ class Method(NamedTuple):
     request: str
     reply: str
     roles: Tuple[int, ...]  # 0: server0 (tfe:0, keys), 1: server1 (tfe:1, masked shares)
-    callers: str            # OWNERS or SERVER0
+    callers: str            # OWNERS, SERVER0 or OWNERS_AND_SERVER0
 
 
 METHODS: Tuple[Method, ...] = (
@@ -70,6 +72,7 @@ METHODS: Tuple[Method, ...] = (
     Method("Handshake", "HandshakeRequest", "HandshakeReply", (0,), OWNERS),
     Method("Rewind", "RewindRequest", "RewindReply", (0, 1), OWNERS),
     Method("ForwardBlinded", "ForwardRequest", "ForwardReply", (1,), SERVER0),
+    Method("DataPlane", "DataPlaneRequest", "DataPlaneReply", (0, 1), OWNERS_AND_SERVER0),
 )
 
 

@@ -43,7 +43,8 @@ import sys
 from tfe_estimator.service import AggregationServer, TlsFiles
 role, certs, addresses, owners = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
 server = AggregationServer(role, addresses[role], owners, TlsFiles.from_dir(certs, "tfe", role),
-                           peer_address=sys.argv[5] if role == 0 else None)
+                           peer_address=sys.argv[5] if role == 0 else None,
+                           data_address=sys.argv[6] if sys.argv[6] != "-" else None)
 server.start()
 print("up", flush=True)
 server.wait()
@@ -106,11 +107,13 @@ def floor(owners: int) -> Dict[str, float]:
 
 
 def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Optional[float] = None,
-            bandwidth_mbps: Optional[float] = None, huge_pages: bool = False) -> Dict:
+            bandwidth_mbps: Optional[float] = None, huge_pages: bool = False, data_plane: bool = False) -> Dict:
     """Times `steps` secure sums of `elements` between `owners` owner threads and two server processes.
 
     With `rtt_ms`, every owner reaches each server, and server0 reaches server1, through a
     `tools.bench.relay` process adding that round-trip time (and `bandwidth_mbps` per connection).
+    With `data_plane`, the servers also serve their data planes (`tfe_estimator.service.data_plane`) and the
+    owners and server0 put on them (not with `rtt_ms`: the relay relays the gRPC ports only).
     With `huge_pages`, the servers start with glibc's huge-page tunable, as deployed
     (`tfe_estimator.cluster.huge_pages`).
 
@@ -125,6 +128,8 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
     tasks = [("chief", 0)] + [("worker", i) for i in range(owners - 1)]
     addresses = [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]
     relay, reached = None, addresses
+    if rtt_ms is not None and data_plane:
+        raise ValueError("data_plane=True with rtt_ms: the relay relays the servers' gRPC ports only.")
     if rtt_ms is not None:
         relay, reached = _start_relays(addresses, rtt_ms, bandwidth_mbps)
     servers = {}
@@ -133,11 +138,13 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
         for role in (1, 0):  # server1 first: server0 connects to it
             servers[role] = subprocess.Popen(  # pylint: disable=consider-using-with
                 [sys.executable, "-c", _SERVER, str(role), certs_dir, ",".join(addresses),
-                 ",".join(f"{j}:{i}" for j, i in tasks), reached[1]], stdout=subprocess.PIPE, text=True,
+                 ",".join(f"{j}:{i}" for j, i in tasks), reached[1], "localhost:0" if data_plane else "-"],
+                stdout=subprocess.PIPE, text=True,
                 env=with_huge_pages(os.environ) if huge_pages else None)
             if servers[role].stdout.readline().strip() != "up":
                 raise RuntimeError(f"aggregation server{role} did not start")
-        clients = [OwnerClient(reached, TlsFiles.from_dir(certs_dir, job, index)) for job, index in tasks]
+        clients = [OwnerClient(reached, TlsFiles.from_dir(certs_dir, job, index), data_plane=data_plane)
+                   for job, index in tasks]
         rng = np.random.default_rng(0)
         shares = [rng.integers(-2**62, 2**62, elements, dtype=np.int64) for _ in tasks]
         key = np.arange(4, dtype=np.int32)
@@ -178,12 +185,14 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
             "server_pids": [servers[0].pid, servers[1].pid]}
 
 
-def _measure(elements: int, steps: int, owners: int, certs_dir: str, huge_pages: bool = False) -> str:
-    m = measure(elements, steps, owners, certs_dir, huge_pages=huge_pages)
+def _measure(elements: int, steps: int, owners: int, certs_dir: str, huge_pages: bool = False,
+             data_plane: bool = False) -> str:
+    m = measure(elements, steps, owners, certs_dir, huge_pages=huge_pages, data_plane=data_plane)
     low = floor(owners)
     server_ms, owners_ms, wall_ms = m["server_cpu_ms"], m["owners_cpu_ms"], m["ms_per_step"]
     per_param = [1e6 * ms / elements for ms in server_ms] + [1e6 * owners_ms / elements / owners]
-    return (f"{elements:,} elements, {owners} owners (server pids {m['server_pids'][0]}, {m['server_pids'][1]}): "
+    return (f"{elements:,} elements, {owners} owners, {'data plane' if data_plane else 'gRPC'} "
+            f"(server pids {m['server_pids'][0]}, {m['server_pids'][1]}): "
             f"wall {wall_ms:.2f} ms/step; CPU ms/step server0 {server_ms[0]:.2f}, server1 {server_ms[1]:.2f}, owner "
             f"clients {owners_ms:.2f}; ns/param server0 {per_param[0]:.1f}, server1 {per_param[1]:.1f}, "
             f"each owner's client {per_param[2]:.1f}; per owner and step {m['calls_per_step']:.0f} round trip(s), "
@@ -201,15 +210,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--owners", type=int, default=2, help="owners (default 2)")
     parser.add_argument("--huge-pages", action="store_true",
                         help="start the servers with glibc's huge-page tunable, as the launcher does")
+    parser.add_argument("--transport", choices=("both", "data-plane", "grpc"), default="both",
+                        help="the owners' and server0's puts: on the servers' data planes, on gRPC, or both side "
+                             "by side (default)")
     args = parser.parse_args(argv)
+    planes = {"both": (True, False), "data-plane": (True,), "grpc": (False,)}[args.transport]
     from tfe_estimator.cluster import certs  # pylint: disable=import-outside-toplevel
 
     with tempfile.TemporaryDirectory(prefix="tfe-service-alone-") as certs_dir:
         tasks: List = [("chief", 0)] + [("worker", i) for i in range(args.owners - 1)] + [("tfe", 0), ("tfe", 1)]
         certs.make_cluster_certs(certs_dir, tasks, cluster="bench")
         for elements in args.elements:
-            print(f"[service-alone] {_measure(elements, args.steps, args.owners, certs_dir, args.huge_pages)}",
-                  flush=True)
+            for plane in planes:
+                print(f"[service-alone] {_measure(elements, args.steps, args.owners, certs_dir, args.huge_pages, plane)}",
+                      flush=True)
     return 0
 
 

@@ -1,0 +1,154 @@
+"""A caller's link to one aggregation server's data plane: idle TLS connections kept for the next call.
+
+`DataLink.call` sends one request frame (`frames`) on an idle connection (or a
+new one) and reads its reply: the payload is written from the caller's array
+as it is (no copy before TLS encrypts it) and the reply's message is read
+with ``recv_into`` into one buffer. The server is pinned like on gRPC: its
+operator's CA only and its name (`TlsFiles.ssl_client_context`,
+``server_hostname``). A connection that failed is closed, never reused; an
+idle connection the server closed (a restart) is dropped before it is used.
+
+Example::
+
+    link = DataLink("tfe1.example", 7002, tls.ssl_client_context(1), server_name(tls, 1))
+    code, replayed, message = link.call("Contribute", head, meta, share_bytes, timeout=600)
+    link.close()
+"""
+import select
+import socket
+import ssl
+import threading
+import time
+from typing import List, Optional, Tuple
+
+import grpc
+
+from tfe_estimator.service import frames
+
+__all__ = ["DataLink", "LinkError"]
+
+
+class LinkError(ConnectionError):
+    """The call did not get an answer: the connection failed (refused, closed, timed out)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def _stale(conn: ssl.SSLSocket) -> bool:
+    """An idle connection with something to read: the server closed it (an idle one is sent nothing)."""
+    try:
+        return bool(conn.pending() or select.select([conn], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
+class DataLink:
+    """Connections to one server's data plane (thread-safe: each call holds one connection).
+
+    Args:
+      host, port: the server's data plane.
+      context: this caller's client context (`TlsFiles.ssl_client_context`).
+      server_hostname: the name the server's certificate must carry.
+      connect_timeout_secs: how long connecting and the TLS handshake may take.
+    """
+
+    def __init__(self, host: str, port: int, context: ssl.SSLContext, server_hostname: str,
+                 connect_timeout_secs: float = 10.0):
+        self.host, self.port = host.strip("[]"), int(port)
+        self._context, self._hostname = context, server_hostname
+        self._connect_timeout = float(connect_timeout_secs)
+        self._lock = threading.Lock()
+        self._idle: List[ssl.SSLSocket] = []
+        self._busy: set = set()
+        self._closed = False
+
+    def _connect(self) -> ssl.SSLSocket:
+        try:
+            raw = socket.create_connection((self.host, self.port), timeout=self._connect_timeout)
+        except OSError as e:
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to the data plane at "
+                                                         f"{self.host}:{self.port}: {e}") from None
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return self._context.wrap_socket(raw, server_hostname=self._hostname)
+        except (OSError, ssl.SSLError, ssl.CertificateError) as e:
+            raw.close()
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"TLS with the data plane at {self.host}:{self.port} "
+                                                         f"failed: {e}") from None
+
+    def _take(self) -> ssl.SSLSocket:
+        with self._lock:
+            if self._closed:
+                raise LinkError(grpc.StatusCode.CANCELLED, "the link is closed")
+            while self._idle:
+                conn = self._idle.pop()
+                if not _stale(conn):
+                    self._busy.add(conn)
+                    return conn
+                conn.close()
+        conn = self._connect()
+        with self._lock:
+            self._busy.add(conn)
+        return conn
+
+    def call(self, method: str, head: bytes, meta: bytes, payload, timeout: float,
+             started: Optional[List] = None) -> Tuple[grpc.StatusCode, bool, bytearray]:
+        """One call: ``(code, replayed, message)`` (the reply message's wire bytes on OK, else the refusal's
+        text); LinkError if there is no answer. `started`, if given, gets the connection while the call
+        waits (so that `abort` can end it)."""
+        view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) or payload.format != "B" \
+            else payload
+        deadline = time.monotonic() + timeout
+        conn = self._take()
+        if started is not None:
+            started.append(conn)
+        ok = False
+        try:
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            conn.sendall(frames.request_header(method, len(head), len(meta), view.nbytes) + head + meta)
+            if view.nbytes:
+                conn.sendall(view)
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            header = frames.read_exact(conn, frames.REPLY.size)
+            if header is None:
+                raise ConnectionError("the server closed the connection without an answer")
+            code, replayed, length = frames.parse_reply(header)
+            message = bytearray(length)
+            if length and not frames.read_into(conn, memoryview(message)):
+                raise ConnectionError("the server closed the connection inside its answer")
+            ok = code == grpc.StatusCode.OK
+            return code, replayed, message
+        except socket.timeout:
+            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer from the data plane at "
+                                                               f"{self.host}:{self.port} within {timeout:g} s") from None
+        except (OSError, ssl.SSLError, frames.FrameError) as e:
+            raise LinkError(grpc.StatusCode.UNAVAILABLE, f"the data plane at {self.host}:{self.port} failed: "
+                                                         f"{e}") from None
+        finally:
+            with self._lock:
+                self._busy.discard(conn)
+                if ok and not self._closed:
+                    self._idle.append(conn)  # a refused call's connection is closed (the server closes it too)
+                    conn = None
+            if conn is not None:
+                conn.close()
+
+    @staticmethod
+    def abort(started: List) -> None:
+        """Ends the call that put its connection in `started` (its `call` raises LinkError)."""
+        for conn in started:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Closes every connection; calls still running end with LinkError."""
+        with self._lock:
+            self._closed = True
+            idle, busy, self._idle = self._idle, list(self._busy), []
+        for conn in idle:
+            conn.close()
+        self.abort(busy)

@@ -1,0 +1,249 @@
+"""An aggregation server's data plane: the large calls on mutual TLS beside gRPC, read into reused buffers.
+
+gRPC's Python server copies every received message twice and every sent one
+once, and its serializers take only ``bytes``: at 1e6 parameters a third of
+server1's time went to copying memory. The data plane (`frames` has its wire
+format) serves the same two calls, Contribute and ForwardBlinded, on a port of
+its own with Python's `ssl` (OpenSSL): the payload is read with ``recv_into``
+straight into a buffer the server reuses across steps and answers are written
+from the bytes the replay window keeps. gRPC keeps everything else (Handshake,
+Rewind, the ``DataPlane`` call that tells callers this port) and still serves
+Contribute for callers that do not use the data plane.
+
+What holds on the gRPC port holds here: mutual TLS only, the caller is who its
+certificate says (`tls.ssl_peer`: issued by the CA of its own organisation,
+checked once per connection; renewed files are taken for new connections),
+every refusal of the gRPC handlers (the method's callers, the step rules, the
+memory budget: a payload's bytes are reserved before they are read, the calls
+one owner keeps waiting). A connection that has not finished its TLS handshake
+within `handshake_timeout_secs` is closed, at most `max_handshakes` are in
+progress at once, one caller keeps at most `max_connections` connections (each
+holds a thread), and a frame's bytes must keep coming (`frame_timeout_secs`).
+
+Example::
+
+    plane = DataPlane(tls, "[::]:0", serve, max_connections=9, name="aggregation server1")
+    port = plane.start()
+    ...
+    plane.stop()
+
+``serve(identity, method, request, meta, payload_len, receive, alive)`` returns
+``(answer bytes, replayed)`` or raises `Refused`; it calls ``receive(view)`` to
+read the payload into `view` (after its checks: a refused call's payload is
+never read, and the connection is closed after the refusal).
+"""
+import logging
+import select
+import socket
+import ssl
+import threading
+from typing import Callable, Dict, Optional, Set, Tuple
+
+import grpc
+
+from tfe_estimator.service import frames, wire
+from tfe_estimator.service.tls import TlsFiles, ssl_peer
+
+__all__ = ["DataPlane", "Refused"]
+
+_LOG = logging.getLogger("tfe_estimator")
+
+
+class Refused(Exception):
+    """A call the server refuses: its gRPC status code and message (the same as on the gRPC port)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _split(address: str) -> Tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "::", int(port)
+
+
+class DataPlane:
+    """A TLS listener whose connections each read frames and answer them in turn (a thread per connection).
+
+    Args:
+      tls: the server's `TlsFiles`.
+      address: where to listen, ``host:port`` (port 0: any free port, see `start`).
+      serve: the call handler (module docstring).
+      max_connections: connections one caller may hold at once (each holds a thread).
+      max_handshakes: connections still in their TLS handshake at once (unauthenticated callers).
+      handshake_timeout_secs: how long a connection may take to finish its TLS handshake.
+      frame_timeout_secs: how long a frame's next bytes may take once it started.
+      name: what log lines call the server.
+    """
+
+    def __init__(self, tls: TlsFiles, address: str, serve: Callable, max_connections: int = 9,
+                 max_handshakes: int = 64, handshake_timeout_secs: float = 10.0, frame_timeout_secs: float = 60.0,
+                 name: str = "aggregation server"):
+        self._tls, self._address, self._serve = tls, address, serve
+        self._max_connections, self._max_handshakes = int(max_connections), int(max_handshakes)
+        self._handshake_timeout, self._frame_timeout = float(handshake_timeout_secs), float(frame_timeout_secs)
+        self._name = name
+        self._lock = threading.Lock()
+        self._context: Optional[ssl.SSLContext] = None
+        self._stamp = None
+        self._handshaking = 0
+        self._callers: Dict[str, int] = {}
+        self._sockets: Set[socket.socket] = set()
+        self._listener: Optional[socket.socket] = None
+        self._stopped = threading.Event()
+        self.port = 0
+
+    def start(self) -> int:
+        """Binds and starts accepting; returns the bound port."""
+        host, port = _split(self._address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if family == socket.AF_INET6 and host in ("::", ""):
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # both families, as gRPC's [::]
+            listener.bind((host, port))
+            listener.listen(128)
+        except OSError as e:
+            listener.close()
+            raise RuntimeError(f"{self._name} cannot listen on {self._address} for its data plane ({e}): the port "
+                               "is taken or the address is not local. Pick a free port (0 picks one).") from None
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="tfe-data-accept", daemon=True).start()
+        return self.port
+
+    def stop(self) -> None:
+        """Stops accepting and closes every connection (their calls end)."""
+        self._stopped.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        with self._lock:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        """This server's context, made again when one of its TLS files changed (renewal without a restart)."""
+        stamp = self._tls.stamp()
+        with self._lock:
+            if self._context is None or stamp != self._stamp:
+                try:
+                    self._context, self._stamp = self._tls.ssl_server_context(), stamp
+                except (OSError, ValueError, ssl.SSLError) as e:
+                    if self._context is None:
+                        raise
+                    _LOG.warning("%s: TLS files changed but cannot be read yet (%s); keeping the old ones",
+                                 self._name, e)
+            return self._context
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                raw, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._handshaking >= self._max_handshakes:
+                    raw.close()  # too many unauthenticated connections at once: this one waits for nothing
+                    continue
+                self._handshaking += 1
+                self._sockets.add(raw)
+            threading.Thread(target=self._connection, args=(raw,), name="tfe-data", daemon=True).start()
+
+    def _connection(self, raw: socket.socket) -> None:
+        identity, conn, counted = None, None, False
+        try:
+            raw.settimeout(self._handshake_timeout)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                conn = self._ssl_context().wrap_socket(raw, server_side=True)
+            except (OSError, ssl.SSLError, ValueError):
+                return  # not a TLS client of ours (no certificate, another CA, plaintext): TLS refused it
+            finally:
+                with self._lock:
+                    self._handshaking -= 1
+            identity, problem = ssl_peer(self._tls, conn)
+            if problem is None:
+                with self._lock:
+                    held = self._callers.get(identity, 0)
+                    if held < self._max_connections:
+                        self._callers[identity] = held + 1
+                        counted = True
+                if not counted:
+                    problem = (f"{identity} already holds {held} data-plane connections to {self._name}, its limit "
+                               "(each holds a thread): a second process runs as this owner, or it misbehaves.")
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            else:
+                code = grpc.StatusCode.UNAUTHENTICATED
+            if problem is not None:
+                _LOG.warning("%s: data plane: %s: %s", self._name, code.name, problem)
+                self._reply(conn, code, problem.encode("utf-8"))
+                return
+            self._calls(conn, identity)
+        except (OSError, ssl.SSLError, frames.FrameError, ConnectionError) as e:
+            if not self._stopped.is_set():
+                _LOG.debug("%s: data plane connection of %s closed: %s", self._name, identity, e)
+        finally:
+            if counted:
+                with self._lock:
+                    self._callers[identity] -= 1
+            with self._lock:
+                self._sockets.discard(raw)
+            (conn or raw).close()
+
+    def _reply(self, conn, code: grpc.StatusCode, message, replayed: bool = False) -> None:
+        conn.settimeout(self._frame_timeout)
+        conn.sendall(frames.reply_header(code, len(message), replayed))
+        if len(message):
+            conn.sendall(message)
+
+    def _calls(self, conn: ssl.SSLSocket, identity: str) -> None:
+        """Serves `identity`'s calls on `conn` one after another until it closes."""
+        classes = wire.messages()
+        while not self._stopped.is_set():
+            conn.settimeout(None)  # an idle connection waits for its next call (closed on stop)
+            header = frames.read_exact(conn, frames.REQUEST.size)
+            if header is None:
+                return
+            conn.settimeout(self._frame_timeout)
+            method, head_len, meta_len, payload_len = frames.parse_request(header)
+            head, meta = frames.read_exact(conn, head_len), frames.read_exact(conn, meta_len)
+            if head is None or meta is None:
+                raise ConnectionError("the stream ended inside a request")
+            received = []
+
+            def receive(view: memoryview, conn=conn, received=received) -> None:
+                if view.nbytes != payload_len:
+                    raise Refused(grpc.StatusCode.INTERNAL, f"the payload is {payload_len} bytes, not {view.nbytes}")
+                if payload_len and not frames.read_into(conn, view):
+                    raise ConnectionError("the stream ended before the payload")
+                received.append(True)
+
+            try:
+                request = classes[wire.method(method).request].FromString(head)
+                answer, replayed = self._serve(identity, method, request, frames.decode_meta(meta), payload_len,
+                                               receive, lambda conn=conn: _alive(conn))
+                code = grpc.StatusCode.OK
+            except Refused as e:
+                code, answer, replayed = e.code, e.message.encode("utf-8"), False
+            except (ValueError, frames.FrameError) as e:  # a malformed head (protobuf's DecodeError is one)
+                code, answer, replayed = grpc.StatusCode.INVALID_ARGUMENT, str(e).encode("utf-8"), False
+            self._reply(conn, code, answer, replayed)
+            if payload_len and not received:
+                return  # the payload of a refused call was never read: the stream is out of step, close it
+
+
+def _alive(conn: ssl.SSLSocket) -> bool:
+    """True while the caller waits for its answer: nothing to read (a caller sends nothing while it waits; a
+    readable socket means it closed, or broke the protocol)."""
+    try:
+        return not conn.pending() and not select.select([conn], [], [], 0)[0]
+    except (OSError, ValueError):
+        return False
