@@ -169,3 +169,40 @@ def test_server_limits_reach_the_aggregation_server_and_bad_ones_are_named(tmp_p
         stop.set()
         server.join(timeout=30)
     assert not server.is_alive()
+
+
+def test_server_data_port_opens_the_data_plane_on_the_service_host_and_bad_ones_are_named(tmp_path):
+    import socket
+    import threading
+
+    from tfe_estimator.cluster.server import run_server
+    from tfe_estimator.service import OwnerClient, TlsFiles
+
+    env, cluster = _service_server_env(tmp_path)
+    service_port = int(cluster["tfe"][1].rsplit(":", 1)[1])
+    for bad, says in (("70000", "--data-port 70000 is not a TCP port: pass 1..65535 (or 0 for any free port)"),
+                      ("-1", "--data-port -1 is not a TCP port"),
+                      (str(service_port), f"--data-port {service_port} is this server's service port")):
+        out = _run("server", "--data-port", bad, env=env)
+        assert out.returncode == 2 and says in out.stderr, out.stderr
+    out = _run("server", "--data-port", "0", env={**env, "TFE_ESTIMATOR_CLUSTER_MODE": "in-graph"})
+    assert out.returncode == 2 and "--data-port configure the aggregation service" in out.stderr, out.stderr
+    assert cli.parse_args(["server"]).data_port is None  # no data plane unless the operator opens one
+    for data_port in (None, 0):
+        stop = threading.Event()
+        server = threading.Thread(target=run_server, args=(env, stop), kwargs={"data_port": data_port})
+        server.start()
+        client = OwnerClient(cluster["tfe"], TlsFiles.from_dir(str(tmp_path), "chief", 0), timeout_secs=30)
+        try:  # what every owner asks each server (`OwnerClient._plane`)
+            port = client._call(1, "DataPlane", client._messages["DataPlaneRequest"]()).port  # pylint: disable=protected-access
+            if data_port is None:
+                assert port == 0
+            else:
+                assert port not in (0, service_port)
+                with socket.create_connection(("127.0.0.1", port), timeout=5):  # the service port's host
+                    pass
+        finally:
+            client.close()
+            stop.set()
+            server.join(timeout=30)
+        assert not server.is_alive()

@@ -15,7 +15,12 @@ library remote execution fails with "Op type not registered
 Example::
 
     $ TF_CONFIG='{"cluster": {...}, "task": {"type": "tfe", "index": 0}}' \
-      TFE_ESTIMATOR_CLUSTER_MODE=service TFE_ESTIMATOR_TLS_DIR=/etc/tfe/certs tfe-estimator server
+      TFE_ESTIMATOR_CLUSTER_MODE=service TFE_ESTIMATOR_TLS_DIR=/etc/tfe/certs tfe-estimator server --data-port 2223
+
+``--data-port`` (service mode) opens the server's data plane
+(`tfe_estimator.service.data_plane`) on that port of the service port's bind
+host: the owners and server0 ask each server for it (the ``DataPlane`` call)
+and send their large calls there, on gRPC when a server has none.
 """
 import logging
 import os
@@ -26,8 +31,9 @@ from typing import Mapping, Optional, Tuple
 from tfe_estimator.cluster.peers import DEFAULT_MODE, SERVICE, validate_mode
 from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, TLS_DIR_ENV, TfeCluster
 from tfe_estimator.secure.protocols import load_backend
+from tfe_estimator.validation import is_int
 
-__all__ = ["run_server", "start_server", "server_command", "SERVER_SUBCOMMAND"]
+__all__ = ["run_server", "start_server", "server_command", "check_data_port", "SERVER_SUBCOMMAND"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -93,8 +99,36 @@ def _bind_address(address: str) -> str:
     return f"[::]:{port}"
 
 
+def check_data_port(data_port, service_address: str) -> int:
+    """`data_port` (``tfe-estimator server --data-port``) checked against the service port it sits beside.
+
+    Returns it as an int: 0 for any free port, else 1..65535 and not the service port of `service_address`.
+
+    Example::
+
+        >>> check_data_port(2223, "tfe-0.example.org:2222")
+        2223
+    """
+    service_port = int(service_address.rsplit(":", 1)[1])
+    if not is_int(data_port, minimum=0, maximum=65535):
+        raise ValueError(f"--data-port {data_port!r} is not a TCP port: pass 1..65535 (or 0 for any free port), "
+                         f"e.g. --data-port {service_port + 1 if service_port < 65535 else service_port - 1}.")
+    if data_port == service_port:
+        raise ValueError(f"--data-port {data_port} is this server's service port (TF_CONFIG says "
+                         f"{service_address}): the data plane needs a port of its own, e.g. --data-port "
+                         f"{service_port + 1 if service_port < 65535 else service_port - 1}.")
+    return int(data_port)
+
+
+def _data_address(bind_address: str, data_port: Optional[int]) -> Optional[str]:
+    """Where the data plane listens: the service port's bind host at `data_port` (None: no data plane)."""
+    if data_port is None:
+        return None
+    return f"{bind_address.rsplit(':', 1)[0]}:{data_port}"
+
+
 def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]], stop: threading.Event,
-                       limits: Mapping[str, float]) -> int:
+                       limits: Mapping[str, float], data_port: Optional[int] = None) -> int:
     """Service mode: this ``tfe`` task is aggregation server 0 or 1 (`tfe_estimator.service`), no TensorFlow."""
     from tfe_estimator.service import AggregationServer, TlsFiles  # pylint: disable=import-outside-toplevel
 
@@ -109,10 +143,14 @@ def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]]
         raise ValueError(f"`tfe-estimator server` in service mode needs its certificate: set {TLS_DIR_ENV} to a "
                          f"directory with ca.crt and {TFE_JOB}-{cluster.task_index}.crt/.key (`tfe-estimator certs`).")
     owners = [f"{job}:{index}" for job, index in cluster.data_owners()]
+    bind = _bind_address(servers[cluster.task_index])
+    if data_port is not None:
+        data_port = check_data_port(data_port, servers[cluster.task_index])
     server = AggregationServer(
-        role=cluster.task_index, address=_bind_address(servers[cluster.task_index]), owners=owners,
+        role=cluster.task_index, address=bind, owners=owners,
         tls=TlsFiles.from_dir(tls_dir, TFE_JOB, cluster.task_index),
-        peer_address=servers[1] if cluster.task_index == 0 else None, **limits)
+        peer_address=servers[1] if cluster.task_index == 0 else None,
+        data_address=_data_address(bind, data_port), **limits)
     server.start()  # it logs the one start line (`AggregationServer.start`): role, owners, port
     _stop_on_signals(stop)
     try:
@@ -131,12 +169,14 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 
 def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threading.Event] = None,
-               limits: Optional[Mapping[str, float]] = None) -> int:
+               limits: Optional[Mapping[str, float]] = None, data_port: Optional[int] = None) -> int:
     """Serves this ``tfe`` task until SIGTERM or SIGINT (or `stop` is set).
 
     Args:
       limits: service mode only: `AggregationServer`'s ``step_timeout_secs``, ``max_elements`` and
         ``max_channels`` (``tfe-estimator server --step-timeout-secs ... --max-elements ... --max-channels ...``).
+      data_port: service mode only: the data plane's port (``--data-port``; 0: any free port; None: no data
+        plane, the owners use gRPC for every call).
 
     Returns:
       0, the exit status.
@@ -155,9 +195,10 @@ def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threa
     stop = stop or threading.Event()
     limits = dict(limits or {})
     if _cluster_mode(environ) == SERVICE:
-        return _serve_aggregation(cluster, environ, stop, limits)
-    if limits:
-        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(limits))
+        return _serve_aggregation(cluster, environ, stop, limits, data_port)
+    if limits or data_port is not None:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sorted(limits) +
+                          (["data_port"] if data_port is not None else []))
         raise ValueError(f"{flags} configure the aggregation service; this task runs in "
                          f"{_cluster_mode(environ)} mode, where the servers are TensorFlow servers. Drop {flags}.")
     server = start_server(cluster)

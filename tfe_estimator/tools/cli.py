@@ -5,7 +5,7 @@ Example::
     $ tfe-estimator demo                      # secure vs plaintext on one machine
     $ tfe-estimator demo --cluster            # the same on a loopback cluster
     $ tfe-estimator launch --workers 1 --evaluator -- python train.py
-    $ TF_CONFIG=... tfe-estimator server      # one TFE party of a real cluster
+    $ TF_CONFIG=... tfe-estimator server      # one TFE party of a real cluster (service mode: --data-port 2223)
     $ tfe-estimator bench                     # secure vs plaintext step time (from a checkout: tools/bench)
     $ tfe-estimator build-kernels             # compile the AES-CTR kernels ahead of time
     $ tfe-estimator k8s --name demo --image my/train:1 --workers 2 -- python train.py
@@ -59,6 +59,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "an earlier checkpoint (default 64)")
     server.add_argument("--replay-window-bytes", type=int, default=None,
                         help="service mode: bytes of kept answers in all (default 1 GiB)")
+    server.add_argument("--data-port", type=int, default=None,
+                        help="service mode: also open the data plane (the large calls on mutual TLS without gRPC's "
+                             "copies) on this port of the service port's host; 0 picks a free port. Default: none "
+                             "(owners then send everything over gRPC); open it in the firewall like the service port")
     server.add_argument("--tf-warnings", action="store_true",
                         help="in-graph mode: show TensorFlow's INFO lines (hidden by default)")
 
@@ -133,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
         limits = {name: getattr(args, name) for name in (
             "step_timeout_secs", "max_elements", "max_channels", "memory_budget_bytes", "owner_memory_budget_bytes",
             "max_waiting_puts", "replay_window_steps", "replay_window_bytes") if getattr(args, name) is not None}
-        return run_server(limits=limits)
+        return run_server(limits=limits, data_port=args.data_port)
     if args.command == "launch":
         from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
 
