@@ -1,5 +1,6 @@
 """Multi-process loopback clusters: train_and_evaluate, data locality, faults, cleanup."""
 import io
+import json
 import re
 import os
 import signal
@@ -234,3 +235,42 @@ def test_launch_refuses_bad_arguments():
     with pytest.raises(ValueError, match=r"--tls adds stunnel sidecars to the TensorFlow-runtime modes; in service "
                                          r"mode .* Drop --tls \(--isolate alone runs the service cluster"):
         Launcher(["true"], cluster_mode="service", isolate=True, tls=True)
+
+
+def _server_flags(launcher):
+    """tfe index -> the argv after the server command (its --data-port, if any)."""
+    return {t.index: t.argv[t.argv.index("server") + 1:] for t in launcher.tasks if t.job == "tfe"}
+
+
+def test_service_mode_plans_a_data_port_per_server_and_in_graph_none():
+    launcher = Launcher(["true"], workers=1, cluster_mode="service")
+    flags = _server_flags(launcher)
+    ports = {k: int(argv[1]) for k, argv in flags.items()}
+    assert all(argv[0] == "--data-port" for argv in flags.values()) and ports == launcher.data_ports, flags
+    tf_ports = {int(a.rsplit(":", 1)[1]) for addresses in launcher.cluster.jobs.values() for a in addresses}
+    assert len(set(ports.values())) == 2 and not set(ports.values()) & tf_ports, (ports, tf_ports)
+    assert _server_flags(Launcher(["true"], workers=1, cluster_mode="service", data_plane=False)) == {0: [], 1: []}
+    assert all(argv == [] for argv in _server_flags(Launcher(["true"], workers=1, cluster_mode="in-graph")).values())
+    isolated = Launcher(["true"], workers=1, cluster_mode="service", isolate=True)  # planned, never started
+    tf_ports = set(isolated.isolation.tf_ports.values())
+    assert isolated.data_ports == {0: max(tf_ports) + 1, 1: max(tf_ports) + 2}
+    assert [isolated.task("tfe", k).argv[-2:] for k in (0, 1)] == [["--data-port", "7004"], ["--data-port", "7005"]]
+
+
+def test_a_launched_service_cluster_serves_a_data_plane_the_owners_find(tmp_path):
+    """End to end: launch -> `tfe-estimator server --data-port` -> the DataPlane call an owner makes."""
+    code = ("import json, os; from tfe_estimator.service import OwnerClient, TlsFiles; "
+            "jobs = json.loads(os.environ['TF_CONFIG'])['cluster']; "
+            "c = OwnerClient(jobs['tfe'], TlsFiles.from_dir(os.environ['TFE_ESTIMATOR_TLS_DIR'], 'chief', 0), "
+            "timeout_secs=60); "
+            "print('data ports', [c._call(k, 'DataPlane', c._messages['DataPlaneRequest']()).port for k in (0, 1)]); "
+            "c.close()")
+    out, network_file = io.StringIO(), str(tmp_path / "net.json")
+    launcher = Launcher([sys.executable, "-c", code], workers=0, out=out, cluster_mode="service",
+                        network_file=network_file, down_timeout=60)
+    assert launcher.run() == 0, out.getvalue()
+    ports = [launcher.data_ports[k] for k in (0, 1)]
+    assert f"[chief:0] data ports {ports}" in out.getvalue(), out.getvalue()
+    assert f"aggregation servers' data planes: tfe:0=port {ports[0]} tfe:1=port {ports[1]}" in out.getvalue()
+    with open(network_file, encoding="utf-8") as f:
+        assert json.load(f)["data_ports"] == {"tfe:0": ports[0], "tfe:1": ports[1]}

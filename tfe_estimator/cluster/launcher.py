@@ -23,6 +23,11 @@ Policy, task by task:
   the chief finishes, it has ``final_eval_timeout`` s to evaluate the final
   checkpoint.
 
+In service mode each aggregation server also opens its data plane
+(``tfe-estimator server --data-port``) on a port picked like the others, so
+local runs put their large calls on it (the owners ask each server for its
+port); ``data_plane=False`` leaves every call on gRPC.
+
 Free ports come from `portpicker`; if a task cannot bind its port because
 another process took it meanwhile, the whole cluster is re-planned on new
 ports and started again (up to ``port_retries`` times). Each task runs in its
@@ -49,7 +54,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, TextIO
 
-from tfe_estimator.cluster.isolation import IsolatedCluster
+from tfe_estimator.cluster.isolation import TF_PORT_BASE, IsolatedCluster
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV, OWNER_CWD_ENV
 from tfe_estimator.cluster.peers import IN_GRAPH, SERVICE, validate_mode
 from tfe_estimator.cluster.quiet import task_env
@@ -238,9 +243,13 @@ class Launcher:
         there once they exist (`IsolatedCluster.describe`; read by
         `tfe-estimator attack`). In service mode (no `isolate`): write
         ``{"mode": "service", "cluster": "launch", "cert_dir": ..., "jobs":
-        {job: [address, ...]}}`` there before the tasks start (every start,
-        re-plans included): the run's certificate directory and TF_CONFIG's
-        addresses, for `tfe-estimator attack`.
+        {job: [address, ...]}, "data_ports": {"tfe:k": port}}`` there before the
+        tasks start (every start, re-plans included): the run's certificate
+        directory, TF_CONFIG's addresses and the servers' data ports, for
+        `tfe-estimator attack`.
+      data_plane: service mode: start each aggregation server with a data plane
+        (``--data-port``): a free port on loopback, or with `isolate` the port
+        after the cluster's TensorFlow ports in the server's own namespace.
 
     Example::
 
@@ -271,6 +280,7 @@ class Launcher:
         network_file: Optional[str] = None,
         link_rate: Optional[str] = None,
         tf_warnings: bool = False,
+        data_plane: bool = True,
     ) -> None:
         if not command:
             raise ValueError("launch needs a command to run, e.g. `tfe-estimator launch --workers 1 -- python train.py`.")
@@ -310,6 +320,9 @@ class Launcher:
                                              link_rate)
         self._out = out
         self.tf_warnings = bool(tf_warnings)
+        self.data_plane = bool(data_plane) and self.cluster_mode == SERVICE
+        #: Service mode with `data_plane`: each aggregation server's data port, by ``tfe`` index.
+        self.data_ports: Dict[int, int] = {}
         self._cert_dir: Optional[str] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -323,6 +336,7 @@ class Launcher:
         else:
             self.cluster = plan_cluster(self.workers, self.evaluator, self.protocol, self.host,
                                         SERVICE_TFE_TASKS if self.cluster_mode == SERVICE else NUM_TFE_TASKS)
+        self.data_ports = self._plan_data_ports() if self.data_plane else {}
         if self.cluster_mode == SERVICE:  # each task its own directory: its key, its certificate, public trust
             self._make_certs()
             if self.isolation is not None:  # ... and, in its own mount and PID namespaces, no other task's
@@ -343,6 +357,8 @@ class Launcher:
                     env = with_huge_pages(env)
                 if job == TFE_JOB:
                     argv, cwd = list(self.server_command), None
+                    if index in self.data_ports:
+                        argv += ["--data-port", str(self.data_ports[index])]
                 else:
                     argv = list(self.command)
                     cwd = self._task_dirs(job, index)[0]
@@ -355,6 +371,22 @@ class Launcher:
                 if self.log_dir:
                     task.log_path = os.path.join(self.log_dir, f"{job}-{index}.log")
                 self.tasks.append(task)
+
+    def _plan_data_ports(self) -> Dict[int, int]:
+        """Each aggregation server's data port: with `isolate` the port after every task's TensorFlow port (in
+        its own namespace, where nothing else listens); else a free loopback port no task of the plan uses."""
+        servers = range(len(self.cluster.jobs[TFE_JOB]))
+        if self.isolation is not None:
+            first = TF_PORT_BASE + len(self.isolation.tasks)
+            return {k: first + k for k in servers}
+        taken = {int(address.rsplit(":", 1)[1]) for addresses in self.cluster.jobs.values() for address in addresses}
+        ports: Dict[int, int] = {}
+        while len(ports) < len(servers):
+            port = free_ports(1, self.host)[0]
+            if port not in taken:
+                taken.add(port)
+                ports[len(ports)] = port
+        return ports
 
     def _make_certs(self) -> str:
         """Where this run's certificates go (service mode): made by `run`, removed at its end."""
@@ -450,10 +482,14 @@ class Launcher:
     def _run_once(self) -> int:
         layout = " ".join(f"{t.name}={self.cluster.jobs[t.job][t.index]}" for t in self.tasks)
         self.say(f"cluster ({self.protocol}): {layout}")
+        if self.data_ports:
+            self.say("aggregation servers' data planes: " + " ".join(
+                f"{TFE_JOB}:{k}=port {port}" for k, port in sorted(self.data_ports.items())))
         if self.network_file and self.cluster_mode == SERVICE:  # for `tfe-estimator attack`
             network = {"mode": SERVICE, "cluster": "launch", "cert_dir": self.task_tls_dir("chief", 0),
                        "cert_dirs": {f"{t.job}:{t.index}": self.task_tls_dir(t.job, t.index) for t in self.tasks},
-                       "jobs": {job: list(addresses) for job, addresses in self.cluster.jobs.items()}}
+                       "jobs": {job: list(addresses) for job, addresses in self.cluster.jobs.items()},
+                       "data_ports": {f"{TFE_JOB}:{k}": port for k, port in sorted(self.data_ports.items())}}
             if self.isolation is not None:  # the namespaces, bridge addresses and IPv6 link-local addresses
                 network["isolation"] = self.isolation.describe()
             _write_json(self.network_file, network)
@@ -539,7 +575,9 @@ class Launcher:
         if status is not None and task.reader is not None:
             task.reader.join(timeout=2)  # its last lines, which may name a bind failure
         if status is not None and task.restart_at is None and task.bind_failed:
-            raise PortTakenError(f"{task.name} could not bind {self.cluster.jobs[task.job][task.index]}: "
+            data = f" or its data port {self.data_ports[task.index]}" if (
+                task.job == TFE_JOB and task.index in self.data_ports) else ""
+            raise PortTakenError(f"{task.name} could not bind {self.cluster.jobs[task.job][task.index]}{data}: "
                                  "another process took the port after it was planned")
         return status
 
