@@ -24,13 +24,29 @@ the second owner as the victim, against each aggregation server:
   certificate, with the attacker's name issued by another CA, and plaintext
   HTTP/2: the server must never answer with HTTP/2 SETTINGS;
 
+and on each server's data plane (its port is what the server announces to
+the attacker's ``DataPlane`` call, as to every owner; a server without one
+announces 0 and is not attacked there), in frames of
+`tfe_estimator.service.frames` over Python's `ssl`:
+
+- ``forward-as-owner``: ForwardBlinded with the attacker's valid
+  certificate: a PERMISSION_DENIED reply frame (this is also the data plane's
+  control: a valid certificate is read and answered there);
+- ``non-owner-cert``: Contribute with the ``tfe-2`` certificate: refused by
+  TLS or answered PERMISSION_DENIED / UNAUTHENTICATED;
+- ``no-cert`` / ``foreign-ca`` / ``plaintext``: a Contribute frame through TLS
+  without a client certificate, with the foreign CA's, and in the clear: the
+  connection must end without any reply frame (a connection still open after
+  the timeout counts as taken);
+
 and ``owner-port``: a TCP connection to every owner's (and the evaluator's)
 TF_CONFIG port on 127.0.0.1 and ::1 must be refused: nothing listens there.
 On a cluster of ``launch --isolate`` (the network file has ``isolation``),
 `isolated_scans` replaces that: every TCP port of every owner on its bridge
 address and its IPv6 link-local address must be refused (``owner-port``),
-every port of a server but its service port (``server-ports``), and the TLS
-probes run against each server's IPv6 address as well.
+every port of a server but its service port and its data port
+(``server-ports``), and the TLS probes (of both ports) run against each
+server's IPv6 address as well.
 A ``control`` line per server (the attacker's valid certificate gets HTTP/2
 SETTINGS back) proves the TLS probe itself works.
 
@@ -47,14 +63,16 @@ Example::
 """
 import os
 import shutil
+import socket
+import ssl
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
 from tfe_estimator.cluster import certs
-from tfe_estimator.service import ring, wire
+from tfe_estimator.service import frames, ring, wire
 from tfe_estimator.service.tls import FEDERATION_FILE, TlsFiles, server_name_option
 from tools.portscan import link_local_host, scan_tcp, target, task_hosts
 
@@ -193,17 +211,24 @@ def service_attacks(network: Dict, attacker: Optional[str] = None) -> List[Dict]
     try:
         non_owner = _mint(cert_dir, *NON_OWNER, cluster, scratch)
         foreign = _mint(cert_dir, job, int(index), cluster, os.path.join(scratch, "foreign"), foreign=True)
-        results = []
+        results, data_ports = [], {}
         for k, address in enumerate(servers):
             results += _attack_server(k, address, attacker, victims, mine, non_owner, foreign, _grpc_answers)
+            data_ports[k], asked = _data_port(address, k, mine)
+            hosts = [_host_port(address)[0]]
             for task in network.get("isolation", {}).get("tasks", ()):
                 if (task["job"], task["index"]) == ("tfe", k) and link_local_host(task):
                     results += _tls_probes(f"tfe:{k}", attacker, link_local_host(task), _host_port(address)[1],
                                            mine, foreign, _grpc_answers)
+                    hosts.append(link_local_host(task))
+            if asked is not None:  # the DataPlane call itself failed: say so (the scans would miss the port)
+                results.append(_result(attacker, f"tfe:{k}", "data-port", address, False, asked, control=True))
+            for host in hosts if data_ports[k] else ():
+                results += _data_plane_probes(f"tfe:{k}", attacker, host, data_ports[k], mine, non_owner, foreign)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if network.get("isolation"):  # on the bridge: every port of every task, on IPv4 and IPv6
-        return results + isolated_scans(network["isolation"], "outside")
+        return results + isolated_scans(network["isolation"], "outside", data_ports)
     for owner_job in OWNER_JOBS + ("evaluator",):
         for owner_index, address in enumerate(jobs.get(owner_job, ())):
             port = _host_port(address)[1]
@@ -271,18 +296,107 @@ def _tls_probes(to: str, attacker: str, host: str, port: int, mine: TlsFiles, fo
     return results
 
 
-def isolated_scans(isolation: Dict, origin: str) -> List[Dict]:
+def _data_port(address: str, server: int, tls: TlsFiles) -> Tuple[int, Optional[str]]:
+    """``(port, None)``: the data port server `server` announces to `tls`'s identity (0: none; UNIMPLEMENTED: a
+    server older than the call), or ``(0, why the call failed)``."""
+    caller = _Caller(address, server, tls)
+    try:
+        reply = caller.stub(wire.method_path("DataPlane"))(
+            wire.messages()["DataPlaneRequest"]().SerializeToString(), timeout=_TIMEOUT, wait_for_ready=False)
+        return wire.messages()["DataPlaneReply"].FromString(reply).port, None
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return 0, None
+        return 0, f"the DataPlane call failed: {e.code().name}: {(e.details() or '')[:140]}"
+    finally:
+        caller.close()
+
+
+def _data_plane_call(host: str, port: int, server: int, method: str, request, payload: bytes,
+                     tls: Optional[Tuple[Optional[str], Optional[str]]], ca: str):
+    """One frame to the data plane at `host`:`port`: ``(grpc.StatusCode of its reply, or "closed" (TLS or the
+    server ended the connection without a reply) or "open" (no reply within the timeout), what happened)``.
+
+    `tls`: None for plaintext, else ``(cert, key)`` (``(None, None)``: no client certificate); `ca` is server
+    `server`'s operator's CA (the server's certificate is checked, its name is not: the attack is the client's)."""
+    try:
+        raw = socket.create_connection((host, port), timeout=_TIMEOUT)
+    except OSError as e:
+        return "closed", f"data plane: no connection: {e.strerror or e}"
+    conn = raw
+    try:
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.load_verify_locations(ca)
+            context.check_hostname = False
+            if tls[0]:
+                context.load_cert_chain(*tls)
+            try:
+                conn = context.wrap_socket(raw)
+            except (ssl.SSLError, OSError) as e:
+                return "closed", f"data plane: TLS refused: {e}"
+        head = request.SerializeToString()
+        try:
+            conn.sendall(frames.request_header(method, len(head), 0, len(payload)) + head + payload)
+            header = frames.read_exact(conn, frames.REPLY.size)
+            if header is None:
+                return "closed", "data plane: the server closed the connection without a reply"
+            code, _, length = frames.parse_reply(header)
+            message = frames.read_exact(conn, min(length, 4096)) or b""
+        except socket.timeout:
+            return "open", f"data plane: no reply within {_TIMEOUT:g} s, the connection still open: the call was taken"
+        except (ssl.SSLError, OSError, ConnectionError) as e:
+            return "closed", f"data plane: the connection ended without a reply: {e}"
+        text = message.decode("utf-8", "replace").splitlines()[0][:140] if message else ""
+        return code, f"data plane: {code.name}: {text}"
+    finally:
+        conn.close()
+
+
+def _data_plane_probes(to: str, attacker: str, host: str, port: int, mine: TlsFiles, non_owner: TlsFiles,
+                       foreign: TlsFiles) -> List[Dict]:
+    """The data plane of server `to` at `host`:`port` (see the module's docstring)."""
+    k, where, messages = int(to.split(":")[1]), target(host, port), wire.messages()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="tfe-attack-ca-") as scratch:
+        ca = os.path.join(scratch, "server-ca.crt")
+        with open(ca, "wb") as f:
+            f.write(mine.trust().server_ca_pem(k))
+        forward = messages["ForwardRequest"](channel=f"attack-forward-{os.getpid()}", step=0, ring_bits=64,
+                                             num_elements=1)
+        outcome, detail = _data_plane_call(host, port, k, "ForwardBlinded", forward, bytes(8),
+                                           (mine.cert, mine.key), ca)
+        results.append(_result(attacker, to, "forward-as-owner", where,
+                               outcome == grpc.StatusCode.PERMISSION_DENIED, detail))
+        channel = f"attack-data-{os.getpid()}-{time.time_ns()}-{k}"
+        contribute = messages["ContributeRequest"](channel=channel, step=0, ring_bits=64, num_elements=1)
+        payload = bytes(ring.KEY_BYTES) if k == 0 else bytes(8 * ring.ring_words(1, 64))
+        outcome, detail = _data_plane_call(host, port, k, "Contribute", contribute, payload,
+                                           (non_owner.cert, non_owner.key), ca)
+        refused = outcome == "closed" or outcome in (grpc.StatusCode.PERMISSION_DENIED,
+                                                     grpc.StatusCode.UNAUTHENTICATED)
+        results.append(_result(":".join(map(str, NON_OWNER)), to, "non-owner-cert", where, refused, detail))
+        for attack, tls in (("no-cert", (None, None)), ("foreign-ca", (foreign.cert, foreign.key)),
+                            ("plaintext", None)):
+            outcome, detail = _data_plane_call(host, port, k, "Contribute", contribute, payload, tls, ca)
+            results.append(_result("outside", to, attack, where, outcome == "closed", detail))
+    return results
+
+
+def isolated_scans(isolation: Dict, origin: str, data_ports: Optional[Mapping[int, int]] = None) -> List[Dict]:
     """From the namespace this runs in, every TCP port of every task of `isolation` (`IsolatedCluster.describe`)
     on its bridge address and its IPv6 link-local address: nothing may answer on an owner (``owner-port``),
-    only the service port on a server (``server-ports``; skipped when `origin` is a server itself). Every
-    closed port must be refused, not silent: a scan that never reached the task proves nothing."""
+    only the service port and the data port (`data_ports`: tfe index -> the port it announced, 0 or absent:
+    none) on a server (``server-ports``; skipped when `origin` is a server itself). Every closed port must be
+    refused, not silent: a scan that never reached the task proves nothing."""
 
     results = []
     for task in isolation["tasks"]:
         server = task["job"] == "tfe"
         if server and origin != "outside":
             continue
-        expected = [task["tf_port"]] if server else []
+        data_port = (data_ports or {}).get(task["index"]) if server else None
+        expected = sorted([task["tf_port"]] + ([data_port] if data_port else [])) if server else []
         for host in task_hosts(task):
             scan = scan_tcp(host)
             ok = scan.open == expected and scan.refused == 65535 - len(expected)
