@@ -147,7 +147,7 @@ def test_tfe_pods_run_the_server_and_others_the_training_command():
         assert spec["automountServiceAccountToken"] is False
         job, index = _task_of(w)
         if job == "tfe":
-            assert container["command"] == ["tfe-estimator", "server"]
+            assert container["command"] == ["tfe-estimator", "server", "--data-port", "2223"]  # service mode
             claims = [v for v in spec.get("volumes", []) if "persistentVolumeClaim" in v]
             assert not claims, claims  # servers never see data (only their certificate Secret)
         else:
@@ -348,6 +348,8 @@ def test_tfe_pods_run_the_one_server_command():
 
     (deployment, *_) = [m for m in _render(0, False) if m["kind"] == "Deployment"]
     assert tuple(_container(deployment)["command"]) == server_command() == kubernetes.SERVER_COMMAND
+    for deployment in [m for m in _render(0, False, cluster_mode="service") if m["kind"] == "Deployment"]:
+        assert _container(deployment)["command"] == [*server_command(), "--data-port", "2223"]  # port + 1
 
 
 def test_committed_example_equals_a_fresh_render(capsys):
@@ -520,11 +522,18 @@ def test_service_mode_owners_accept_nothing_and_servers_only_owners_and_server0(
     assert sorted(_task_of(w) for w in workloads if w["kind"] == "Deployment") == [("tfe", 0), ("tfe", 1)]
     # Only the servers have a Service; nobody else has an address anyone could resolve.
     assert sorted(_task_of(s) for s in _by_kind(manifests)["Service"]) == [("tfe", 0), ("tfe", 1)]
-    assert all(s["spec"]["ports"][0]["port"] == 7000 for s in _by_kind(manifests)["Service"])
+    # Each server's service port and its data port (`tfe-estimator server --data-port 7001`), both mutual TLS.
+    assert all([(p["name"], p["port"], p["targetPort"]) for p in s["spec"]["ports"]] == [
+        ("grpc", 7000, 7000), ("data", 7001, 7001)] for s in _by_kind(manifests)["Service"])
     expected = {(o, ("tfe", k)) for o in owners for k in (0, 1)} | {(("tfe", 0), ("tfe", 1))}
-    for port in (7000, kubernetes.TLS_PORT, 2222):
-        assert _reachable(manifests, port) == (expected if port == 7000 else set()), port
-    assert _egress(manifests, 7000) == expected  # server1 calls nobody, owners only the servers
+    for port in (7000, 7001, kubernetes.TLS_PORT, 2222, 7002):
+        assert _reachable(manifests, port) == (expected if port in (7000, 7001) else set()), port
+    for port in (7000, 7001):
+        assert _egress(manifests, port) == expected  # server1 calls nobody, owners only the servers
+    for w in workloads:
+        if _task_of(w)[0] == "tfe":
+            assert _container(w)["command"][-2:] == ["--data-port", "7001"]
+            assert [p["containerPort"] for p in _container(w)["ports"]] == [7000, 7001]
     for policy in _by_kind(manifests)["NetworkPolicy"]:
         if _task_of(policy)[0] != "tfe":  # owners and the evaluator: deny all ingress
             assert policy["spec"]["ingress"] == [] and "Ingress" in policy["spec"]["policyTypes"]
@@ -544,6 +553,13 @@ def test_service_mode_owners_accept_nothing_and_servers_only_owners_and_server0(
         cluster = json.loads(_tf_config(w))["cluster"]
         assert cluster["tfe"] == ["demo-tfe-0.ml.svc:7000", "demo-tfe-1.ml.svc:7000"]
         TfeCluster.from_json(_tf_config(w))
+
+
+def test_service_mode_refuses_a_port_without_room_for_the_data_port():
+    with pytest.raises(ValueError, match=r"port=65535 in service mode: each aggregation server's data plane listens "
+                                         r"on the next port \(65536\).* Use e.g. --port 2222"):
+        _render(1, False, cluster_mode="service", port=65535)
+    assert _render(1, False, cluster_mode="in-graph", port=65535)  # in-graph mode has no data plane
 
 
 def test_the_service_policy_check_catches_an_owner_that_accepts_a_server():

@@ -52,10 +52,22 @@ from tfe_estimator.cluster.sidecar import stunnel_config
 from tfe_estimator.cluster.spec import (DATA_DIR_ENV, DATA_OWNER_JOBS, LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, TLS_DIR_ENV,
                                         cluster_jobs, tf_config_json)
 
-__all__ = ["render_manifests", "to_yaml", "SERVICE_CERT_DIR"]
+__all__ = ["render_manifests", "to_yaml", "SERVICE_CERT_DIR", "data_port"]
 
 #: Service mode: where every pod's certificate Secret is mounted (its ``TFE_ESTIMATOR_TLS_DIR``).
 SERVICE_CERT_DIR = f"{TLS_DIR}/certs"
+
+
+def data_port(port: int) -> int:
+    """Service mode: an aggregation server's data port (``tfe-estimator server --data-port``) beside its service
+    port `port`: the next one.
+
+    Example::
+
+        >>> data_port(2222)
+        2223
+    """
+    return port + 1
 
 
 def _pod_spec(
@@ -185,9 +197,9 @@ def _service_network_policy(name: str, namespace: str, task: Tuple[str, int], ta
     """Service mode: who may connect to and from `task`'s pod.
 
     An owner (chief, worker) and the evaluator accept nothing (deny-all ingress); an owner may connect out to
-    the two aggregation servers' port only (and DNS), the evaluator to nothing but DNS. Server0 accepts the
-    owners; server1 the owners and server0 (its blinded part), on the service port; server0 may connect out
-    to server1 only, server1 to nothing (and DNS). The peer table's SERVICE row
+    the two aggregation servers' ports only (the service port and the data port, and DNS), the evaluator to
+    nothing but DNS. Server0 accepts the owners; server1 the owners and server0 (its blinded part), on those
+    two ports; server0 may connect out to server1 only, server1 to nothing (and DNS). The peer table's SERVICE row
     (`tfe_estimator.cluster.peers`), narrowed to the task: tfe-1 calls nobody.
     """
     job, index = task
@@ -198,7 +210,7 @@ def _service_network_policy(name: str, namespace: str, task: Tuple[str, int], ta
     def server(k: int) -> Dict[str, Any]:
         return {"podSelector": {"matchLabels": selector(name, TFE_JOB, k)}}
 
-    service_port = [{"protocol": "TCP", "port": port}]
+    service_port = [{"protocol": "TCP", "port": port}, {"protocol": "TCP", "port": data_port(port)}]
     dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
     ingress: List[Dict[str, Any]] = []
     egress: List[Dict[str, Any]] = []
@@ -293,10 +305,11 @@ def render_manifests(
         NetworkPolicies: one per task, admitting only the tasks
         `tfe_estimator.cluster.peers` lets call it. "service" (across
         organisations, `tfe_estimator.service`): exactly two ``tfe`` pods,
-        the aggregation servers, each with a Service on `port`; the owners
-        and the evaluator get no Service, declare no port and deny all
-        ingress; an owner may connect out only to the two servers' port (and
-        DNS); server0 admits the owners, server1 the owners and server0.
+        the aggregation servers, each with a Service on `port` and on its data
+        port ``port + 1`` (`data_port`: ``tfe-estimator server --data-port``);
+        the owners and the evaluator get no Service, declare no port and deny
+        all ingress; an owner may connect out only to the two servers' ports
+        (and DNS); server0 admits the owners, server1 the owners and server0.
         Every pod mounts its task's certificate Secret (`tls_secret`) at
         ``/etc/tfe-tls/certs``, named by ``TFE_ESTIMATOR_TLS_DIR``; the
         service speaks mutual TLS itself, so there is no sidecar (`tls` changes
@@ -361,6 +374,9 @@ def render_manifests(
         check_tls(name, tasks, port, sidecar_image, tls_secret)
     if service:
         check_tls_secret(name, tasks, tls_secret)
+        if data_port(port) > 65535:
+            raise ValueError(f"port={port} in service mode: each aggregation server's data plane listens on the next "
+                             f"port ({data_port(port)}), which must stay below 65536. Use e.g. --port {DEFAULT_PORT}.")
 
     def address(job: str, index: int) -> str:
         if sidecars:  # the caller's own sidecar listens there for this task
@@ -382,6 +398,9 @@ def render_manifests(
         if service:  # every pod its own certificate; only the servers listen, so only they get a Service
             cert_options = {"cert_secret": tls_secret.format(name=name, job=job, index=index),
                             "listens": job == TFE_JOB}
+        ports = [exposed]
+        if service:  # the server's data plane (`tfe_estimator.service.data_plane`), mutual TLS too
+            ports.append({"name": "data", "port": data_port(port), "targetPort": data_port(port), "protocol": "TCP"})
         if not service or job == TFE_JOB:
             manifests.append({
                 "apiVersion": "v1",
@@ -392,7 +411,7 @@ def render_manifests(
                     # TF servers dial each other while starting; resolve before readiness.
                     "publishNotReadyAddresses": True,
                     "selector": selector(name, job, index),
-                    "ports": [exposed],
+                    "ports": ports,
                 },
             })
         sidecar = None
@@ -407,8 +426,12 @@ def render_manifests(
         tf_port = tf_ports[(job, index)]
         if job == TFE_JOB:
             # The TFE parties never see data or the model: no volumes.
-            pod_spec = _pod_spec(job, image, SERVER_COMMAND, tf_config, tf_port, "Always", mode=cluster_mode,
+            server = SERVER_COMMAND + (("--data-port", str(data_port(port))) if service else ())
+            pod_spec = _pod_spec(job, image, server, tf_config, tf_port, "Always", mode=cluster_mode,
                                  sidecar=sidecar, **pod_options, **cert_options)
+            if service:
+                pod_spec["containers"][0]["ports"].append(
+                    {"name": "data", "containerPort": data_port(port), "protocol": "TCP"})
             manifests.append(
                 {
                     "apiVersion": "apps/v1",
