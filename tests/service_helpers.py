@@ -42,7 +42,7 @@ def cert_dirs(tmp_path_factory):
 class Service:
     """server0 and server1 on free loopback ports, and the clients made for them."""
 
-    def __init__(self, certs_dir, owners, step_timeout_secs=WAIT_SECS, data_plane=False, **limits):
+    def __init__(self, certs_dir, owners, step_timeout_secs=WAIT_SECS, data_plane=True, **limits):
         self.certs_dir, self.owners = certs_dir, owners
         ports = [portpicker.pick_unused_port() for _ in range(2)]
         self.addresses = tuple(f"localhost:{p}" for p in ports)

@@ -84,10 +84,14 @@ def _restart_server0_mid_step(service, cert_dir, retry_secs):
 
     def restart():
         time.sleep(1.0)
+        plane = server0._data_plane  # pylint: disable=protected-access
         server0._server.stop(0)  # pylint: disable=protected-access  # as if killed: no goodbye to the calls
+        if plane is not None:
+            plane.stop()  # its connections cut as well
         time.sleep(0.5)
         fresh = AggregationServer(0, service.addresses[0], service.owners, TlsFiles.from_dir(cert_dir, "tfe", 0),
-                                  peer_address=service.addresses[1], step_timeout_secs=15.0)
+                                  peer_address=service.addresses[1], step_timeout_secs=15.0,
+                                  data_address="localhost:0" if plane is not None else None)
         fresh.start()
         service.servers.append(fresh)
         return _put(worker, 0)

@@ -307,7 +307,7 @@ class OwnerClient:
         with self._plane_lock:
             if self._links[server] is link:
                 self._links[server], self._plane_asked[server] = None, None
-        link.close()
+        link.retire()
 
     def _error(self, method: str, server: int, error: grpc.RpcError) -> ServiceError:
         return ServiceError(method, self._addresses[server], error.code(), error.details())

@@ -144,11 +144,18 @@ class DataLink:
             except OSError:
                 pass
 
-    def close(self) -> None:
-        """Closes every connection; calls still running end with LinkError."""
+    def retire(self) -> None:
+        """Takes no new call and closes the idle connections; calls still running finish on theirs (one call's
+        failed connection says nothing of the others')."""
         with self._lock:
             self._closed = True
-            idle, busy, self._idle = self._idle, list(self._busy), []
+            idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+    def close(self) -> None:
+        """Closes every connection; calls still running end with LinkError."""
+        self.retire()
+        with self._lock:
+            busy = list(self._busy)
         self.abort(busy)

@@ -88,7 +88,7 @@ class DataPlane:
         self._stamp = None
         self._handshaking = 0
         self._callers: Dict[str, int] = {}
-        self._sockets: Set[socket.socket] = set()
+        self._sockets: Set[socket.socket] = set()  # open connections (the TLS socket once wrapped)
         self._listener: Optional[socket.socket] = None
         self._stopped = threading.Event()
         self.port = 0
@@ -169,6 +169,11 @@ class DataPlane:
             finally:
                 with self._lock:
                     self._handshaking -= 1
+                    if conn is not None:  # wrap_socket detached `raw`: `stop` must shut the TLS socket down
+                        self._sockets.discard(raw)
+                        self._sockets.add(conn)
+            if self._stopped.is_set():
+                return
             identity, problem = ssl_peer(self._tls, conn)
             if problem is None:
                 with self._lock:
@@ -196,6 +201,7 @@ class DataPlane:
                     self._callers[identity] -= 1
             with self._lock:
                 self._sockets.discard(raw)
+                self._sockets.discard(conn)
             (conn or raw).close()
 
     def _reply(self, conn, code: grpc.StatusCode, message, replayed: bool = False) -> None:

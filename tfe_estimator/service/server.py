@@ -574,7 +574,7 @@ class AggregationServer:
                                              self._timeout)
             except LinkError as e:
                 self._peer_link, self._peer_link_checked = None, 0.0  # server1 restarted? ask for its port again
-                link.close()
+                link.retire()
                 _LOG.info("aggregation server0: server1's data plane failed (%s); forwarding on gRPC", e.details)
             else:
                 if code != grpc.StatusCode.OK:
