@@ -79,7 +79,42 @@ def _seconds_per_byte(run, nbytes: int, repeats: int = 5) -> float:
     return best / nbytes
 
 
-def floor(owners: int) -> Dict[str, float]:
+def tls_costs(certs_dir: str, nbytes: int = 64 << 20) -> Dict[str, float]:
+    """CPU seconds per byte of the data plane's transport on this machine: Python's `ssl` (the servers' and
+    owners' own contexts, `TlsFiles.ssl_server_context`/``ssl_client_context``) on a loopback TCP connection,
+    ``send`` (encrypt, TCP send) and ``recv`` (TCP receive, decrypt, OpenSSL's copy into our buffer), each
+    measured on its own thread (``time.thread_time``: its kernel time included) over `nbytes`."""
+    import socket  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.service.tls import TlsFiles, server_name  # pylint: disable=import-outside-toplevel
+
+    server_tls, client_tls = TlsFiles.from_dir(certs_dir, "tfe", 1), TlsFiles.from_dir(certs_dir, "chief", 0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    out: Dict[str, float] = {}
+
+    def receive():
+        raw, _ = listener.accept()
+        with server_tls.ssl_server_context().wrap_socket(raw, server_side=True) as conn:
+            view, got = memoryview(bytearray(8 << 20)), 0
+            start = time.thread_time()
+            while got < nbytes:
+                got += conn.recv_into(view[got % view.nbytes:], view.nbytes - got % view.nbytes)
+            out["recv"] = (time.thread_time() - start) / nbytes
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    raw = socket.create_connection(listener.getsockname())
+    with client_tls.ssl_client_context(1).wrap_socket(raw, server_hostname=server_name(client_tls, 1)) as conn:
+        block = memoryview(bytearray(8 << 20))
+        start = time.thread_time()
+        for _ in range(nbytes // block.nbytes):
+            conn.sendall(block)
+        out["send"] = (time.thread_time() - start) / nbytes
+        thread.join()
+    listener.close()
+    return out
+
+
+def floor(owners: int, certs_dir: Optional[str] = None) -> Dict[str, float]:
     """Each role's floor in ns per parameter (per owner for ``client``) at 64-bit ring words on this CPU, one core.
 
     Measured here on 1 MiB blocks (cache-resident, like ``openssl speed``): AES-128-GCM (TLS records) and
@@ -87,6 +122,10 @@ def floor(owners: int) -> Dict[str, float]:
     server1 decrypts 8 (N + 1) B (the shares and server0's part), encrypts 8 N B (w to each owner) and adds
     N + 1 vectors; server0 expands N + 1 keys (the owners' and its blind key), adds them and encrypts its
     8 B forward; an owner's client encrypts 8 B and decrypts 8 B. Copies, the kernel and gRPC come on top.
+
+    With `certs_dir`, also each role's transport floor (``*_tls``): the same bytes at the measured cost of
+    the data plane's TLS on loopback TCP (`tls_costs`: the kernel's socket copies and OpenSSL's included),
+    plus the ring sums and key expansion: what the data plane cannot go below with TLS on TCP here.
     """
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes  # pylint: disable=import-outside-toplevel
 
@@ -100,10 +139,17 @@ def floor(owners: int) -> Dict[str, float]:
     a, b = np.zeros(1 << 17, np.uint64), np.ones(1 << 17, np.uint64)
     add_s = _seconds_per_byte(lambda: [np.add(a, b, out=a) for _ in range(8)], 8 * a.nbytes)
     ns = 1e9
-    return {"server0": ns * 8 * ((owners + 1) * (ctr_s + add_s) + gcm_s),
-            "server1": ns * 8 * ((2 * owners + 1) * gcm_s + (owners + 1) * add_s),
-            "client": ns * 8 * 2 * gcm_s,
-            "gcm_gb_s": 1 / gcm_s / 1e9, "ctr_gb_s": 1 / ctr_s / 1e9}
+    out = {"server0": ns * 8 * ((owners + 1) * (ctr_s + add_s) + gcm_s),
+           "server1": ns * 8 * ((2 * owners + 1) * gcm_s + (owners + 1) * add_s),
+           "client": ns * 8 * 2 * gcm_s,
+           "gcm_gb_s": 1 / gcm_s / 1e9, "ctr_gb_s": 1 / ctr_s / 1e9}
+    if certs_dir is not None:
+        tls = tls_costs(certs_dir)
+        out.update(server0_tls=ns * 8 * ((owners + 1) * (ctr_s + add_s) + tls["send"]),
+                   server1_tls=ns * 8 * ((owners + 1) * (tls["recv"] + add_s) + owners * tls["send"]),
+                   client_tls=ns * 8 * (tls["send"] + tls["recv"]),
+                   tls_send_ns_b=ns * tls["send"], tls_recv_ns_b=ns * tls["recv"])
+    return out
 
 
 def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Optional[float] = None,
@@ -188,7 +234,7 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
 def _measure(elements: int, steps: int, owners: int, certs_dir: str, huge_pages: bool = False,
              data_plane: bool = False) -> str:
     m = measure(elements, steps, owners, certs_dir, huge_pages=huge_pages, data_plane=data_plane)
-    low = floor(owners)
+    low = floor(owners, certs_dir)
     server_ms, owners_ms, wall_ms = m["server_cpu_ms"], m["owners_cpu_ms"], m["ms_per_step"]
     per_param = [1e6 * ms / elements for ms in server_ms] + [1e6 * owners_ms / elements / owners]
     return (f"{elements:,} elements, {owners} owners, {'data plane' if data_plane else 'gRPC'} "
@@ -199,7 +245,11 @@ def _measure(elements: int, steps: int, owners: int, certs_dir: str, huge_pages:
             f"{m['up_bytes']:,.0f} B up, {m['down_bytes']:,.0f} B down; floor ns/param (AES-GCM "
             f"{low['gcm_gb_s']:.1f} GB/s, AES-CTR {low['ctr_gb_s']:.1f} GB/s, ring sums) s0 {low['server0']:.1f}, "
             f"s1 {low['server1']:.1f}, owner {low['client']:.1f}; x floor s0 {per_param[0] / low['server0']:.1f}, "
-            f"s1 {per_param[1] / low['server1']:.1f}, owner {per_param[2] / low['client']:.1f}"
+            f"s1 {per_param[1] / low['server1']:.1f}, owner {per_param[2] / low['client']:.1f}; transport floor "
+            f"(Python ssl on loopback TCP: send {low['tls_send_ns_b']:.2f}, receive {low['tls_recv_ns_b']:.2f} ns/B) "
+            f"s0 {low['server0_tls']:.1f}, s1 {low['server1_tls']:.1f}, owner {low['client_tls']:.1f}; x transport "
+            f"floor s0 {per_param[0] / low['server0_tls']:.1f}, s1 {per_param[1] / low['server1_tls']:.1f}, owner "
+            f"{per_param[2] / low['client_tls']:.1f}"
             + ("; servers with huge pages" if huge_pages else ""))
 
 
