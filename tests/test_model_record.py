@@ -360,9 +360,9 @@ def test_when_the_user_allows_it_a_second_release_is_counted_for_epsilon(tmp_pat
     answers = _released_again_after_both_servers_restart(make_service, {"model": 7, "ledger": ledger})
     assert answers[-1] == (1, False) and ledger.repeated == 1 and ledger.high == 2
     # Kept in model_dir: a restarted owner and the evaluation of its checkpoints count it too.
-    assert training_run.repeated_releases(str(tmp_path)) == 1
+    assert training_run.recorded_repeated_releases(str(tmp_path)) == 1
     assert training_run.ReleaseLedger(str(tmp_path), fresh=False).repeated == 1
-    assert training_run.repeated_releases(str(tmp_path / "none")) == 0
+    assert training_run.recorded_repeated_releases(str(tmp_path / "none")) == 0
     assert service_aggregation.repeated_releases(tf.Graph()) == 0  # outside service mode
 
 

@@ -212,7 +212,8 @@ class SumCheck:
         if coefficients is None:
             coefficients = self.coefficients(channel, step, n)
         checks = self.residues(self.values(coefficients, mine, n, ring_bits), ring_bits)
-        out = np.empty(ring.ring_words(total, ring_bits), np.uint64)
+        # every word is written below; reused per thread (the result is only sent: `contribute_checked`)
+        out = self._scratch("out", ring.ring_words(total, ring_bits))
         out[-1] = 0  # the 32-bit ring's padding lane
         per = ring_bits // 32
         out.view("<u4")[:n * per] = np.asarray(share).reshape(-1).view("<u4")[:n * per]

@@ -38,7 +38,7 @@ window; a fresh release of such a step (both servers restarted, so neither
 kept its window) would release its noise again while epsilon counts the step
 once: it is refused (`check_answer`), unless
 ``DistributedDP(count_repeated_releases=True)``: then the ledger counts it and
-epsilon counts every release (`repeated_releases`).
+epsilon counts every release (`recorded_repeated_releases`).
 
 Example::
 
@@ -54,7 +54,7 @@ from typing import Optional
 import tensorflow as tf
 
 __all__ = ["TrainingRun", "ReleaseLedger", "for_training", "for_evaluation", "check_answer", "fresh_replay_error",
-           "repeated_releases", "RUN_FILE", "RELEASED_FILE", "reset"]
+           "recorded_repeated_releases", "RUN_FILE", "RELEASED_FILE", "reset"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -162,8 +162,9 @@ def _read_ledger(path: str):
     return numbers[0], (numbers[1] if len(numbers) > 1 else 0)
 
 
-def repeated_releases(model_dir: Optional[str]) -> int:
-    """How many steps of the training in `model_dir` were released again and counted (0 without a ledger)."""
+def recorded_repeated_releases(model_dir: Optional[str]) -> int:
+    """How many steps of the training in `model_dir` were released again and counted, as its ledger file
+    records them (0 without one); `service_aggregation.repeated_releases` reads a running graph's ledger."""
     path = os.path.join(model_dir, RELEASED_FILE) if model_dir else None
     return _read_ledger(path)[1] if path and tf.io.gfile.exists(path) else 0
 

@@ -225,7 +225,7 @@ class DataPlane:
                 raise ConnectionError("the stream ended inside a request")
             received = []
 
-            def receive(view: memoryview, conn=conn, received=received) -> None:
+            def receive(view: memoryview, conn=conn, received=received, payload_len=payload_len) -> None:
                 if view.nbytes != payload_len:
                     raise Refused(grpc.StatusCode.INTERNAL, f"the payload is {payload_len} bytes, not {view.nbytes}")
                 if payload_len and not frames.read_into(conn, view):

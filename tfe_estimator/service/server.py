@@ -198,6 +198,7 @@ class AggregationServer:
         self._peer_link: Optional[DataLink] = None  # server0: server1's data plane, once known
         self._peer_link_checked = 0.0  # server0: when it last asked server1 for its data plane
         self._peer_plane_call = None
+        self._peer_lock = threading.Lock()
 
     # ------------------------------------------------------------ lifecycle --
 
@@ -391,10 +392,12 @@ class AggregationServer:
                          f"for {request.num_elements} elements at ring {request.ring_bits}).")
         return words
 
-    def _addend(self, payload: bytes, words: int) -> np.ndarray:
-        """What an owner's payload adds to the sum: server0 its key's keystream, server1 its ring words."""
-        is_key = self._role == 0 and len(payload) == ring.KEY_BYTES
-        return ring.keystream_words(payload, words) if is_key else np.frombuffer(payload, "<u8")
+    def _addend(self, payload: bytes, words: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """What an owner's payload adds to the sum: server0 its key's keystream (written into `out` if given),
+        server1 its ring words (a view of the payload)."""
+        if self._role == 0 and len(payload) == ring.KEY_BYTES:
+            return ring.keystream_into(payload, out) if out is not None else ring.keystream_words(payload, words)
+        return np.frombuffer(payload, "<u8")
 
     def _prepare(self, channel: StepChannel) -> None:
         """Server0, in the background after a release: the channel's next accumulator, ``-AES(blind)`` under a
@@ -474,8 +477,7 @@ class AggregationServer:
             addend = None
             try:
                 # server0: the key's keystream, outside any lock, into a buffer reused across steps
-                addend = ring.keystream_into(payload, self._pool.take(words)) if self._role == 0 else \
-                    np.frombuffer(payload, "<u8")
+                addend = self._addend(payload, words, self._pool.take(words) if self._role == 0 else None)
                 ticket = channel.put(owner, request.step, payload, addend, _digests(context, KEY_METADATA))
             finally:
                 self._budget.free(identity, expansion)
@@ -548,18 +550,19 @@ class AggregationServer:
 
     def _peer_data_link(self) -> Optional[DataLink]:
         """Server0: a link to server1's data plane if it has one (asked again at most every 10 s), else None."""
-        if self._peer_link is not None or time.monotonic() - self._peer_link_checked < 10.0:
+        with self._peer_lock:  # releases of several channels forward at once: one link, asked for once
+            if self._peer_link is not None or time.monotonic() - self._peer_link_checked < 10.0:
+                return self._peer_link
+            self._peer_link_checked = time.monotonic()
+            try:
+                port = self._peer_plane_call(wire.messages()["DataPlaneRequest"](), timeout=5.0,
+                                             wait_for_ready=True).port
+            except grpc.RpcError:
+                return None  # unreachable now, or a server1 without the call: gRPC waits for it
+            if port:
+                host = self._peer_address.rpartition(":")[0]
+                self._peer_link = DataLink(host, port, self._tls.ssl_client_context(1), server_name(self._tls, 1))
             return self._peer_link
-        self._peer_link_checked = time.monotonic()
-        try:
-            port = self._peer_plane_call(wire.messages()["DataPlaneRequest"](), timeout=5.0,
-                                         wait_for_ready=True).port
-        except grpc.RpcError:
-            return None  # unreachable now, or a server1 without the call: gRPC waits for it
-        if port:
-            host = self._peer_address.rpartition(":")[0]
-            self._peer_link = DataLink(host, port, self._tls.ssl_client_context(1), server_name(self._tls, 1))
-        return self._peer_link
 
     def _send_forward(self, channel: StepChannel, released: Released, digests: str) -> None:
         """Forwards a released step's blinded part to server1: on its data plane if it has one, else gRPC."""
@@ -573,7 +576,9 @@ class AggregationServer:
                 code, _, message = link.call("ForwardBlinded", head, frames.encode_meta(meta), released.acc,
                                              self._timeout)
             except LinkError as e:
-                self._peer_link, self._peer_link_checked = None, 0.0  # server1 restarted? ask for its port again
+                with self._peer_lock:
+                    if self._peer_link is link:  # server1 restarted? ask for its port again
+                        self._peer_link, self._peer_link_checked = None, 0.0
                 link.retire()
                 _LOG.info("aggregation server0: server1's data plane failed (%s); forwarding on gRPC", e.details)
             else:

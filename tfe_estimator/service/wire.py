@@ -27,8 +27,8 @@ import functools
 from typing import Dict, NamedTuple, Tuple
 
 __all__ = ["encode", "encoded_size", "serialize", "decode", "decoder", "Decoded", "PACKAGE", "SERVICE",
-           "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0", "OWNERS_AND_SERVER0", "file_descriptor",
-           "messages", "method", "method_path"]
+           "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0", "OWNERS_AND_SERVER0",
+           "file_descriptor", "messages", "method", "method_path"]
 
 PACKAGE = "tfe_estimator.aggregation.v1"
 SERVICE = "Aggregation"

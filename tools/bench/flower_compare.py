@@ -1,7 +1,7 @@
 """Our service's CPU per secure sum side by side with Flower's SecAgg+ protocol, in one run.
 
-For each size, in one run on one machine: `tools.bench.service_alone` (two server processes, mutual
-TLS on loopback, the owners' clients) and `tools.bench.flower_secagg` (Flower's own SecAgg+ code
+For each size, in one run on one machine: `tools.bench.service_alone` (two server processes,
+mutual TLS on loopback, the owners' clients, on the servers' data planes) and `tools.bench.flower_secagg` (Flower's own SecAgg+ code
 in its own virtualenv, ``.venv-flower``, one process). It prints both CPU totals per secure sum,
 their ratio and the goal of issue 34 (ours at most a quarter of Flower's at 1e6 elements, 2 owners).
 
@@ -48,7 +48,7 @@ def compare(elements: Sequence[int], owners: int, steps: int, rounds: int, certs
     theirs = {m["elements"]: m for m in flower(elements, owners, rounds, python)}
     rows = []
     for size in elements:
-        ours = service_alone.measure(size, steps, owners, certs_dir)
+        ours = service_alone.measure(size, steps, owners, certs_dir, data_plane=True)
         ours_ms = sum(ours["server_cpu_ms"]) + ours["owners_cpu_ms"]
         flower_ms = theirs[size]["clients_cpu_ms"] + theirs[size]["server_cpu_ms"]
         rows.append({"elements": size, "owners": owners, "ours_cpu_ms": ours_ms, "ours": ours,

@@ -272,8 +272,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         certs.make_cluster_certs(certs_dir, tasks, cluster="bench")
         for elements in args.elements:
             for plane in planes:
-                print(f"[service-alone] {_measure(elements, args.steps, args.owners, certs_dir, args.huge_pages, plane)}",
-                      flush=True)
+                line = _measure(elements, args.steps, args.owners, certs_dir, args.huge_pages, plane)
+                print(f"[service-alone] {line}", flush=True)
     return 0
 
 
