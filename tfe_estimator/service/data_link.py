@@ -121,8 +121,8 @@ class DataLink:
             ok = code == grpc.StatusCode.OK
             return code, replayed, message
         except socket.timeout:
-            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer from the data plane at "
-                                                               f"{self.host}:{self.port} within {timeout:g} s") from None
+            raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer from the data plane at {self.host}:{self.port} within {timeout:g} s") from None
         except (OSError, ssl.SSLError, frames.FrameError) as e:
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"the data plane at {self.host}:{self.port} failed: "
                                                          f"{e}") from None

@@ -1,8 +1,9 @@
 """Our service's CPU per secure sum side by side with Flower's SecAgg+ protocol, in one run.
 
 For each size, in one run on one machine: `tools.bench.service_alone` (two server processes,
-mutual TLS on loopback, the owners' clients, on the servers' data planes) and `tools.bench.flower_secagg` (Flower's own SecAgg+ code
-in its own virtualenv, ``.venv-flower``, one process). It prints both CPU totals per secure sum,
+mutual TLS on loopback, the owners' clients, on the servers' data planes) and
+`tools.bench.flower_secagg` (Flower's own SecAgg+ code in its own virtualenv, ``.venv-flower``, one
+process). It prints both CPU totals per secure sum,
 their ratio and the goal of issue 34 (ours at most a quarter of Flower's at 1e6 elements, 2 owners).
 
 What each side counts: ours is the servers' CPU plus the owners' transport (a share and a key
