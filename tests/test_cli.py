@@ -206,3 +206,61 @@ def test_server_data_port_opens_the_data_plane_on_the_service_host_and_bad_ones_
             stop.set()
             server.join(timeout=30)
         assert not server.is_alive()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="data_plane.DataPlane.start binds without SO_REUSEADDR: "
+                   "a restarted server cannot take its data port back for up to a minute (the launcher then re-plans "
+                   "every port); fix: listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1) before bind")
+def test_a_restarted_server_binds_its_data_port_again_despite_time_wait(tmp_path):
+    """`launch --max-restarts` restarts a server at the same ports: the connections the old one closed first
+    (FIN_WAIT2, then TIME_WAIT on its side) must not keep its data port (else the launcher re-plans the cluster on
+    new ports). Here the owner keeps its end open across the restart."""
+    import socket
+    import threading
+
+    import portpicker
+
+    from tfe_estimator.cluster.server import run_server
+    from tfe_estimator.service import TlsFiles, frames, wire
+    from tfe_estimator.service.tls import server_name
+
+    env, _ = _service_server_env(tmp_path)
+    owner = TlsFiles.from_dir(str(tmp_path), "chief", 0)
+    head = wire.messages()["ForwardRequest"](channel="c", step=0, ring_bits=64).SerializeToString()
+    data_port = portpicker.pick_unused_port()
+    kept = []
+    for attempt in range(2):
+        stop, failed = threading.Event(), []
+
+        def serve(stop=stop, failed=failed):
+            try:
+                run_server(env, stop, data_port=data_port)
+            except Exception as e:  # pylint: disable=broad-except
+                failed.append(e)
+
+        server = threading.Thread(target=serve)
+        server.start()
+        conn = None
+        try:
+            deadline = time.monotonic() + 30
+            while conn is None and not failed and time.monotonic() < deadline:
+                try:
+                    raw = socket.create_connection(("127.0.0.1", data_port), timeout=5)
+                except ConnectionRefusedError:
+                    time.sleep(0.05)
+                    continue
+                conn = owner.ssl_client_context(1).wrap_socket(raw, server_hostname=server_name(owner, 1))
+            assert conn is not None and not failed, (attempt, failed)
+            # An owner's refused call without payload: answered, and the connection stays open for the next one.
+            conn.sendall(frames.request_header("ForwardBlinded", len(head), 0, 0) + head)
+            code, _, length = frames.parse_reply(frames.read_exact(conn, frames.REPLY.size))
+            message = frames.read_exact(conn, length)
+            assert code.name == "PERMISSION_DENIED" and b"may not call ForwardBlinded" in message
+        finally:
+            stop.set()  # the server closes the connection first; the owner has not closed its end yet
+            server.join(timeout=30)
+            if conn is not None:
+                kept.append(conn)
+        assert not server.is_alive()
+    for conn in kept:
+        conn.close()
