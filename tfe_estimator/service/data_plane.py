@@ -37,6 +37,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 from typing import Callable, Dict, Optional, Set, Tuple
 
 import grpc
@@ -160,9 +161,9 @@ class DataPlane:
     def _connection(self, raw: socket.socket) -> None:
         identity, conn, counted = None, None, False
         try:
-            raw.settimeout(self._handshake_timeout)
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
+                raw.settimeout(self._handshake_timeout)
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn = self._ssl_context().wrap_socket(raw, server_side=True)
             except (OSError, ssl.SSLError, ValueError):
                 return  # not a TLS client of ours (no certificate, another CA, plaintext): TLS refused it
@@ -190,9 +191,10 @@ class DataPlane:
             if problem is not None:
                 _LOG.warning("%s: data plane: %s: %s", self._name, code.name, problem)
                 self._reply(conn, code, problem.encode("utf-8"))
+                _drain(conn)
                 return
             self._calls(conn, identity)
-        except (OSError, ssl.SSLError, frames.FrameError, ConnectionError) as e:
+        except (OSError, ssl.SSLError, ValueError, ConnectionError) as e:  # FrameError is a ValueError
             if not self._stopped.is_set():
                 _LOG.debug("%s: data plane connection of %s closed: %s", self._name, identity, e)
         finally:
@@ -243,7 +245,23 @@ class DataPlane:
                 code, answer, replayed = grpc.StatusCode.INVALID_ARGUMENT, str(e).encode("utf-8"), False
             self._reply(conn, code, answer, replayed)
             if payload_len and not received:
-                return  # the payload of a refused call was never read: the stream is out of step, close it
+                _drain(conn)  # the payload of a refused call was never read: the stream is out of step, close it
+                return
+
+
+def _drain(conn: ssl.SSLSocket, secs: float = 1.0, limit: int = 1 << 27) -> None:
+    """Reads what the caller still sends (for at most `secs`, `limit` bytes) before the connection closes, so
+    that closing with unread bytes (a TCP reset) does not destroy the refusal just sent."""
+    deadline, got = time.monotonic() + secs, 0
+    try:
+        while got < limit and time.monotonic() < deadline:
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                return
+            got += len(chunk)
+    except (OSError, ssl.SSLError):
+        return
 
 
 def _alive(conn: ssl.SSLSocket) -> bool:
