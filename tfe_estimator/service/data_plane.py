@@ -100,6 +100,9 @@ class DataPlane:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
+            # a restarted server takes its port back while the old connections sit in TIME_WAIT (as gRPC does;
+            # never SO_REUSEPORT: a second server on the same port is refused)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6 and host in ("::", ""):
                 listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # both families, as gRPC's [::]
             listener.bind((host, port))
