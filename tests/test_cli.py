@@ -208,9 +208,6 @@ def test_server_data_port_opens_the_data_plane_on_the_service_host_and_bad_ones_
         assert not server.is_alive()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="data_plane.DataPlane.start binds without SO_REUSEADDR: "
-                   "a restarted server cannot take its data port back for up to a minute (the launcher then re-plans "
-                   "every port); fix: listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1) before bind")
 def test_a_restarted_server_binds_its_data_port_again_despite_time_wait(tmp_path):
     """`launch --max-restarts` restarts a server at the same ports: the connections the old one closed first
     (FIN_WAIT2, then TIME_WAIT on its side) must not keep its data port (else the launcher re-plans the cluster on
