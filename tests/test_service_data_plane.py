@@ -29,8 +29,8 @@ import grpc
 import numpy as np
 import pytest
 
-from service_helpers import (CLUSTER, WAIT_SECS, Service, cert_dirs, in_threads, make_service,  # noqa: F401
-                             owner_names)
+from service_helpers import (CLUSTER, WAIT_SECS, Service, cert_dirs, credentials_of, in_threads,  # noqa: F401
+                             make_service, owner_names, raw_call)
 from tfe_estimator.cluster import certs
 from tfe_estimator.service import TlsFiles, budget as budget_module, data_plane, frames, ring, wire
 from tfe_estimator.service import server as server_module
@@ -624,6 +624,53 @@ def test_mutation_handshakes_in_the_accept_loop_are_detected(make_service, cert_
     _detects(check_a_stalled_handshake_is_closed_on_time_and_blocks_nobody, make_service, cert_dirs)
 
 
+@pytest.mark.xfail(strict=True, reason="data_plane.DataPlane._accept closes every connection past max_handshakes "
+                   "(64) unauthenticated ones, and OwnerClient has no way around its server's data plane: a peer "
+                   "without a certificate that keeps 64 TCP connections open (renewed every handshake timeout, "
+                   "10 s) fails every owner's put UNAVAILABLE ('EOF occurred in violation of protocol')")
+def test_outsiders_holding_every_handshake_slot_do_not_stop_the_owners(make_service):
+    service = make_service(owner_names(2), data_plane=True)
+    held = [socket.create_connection(("127.0.0.1", port)) for port in _ports(service)
+            for _ in range(_plane(service, 0)._max_handshakes)]  # pylint: disable=protected-access
+    try:
+        assert _wait_until(lambda: all(_plane(service, k)._handshaking == len(held) // 2  # noqa
+                                       for k in (0, 1)))  # pylint: disable=protected-access
+        clients = [service.client(job, 0, retry_secs=3.0) for job in ("chief", "worker")]
+        x = np.arange(8, dtype=np.int64)
+        results = in_threads([lambda c=c: c.contribute("c", 0, 64, 8, *reversed(_masked(x, 64))) for c in clients])
+        assert all(isinstance(r, tuple) for r in results), results
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def check_only_owners_and_server0_learn_the_data_port(make_service, dirs):
+    """The gRPC ``DataPlane`` call: owners and tfe:0 get the port; any other certificate PERMISSION_DENIED."""
+    service = make_service(owner_names(2), data_plane=True)
+    for server, address in enumerate(service.addresses):
+        for job, index in (("chief", 0), ("tfe", 0)):
+            reply = raw_call(address, server, "DataPlane", MESSAGES["DataPlaneRequest"](),
+                             credentials_of(dirs[0], job, index), timeout=5)
+            assert reply.port == _ports(service)[server]
+        for job, index in (("tfe", 2), ("evaluator", 0)):
+            with pytest.raises(grpc.RpcError) as e:
+                raw_call(address, server, "DataPlane", MESSAGES["DataPlaneRequest"](),
+                         credentials_of(dirs[0], job, index), timeout=5)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value.details()
+            assert f"{job}:{index} may not call DataPlane" in e.value.details()
+
+
+def test_only_owners_and_server0_learn_the_data_port(make_service, cert_dirs):
+    check_only_owners_and_server0_learn_the_data_port(make_service, cert_dirs)
+
+
+def test_mutation_anyone_learning_the_data_port_is_detected(make_service, cert_dirs, monkeypatch):
+    real = server_module.AggregationServer._callers  # pylint: disable=protected-access
+    monkeypatch.setattr(server_module.AggregationServer, "_callers", lambda self, method: real(self, method) + [
+        "tfe:2", "evaluator:0"] if method.name == "DataPlane" else real(self, method))
+    _detects(check_only_owners_and_server0_learn_the_data_port, make_service, cert_dirs)
+
+
 def _a_step_completes(service):
     """Both owners' clients complete a step on the data planes (the servers still serve)."""
     clients = [service.client(job, index) for job, index in (("chief", 0), ("worker", 0))]
@@ -671,12 +718,12 @@ def test_a_malformed_head_is_refused_invalid_argument_and_the_server_goes_on(mak
 
 
 
-@pytest.mark.xfail(strict=True, reason="data_plane.DataPlane._calls closes a connection whose refused payload it did "
-                   "not read while the caller still sends it: the caller's send fails (RST) before it reads the "
-                   "refusal, and DataLink.call raises LinkError UNAVAILABLE (retried) instead of the refusal")
-def test_a_refusal_before_a_large_payload_reaches_its_caller(make_service, cert_dirs):
+def check_a_refusal_before_a_large_payload_reaches_its_caller(make_service, dirs):
+    """The owner budget refuses a 32 MiB share before reading it, while the caller still sends it: the caller
+    reads the refusal (the server drains before it closes: a close with unread bytes resets the connection and
+    destroys the answer)."""
     service = make_service(owner_names(2), data_plane=True, owner_memory_budget_bytes=1 << 20)
-    tls = TlsFiles.from_dir(cert_dirs[0], "chief", 0)
+    tls = TlsFiles.from_dir(dirs[0], "chief", 0)
     link = DataLink("localhost", _ports(service)[1], tls.ssl_client_context(1), server_name(tls, 1))
     n = 1 << 22  # 32 MiB: more than the sockets' buffers take while the server reads nothing
     head = MESSAGES["ContributeRequest"](channel="c", step=0, ring_bits=64, num_elements=n).SerializeToString()
@@ -688,6 +735,15 @@ def test_a_refusal_before_a_large_payload_reaches_its_caller(make_service, cert_
         link.close()
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, bytes(message)[:300])
     assert b"--owner-memory-budget-bytes=1048576" in message
+
+
+def test_a_refusal_before_a_large_payload_reaches_its_caller(make_service, cert_dirs):
+    check_a_refusal_before_a_large_payload_reaches_its_caller(make_service, cert_dirs)
+
+
+def test_mutation_closing_without_draining_is_detected(make_service, cert_dirs, monkeypatch):
+    monkeypatch.setattr(data_plane, "_drain", lambda conn, *args, **kwargs: None)
+    _detects(check_a_refusal_before_a_large_payload_reaches_its_caller, make_service, cert_dirs)
 
 
 @pytest.mark.parametrize("plane", [False, pytest.param(True, marks=pytest.mark.xfail(
