@@ -621,6 +621,32 @@ def test_mutation_no_handshake_timeout_is_detected(make_service, cert_dirs, monk
     _detects(check_a_stalled_handshake_is_closed_on_time_and_blocks_nobody, make_service, cert_dirs)
 
 
+def check_a_frame_that_stops_coming_is_closed_after_the_frame_timeout(make_service, dirs):
+    """chief:0 starts a request and sends no more: its connection is closed after --step-timeout-secs (the
+    data plane's frame timeout) and counted out; its other calls go on."""
+    service = make_service(owner_names(2), step_timeout_secs=1.0, data_plane=True)
+    plane, port, chief = _plane(service, 1), _ports(service)[1], _context(dirs, "chief", 0, 1)
+    stalled = _Raw(port, chief)
+    stalled.send(_frame("Contribute")[:frames.REQUEST.size + 3])  # the header and 3 bytes of its head
+    start = time.monotonic()
+    assert _refused(_call(port, chief, _probe()), grpc.StatusCode.INVALID_ARGUMENT)  # served meanwhile
+    reply = stalled.reply(timeout=2.5)
+    took = time.monotonic() - start
+    stalled.close()
+    assert reply == "closed" and took < 2.0, f"the stalled frame got {reply} after {took:.1f} s"
+    assert _wait_until(lambda: not plane._callers.get("chief:0"), 1.0)  # pylint: disable=protected-access
+
+
+def test_a_frame_that_stops_coming_is_closed_after_the_frame_timeout(make_service, cert_dirs):
+    check_a_frame_that_stops_coming_is_closed_after_the_frame_timeout(make_service, cert_dirs)
+
+
+def test_mutation_no_frame_timeout_is_detected(make_service, cert_dirs, monkeypatch):
+    monkeypatch.setattr(data_plane.DataPlane, "_frame_timeout", property(
+        lambda self: None, lambda self, value: None), raising=False)
+    _detects(check_a_frame_that_stops_coming_is_closed_after_the_frame_timeout, make_service, cert_dirs)
+
+
 class _InlineThread(threading.Thread):
     """Part of the leak below: each connection's thread run in the accept loop itself."""
 
