@@ -108,9 +108,7 @@ class _Put:
     def _run(self) -> None:
         try:
             link = self._client._plane(self._server, self._timeout)  # pylint: disable=protected-access
-            if link is not None:
-                self._on_plane(link)
-            else:
+            if link is None or not self._on_plane(link):
                 self._on_grpc()
         except grpc.RpcError as e:
             self._error = e
@@ -123,18 +121,26 @@ class _Put:
             for callback in callbacks:
                 callback(self)
 
-    def _on_plane(self, link: DataLink) -> None:
+    def _on_plane(self, link: DataLink) -> bool:
+        """The put on the data plane; False if it cannot be reached (the server saw nothing: put on gRPC)."""
         head = self._client._messages["ContributeRequest"](**self._fields).SerializeToString()
         try:
             code, replayed, message = link.call("Contribute", head, frames.encode_meta(self._meta), self._payload,
                                                 self._timeout, self._started)
         except LinkError as e:
             self._client._plane_failed(self._server, link)  # pylint: disable=protected-access
-            raise _CallError(grpc.StatusCode.CANCELLED if self._cancelled else e.code, e.details) from None
+            if self._cancelled:
+                raise _CallError(grpc.StatusCode.CANCELLED, e.details) from None
+            if not e.sent:  # connecting or its TLS handshake failed: the same mutual TLS on the gRPC port
+                _LOG.warning("service mode: aggregation server%d's data plane cannot be reached (%s); putting on "
+                             "its gRPC port", self._server, e.details)
+                return False
+            raise _CallError(e.code, e.details) from None
         if code != grpc.StatusCode.OK:
             raise _CallError(code, bytes(message).decode("utf-8", "replace"))
         self._reply = wire.decode("ContributeReply", message)
         self._trailing = ((ring.REPLAYED_METADATA, "1"),) if replayed else ()
+        return True
 
     def _on_grpc(self) -> None:
         # The share's bytes are copied once, from the array into the message's wire bytes.

@@ -29,17 +29,24 @@ __all__ = ["DataLink", "LinkError"]
 
 
 class LinkError(ConnectionError):
-    """The call did not get an answer: the connection failed (refused, closed, timed out)."""
+    """The call did not get an answer: the connection failed (refused, closed, timed out).
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    ``sent``: whether any of the request may have reached the server (False: connecting or the TLS
+    handshake failed, so the server saw nothing of this call and it may go another way, e.g. gRPC)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, sent: bool = False):
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.sent = code, details, sent
 
 
 def _stale(conn: ssl.SSLSocket) -> bool:
     """An idle connection with something to read: the server closed it (an idle one is sent nothing)."""
     try:
-        return bool(conn.pending() or select.select([conn], [], [], 0)[0])
+        if conn.pending():
+            return True
+        poller = select.poll()  # not select: any fd number (a server with many connections has fds past 1024)
+        poller.register(conn, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
 
@@ -122,10 +129,11 @@ class DataLink:
             return code, replayed, message
         except socket.timeout:
             raise LinkError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"no answer from the data plane at {self.host}:{self.port} within {timeout:g} s") from None
+                            f"no answer from the data plane at {self.host}:{self.port} within {timeout:g} s",
+                            sent=True) from None
         except (OSError, ssl.SSLError, frames.FrameError) as e:
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"the data plane at {self.host}:{self.port} failed: "
-                                                         f"{e}") from None
+                                                         f"{e}", sent=True) from None
         finally:
             with self._lock:
                 self._busy.discard(conn)

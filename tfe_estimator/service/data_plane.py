@@ -15,10 +15,12 @@ certificate says (`tls.ssl_peer`: issued by the CA of its own organisation,
 checked once per connection; renewed files are taken for new connections),
 every refusal of the gRPC handlers (the method's callers, the step rules, the
 memory budget: a payload's bytes are reserved before they are read, the calls
-one owner keeps waiting). A connection that has not finished its TLS handshake
-within `handshake_timeout_secs` is closed, at most `max_handshakes` are in
-progress at once, one caller keeps at most `max_connections` connections (each
-holds a thread), and a frame's bytes must keep coming (`frame_timeout_secs`).
+one owner keeps waiting). TLS handshakes run in one thread, non-blocking, so an
+unauthenticated connection holds no thread: one that has not finished within
+`handshake_timeout_secs` is closed, and past `max_handshakes` in progress the
+oldest gives way. An authenticated connection has a thread; one caller keeps at
+most `max_connections`, and a frame's bytes must keep coming
+(`frame_timeout_secs`).
 
 Example::
 
@@ -34,6 +36,7 @@ never read, and the connection is closed after the refusal).
 """
 import logging
 import select
+import selectors
 import socket
 import ssl
 import threading
@@ -41,6 +44,7 @@ import time
 from typing import Callable, Dict, Optional, Set, Tuple
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tfe_estimator.service import frames, wire
 from tfe_estimator.service.tls import TlsFiles, ssl_peer
@@ -71,14 +75,15 @@ class DataPlane:
       address: where to listen, ``host:port`` (port 0: any free port, see `start`).
       serve: the call handler (module docstring).
       max_connections: connections one caller may hold at once (each holds a thread).
-      max_handshakes: connections still in their TLS handshake at once (unauthenticated callers).
+      max_handshakes: connections still in their TLS handshake at once (unauthenticated callers; past it the
+        oldest is dropped). Handshakes hold no thread: one thread runs them all, non-blocking.
       handshake_timeout_secs: how long a connection may take to finish its TLS handshake.
       frame_timeout_secs: how long a frame's next bytes may take once it started.
       name: what log lines call the server.
     """
 
     def __init__(self, tls: TlsFiles, address: str, serve: Callable, max_connections: int = 9,
-                 max_handshakes: int = 64, handshake_timeout_secs: float = 10.0, frame_timeout_secs: float = 60.0,
+                 max_handshakes: int = 256, handshake_timeout_secs: float = 10.0, frame_timeout_secs: float = 60.0,
                  name: str = "aggregation server"):
         self._tls, self._address, self._serve = tls, address, serve
         self._max_connections, self._max_handshakes = int(max_connections), int(max_handshakes)
@@ -87,10 +92,10 @@ class DataPlane:
         self._lock = threading.Lock()
         self._context: Optional[ssl.SSLContext] = None
         self._stamp = None
-        self._handshaking = 0
         self._callers: Dict[str, int] = {}
-        self._sockets: Set[socket.socket] = set()  # open connections (the TLS socket once wrapped)
+        self._sockets: Set[ssl.SSLSocket] = set()  # authenticated connections (`stop` shuts them down)
         self._listener: Optional[socket.socket] = None
+        self._acceptor: Optional[threading.Thread] = None
         self._stopped = threading.Event()
         self.port = 0
 
@@ -111,19 +116,19 @@ class DataPlane:
             listener.close()
             raise RuntimeError(f"{self._name} cannot listen on {self._address} for its data plane ({e}): the port "
                                "is taken or the address is not local. Pick a free port (0 picks one).") from None
+        listener.setblocking(False)
         self._listener = listener
         self.port = listener.getsockname()[1]
-        threading.Thread(target=self._accept, name="tfe-data-accept", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, name="tfe-data-accept", daemon=True)
+        self._acceptor.start()
         return self.port
 
     def stop(self) -> None:
-        """Stops accepting and closes every connection (their calls end)."""
+        """Stops accepting and closes every connection (their calls end; handshakes in progress too)."""
         self._stopped.set()
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=5.0)  # it notices within 0.5 s, drops the handshakes, closes its selector
         if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self._listener.close()
         with self._lock:
             sockets = list(self._sockets)
@@ -148,36 +153,84 @@ class DataPlane:
             return self._context
 
     def _accept(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                raw, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._handshaking >= self._max_handshakes:
-                    raw.close()  # too many unauthenticated connections at once: this one waits for nothing
-                    continue
-                self._handshaking += 1
-                self._sockets.add(raw)
-            threading.Thread(target=self._connection, args=(raw,), name="tfe-data", daemon=True).start()
+        """Accepts connections and runs their TLS handshakes, all in this one thread (non-blocking sockets):
+        an unauthenticated connection holds no thread. At most `max_handshakes` are in progress; past that
+        the oldest is dropped (a peer that keeps connections open in their handshake cannot lock owners out),
+        and each is dropped after `handshake_timeout_secs`. A finished handshake gets a thread of its own."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ, None)
+        pending: Dict[ssl.SSLSocket, float] = {}  # connection -> its handshake's deadline (insertion = age)
 
-    def _connection(self, raw: socket.socket) -> None:
-        identity, conn, counted = None, None, False
-        try:
+        def drop(conn: ssl.SSLSocket) -> None:
+            pending.pop(conn, None)
             try:
-                raw.settimeout(self._handshake_timeout)
-                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn = self._ssl_context().wrap_socket(raw, server_side=True)
-            except (OSError, ssl.SSLError, ValueError):
-                return  # not a TLS client of ours (no certificate, another CA, plaintext): TLS refused it
-            finally:
-                with self._lock:
-                    self._handshaking -= 1
-                    if conn is not None:  # wrap_socket detached `raw`: `stop` must shut the TLS socket down
-                        self._sockets.discard(raw)
-                        self._sockets.add(conn)
+                selector.unregister(conn)
+            except (KeyError, ValueError):
+                pass
+            conn.close()
+
+        try:
+            while not self._stopped.is_set():
+                now = time.monotonic()
+                for conn in [c for c, deadline in pending.items() if deadline <= now]:
+                    drop(conn)
+                wait = min([0.5] + [max(0.0, d - now) for d in pending.values()])
+                for key, _ in selector.select(wait):
+                    if key.data is None:
+                        self._accept_one(selector, pending, drop)
+                    else:
+                        self._handshake_step(key.data, selector, pending, drop)
+        finally:
+            for conn in list(pending):
+                drop(conn)
+            selector.close()
+
+    def _accept_one(self, selector, pending, drop) -> None:
+        try:
+            raw, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            if not self._stopped.is_set():
+                time.sleep(0.05)  # e.g. out of file descriptors: let connections end
+            return
+        try:
+            raw.setblocking(False)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = self._ssl_context().wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ssl.SSLError, ValueError):
+            raw.close()
+            return
+        while len(pending) >= self._max_handshakes:
+            drop(next(iter(pending)))  # the oldest unfinished handshake gives way
+        pending[conn] = time.monotonic() + self._handshake_timeout
+        selector.register(conn, selectors.EVENT_READ, conn)
+
+    def _handshake_step(self, conn: ssl.SSLSocket, selector, pending, drop) -> None:
+        try:
+            conn.do_handshake()
+        except ssl.SSLWantReadError:
+            selector.modify(conn, selectors.EVENT_READ, conn)
+            return
+        except ssl.SSLWantWriteError:
+            selector.modify(conn, selectors.EVENT_WRITE, conn)
+            return
+        except (OSError, ssl.SSLError, ValueError):
+            drop(conn)  # not a TLS client of ours (no certificate, another CA, plaintext): TLS refused it
+            return
+        pending.pop(conn, None)
+        selector.unregister(conn)
+        conn.setblocking(True)
+        with self._lock:
             if self._stopped.is_set():
+                conn.close()
                 return
+            self._sockets.add(conn)
+        threading.Thread(target=self._connection, args=(conn,), name="tfe-data", daemon=True).start()
+
+    def _connection(self, conn: ssl.SSLSocket) -> None:
+        identity, counted = None, False
+        try:
             identity, problem = ssl_peer(self._tls, conn)
             if problem is None:
                 with self._lock:
@@ -201,13 +254,11 @@ class DataPlane:
             if not self._stopped.is_set():
                 _LOG.debug("%s: data plane connection of %s closed: %s", self._name, identity, e)
         finally:
-            if counted:
-                with self._lock:
-                    self._callers[identity] -= 1
             with self._lock:
-                self._sockets.discard(raw)
+                if counted:
+                    self._callers[identity] -= 1
                 self._sockets.discard(conn)
-            (conn or raw).close()
+            conn.close()
 
     def _reply(self, conn, code: grpc.StatusCode, message, replayed: bool = False) -> None:
         conn.settimeout(self._frame_timeout)
@@ -238,14 +289,17 @@ class DataPlane:
                 received.append(True)
 
             try:
-                request = classes[wire.method(method).request].FromString(head)
-                answer, replayed = self._serve(identity, method, request, frames.decode_meta(meta), payload_len,
-                                               receive, lambda conn=conn: _alive(conn))
+                try:
+                    request = classes[wire.method(method).request].FromString(head)
+                    metadata = frames.decode_meta(meta)
+                except (DecodeError, frames.FrameError) as e:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request's fields or metadata do "
+                                                                    f"not parse ({e}); use OwnerClient.") from None
+                answer, replayed = self._serve(identity, method, request, metadata, payload_len, receive,
+                                               lambda conn=conn: _alive(conn))
                 code = grpc.StatusCode.OK
             except Refused as e:
                 code, answer, replayed = e.code, e.message.encode("utf-8"), False
-            except (ValueError, frames.FrameError) as e:  # a malformed head (protobuf's DecodeError is one)
-                code, answer, replayed = grpc.StatusCode.INVALID_ARGUMENT, str(e).encode("utf-8"), False
             self._reply(conn, code, answer, replayed)
             if payload_len and not received:
                 _drain(conn)  # the payload of a refused call was never read: the stream is out of step, close it
@@ -271,6 +325,13 @@ def _alive(conn: ssl.SSLSocket) -> bool:
     """True while the caller waits for its answer: nothing to read (a caller sends nothing while it waits; a
     readable socket means it closed, or broke the protocol)."""
     try:
-        return not conn.pending() and not select.select([conn], [], [], 0)[0]
+        return not conn.pending() and not _readable(conn)
     except (OSError, ValueError):
         return False
+
+
+def _readable(sock) -> bool:
+    """Whether `sock` has something to read (or its end closed) now; poll, not select (any fd number)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(0))

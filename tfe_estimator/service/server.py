@@ -580,7 +580,10 @@ class AggregationServer:
                     if self._peer_link is link:  # server1 restarted? ask for its port again
                         self._peer_link, self._peer_link_checked = None, 0.0
                 link.retire()
-                _LOG.info("aggregation server0: server1's data plane failed (%s); forwarding on gRPC", e.details)
+                if e.sent:  # it may sit in server1's step: forwarding it again would be a second contribution
+                    raise _Forwarded(e.code, e.details) from None
+                _LOG.info("aggregation server0: server1's data plane cannot be reached (%s); forwarding on gRPC",
+                          e.details)
             else:
                 if code != grpc.StatusCode.OK:
                     raise _Forwarded(code, bytes(message).decode("utf-8", "replace"))
