@@ -184,7 +184,9 @@ def _launch(workload: Workload, settings: Dict, twin: str, timed: int, workdir: 
     with open(log_path, "w") as log:
         status = _BenchLauncher.make(command=command, workers=workload.replicas - 1, evaluator=False,
                                      protocol=settings["protocol"], task_cwd=os.path.join(workdir, "{job}-{index}"),
-                                     out=log, cluster_mode="service").run()
+                                     out=log, cluster_mode="service",
+                                     # the relay relays the servers' gRPC ports only: a relayed twin stays on them
+                                     data_plane=twin != RELAYED).run()
     results = {}
     for entry in sorted(os.listdir(workdir)):
         path = os.path.join(workdir, entry, "result.json")
