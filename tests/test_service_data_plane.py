@@ -16,7 +16,9 @@ property's own check must then fail):
   while another owner is served; a stalled TLS handshake is closed on time and blocks nobody; garbage after
   the handshake gets a refusal or a close, and the server goes on;
 - lifecycle: a closed service leaves no data-plane thread and nothing listening on its data port.
-Known bugs of the data plane are strict xfails naming the code at fault (they pass once it is fixed).
+Regressions of bugs found here (each fixed in e1eac16 or 6509134): a malformed head answered, a refusal before a
+large payload read by its caller, a forward that timed out never sent again, a stopped server ending the
+handshakes in progress, outsiders holding every handshake slot not stopping the owners.
 """
 import os
 import select
@@ -28,11 +30,14 @@ import types
 
 import grpc
 import numpy as np
+import portpicker
 import pytest
 
 from service_helpers import (CLUSTER, WAIT_SECS, Service, cert_dirs, credentials_of, in_threads,  # noqa: F401
                              make_service, owner_names, raw_call)
+from federation_helpers import CLUSTER as FEDERATION_CLUSTER, make_federation
 from tfe_estimator.cluster import certs
+from tfe_estimator.identity import federation as federation_lib
 from tfe_estimator.service import TlsFiles, budget as budget_module, data_plane, frames, ring, wire
 from tfe_estimator.service import server as server_module
 from tfe_estimator.service.data_link import DataLink, LinkError
@@ -323,6 +328,72 @@ def test_mutation_the_federation_check_skipped_on_the_data_plane_is_detected(mak
     monkeypatch.setattr(data_plane, "ssl_peer", lambda tls, conn: (real(tls, conn)[0], None))
     _detects(check_a_foreign_certificate_past_tls_is_refused_by_the_federation_check, make_service, cert_dirs,
              monkeypatch)
+
+
+# Organisations each with its own CA (the deployment page's flow): a CA of the federation signs only its own
+# organisation's parties.
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory):
+    """``(root, server1)``: the federation's parties' directories and a server1 with a data plane."""
+    root = tmp_path_factory.mktemp("federation")
+    make_federation(root, {"tfe:0": ("localhost", portpicker.pick_unused_port()),
+                           "tfe:1": ("localhost", portpicker.pick_unused_port())})
+    tls = TlsFiles.from_dir(str(root / "operator-y" / "tfe-1"), "tfe", 1)
+    server1 = server_module.AggregationServer(1, "localhost:0", ["chief:0", "worker:0"], tls, step_timeout_secs=5.0,
+                                              data_address="localhost:0")
+    server1.start()
+    yield root, server1
+    server1.stop(0)
+
+
+def _federation_context(root, org, identity_dir, ca_org=None):
+    """`identity_dir`'s client context pinned to operator-y's tfe-1; with `ca_org`, worker:0's name signed by
+    that organisation's CA (a minting insider: its CA is one the federation trusts)."""
+    job, index = identity_dir.split("-")
+    own = TlsFiles.from_dir(str(root / org / identity_dir), job, int(index))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cadata=own.trust().server_ca_pem(1).decode("ascii"))
+    if ca_org is None:
+        context.load_cert_chain(own.cert, own.key)
+        return context
+    ca = root / ca_org / "ca"
+    key, csr = certs.make_key_and_csr("worker", 0, ca_org, FEDERATION_CLUSTER)
+    cert = certs.sign_csr(csr, (ca / "ca.crt").read_bytes(), (ca / "ca.key").read_bytes(), FEDERATION_CLUSTER)
+    forged = root / f"forged-by-{ca_org}"
+    forged.mkdir(exist_ok=True)
+    (forged / "worker-0.crt").write_bytes(cert)
+    (forged / "worker-0.key").write_bytes(key)
+    context.load_cert_chain(str(forged / "worker-0.crt"), str(forged / "worker-0.key"))
+    return context
+
+
+def check_a_party_minted_by_another_organisation_is_refused(root, server1):
+    port = server1._data_plane.port  # pylint: disable=protected-access
+    name = certs.task_dns_name("tfe", 1, FEDERATION_CLUSTER)
+    for ca_org in ("hospital-a", "operator-x"):
+        raw = _Raw(port, None)
+        raw.sock = _federation_context(root, "hospital-b", "worker-0", ca_org).wrap_socket(raw.sock,
+                                                                                         server_hostname=name)
+        raw.send(_probe())
+        text = _refused(raw.reply(), grpc.StatusCode.UNAUTHENTICATED)
+        raw.close()
+        assert "not by the CA of worker:0's organisation 'Hospital B'" in text, (ca_org, text)
+    # The honest worker:0 is served (ring 48 is refused by the handler's checks).
+    raw = _Raw(port, None)
+    raw.sock = _federation_context(root, "hospital-b", "worker-0").wrap_socket(raw.sock, server_hostname=name)
+    raw.send(_probe())
+    assert "Contribute of worker:0" in _refused(raw.reply(), grpc.StatusCode.INVALID_ARGUMENT)
+    raw.close()
+
+
+def test_a_party_minted_by_another_organisation_is_refused(federation):
+    check_a_party_minted_by_another_organisation_is_refused(*federation)
+
+
+def test_mutation_no_per_organisation_check_on_the_data_plane_is_detected(federation, monkeypatch):
+    monkeypatch.setattr(federation_lib.Federation, "check_peer", lambda self, identity, leaf, now=None: None)
+    _detects(check_a_party_minted_by_another_organisation_is_refused, *federation)
 
 
 class _PlainConnection:
@@ -679,10 +750,6 @@ def test_mutation_handshakes_blocking_the_accept_loop_are_detected(make_service,
     _detects(check_a_stalled_handshake_is_closed_on_time_and_blocks_nobody, make_service, cert_dirs)
 
 
-@pytest.mark.xfail(strict=True, reason="data_plane.DataPlane._accept closes every connection past max_handshakes "
-                   "(64) unauthenticated ones, and OwnerClient has no way around its server's data plane: a peer "
-                   "without a certificate that keeps 64 TCP connections open (renewed every handshake timeout, "
-                   "10 s) fails every owner's put UNAVAILABLE ('EOF occurred in violation of protocol')")
 def test_outsiders_holding_every_handshake_slot_do_not_stop_the_owners(make_service):
     service = make_service(owner_names(2), data_plane=True)
     held = [socket.create_connection(("127.0.0.1", port)) for port in _ports(service)
@@ -757,9 +824,6 @@ def test_garbage_after_the_handshake_is_refused_or_closed_and_the_server_goes_on
     _a_step_completes(service)
 
 
-@pytest.mark.xfail(strict=True, reason="data_plane.DataPlane._calls catches (ValueError, FrameError) around the "
-                   "head's parse; protobuf's DecodeError is neither: the connection's thread dies, no answer")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_malformed_head_is_refused_invalid_argument_and_the_server_goes_on(make_service, cert_dirs):
     # ContributeRequest's bytes that protobuf cannot parse: data_plane.py means to answer INVALID_ARGUMENT
     # ("protobuf's DecodeError is one" of ValueError), like gRPC's own parse error.
@@ -800,10 +864,7 @@ def test_mutation_closing_without_draining_is_detected(make_service, cert_dirs, 
     _detects(check_a_refusal_before_a_large_payload_reaches_its_caller, make_service, cert_dirs)
 
 
-@pytest.mark.parametrize("plane", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="server.AggregationServer._send_forward falls back to gRPC after any LinkError, "
-    "DEADLINE_EXCEEDED included: the forward that timed out still sits in server1's step, so the step is "
-    "forwarded twice and the owners read 'tfe:0 already contributed ... two processes run as tfe:0?'"))])
+@pytest.mark.parametrize("plane", [False, True])
 def test_a_forward_that_times_out_is_sent_once(make_service, cert_dirs, monkeypatch, plane):
     """Both keys reach server0, no share reaches server1: server1's step times out. Server0 forwarded once, and
     the owners read why (as on gRPC), not a duplicate of server0's part."""
@@ -896,9 +957,5 @@ def test_a_closed_service_ends_an_idle_connection_a_caller_keeps_open(cert_dirs)
     check_a_closed_service_leaves_no_data_plane_behind(cert_dirs, held=("idle",))
 
 
-@pytest.mark.xfail(strict=True, reason="data_plane.DataPlane.stop shuts down the sockets in _sockets, which holds "
-                   "the raw socket during the handshake: ssl's wrap_socket detached it (fd -1) before its "
-                   "handshake, so stop does not end a connection in its handshake (it waits for "
-                   "handshake_timeout_secs, 10 s by default)")
 def test_a_closed_service_ends_a_connection_in_its_handshake(cert_dirs):
     check_a_closed_service_leaves_no_data_plane_behind(cert_dirs, held=("handshake",))
