@@ -85,13 +85,13 @@ def _parties_variable(parties: int):
 
 def _epsilon_metrics(dp, batch_variable, parties_variable, model_dir=None):
     def epsilons(steps, batch, parties):
-        from tfe_estimator.distribute.training_run import repeated_releases  # pylint: disable=import-outside-toplevel
+        from tfe_estimator.distribute.training_run import recorded_repeated_releases  # pylint: disable=import-outside-toplevel
 
         batch = dp.expected_batch_size or int(batch)
         if batch <= 0:
             return [float("nan")] * 2  # no training step recorded yet
         # Service mode: steps the servers released twice count twice (DistributedDP(count_repeated_releases)).
-        return list(dp.epsilons(batch, int(steps) + repeated_releases(model_dir), int(parties)))
+        return list(dp.epsilons(batch, int(steps) + recorded_repeated_releases(model_dir), int(parties)))
 
     def value(_=None):
         step = tf.compat.v1.train.get_global_step()
