@@ -128,7 +128,7 @@ class _Put:
             code, replayed, message = link.call("Contribute", head, frames.encode_meta(self._meta), self._payload,
                                                 self._timeout, self._started)
         except LinkError as e:
-            self._client._plane_failed(self._server, link)  # pylint: disable=protected-access
+            self._client._plane_failed(self._server, link, e.sent)  # pylint: disable=protected-access
             if self._cancelled:
                 raise _CallError(grpc.StatusCode.CANCELLED, e.details) from None
             if not e.sent:  # connecting or its TLS handshake failed: the same mutual TLS on the gRPC port
@@ -308,11 +308,14 @@ class OwnerClient:
         link.close()
         return self._links[server]
 
-    def _plane_failed(self, server: int, link: DataLink) -> None:
-        """Forgets a data-plane link whose connection failed (the server may have restarted on another port)."""
+    def _plane_failed(self, server: int, link: DataLink, reached: bool) -> None:
+        """Forgets a data-plane link whose connection failed. `reached`: the call had reached the server (it
+        may have restarted on another port: ask again at the next put); else the port cannot be reached
+        (a firewall?): gRPC for 10 s before the next try, not a connection attempt per put."""
         with self._plane_lock:
             if self._links[server] is link:
-                self._links[server], self._plane_asked[server] = None, None
+                self._links[server] = None
+                self._plane_asked[server] = None if reached else time.monotonic()
         link.retire()
 
     def _error(self, method: str, server: int, error: grpc.RpcError) -> ServiceError:

@@ -126,8 +126,13 @@ class DataPlane:
     def stop(self) -> None:
         """Stops accepting and closes every connection (their calls end; handshakes in progress too)."""
         self._stopped.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor's select at once
+            except OSError:
+                pass
         if self._acceptor is not None:
-            self._acceptor.join(timeout=5.0)  # it notices within 0.5 s, drops the handshakes, closes its selector
+            self._acceptor.join(timeout=5.0)  # it drops the handshakes in progress and closes its selector
         if self._listener is not None:
             self._listener.close()
         with self._lock:

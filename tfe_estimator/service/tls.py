@@ -32,6 +32,8 @@ __all__ = ["TlsFiles", "peer_identity", "peer_certificate", "check_peer", "serve
            "server_mismatch", "identity_of_common_name", "FEDERATION_FILE", "ssl_peer"]
 
 _LOG = logging.getLogger("tfe_estimator")
+#: TLS 1.2 suites the data plane accepts: forward-secret AEAD only, as gRPC's port (TLS 1.3's are all AEAD).
+_TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 
 
 @functools.lru_cache(maxsize=32)
@@ -144,6 +146,7 @@ class TlsFiles(NamedTuple):
         roots, _, _ = self.read()
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.set_ciphers(_TLS12_CIPHERS)
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cadata=roots.decode("ascii"))
         context.load_cert_chain(self.cert, self.key)
@@ -154,6 +157,7 @@ class TlsFiles(NamedTuple):
         CA only; connect with ``server_hostname=server_name(tls, server)`` (its name is checked)."""
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.set_ciphers(_TLS12_CIPHERS)
         context.check_hostname = True
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cadata=self.trust().server_ca_pem(server).decode("ascii"))
