@@ -309,6 +309,32 @@ def _trusting_the_foreign_ca(monkeypatch, dirs):
     _server_context_that(monkeypatch, lambda context: context.load_verify_locations(cadata=foreign_ca))
 
 
+def check_tls12_takes_only_forward_secret_aead_suites(make_service, dirs):
+    """An owner's own certificate offering TLS 1.2 with AES-CBC only is refused in the handshake (the gRPC port
+    takes AES-GCM only); the same owner offering AES-GCM is answered."""
+    service = make_service(owner_names(2), data_plane=True)
+    for server, port in enumerate(_ports(service)):
+        for suites, answered in (("ECDHE-ECDSA-AES128-SHA256:ECDHE-ECDSA-AES256-SHA384:ECDHE-ECDSA-AES128-SHA", False),
+                                 ("ECDHE-ECDSA-AES128-GCM-SHA256", True)):
+            context = _context(dirs, "chief", 0, server)
+            context.maximum_version = ssl.TLSVersion.TLSv1_2
+            context.set_ciphers(suites)
+            reply = _call(port, context, _probe(server), server)
+            if answered:
+                _refused(reply, grpc.StatusCode.INVALID_ARGUMENT)  # past TLS: the probe's own refusal
+            else:
+                assert reply == "closed", f"TLS 1.2 with {suites} on server{server}'s data plane: {reply}"
+
+
+def test_tls12_takes_only_forward_secret_aead_suites(make_service, cert_dirs):
+    check_tls12_takes_only_forward_secret_aead_suites(make_service, cert_dirs)
+
+
+def test_mutation_a_data_plane_taking_cbc_suites_is_detected(make_service, cert_dirs, monkeypatch):
+    _server_context_that(monkeypatch, lambda context: context.set_ciphers("DEFAULT"))
+    _detects(check_tls12_takes_only_forward_secret_aead_suites, make_service, cert_dirs)
+
+
 def check_a_foreign_certificate_past_tls_is_refused_by_the_federation_check(make_service, dirs, monkeypatch):
     """Defence in depth: were TLS to let a foreign CA's chief-0 through, `tls.ssl_peer` still refuses it
     (UNAUTHENTICATED: not issued by the CA of chief:0's organisation), before any call is read."""
