@@ -986,3 +986,54 @@ def test_a_closed_service_ends_an_idle_connection_a_caller_keeps_open(cert_dirs)
 
 def test_a_closed_service_ends_a_connection_in_its_handshake(cert_dirs):
     check_a_closed_service_leaves_no_data_plane_behind(cert_dirs, held=("handshake",))
+
+
+# ------------------------------------------------------------ renewal --
+
+def check_a_renewed_server_certificate_is_presented_to_new_connections(dirs, tmp_path):
+    """The operator renews server1's key and certificate in place while it runs: a new data-plane connection gets
+    the new certificate (as the gRPC port does, test_federation), and the renewed server still answers owners."""
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    from cryptography.x509.oid import NameOID  # pylint: disable=import-outside-toplevel
+
+    own = tmp_path / "tfe-1"
+    shutil.copytree(dirs[0], own)
+    tls = TlsFiles.from_dir(str(own), "tfe", 1)
+    server = server_module.AggregationServer(1, "localhost:0", owner_names(2), tls, step_timeout_secs=WAIT_SECS,
+                                             data_address="localhost:0")
+    server.start()
+    port = server._data_plane.port  # pylint: disable=protected-access
+
+    def presented():
+        raw = _Raw(port, _context(dirs, "chief", 0, 1), 1)
+        try:
+            return certs.load_certificate(ssl.DER_cert_to_PEM_cert(raw.sock.getpeercert(True)).encode(), "server1")
+        finally:
+            raw.close()
+
+    try:
+        before = presented()
+        organisation = before.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value
+        key, csr = certs.make_key_and_csr("tfe", 1, organisation, CLUSTER)
+        with open(own / certs.CA_CERT, "rb") as ca_cert, open(own / "ca.key", "rb") as ca_key:
+            new_cert = certs.sign_csr(csr, ca_cert.read(), ca_key.read(), CLUSTER)
+        with open(tls.key, "wb") as f:
+            f.write(key)
+        with open(tls.cert, "wb") as f:
+            f.write(new_cert)
+        after = presented()
+        assert after.serial_number != before.serial_number, "the data plane still presents the old certificate"
+        assert after.serial_number == certs.load_certificate(new_cert, "new").serial_number
+        assert _refused(_call(port, _context(dirs, "chief", 0, 1), _probe(1), 1), grpc.StatusCode.INVALID_ARGUMENT)
+    finally:
+        server.stop(0)
+
+
+def test_a_renewed_server_certificate_is_presented_to_new_connections(cert_dirs, tmp_path):
+    check_a_renewed_server_certificate_is_presented_to_new_connections(cert_dirs, tmp_path)
+
+
+def test_mutation_a_data_plane_that_never_rereads_its_files_is_detected(cert_dirs, tmp_path, monkeypatch):
+    monkeypatch.setattr(TlsFiles, "stamp", lambda self: ())
+    _detects(check_a_renewed_server_certificate_is_presented_to_new_connections, cert_dirs, tmp_path)
