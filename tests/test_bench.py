@@ -39,12 +39,16 @@ def test_the_service_alone_reports_cpu_per_parameter_and_leaves_no_server(capsys
     from tools.bench import service_alone
 
     assert service_alone.main(["--elements", "1000", "--steps", "3", "--owners", "3"]) == 0
-    line = capsys.readouterr().out.strip()
-    assert line.startswith("[service-alone] 1,000 elements, 3 owners"), line
-    figures = [float(v) for v in re.findall(r"(?:server0|server1|clients?) (\d+\.\d+)", line)]
-    assert len(figures) == 6 and all(v > 0 for v in figures), line
-    pids = re.search(r"server pids (\d+), (\d+)", line).groups()
-    assert subprocess.run(["ps", "-p", ",".join(pids)], capture_output=True, check=False).returncode == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2, lines  # the data plane and gRPC side by side
+    for line, path in zip(lines, ("data plane", "gRPC")):
+        assert line.startswith(f"[service-alone] 1,000 elements, 3 owners, {path} "), line
+        figures = [float(v) for v in re.findall(r"(?:server0|server1|clients?) (\d+\.\d+)", line)]
+        assert len(figures) == 6 and all(v > 0 for v in figures), line
+        floors = re.search(r"transport floor \(.*\) s0 (\d+\.\d+), s1 (\d+\.\d+), owner (\d+\.\d+)", line)
+        assert floors and all(float(v) > 0 for v in floors.groups()), line
+        pids = re.search(r"server pids (\d+), (\d+)", line).groups()
+        assert subprocess.run(["ps", "-p", ",".join(pids)], capture_output=True, check=False).returncode == 1
 
 
 def test_the_flower_comparison_names_the_missing_virtualenv_and_the_make_target(tmp_path):
