@@ -215,7 +215,7 @@ def test_sums_on_the_data_plane_are_exact_over_steps_and_a_replay_is_answered_fr
         first[step] = [(b.copy(), w.copy()) for b, w in results]
     # Every put went on the data plane: each owner's link to both servers, its Contribute on each, server0's
     # forward on server1's data plane.
-    assert all(c._links[0] is not None and c._links[1] is not None for c in clients)  # pylint: disable=W0212
+    assert all(c._links[0].link is not None and c._links[1].link is not None for c in clients)  # pylint: disable=W0212
     for role in (0, 1):
         for owner in owner_names(num_owners):
             assert plane_calls.count((role, owner, "Contribute")) == steps, plane_calls
@@ -826,7 +826,7 @@ def _a_step_completes(service):
     results = in_threads([lambda c=c: c.contribute("after", 0, 64, 8, *reversed(_masked(x, 64))) for c in clients])
     assert all(isinstance(r, tuple) for r in results), results
     np.testing.assert_array_equal(_revealed(results[0], 64).view(np.int64), 2 * x)
-    assert all(c._links[1] is not None for c in clients)  # pylint: disable=protected-access
+    assert all(c._links[1].link is not None for c in clients)  # pylint: disable=protected-access
 
 
 def test_garbage_after_the_handshake_is_refused_or_closed_and_the_server_goes_on(make_service, cert_dirs):
@@ -1037,3 +1037,30 @@ def test_a_renewed_server_certificate_is_presented_to_new_connections(cert_dirs,
 def test_mutation_a_data_plane_that_never_rereads_its_files_is_detected(cert_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(TlsFiles, "stamp", lambda self: ())
     _detects(check_a_renewed_server_certificate_is_presented_to_new_connections, cert_dirs, tmp_path)
+
+
+# ------------------------------------------------------------ finding the data plane --
+
+def test_a_data_port_that_cannot_be_reached_is_tried_again_only_after_a_while(cert_dirs):
+    """`PlaneLink` (the owners' client and server0 alike): after a call that reached the server failed it asks
+    for the port again at once (a restarted server may have another); after the port could not be reached it
+    stays on gRPC for `RETRY_SECS` instead of a connection attempt per call."""
+    from tfe_estimator.service import data_link  # pylint: disable=import-outside-toplevel
+
+    asked = []
+    tls = TlsFiles.from_dir(cert_dirs[0], "chief", 0)
+    plane = data_link.PlaneLink(lambda timeout: asked.append(timeout) or portpicker.pick_unused_port(), "localhost",
+                                lambda: tls.ssl_client_context(1), server_name(tls, 1))
+    link = plane.get(timeout=1.0)
+    assert link is not None and len(asked) == 1
+    with pytest.raises(LinkError) as refused:  # nothing listens there
+        link.call("Contribute", b"", b"", b"", timeout=1.0)
+    assert not refused.value.sent
+    plane.failed(link, refused.value)
+    assert plane.get(timeout=1.0) is None and len(asked) == 1  # gRPC meanwhile, not asked again
+    plane._asked -= data_link.RETRY_SECS  # pylint: disable=protected-access  # the while has passed
+    again = plane.get(timeout=1.0)
+    assert again is not None and again is not link and len(asked) == 2
+    plane.failed(again, LinkError(grpc.StatusCode.UNAVAILABLE, "reset after the request", sent=True))
+    assert plane.get(timeout=1.0) is not None and len(asked) == 3  # reached it: asked again at once
+    plane.close()

@@ -26,7 +26,7 @@ import numpy as np
 
 from tfe_estimator.service import frames, ring, wire
 from tfe_estimator.service import tls as tls_lib
-from tfe_estimator.service.data_link import DataLink, LinkError
+from tfe_estimator.service.data_link import DataLink, LinkError, PlaneLink
 from tfe_estimator.service.tls import TlsFiles, server_name, server_name_option
 
 __all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "live_clients", "release_client"]
@@ -128,7 +128,7 @@ class _Put:
             code, replayed, message = link.call("Contribute", head, frames.encode_meta(self._meta), self._payload,
                                                 self._timeout, self._started)
         except LinkError as e:
-            self._client._plane_failed(self._server, link, e.sent)  # pylint: disable=protected-access
+            self._client._links[self._server].failed(link, e)  # pylint: disable=protected-access
             if self._cancelled:
                 raise _CallError(grpc.StatusCode.CANCELLED, e.details) from None
             if not e.sent:  # connecting or its TLS handshake failed: the same mutual TLS on the gRPC port
@@ -213,9 +213,6 @@ class OwnerClient:
         self._retry = float(timeout_secs if retry_secs is None else retry_secs)
         self._tls = tls
         self._use_plane = bool(data_plane)
-        self._plane_lock = threading.Lock()
-        self._links: List[Optional[DataLink]] = [None, None]
-        self._plane_asked: List[Optional[float]] = [None, None]  # when each server was last asked for its plane
         #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
         #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
         self.bytes_sent = self.bytes_received = self.contributions = 0
@@ -232,6 +229,9 @@ class OwnerClient:
         self._stubs = [{m.name: channel.unary_unary(wire.method_path(m.name), request_serializer=wire.serialize,
                                                     response_deserializer=wire.decoder(m.reply))
                         for m in wire.METHODS} for channel in self._channels]
+        self._links = [PlaneLink(lambda timeout, k=k: self._data_port(k, timeout), address.rpartition(":")[0],
+                                 lambda k=k: tls.ssl_client_context(k), server_name(tls, k))
+                       for k, address in enumerate(addresses)]
         # A method no server serves: its answer (UNIMPLEMENTED) proves the server is there, with no side effect.
         self._probes = [channel.unary_unary(f"/{wire.SERVICE_NAME}/Probe", request_serializer=bytes,
                                             response_deserializer=bytes) for channel in self._channels]
@@ -280,43 +280,18 @@ class OwnerClient:
             done.wait(timeout=min(1.0, max(0.05, next_check - now)))
 
     def _plane(self, server: int, timeout: float) -> Optional[DataLink]:
-        """The link to server `server`'s data plane, asked for once (again 10 s after a failure); None: gRPC."""
-        if not self._use_plane:
-            return None
-        with self._plane_lock:
-            link, asked = self._links[server], self._plane_asked[server]
-            if link is not None or (asked is not None and time.monotonic() - asked < 10.0):
-                return link
-            self._plane_asked[server] = time.monotonic()
+        """The link to server `server`'s data plane (`data_link.PlaneLink`); None: put on gRPC."""
+        return self._links[server].get(timeout) if self._use_plane else None
+
+    def _data_port(self, server: int, timeout: float) -> int:
+        """Server `server`'s data port (0: none; a server without the ``DataPlane`` call has none)."""
         try:
-            port = self._stubs[server]["DataPlane"](self._messages["DataPlaneRequest"](), timeout=timeout,
+            return self._stubs[server]["DataPlane"](self._messages["DataPlaneRequest"](), timeout=timeout,
                                                     wait_for_ready=self._wait).port
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None  # a server without the call: gRPC only
-            with self._plane_lock:
-                self._plane_asked[server] = None  # ask again with the put's retry
+                return 0
             raise
-        if not port:
-            return None
-        host = self._addresses[server].rpartition(":")[0]
-        link = DataLink(host, port, self._tls.ssl_client_context(server), server_name(self._tls, server))
-        with self._plane_lock:
-            if self._links[server] is None:
-                self._links[server] = link
-                return link
-        link.close()
-        return self._links[server]
-
-    def _plane_failed(self, server: int, link: DataLink, reached: bool) -> None:
-        """Forgets a data-plane link whose connection failed. `reached`: the call had reached the server (it
-        may have restarted on another port: ask again at the next put); else the port cannot be reached
-        (a firewall?): gRPC for 10 s before the next try, not a connection attempt per put."""
-        with self._plane_lock:
-            if self._links[server] is link:
-                self._links[server] = None
-                self._plane_asked[server] = None if reached else time.monotonic()
-        link.retire()
 
     def _error(self, method: str, server: int, error: grpc.RpcError) -> ServiceError:
         return ServiceError(method, self._addresses[server], error.code(), error.details())
@@ -452,11 +427,8 @@ class OwnerClient:
         """Closes both channels and the data-plane links."""
         for channel in self._channels:
             channel.close()
-        with self._plane_lock:
-            links, self._links = self._links, [None, None]
-        for link in links:
-            if link is not None:
-                link.close()
+        for plane in self._links:
+            plane.close()
 
 
 _CLIENTS: Dict[str, OwnerClient] = {}

@@ -19,13 +19,16 @@ import socket
 import ssl
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import grpc
 
 from tfe_estimator.service import frames
 
-__all__ = ["DataLink", "LinkError"]
+__all__ = ["DataLink", "LinkError", "PlaneLink", "RETRY_SECS"]
+
+#: After a server's data port could not be reached, how long its caller stays on gRPC before trying it again.
+RETRY_SECS = 10.0
 
 
 class LinkError(ConnectionError):
@@ -167,3 +170,68 @@ class DataLink:
         with self._lock:
             busy = list(self._busy)
         self.abort(busy)
+
+
+class PlaneLink:
+    """A caller's `DataLink` to one server's data plane, found by asking the server (its ``DataPlane`` call)
+    and kept (thread-safe). The owners' client and server0 (forwarding to server1) each hold one per server.
+
+    Asked for once; asked again at once after a call that reached the server failed (it may have restarted
+    on another port), but only `RETRY_SECS` after its port could not be reached (a firewall: the caller stays
+    on gRPC meanwhile instead of a connection attempt per call).
+
+    Args:
+      ask: ``ask(timeout) -> port`` (0: the server has no data plane); raises ``grpc.RpcError``.
+      host: the server's host (its gRPC address's).
+      context: ``() -> ssl.SSLContext`` of this caller pinned to the server; hostname: its certificate's name.
+
+    Example::
+
+        plane = PlaneLink(ask, "tfe1.example", lambda: tls.ssl_client_context(1), server_name(tls, 1))
+        link = plane.get(timeout=5.0)        # None: use gRPC
+    """
+
+    def __init__(self, ask: Callable[[float], int], host: str, context: Callable[[], ssl.SSLContext],
+                 hostname: str):
+        self._ask, self._host, self._context, self._hostname = ask, host, context, hostname
+        self._lock = threading.Lock()
+        self.link: Optional[DataLink] = None
+        self._asked: Optional[float] = None  # when the server was last asked for its port
+
+    def get(self, timeout: float) -> Optional[DataLink]:
+        """The link, asking the server for its port if due; None: use gRPC. A failed ask raises
+        ``grpc.RpcError`` and is asked again at the next call."""
+        with self._lock:
+            if self.link is not None or (self._asked is not None and time.monotonic() - self._asked < RETRY_SECS):
+                return self.link
+            self._asked = time.monotonic()
+        try:
+            port = self._ask(timeout)
+        except grpc.RpcError:
+            with self._lock:
+                self._asked = None
+            raise
+        if not port:
+            return None
+        link = DataLink(self._host, port, self._context(), self._hostname)
+        with self._lock:
+            if self.link is None:
+                self.link = link
+                return link
+        link.close()
+        return self.link
+
+    def failed(self, link: DataLink, error: LinkError) -> None:
+        """Forgets `link` after `error` (its calls still running finish on their connections)."""
+        with self._lock:
+            if self.link is link:
+                self.link = None
+                self._asked = None if error.sent else time.monotonic()
+        link.retire()
+
+    def close(self) -> None:
+        """Closes the link; calls still running end with LinkError."""
+        with self._lock:
+            link, self.link = self.link, None
+        if link is not None:
+            link.close()

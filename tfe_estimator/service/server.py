@@ -38,14 +38,13 @@ import logging
 import re
 import secrets
 import threading
-import time
 from typing import Dict, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
 
 from tfe_estimator.service import frames, ring, wire
-from tfe_estimator.service.data_link import DataLink, LinkError
+from tfe_estimator.service.data_link import LinkError, PlaneLink
 from tfe_estimator.service.data_plane import DataPlane, Refused
 from tfe_estimator.service.handshake_table import HandshakeTable
 from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
@@ -195,10 +194,7 @@ class AggregationServer:
         self._forward = None
         self._stopped = threading.Event()
         self._data_address, self._data_plane = data_address, None
-        self._peer_link: Optional[DataLink] = None  # server0: server1's data plane, once known
-        self._peer_link_checked = 0.0  # server0: when it last asked server1 for its data plane
-        self._peer_plane_call = None
-        self._peer_lock = threading.Lock()
+        self._peer_plane: Optional[PlaneLink] = None  # server0: its link to server1's data plane
 
     # ------------------------------------------------------------ lifecycle --
 
@@ -237,9 +233,12 @@ class AggregationServer:
             self._forward = self._peer.unary_unary(
                 wire.method_path("ForwardBlinded"), request_serializer=wire.serialize,
                 response_deserializer=classes["ForwardReply"].FromString)
-            self._peer_plane_call = self._peer.unary_unary(
-                wire.method_path("DataPlane"), request_serializer=wire.serialize,
-                response_deserializer=classes["DataPlaneReply"].FromString)
+            ask = self._peer.unary_unary(wire.method_path("DataPlane"), request_serializer=wire.serialize,
+                                         response_deserializer=classes["DataPlaneReply"].FromString)
+            self._peer_plane = PlaneLink(
+                lambda timeout: ask(classes["DataPlaneRequest"](), timeout=timeout, wait_for_ready=True).port,
+                self._peer_address.rpartition(":")[0], lambda: self._tls.ssl_client_context(1),
+                server_name(self._tls, 1))
         if self._data_address is not None:
             self._data_plane = DataPlane(self._tls, self._data_address, self._data_call,
                                          max_connections=self._max_waiting + 1,
@@ -269,8 +268,8 @@ class AggregationServer:
             self._server.stop(grace).wait()
         if self._peer is not None:
             self._peer.close()
-        if self._peer_link is not None:
-            self._peer_link.close()
+        if self._peer_plane is not None:
+            self._peer_plane.close()
         if self._ahead is not None:
             self._ahead.shutdown(wait=False, cancel_futures=True)
         self._pool.reclaim()
@@ -316,6 +315,12 @@ class AggregationServer:
                          f"{method.name} is served by aggregation server{'/'.join(map(str, method.roles))}, "
                          f"not by server{self._role}: call tfe:{method.roles[0]} instead.")
 
+    def _refused(self, refusal) -> grpc.StatusCode:
+        """Logs a refusal (`StepRefused` or `_Abort`, on either port); returns its gRPC status code."""
+        code = grpc.StatusCode[refusal.code] if isinstance(refusal, StepRefused) else refusal.code
+        _LOG.warning("aggregation server%d: %s: %s", self._role, code.name, refusal.message)
+        return code
+
     def _handler(self, method: wire.Method):
         work = {"Contribute": self._contribute, "Handshake": self._handshake, "Rewind": self._rewind,
                 "ForwardBlinded": self._forwarded, "DataPlane": self._data_port}[method.name]
@@ -326,10 +331,8 @@ class AggregationServer:
                 identity = self._authorize(method, context)
                 return work(identity, request, context, reply)
             except (StepRefused, _Abort) as e:
-                code = grpc.StatusCode[e.code] if isinstance(e, StepRefused) else e.code
-                message = e.message
-            _LOG.warning("aggregation server%d: %s: %s", self._role, code.name, message)
-            context.abort(code, message)
+                refusal = e
+            context.abort(self._refused(refusal), refusal.message)
             return None  # unreachable: abort raises
 
         return handle
@@ -541,45 +544,27 @@ class AggregationServer:
                 self._forwarded(identity, decoded, context, wire.messages()["ForwardReply"])
                 answer = b""
         except (StepRefused, _Abort) as e:
-            code = grpc.StatusCode[e.code] if isinstance(e, StepRefused) else e.code
-            _LOG.warning("aggregation server%d: %s: %s", self._role, code.name, e.message)
-            raise Refused(code, e.message) from None
+            raise Refused(self._refused(e), e.message) from None
         # Released (its contribution left the step) or answered from the window (never added): reuse the buffer.
         self._pool.give(buffer)
         return answer, context.replayed
-
-    def _peer_data_link(self) -> Optional[DataLink]:
-        """Server0: a link to server1's data plane if it has one (asked again at most every 10 s), else None."""
-        with self._peer_lock:  # releases of several channels forward at once: one link, asked for once
-            if self._peer_link is not None or time.monotonic() - self._peer_link_checked < 10.0:
-                return self._peer_link
-            self._peer_link_checked = time.monotonic()
-            try:
-                port = self._peer_plane_call(wire.messages()["DataPlaneRequest"](), timeout=5.0,
-                                             wait_for_ready=True).port
-            except grpc.RpcError:
-                return None  # unreachable now, or a server1 without the call: gRPC waits for it
-            if port:
-                host = self._peer_address.rpartition(":")[0]
-                self._peer_link = DataLink(host, port, self._tls.ssl_client_context(1), server_name(self._tls, 1))
-            return self._peer_link
 
     def _send_forward(self, channel: StepChannel, released: Released, digests: str) -> None:
         """Forwards a released step's blinded part to server1: on its data plane if it has one, else gRPC."""
         fields = dict(channel=channel.name, step=released.step, ring_bits=released.ring_bits,
                       num_elements=released.num_elements)
         meta = ((DIGESTS_METADATA, digests),)
-        link = self._peer_data_link()
+        try:
+            link = self._peer_plane.get(timeout=5.0)
+        except grpc.RpcError:
+            link = None  # server1 unreachable now, or without the call: the gRPC forward waits for it
         if link is not None:
             head = wire.messages()["ForwardRequest"](**fields).SerializeToString()
             try:
                 code, _, message = link.call("ForwardBlinded", head, frames.encode_meta(meta), released.acc,
                                              self._timeout)
             except LinkError as e:
-                with self._peer_lock:
-                    if self._peer_link is link:  # server1 restarted? ask for its port again
-                        self._peer_link, self._peer_link_checked = None, 0.0
-                link.retire()
+                self._peer_plane.failed(link, e)
                 if e.sent:  # it may sit in server1's step: forwarding it again would be a second contribution
                     raise _Forwarded(e.code, e.details) from None
                 _LOG.info("aggregation server0: server1's data plane cannot be reached (%s); forwarding on gRPC",
