@@ -31,7 +31,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import grpc
 
 __all__ = ["REQUEST", "REPLY", "KINDS", "REPLAYED", "MAX_HEAD", "FrameError", "request_header", "parse_request",
-           "reply_header", "parse_reply", "encode_meta", "decode_meta", "read_exact", "read_into", "status_code"]
+           "reply_header", "parse_reply", "encode_meta", "decode_meta", "read_exact", "read_into"]
 
 REQUEST = struct.Struct("<4sB3xIIQ")
 REPLY = struct.Struct("<4sBB2xQ")
@@ -79,11 +79,6 @@ def parse_reply(header: bytes) -> Tuple[grpc.StatusCode, bool, int]:
     if magic != _REPLY_MAGIC or code not in _CODES:
         raise FrameError(f"the server's answer starts with {bytes(magic)!r} (code {code}): not a data-plane reply.")
     return _CODES[code], bool(flags & REPLAYED), message
-
-
-def status_code(name: str) -> grpc.StatusCode:
-    """The `grpc.StatusCode` called `name` (a `steps.StepRefused` code)."""
-    return grpc.StatusCode[name]
 
 
 def encode_meta(pairs: Optional[Sequence[Tuple[str, str]]]) -> bytes:
