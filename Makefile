@@ -15,7 +15,7 @@ EXTRAS_tf29 := test,bench
 TESTS_tf215 := tests
 TESTS_tf29 := tests/test_compat.py tests/test_tfe_backend.py tests/test_kernels.py tests/test_aggregation.py tests/test_strategy_routing.py \
 	tests/test_estimator_training.py tests/test_run_config.py \
-	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_launch.py tests/test_service_data_plane.py
+	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_launch.py tests/test_service_data_plane.py tests/test_sum_check.py
 
 VENV := $(VENV_$(STACK))
 VENV_PY := $(VENV)/bin/python

@@ -23,6 +23,7 @@ from service_helpers import OWNER_TASKS, WAIT_SECS, cert_dirs, in_threads, owner
 from tfe_estimator.distribute import check_seed, service_sum, sum_check
 from tfe_estimator.distribute.sum_check import CHECK_WORDS, PRIMES, SumCheck, SumIntegrityError
 from tfe_estimator.secure.fused_sum import Encoding
+from tfe_estimator.secure.kernels.check_pass import check_pass
 from tfe_estimator.service import AggregationServer, OwnerClient, TlsFiles, ring, wire
 
 SEED = bytes(range(32))
@@ -186,6 +187,44 @@ def test_a_large_sum_crosses_chunks_exactly():
         ring.add_into(acc, ring.keystream_words(key, acc.size), 64)
     check.verify("big", 3, 64, n, np.zeros(4, np.int32), acc.view(np.int64) - ring.keystream_words(
         np.zeros(4, np.int32), acc.size).view(np.int64))
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_the_kernel_pass_computes_the_numpy_definition_exactly(ring_bits):
+    # The C++ pass (`check_pass`) that extend and verify run, against the NumPy definition (`coefficients`,
+    # `values`): across pass blocks (4096 elements), odd sizes (the 32-bit ring's padding lane), extreme words.
+    check = SumCheck(SEED)
+    rng = np.random.default_rng(ring_bits)
+    for n in (0, 1, 3, 4097, 2 * 4096 + 5):
+        total = n + CHECK_WORDS
+        words = rng.integers(0, 2**64, ring.ring_words(total, ring_bits), dtype=np.uint64, endpoint=False)
+        words[:2] = [2**63, 2**63 - 1]
+        key = rng.integers(-2**31, 2**31, 4, dtype=np.int32)
+        stream = ring.keystream_words(key, words.size)
+        coefficient_key = sum_check._derive(SEED, "sum_3", 11)  # pylint: disable=protected-access
+        coefficients = check.coefficients("sum_3", 11, n)
+        for copy, given in ((True, n), (False, total)):
+            out = np.empty(words.size, np.uint64)
+            values = check_pass(words, given, total, n, ring_bits, key, coefficient_key, out, copy=copy)
+            plain = sum_check._plus(words, stream, ring_bits)  # pylint: disable=protected-access
+            assert values == SumCheck.values(coefficients, plain, n, ring_bits), (n, copy)
+            for i in range(total):
+                element = sum_check._element  # pylint: disable=protected-access
+                expected = element(words if copy and i < given else (plain if i < given else stream), i, ring_bits)
+                assert element(out, i, ring_bits) == expected, (n, copy, i)
+
+
+def test_the_kernel_pass_refuses_arrays_outside_its_contract():
+    words = np.zeros(10, np.uint64)
+    with pytest.raises(ValueError, match="writable contiguous uint64 array of 14 words"):
+        check_pass(words, 10, 14, 10, 64, bytes(16), bytes(16), np.empty(10, np.uint64), copy=True)
+    with pytest.raises(ValueError, match="not the 12 64-bit ring words of 12 elements"):
+        check_pass(words, 12, 14, 10, 64, bytes(16), bytes(16), np.empty(14, np.uint64), copy=True)
+    with pytest.raises(ValueError, match="mask_key is an AES-128 key of 16 bytes, got 15"):
+        check_pass(words, 10, 14, 10, 64, bytes(15), bytes(16), np.empty(14, np.uint64), copy=True)
+    with pytest.raises(ValueError, match="must not overlap"):
+        out = np.empty(14, np.uint64)
+        check_pass(out, 10, 14, 10, 64, bytes(16), bytes(16), out, copy=True)
 
 
 def _add_to_element(index, delta, step=None, only=None):

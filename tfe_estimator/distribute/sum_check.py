@@ -35,11 +35,13 @@ between owners, and answers of another step or channel are changes like any
 other. The server sees neither the seed nor the owners' check values (each
 masked like the vector), so its change is independent of the coefficients.
 
-Cost: per contribution one AES expansion for the coefficients and one of the
-owner's key (to read its own vector back from its share), and two exact
-float64 products of the ``(ROWS, n)`` coefficients with the vector's 16-bit
-limbs (blocks of `BLOCK` elements, each product below 2**53); tools/bench/check_cost.py
-measures it.
+Cost: per contribution and answer one pass of the kernel library
+(`tfe_estimator.secure.kernels.check_pass`, C++): per cache-sized block, the
+AES expansions of the coefficients and of the key (to read the owner's own
+vector back from its share, or the sum from its answer) and the exact
+products in 128-bit integers; about 4 ns per element each on this project's
+2-core machine, against 12 for the NumPy definition below (`coefficients`,
+`values`), which the tests hold it to. tools/bench/check_cost.py measures it.
 
 Example::
 
@@ -55,6 +57,7 @@ import numpy as np
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from tfe_estimator.secure.kernels.check_pass import check_pass
 from tfe_estimator.service import ring
 
 __all__ = ["SumCheck", "SumIntegrityError", "checked_contribute", "ROWS", "COEFFICIENT_BITS", "PRIMES",
@@ -89,10 +92,9 @@ def _derive(seed: bytes, channel: str, step: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=ring.KEY_BYTES, salt=None, info=info).derive(seed)
 
 
-def _plus(a: np.ndarray, b: np.ndarray, ring_bits: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """The ring vector ``a + b`` (uint64 words) in `out` (default: a new array), in one pass where the ring allows."""
-    if out is None:
-        out = np.empty(a.shape, np.uint64)
+def _plus(a: np.ndarray, b: np.ndarray, ring_bits: int) -> np.ndarray:
+    """The ring vector ``a + b`` (uint64 words) in a new array, in one pass where the ring allows."""
+    out = np.empty(a.shape, np.uint64)
     if ring_bits == 64:
         return np.add(a, b, out=out)
     if ring_bits == 32:
@@ -150,8 +152,9 @@ class SumCheck:
     def coefficients(self, channel: str, step: int, n: int) -> np.ndarray:
         """The ``(ROWS, n)`` uint32 coefficients of `channel`'s sum at `step`, integers below 2**20.
 
-        Kept as uint32 (4 bytes each, shifted in place): `values` turns one cache-sized block at a time
-        into float64, instead of a (ROWS, n) float64 array that cost most of the checks' time at 1e6.
+        The definition in NumPy, which `check_pass` computes block by block (tests compare them; a test
+        server forges a change with it). Kept as uint32 (4 bytes each, shifted in place): `values` turns
+        one cache-sized block at a time into float64, instead of a (ROWS, n) float64 array.
         The array is this thread's scratch: the next call in the thread overwrites it.
         """
         key = _derive(self._seed, channel, step)
@@ -163,6 +166,7 @@ class SumCheck:
     def values(coefficients: np.ndarray, words: np.ndarray, n: int, ring_bits: int) -> List[int]:
         """Per row, ``sum_i r_mi x_i`` over the first `n` elements of `words` read as signed integers, exactly.
 
+        The definition in NumPy (`check_pass` computes the same in 128-bit integers; tests compare them).
         Per block of `BLOCK` elements (cache-sized; small products also keep BLAS single-threaded) the
         elements' 16-bit limbs, the top one signed, go to float64 and one product with the block's
         coefficients gives per row and limb an exact integer (below 2**53: `CHUNK`).
@@ -196,34 +200,26 @@ class SumCheck:
             raise ValueError(f"the sums' integrity checks hold for at most {MAX_OWNERS[ring_bits]} owners in the "
                              f"{ring_bits}-bit ring, got {self.num_owners}: use a wider ring (update_ring_bits).")
 
-    def extend(self, channel: str, step: int, ring_bits: int, n: int, key: np.ndarray, share: np.ndarray,
-               coefficients: Optional[np.ndarray] = None) -> np.ndarray:
+    def extend(self, channel: str, step: int, ring_bits: int, n: int, key: np.ndarray, share: np.ndarray) -> np.ndarray:
         """The owner's masked share with its `CHECK_WORDS` check words appended (``n + CHECK_WORDS`` elements).
 
-        Reads its own vector back (share + AES(key)), computes its check words and masks them with the
-        keystream of the same key at elements ``n, n + 1, ...`` (what server0 expands for the longer vector).
+        Reads its own vector back (share + AES(key)), computes its check values and masks the check words with
+        the keystream of the same key at elements ``n, n + 1, ...`` (what server0 expands for the longer
+        vector): one `check_pass` over the share, which also copies it and leaves that keystream in place.
         """
         self._check_owners(ring_bits)
         total = n + CHECK_WORDS
-        stream = ring.keystream_into(np.asarray(key), self._scratch("stream", ring.ring_words(total, ring_bits)))
-        shared = np.asarray(share).reshape(-1).view(np.uint64)
-        # this owner's encoded vector (plus its noise)
-        mine = _plus(shared, stream[:shared.size], ring_bits, out=self._scratch("mine", shared.size))
-        if coefficients is None:
-            coefficients = self.coefficients(channel, step, n)
-        checks = self.residues(self.values(coefficients, mine, n, ring_bits), ring_bits)
-        # every word is written below; reused per thread (the result is only sent: `contribute_checked`)
+        # reused per thread (the result is only sent: `contribute_checked`)
         out = self._scratch("out", ring.ring_words(total, ring_bits))
-        out[-1] = 0  # the 32-bit ring's padding lane
-        per = ring_bits // 32
-        out.view("<u4")[:n * per] = np.asarray(share).reshape(-1).view("<u4")[:n * per]
+        values = check_pass(np.asarray(share).reshape(-1), n, total, n, ring_bits, key,
+                            _derive(self._seed, channel, step), out, copy=True)
         modulus = 1 << ring_bits
-        for j, value in enumerate(checks):
-            _set_element(out, n + j, ring_bits, (value - _element(stream, n + j, ring_bits)) % modulus)
+        for j, value in enumerate(self.residues(values, ring_bits)):  # out's element n + j is AES(key)'s
+            _set_element(out, n + j, ring_bits, (value - _element(out, n + j, ring_bits)) % modulus)
         return out.view(np.int64)
 
-    def verify(self, channel: str, step: int, ring_bits: int, n: int, blind_key: np.ndarray, masked: np.ndarray,
-               coefficients: Optional[np.ndarray] = None) -> np.ndarray:
+    def verify(self, channel: str, step: int, ring_bits: int, n: int, blind_key: np.ndarray,
+               masked: np.ndarray) -> np.ndarray:
         """Checks the revealed sum ``masked + AES(blind_key)`` (``n + CHECK_WORDS`` elements); returns it
         (uint64 ring words, its check words included).
 
@@ -231,17 +227,16 @@ class SumCheck:
           SumIntegrityError: naming the step, the channel, how many checks failed and the servers' operators.
         """
         total = n + CHECK_WORDS
-        answer = np.asarray(masked).reshape(-1).view(np.uint64)
+        answer = np.asarray(masked).reshape(-1)
         if answer.size != ring.ring_words(total, ring_bits):
             raise SumIntegrityError(
                 f"the sum released for step {step} on channel {channel} has {answer.size} ring words, not the "
                 f"{ring.ring_words(total, ring_bits)} of {n} elements and {CHECK_WORDS} check words: a server "
                 f"altered it (server operators: {self.operators}); training stopped, nothing of it applied.")
-        stream = ring.keystream_into(np.asarray(blind_key), self._scratch("stream", answer.size))
-        revealed = _plus(answer, stream, ring_bits)  # a new array: it is handed to TensorFlow
-        if coefficients is None:
-            coefficients = self.coefficients(channel, step, n)
-        expected = self.residues(self.values(coefficients, revealed, n, ring_bits), ring_bits)
+        revealed = np.empty(answer.size, np.uint64)  # a new array: it is handed to TensorFlow
+        values = check_pass(answer, total, total, n, ring_bits, blind_key, _derive(self._seed, channel, step),
+                            revealed, copy=False)
+        expected = self.residues(values, ring_bits)
         primes = PRIMES[ring_bits] * ROWS
         failed = sum(_element(revealed, n + j, ring_bits) % p != e for j, (p, e) in enumerate(zip(primes, expected)))
         if failed:
@@ -275,10 +270,9 @@ def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel:
             return blind_key, masked
         answer = np.asarray(masked).reshape(-1).view(np.uint64)
         return _plus(answer, ring.keystream_words(np.asarray(blind_key), words), ring_bits).view(np.int64)
-    coefficients = check.coefficients(channel, step, n)
-    extended = check.extend(channel, step, ring_bits, n, key, share, coefficients)
+    extended = check.extend(channel, step, ring_bits, n, key, share)
     blind_key, masked = contribute(channel, step, ring_bits, n + CHECK_WORDS, key, extended)
-    revealed = check.verify(channel, step, ring_bits, n, blind_key, masked, coefficients)
+    revealed = check.verify(channel, step, ring_bits, n, blind_key, masked)
     if reveal:
         return revealed[:words].view(np.int64)
     return blind_key, np.asarray(masked).reshape(-1)[:words]

@@ -48,7 +48,7 @@ server.wait()
 
 
 class _Timed:
-    """A `SumCheck` whose check work (coefficients, extend, verify) is timed in CPU seconds of its thread."""
+    """A `SumCheck` whose check work (extend, verify) is timed in CPU seconds of its thread."""
 
     def __init__(self, check):
         self._check = check
@@ -60,9 +60,6 @@ class _Timed:
             return getattr(self._check, name)(*args)
         finally:
             self.seconds += time.thread_time() - start
-
-    def coefficients(self, *args):
-        return self._timed("coefficients", *args)
 
     def extend(self, *args):
         return self._timed("extend", *args)
@@ -160,10 +157,9 @@ def micro(elements: int, repeats: int = 20) -> float:
     total = ring.ring_words(elements + sum_check.CHECK_WORDS, 64)
 
     def once(step: int) -> None:
-        coefficients = check.coefficients("c", step, elements)
-        extended = check.extend("c", step, 64, elements, key, share.view(np.int64), coefficients)
+        extended = check.extend("c", step, 64, elements, key, share.view(np.int64))
         # Stand-in answer of one owner: its own extended share, unmasked by its key (blind key = key).
-        check.verify("c", step, 64, elements, key, extended[:total], coefficients)
+        check.verify("c", step, 64, elements, key, extended[:total])
 
     once(0)
     best = float("inf")
