@@ -104,8 +104,23 @@ def test_each_organisations_part_is_schema_valid_and_holds_no_key(sites, capsys)
     assert configs["chief:0"]["cluster"]["tfe"] == [f"{h}:{p}" for h, p in SERVERS.values()]
 
 
+def _server_ports(port):
+    """A server's two ports across organisations: its address's port (gRPC) and its data port, the next one."""
+    return (port, port + 1)
+
+
+def test_node_port_and_grpc_only_servers_are_schema_valid(sites, capsys):
+    _, fed = sites
+    utils = _schema_validator()
+    for extra in (["--expose", "NodePort", "--server-address", "tfe:1=198.51.100.7:30701"], ["--no-data-plane"],
+                  ["--expose", "ClusterIP"]):
+        for manifest in _render(capsys, fed, "tfe:1", *extra)[1]:
+            utils.validate(manifest, utils.latest_version(), strict=True)
+
+
 def _check_owner(objs):
-    """An owner: no Service, no port, no ingress rule, egress only to the two servers' ports (every rule has `to`)."""
+    """An owner: no Service, no port, no ingress rule, egress only to the two servers' two ports each (every rule
+    has `to`), and to every one of them: the data port too, or the owner's client would wait on it."""
     assert sorted(o["kind"] for o in objs) == ["Job", "NetworkPolicy"]  # no Service: nothing to reach
     policy = _policy(objs)
     assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["ingress"] == []
@@ -119,8 +134,9 @@ def _check_owner(objs):
             assert ipaddress.ip_network(peer["ipBlock"]["cidr"]).num_addresses <= 16, peer  # a server's range only
             for port in rule["ports"]:
                 reached |= {(s, port["port"]) for s, (host, p) in SERVERS.items() if _in(peer["ipBlock"]["cidr"], host)}
-                assert any(_in(peer["ipBlock"]["cidr"], h) and port["port"] == p for h, p in SERVERS.values())
-    assert reached == {(s, p) for s, (_, p) in SERVERS.items()}
+                assert any(_in(peer["ipBlock"]["cidr"], h) and port["port"] in _server_ports(p)
+                           for h, p in SERVERS.values())
+    assert reached == {(s, q) for s, (_, p) in SERVERS.items() for q in _server_ports(p)}
     (job,) = [o for o in objs if o["kind"] == "Job"]
     assert "ports" not in job["spec"]["template"]["spec"]["containers"][0]
 
@@ -133,9 +149,10 @@ def test_an_owner_admits_nothing_and_reaches_only_the_two_servers(sites, capsys,
     assert all(rule.get("to") for rule in _policy(objs)["egress"])  # IP addresses: not even DNS
 
 
-@pytest.mark.parametrize("plant", ["egress anywhere", "egress elsewhere", "ingress", "service"])
+@pytest.mark.parametrize("plant", ["egress anywhere", "egress elsewhere", "ingress", "service", "no data port",
+                                   "another port"])
 def test_mutation_an_owner_open_to_more_is_caught(sites, capsys, plant):
-    """Plant a rule that opens the owner further: the owner check must fail."""
+    """Plant a rule that opens the owner further (or drops a data port it must reach): the owner check must fail."""
     _, fed = sites
     _, objs = _render(capsys, fed, "chief:0")
     policy = _policy(objs)
@@ -145,6 +162,10 @@ def test_mutation_an_owner_open_to_more_is_caught(sites, capsys, plant):
         policy["egress"][0]["to"].append({"ipBlock": {"cidr": "0.0.0.0/0"}})
     elif plant == "ingress":
         policy["ingress"].append({"ports": [{"protocol": "TCP", "port": 7000}]})
+    elif plant == "no data port":  # the per-site rendering before the data port: gRPC only
+        policy["egress"][1]["ports"] = policy["egress"][1]["ports"][:1]
+    elif plant == "another port":
+        policy["egress"][0]["ports"].append({"protocol": "TCP", "port": 7002})
     else:
         objs.append({"kind": "Service"})
     with pytest.raises(AssertionError):
@@ -163,37 +184,97 @@ def test_mutation_a_key_in_a_manifest_is_caught(sites, capsys):
     assert not _no_key(text + "# " + keys[0] + "\n", keys)  # a key's base64 in a comment too
 
 
+def _check_server(objs, ports, node_ports=False):
+    """A server: every port it binds (its gRPC port, its ``--data-port``: the one it announces) is its container's,
+    exposed on its Service at the same number (on every node too with `node_ports`), and the only ports its
+    NetworkPolicy admits, all from the same sources; returns the policy's spec."""
+    (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    command = container["command"]
+    bound = (ports[0],) + ((int(command[command.index("--data-port") + 1]),) if "--data-port" in command else ())
+    assert bound == tuple(ports)
+    assert [p["containerPort"] for p in container["ports"]] == list(ports)
+    (service,) = [o for o in objs if o["kind"] == "Service"]
+    for p in service["spec"]["ports"]:
+        assert p["port"] == p["targetPort"] and p.get("nodePort", p["port"]) == p["port"]
+        assert ("nodePort" in p) == node_ports
+    assert [p["port"] for p in service["spec"]["ports"]] == list(ports)
+    policy = _policy(objs)
+    assert len(policy["ingress"]) == 1  # one rule: every port admits exactly the same callers
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": p} for p in ports]
+    return policy
+
+
 @pytest.mark.parametrize("server", ["tfe:0", "tfe:1"])
-def test_a_server_is_exposed_and_admits_only_its_port(sites, capsys, server):
+def test_a_server_is_exposed_and_admits_only_its_two_ports(sites, capsys, server):
     _, fed = sites
     host, port = SERVERS[server]
     _, objs = _render(capsys, fed, server, "--allow-from", OWNER_CIDR)
     (service,) = [o for o in objs if o["kind"] == "Service"]
     assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["externalTrafficPolicy"] == "Local"
-    assert service["spec"]["ports"][0]["port"] == port and service["spec"]["loadBalancerSourceRanges"] == [OWNER_CIDR]
-    policy = _policy(objs)
-    (rule,) = policy["ingress"]
-    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
-    assert rule["from"] == [{"ipBlock": {"cidr": OWNER_CIDR}}]
+    assert service["spec"]["loadBalancerSourceRanges"] == [OWNER_CIDR]
+    policy = _check_server(objs, _server_ports(port))
+    assert policy["ingress"][0]["from"] == [{"ipBlock": {"cidr": OWNER_CIDR}}]
     if server == "tfe:1":
         assert policy["egress"] == []  # server1 calls nobody
-    else:
+    else:  # server0 reaches server1's service port and its data port (server0's forward), nothing else
         h1, p1 = SERVERS["tfe:1"]
         assert policy["egress"] == [{"to": [{"ipBlock": {"cidr": f"{h1}/32"}}],
-                                     "ports": [{"protocol": "TCP", "port": p1}]}]
-    (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["ports"][0]["containerPort"] == port
+                                     "ports": [{"protocol": "TCP", "port": p} for p in _server_ports(p1)]}]
+
+
+@pytest.mark.parametrize("plant", ["another port", "data port open to all", "data port not bound"])
+def test_mutation_a_server_open_to_more_is_caught(sites, capsys, plant):
+    """Plant a port the server does not announce, a data port admitted from anywhere, or a data port the server
+    does not bind (the Service says 7002, the server announces 7001): the server check must fail."""
+    _, fed = sites
+    _, objs = _render(capsys, fed, "tfe:1", "--allow-from", OWNER_CIDR)
+    rules = _policy(objs)["ingress"]
+    if plant == "another port":
+        rules[0]["ports"].append({"protocol": "TCP", "port": 7003})
+    elif plant == "data port open to all":
+        rules[0]["ports"].pop()
+        rules.append({"ports": [{"protocol": "TCP", "port": 7002}]})
+    else:
+        (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
+        deployment["spec"]["template"]["spec"]["containers"][0]["command"][-1] = "7001"
+    with pytest.raises(AssertionError):
+        _check_server(objs, _server_ports(7001))
+
+
+def test_without_a_data_plane_a_server_runs_grpc_only_and_owners_may_not_opt_out(sites, capsys):
+    _, fed = sites
+    _, objs = _render(capsys, fed, "tfe:0", "--no-data-plane", "--allow-from", OWNER_CIDR)
+    policy = _check_server(objs, (7000,))
+    h1, p1 = SERVERS["tfe:1"]  # server1's data port is its own operator's choice: server0 may still reach it
+    assert policy["egress"][0]["ports"] == [{"protocol": "TCP", "port": p} for p in _server_ports(p1)]
+    with pytest.raises(SystemExit):
+        _render(capsys, fed, "worker:0", "--no-data-plane")
+    assert "its egress must admit them" in capsys.readouterr().err
+    with pytest.raises(TypeError, match="data_plane='no'"):
+        k8s_site.render_party(Federation.load(fed), "tfe:1", "demo", IMAGE, data_plane="no")
 
 
 def test_node_port_and_host_names(sites, capsys):
     _, fed = sites
-    _, objs = _render(capsys, fed, "tfe:1", "--expose", "NodePort", "--server-address", "tfe:1=198.51.100.7:30701")
-    (service,) = [o for o in objs if o["kind"] == "Service"]
-    assert service["spec"]["ports"][0]["nodePort"] == 30701
+    address = ["--server-address", "tfe:1=198.51.100.7:30701"]
+    _, objs = _render(capsys, fed, "tfe:1", "--expose", "NodePort", *address)
+    _check_server(objs, (30701, 30702), node_ports=True)  # announced 30702: the node port other sites reach
+    # Every other site reaches exactly those node ports: the owners' and server0's egress.
+    for party in ("worker:0", "tfe:0"):
+        _, objs = _render(capsys, fed, party, *address)
+        (rule,) = [r for r in _policy(objs)["egress"] if r["to"] == [{"ipBlock": {"cidr": "198.51.100.7/32"}}]]
+        assert [p["port"] for p in rule["ports"]] == [30701, 30702], party
     with pytest.raises(SystemExit):
         _render(capsys, fed, "tfe:1", "--expose", "NodePort")
     assert "7001 is no node port" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the data port would be 32768, no node port
+        _render(capsys, fed, "tfe:1", "--expose", "NodePort", "--server-address", "tfe:1=198.51.100.7:32767")
+    assert "data port 32768 (its address port 32767 + 1) is no node port" in capsys.readouterr().err
+    _, objs = _render(capsys, fed, "tfe:1", "--expose", "NodePort", "--server-address", "tfe:1=198.51.100.7:32767",
+                      "--no-data-plane")
+    _check_server(objs, (32767,), node_ports=True)
     # A server at a host name: the owner needs its IP range, and then may resolve it (DNS).
     names = ["--server-address", "tfe:0=tfe0.operator-x.example:7000"]
     with pytest.raises(SystemExit):
@@ -213,6 +294,10 @@ def test_node_port_and_host_names(sites, capsys):
     (["--party", "tfe:0", "--federation", "{fed}", "--allow-from", "hospital"], "is not an IP range"),
     (["--party", "tfe:0", "--federation", "{fed}", "--server-address", "tfe:0=localhost:7000"], "loopback"),
     (["--party", "tfe:0", "--federation", "/nonexistent.json"], "cannot read it"),
+    (["--party", "tfe:1", "--federation", "{fed}", "--server-address", "tfe:1=198.51.100.7:65535"],
+     "leaves no room for its data port"),
+    (["--party", "tfe:0", "--federation", "{fed}", "--server-address", "tfe:0=198.51.100.7:7000",
+      "--server-address", "tfe:1=198.51.100.7:7001"], "give the two servers ports at least 2 apart"),
     (["--federation", "{fed}"], "only with --party"),
 ])
 def test_bad_party_arguments_name_the_value_and_the_fix(sites, capsys, argv, message):

@@ -562,6 +562,26 @@ def test_service_mode_refuses_a_port_without_room_for_the_data_port():
     assert _render(1, False, cluster_mode="in-graph", port=65535)  # in-graph mode has no data plane
 
 
+def test_service_mode_without_a_data_plane_opens_the_service_port_only(capsys):
+    """`data_plane=False` (``--no-data-plane``): the servers run without --data-port, and neither their Services,
+    their containers nor any NetworkPolicy open port + 1."""
+    manifests = _render(1, True, cluster_mode="service", port=7000, data_plane=False)
+    expected = {(("chief", 0), ("tfe", k)) for k in (0, 1)} | {(("worker", 0), ("tfe", k)) for k in (0, 1)} | {
+        (("tfe", 0), ("tfe", 1))}
+    assert _reachable(manifests, 7000) == _egress(manifests, 7000) == expected
+    assert _reachable(manifests, 7001) == _egress(manifests, 7001) == set()
+    assert all([p["port"] for p in s["spec"]["ports"]] == [7000] for s in _by_kind(manifests)["Service"])
+    for deployment in _by_kind(manifests)["Deployment"]:
+        assert "--data-port" not in _container(deployment)["command"]
+        assert [p["containerPort"] for p in _container(deployment)["ports"]] == [7000]
+    assert _render(1, False, cluster_mode="service", port=65535, data_plane=False)  # no data port, no room needed
+    assert kubernetes.main(["--name", "demo", "--image", IMAGE, "--namespace", "ml", "--no-data-plane", "--port",
+                            "7000", "--evaluator", "--", "python", "train.py"]) == 0
+    assert list(yaml.safe_load_all(capsys.readouterr().out)) == manifests
+    with pytest.raises(TypeError, match="data_plane=1 must be True"):
+        _render(1, False, cluster_mode="service", data_plane=1)
+
+
 def test_the_service_policy_check_catches_an_owner_that_accepts_a_server():
     """Mutation: the chief's policy admits the servers (as in-graph's does); the check must fail."""
     manifests = _render(1, True, cluster_mode="service")

@@ -7,12 +7,22 @@ over the internet. `render_party` renders exactly that part, from the public fed
 
 - a data owner (``chief:0``, ``worker:k``): its Job, its certificate Secret referenced (made by
   ``tfe-estimator certs secret``; no key is ever in a rendered manifest), and a NetworkPolicy with
-  no ingress rule at all and egress only to the two servers' IP ranges on their ports (and DNS
-  when a server's address is a host name);
+  no ingress rule at all and egress only to the two servers' IP ranges on their two ports each (and
+  DNS when a server's address is a host name);
 - a server operator (``tfe:0``, ``tfe:1``): its Deployment, a Service other organisations can
   reach (``LoadBalancer``, ``NodePort`` or ``ClusterIP`` behind an address the operator routes)
-  and a NetworkPolicy admitting only its one mTLS port (from the given CIDRs); server0 may connect
+  and a NetworkPolicy admitting only its two mTLS ports (from the given CIDRs); server0 may connect
   out to server1 only, server1 to nobody.
+
+A server's two ports are its federation address's port (gRPC) and the next one, its data port
+(`manifests.data_port`, ``tfe-estimator server --data-port``: the step's large calls without gRPC's
+copies), the convention every site renders with, so an owner's egress admits each server's data port
+without being told it. The server announces the port it binds (the ``DataPlane`` call) and callers
+dial it at the server's federation host, so the data port is the same number at every hop: container
+port, Service port and, with ``NodePort``, node port (hence also in 30000-32767), as the gRPC port is.
+``data_plane=False`` (``--no-data-plane``) is a server operator's choice: its server runs gRPC only
+and the owners, asking, find no data port; an owner cannot opt out (its client uses every data port a
+server announces, so its egress must reach them).
 
 Every site's TF_CONFIG lists the same cluster, derived from the federation file alone (owners
 by identity, at names nothing resolves; the servers at their federation addresses), so the
@@ -42,7 +52,7 @@ from tfe_estimator.cluster.k8s_common import (DEFAULT_COMMAND, DEFAULT_RESOURCES
                                               DEFAULT_TLS_SECRET, SERVER_COMMAND, SERVICE_TFE_TASKS,
                                               check_active_deadline_seconds, check_arguments, check_tls_secret,
                                               labels, pod_security_context, selector)
-from tfe_estimator.cluster.manifests import _pod_spec  # pylint: disable=protected-access
+from tfe_estimator.cluster.manifests import _pod_spec, data_port  # pylint: disable=protected-access
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV
 from tfe_estimator.cluster.spec import (DATA_DIR_ENV, TFE_JOB, cluster_digest, cluster_jobs, cluster_tasks,
                                         tf_config_json)
@@ -139,6 +149,11 @@ def _server_cidrs(addresses: Mapping[str, Tuple[str, int]], given: Mapping[str, 
     return result
 
 
+def _ports(port: int) -> List[Dict[str, Any]]:
+    """A server's ports as a NetworkPolicy names them: its service port and its data port (when there is room)."""
+    return [{"protocol": "TCP", "port": p} for p in (port, data_port(port)) if p <= 65535]
+
+
 def _policy(name: str, namespace: str, task: Tuple[str, int], ingress: List[Dict[str, Any]],
             egress: List[Dict[str, Any]]) -> Dict[str, Any]:
     job, index = task
@@ -169,6 +184,7 @@ def render_party(
     resources: Optional[Dict[str, Dict[str, str]]] = None,
     run_as_user: int = DEFAULT_RUN_AS_USER,
     read_only_root: bool = False,
+    data_plane: bool = True,
 ) -> List[Dict[str, Any]]:
     """The manifests of one party of federation `fed`, for its own organisation's cluster.
 
@@ -184,8 +200,12 @@ def render_party(
         server whose address is a host name.
       allow_from: a server's admitted IP ranges (the owners' egress addresses, and server0's for server1);
         empty: any source, on the one port.
-      expose: a server's Service type, one of `EXPOSE_TYPES` (``NodePort``: the address's port must be a
-        node port, 30000-32767).
+      expose: a server's Service type, one of `EXPOSE_TYPES` (``NodePort``: the address's port and its data
+        port, the next one, must be node ports, 30000-32767).
+      data_plane: a server's data port, its address's port + 1 (the default); False: the server runs gRPC
+        only (no ``--data-port``, no second port on its Service or in its NetworkPolicy). An owner's egress
+        always admits the servers' data ports (refused for an owner: whether a server has one is its
+        operator's choice).
       tls_secret: the party's Secret name (``{name}``, ``{job}``, ``{index}``), from ``tfe-estimator certs secret``.
 
     Returns:
@@ -207,6 +227,12 @@ def render_party(
     if sources and job != TFE_JOB:
         raise ValueError(f"--allow-from is for a server's party; {party} is a data owner and admits no "
                          "connection at all. Drop --allow-from.")
+    if not isinstance(data_plane, bool):
+        raise TypeError(f"data_plane={data_plane!r} must be True (the server's data port) or False (gRPC only).")
+    if not data_plane and job != TFE_JOB:
+        raise ValueError(f"--no-data-plane is for a server's party; {party} is a data owner, whose client uses "
+                         "the data port each server announces, so its egress must admit them (whether a server "
+                         "has one is its operator's choice: `--party tfe:K --no-data-plane`). Drop --no-data-plane.")
     check_arguments(name, image, len(owners) - 1, command, namespace, addresses[SERVERS[0]][1],
                     {"data": (data_claim, data_mount_path), "model": (model_claim, model_mount_path)})
     check_active_deadline_seconds(active_deadline_seconds)
@@ -240,11 +266,21 @@ def render_party(
         raise ValueError(f"--expose NodePort: {party}'s address port {port} is no node port (30000-32767): give "
                          "the server an address with a node port (its federation address or --server-address) "
                          "or use --expose LoadBalancer.")
-    pod_spec = _pod_spec(job, image, SERVER_COMMAND, tf_config, port, "Always", listens=True, **pod_options)
-    service_port: Dict[str, Any] = {"name": "grpc", "port": port, "targetPort": port, "protocol": "TCP"}
-    service_spec: Dict[str, Any] = {"type": expose, "selector": selector(name, job, index), "ports": [service_port]}
+    data = data_port(port) if data_plane else None
+    if data is not None:
+        _check_data_port(party, addresses, expose)
+    command = SERVER_COMMAND + (("--data-port", str(data)) if data is not None else ())
+    pod_spec = _pod_spec(job, image, command, tf_config, port, "Always", listens=True, **pod_options)
+    # The data port is the same number in the container, on the Service and (NodePort) on every node: the server
+    # announces the port it binds, and callers dial it at the federation host.
+    service_ports: List[Dict[str, Any]] = [{"name": "grpc", "port": port, "targetPort": port, "protocol": "TCP"}]
+    if data is not None:
+        pod_spec["containers"][0]["ports"].append({"name": "data", "containerPort": data, "protocol": "TCP"})
+        service_ports.append({"name": "data", "port": data, "targetPort": data, "protocol": "TCP"})
+    service_spec: Dict[str, Any] = {"type": expose, "selector": selector(name, job, index), "ports": service_ports}
     if expose == "NodePort":
-        service_port["nodePort"] = port
+        for service_port in service_ports:
+            service_port["nodePort"] = service_port["port"]
     if expose != "ClusterIP":
         # Keep the callers' source addresses, so the NetworkPolicy's ranges see them.
         service_spec["externalTrafficPolicy"] = "Local"
@@ -256,23 +292,41 @@ def render_party(
         "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                  "selector": {"matchLabels": selector(name, job, index)},
                  "template": {"metadata": {"labels": dict(task_labels)}, "spec": pod_spec}}})
-    rule: Dict[str, Any] = {"ports": [{"protocol": "TCP", "port": port}]}
+    rule: Dict[str, Any] = {"ports": _ports(port) if data is not None else [{"protocol": "TCP", "port": port}]}
     if sources:
         rule["from"] = [{"ipBlock": {"cidr": c}} for c in sources]
     egress: List[Dict[str, Any]] = []
-    if index == 0:  # server0 sends its blinded part to server1, and nothing else
+    if index == 0:  # server0 sends its blinded part to server1 (on server1's data port if it has one), nothing else
         cidr = _server_cidrs(addresses, dict(server_cidrs or {}), [SERVERS[1]])[SERVERS[1]]
-        egress.append({"to": [{"ipBlock": {"cidr": cidr}}],
-                       "ports": [{"protocol": "TCP", "port": addresses[SERVERS[1]][1]}]})
+        egress.append({"to": [{"ipBlock": {"cidr": cidr}}], "ports": _ports(addresses[SERVERS[1]][1])})
         if _host_cidr(addresses[SERVERS[1]][0]) is None:
             egress.append(_DNS)
     manifests.append(_policy(name, namespace, (job, index), [rule], egress))
     return manifests
 
 
+def _check_data_port(party: str, addresses: Mapping[str, Tuple[str, int]], expose: str) -> None:
+    """Refuses a server's data port (its port + 1) that cannot be opened, naming the fix."""
+    host, port = addresses[party]
+    data = data_port(port)
+    if data > 65535:
+        raise ValueError(f"{party}'s address port {port} leaves no room for its data port (the next one, {data}): "
+                         "give the server another port in the federation file (or --server-address), or render "
+                         "it with --no-data-plane (every call on gRPC).")
+    if expose == "NodePort" and data not in NODE_PORTS:
+        raise ValueError(f"--expose NodePort: {party}'s data port {data} (its address port {port} + 1) is no node "
+                         "port (30000-32767): give the server an address port below 32767, or render it with "
+                         "--no-data-plane (every call on gRPC).")
+    for other in SERVERS:
+        if other != party and addresses[other] == (host, data):
+            raise ValueError(f"{party}'s data port {host}:{data} (its address port + 1) is {other}'s service "
+                             f"address: give the two servers ports at least 2 apart (e.g. {other} at "
+                             f"{host}:{data + 1}), or render {party} with --no-data-plane.")
+
+
 def _owner(fed, task, metadata, name, namespace, image, command, tf_config, addresses, server_cidrs, pod_options,
            data_claim, data_mount_path, model_claim, model_mount_path, active_deadline_seconds):
-    """A data owner's Job and its NetworkPolicy (no ingress; egress to the two servers only)."""
+    """A data owner's Job and its NetworkPolicy (no ingress; egress to the two servers' two ports only)."""
     job, index = task
     mounts = []
     if data_claim is not None:
@@ -290,8 +344,8 @@ def _owner(fed, task, metadata, name, namespace, image, command, tf_config, addr
     if active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = active_deadline_seconds
     cidrs = _server_cidrs(addresses, server_cidrs, SERVERS)
-    egress = [{"to": [{"ipBlock": {"cidr": cidrs[s]}}], "ports": [{"protocol": "TCP", "port": addresses[s][1]}]}
-              for s in SERVERS]
+    # Each server's service port and its data port: the owner's client uses the data port a server announces.
+    egress = [{"to": [{"ipBlock": {"cidr": cidrs[s]}}], "ports": _ports(addresses[s][1])} for s in SERVERS]
     if any(_host_cidr(addresses[s][0]) is None for s in SERVERS):
         egress.append(_DNS)  # the servers' names resolve through the cluster's DNS
     return [{"apiVersion": "batch/v1", "kind": "Job", "metadata": dict(metadata), "spec": job_spec},

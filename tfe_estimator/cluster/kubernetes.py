@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
                         "ingress, each pod's certificate from its --tls-secret) or "
                         "in-graph (one organisation on a trusted network; the retired between-graph is refused); "
                         "decides who may reach whom (one NetworkPolicy per task)")
+    parser.add_argument("--no-data-plane", dest="data_plane", action="store_false",
+                        help="service mode: run the aggregation servers without their data port (--port + 1; with "
+                        "--party a server's address port + 1), every call on gRPC; the data plane serves the "
+                        "step's large calls at about half the servers' CPU")
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS on every link: a stunnel sidecar per pod, certificates from a Secret per "
                         "task, only the TLS port exposed")
@@ -128,8 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     site.add_argument("--party", default=None, metavar="IDENTITY",
                       help="render only this party of --federation for its organisation's own cluster: an owner "
                       "(chief:0, worker:K: its Job, no ingress, egress to the two servers only) or a server "
-                      "(tfe:0, tfe:1: its Deployment, an exposed Service, ingress on its one port only); the owners "
-                      "come from the federation file, not --workers")
+                      "(tfe:0, tfe:1: its Deployment, an exposed Service, ingress on its port and data port only); "
+                      "the owners come from the federation file, not --workers")
     site.add_argument("--federation", default=None, metavar="FILE",
                       help="the federation file (`tfe-estimator certs federation`): the owners, the servers and "
                       "their addresses")
@@ -139,10 +143,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="a server's IP range for the egress policies (needed when its address is a host name)")
     site.add_argument("--allow-from", action="append", default=[], metavar="CIDR",
                       help="a server admits only these IP ranges (the owners', and server0's for tfe:1) on its "
-                      "port (default: any source)")
+                      "port and data port (default: any source)")
     site.add_argument("--expose", default="LoadBalancer", choices=("LoadBalancer", "NodePort", "ClusterIP"),
                       help="a server's Service type (default LoadBalancer; NodePort: the address's port is the "
-                      "node port; ClusterIP: you route the federation address to it)")
+                      "node port, the data port the next one; ClusterIP: you route the federation address, and "
+                      "its port + 1, to it)")
     parser.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help=f"training command after '--' (default: {' '.join(DEFAULT_COMMAND)})"
@@ -210,7 +215,7 @@ def _party(args, command) -> List[Dict[str, Any]]:
         active_deadline_seconds=args.active_deadline_seconds,
         resources={"requests": parse_quantities(args.requests, "--requests"),
                    "limits": parse_quantities(args.limits, "--limits")},
-        run_as_user=args.run_as_user, read_only_root=args.read_only_root)
+        run_as_user=args.run_as_user, read_only_root=args.read_only_root, data_plane=args.data_plane)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -261,6 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            "limits": parse_quantities(args.limits, "--limits")},
                 run_as_user=args.run_as_user,
                 read_only_root=args.read_only_root,
+                data_plane=args.data_plane,
             ))
     except ValueError as e:
         parser.error(str(e))

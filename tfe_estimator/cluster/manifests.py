@@ -193,14 +193,15 @@ def _network_policy(name: str, namespace: str, task: Tuple[str, int], tasks, mod
     }
 
 
-def _service_network_policy(name: str, namespace: str, task: Tuple[str, int], tasks, port: int) -> Dict[str, Any]:
+def _service_network_policy(name: str, namespace: str, task: Tuple[str, int], tasks, port: int,
+                            data_plane: bool = True) -> Dict[str, Any]:
     """Service mode: who may connect to and from `task`'s pod.
 
     An owner (chief, worker) and the evaluator accept nothing (deny-all ingress); an owner may connect out to
-    the two aggregation servers' ports only (the service port and the data port, and DNS), the evaluator to
-    nothing but DNS. Server0 accepts the owners; server1 the owners and server0 (its blinded part), on those
-    two ports; server0 may connect out to server1 only, server1 to nothing (and DNS). The peer table's SERVICE row
-    (`tfe_estimator.cluster.peers`), narrowed to the task: tfe-1 calls nobody.
+    the two aggregation servers' ports only (the service port and, with `data_plane`, the data port, and DNS),
+    the evaluator to nothing but DNS. Server0 accepts the owners; server1 the owners and server0 (its blinded
+    part), on those ports; server0 may connect out to server1 only, server1 to nothing (and DNS). The peer
+    table's SERVICE row (`tfe_estimator.cluster.peers`), narrowed to the task: tfe-1 calls nobody.
     """
     job, index = task
     owner_jobs = sorted({j for j, _ in tasks if j in DATA_OWNER_JOBS})
@@ -210,7 +211,7 @@ def _service_network_policy(name: str, namespace: str, task: Tuple[str, int], ta
     def server(k: int) -> Dict[str, Any]:
         return {"podSelector": {"matchLabels": selector(name, TFE_JOB, k)}}
 
-    service_port = [{"protocol": "TCP", "port": port}, {"protocol": "TCP", "port": data_port(port)}]
+    service_port = [{"protocol": "TCP", "port": p} for p in ((port, data_port(port)) if data_plane else (port,))]
     dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
     ingress: List[Dict[str, Any]] = []
     egress: List[Dict[str, Any]] = []
@@ -251,6 +252,7 @@ def render_manifests(
     resources: Optional[Dict[str, Dict[str, str]]] = None,
     run_as_user: int = DEFAULT_RUN_AS_USER,
     read_only_root: bool = False,
+    data_plane: bool = True,
 ) -> List[Dict[str, Any]]:
     """Renders the Kubernetes objects of one secure-aggregation cluster.
 
@@ -335,6 +337,10 @@ def render_manifests(
       read_only_root: a read-only root filesystem for the TensorFlow
         containers, with an emptyDir at /tmp (the sidecar's root is always
         read-only).
+      data_plane: service mode: each aggregation server's data port ``port + 1``
+        (the default); False (``--no-data-plane``) renders the servers without
+        ``--data-port``, their Services and NetworkPolicies on `port` only, and
+        every call goes over gRPC. In-graph mode has no data plane either way.
 
     Returns:
       The manifests as JSON-compatible dicts: Services and workloads task by
@@ -365,18 +371,22 @@ def render_manifests(
     resources = DEFAULT_RESOURCES if resources is None else resources
     pod_security_context(run_as_user)  # refuses root before anything is rendered
     peers.validate_mode(cluster_mode, "cluster_mode")
+    if not isinstance(data_plane, bool):
+        raise TypeError(f"data_plane={data_plane!r} must be True (the servers' data ports) or False (gRPC only).")
     command = tuple(command)
     service = cluster_mode == peers.SERVICE  # the aggregation service speaks mutual TLS itself: no sidecars
     tasks = all_tasks(workers, evaluator, SERVICE_TFE_TASKS if service else NUM_TFE_TASKS)
     sidecars = tls and not service
+    data_plane = data_plane and service  # only the aggregation service has a data plane
     tf_ports = {t: (port + k if sidecars else port) for k, t in enumerate(tasks)}
     if sidecars:
         check_tls(name, tasks, port, sidecar_image, tls_secret)
     if service:
         check_tls_secret(name, tasks, tls_secret)
-        if data_port(port) > 65535:
+        if data_plane and data_port(port) > 65535:
             raise ValueError(f"port={port} in service mode: each aggregation server's data plane listens on the next "
-                             f"port ({data_port(port)}), which must stay below 65536. Use e.g. --port {DEFAULT_PORT}.")
+                             f"port ({data_port(port)}), which must stay below 65536. Use e.g. --port {DEFAULT_PORT} "
+                             "(or --no-data-plane: every call on gRPC).")
 
     def address(job: str, index: int) -> str:
         if sidecars:  # the caller's own sidecar listens there for this task
@@ -399,7 +409,7 @@ def render_manifests(
             cert_options = {"cert_secret": tls_secret.format(name=name, job=job, index=index),
                             "listens": job == TFE_JOB}
         ports = [exposed]
-        if service:  # the server's data plane (`tfe_estimator.service.data_plane`), mutual TLS too
+        if data_plane:  # the server's data plane (`tfe_estimator.service.data_plane`), mutual TLS too
             ports.append({"name": "data", "port": data_port(port), "targetPort": data_port(port), "protocol": "TCP"})
         if not service or job == TFE_JOB:
             manifests.append({
@@ -426,10 +436,10 @@ def render_manifests(
         tf_port = tf_ports[(job, index)]
         if job == TFE_JOB:
             # The TFE parties never see data or the model: no volumes.
-            server = SERVER_COMMAND + (("--data-port", str(data_port(port))) if service else ())
+            server = SERVER_COMMAND + (("--data-port", str(data_port(port))) if data_plane else ())
             pod_spec = _pod_spec(job, image, server, tf_config, tf_port, "Always", mode=cluster_mode,
                                  sidecar=sidecar, **pod_options, **cert_options)
-            if service:
+            if data_plane:
                 pod_spec["containers"][0]["ports"].append(
                     {"name": "data", "containerPort": data_port(port), "protocol": "TCP"})
             manifests.append(
@@ -482,7 +492,7 @@ def render_manifests(
 
     # One NetworkPolicy per task: only the peers the cluster mode's table allows (cluster.peers).
     for task in tasks:
-        manifests.append(_service_network_policy(name, namespace, task, tasks, port) if service else
+        manifests.append(_service_network_policy(name, namespace, task, tasks, port, data_plane) if service else
                          _network_policy(name, namespace, task, tasks, cluster_mode, TLS_PORT if tls else port, tls))
     return manifests
 
