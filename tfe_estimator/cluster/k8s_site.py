@@ -199,7 +199,7 @@ def render_party(
       server_cidrs: ``tfe:k`` -> IP range: where an owner (and server0, for server1) may connect; needed for a
         server whose address is a host name.
       allow_from: a server's admitted IP ranges (the owners' egress addresses, and server0's for server1);
-        empty: any source, on the one port.
+        empty: any source, on its two ports (the service port and the data port).
       expose: a server's Service type, one of `EXPOSE_TYPES` (``NodePort``: the address's port and its data
         port, the next one, must be node ports, 30000-32767).
       data_plane: a server's data port, its address's port + 1 (the default); False: the server runs gRPC
