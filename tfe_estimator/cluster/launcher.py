@@ -59,7 +59,7 @@ from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV, OWNER_CWD_ENV
 from tfe_estimator.cluster.peers import IN_GRAPH, SERVICE, validate_mode
 from tfe_estimator.cluster.quiet import task_env
 from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB,
-                                        TLS_DIR_ENV, TfeCluster, cluster_jobs, cluster_tasks)
+                                        STATE_DIR_ENV, TLS_DIR_ENV, TfeCluster, cluster_jobs, cluster_tasks)
 from tfe_estimator.secure.protocols import validate_protocol
 from tfe_estimator.cluster.huge_pages import with_huge_pages
 from tfe_estimator.cluster.server import server_command
@@ -353,6 +353,8 @@ class Launcher:
                 task_env(env, self.tf_warnings)  # TensorFlow's INFO lines and deprecation blocks off unless asked
                 if self.cluster_mode == SERVICE:
                     env[TLS_DIR_ENV] = self.task_tls_dir(job, index)
+                if self.cluster_mode == SERVICE and job == TFE_JOB:  # server0's release log: private, this run's
+                    env[STATE_DIR_ENV] = os.path.join(self.task_tls_dir(job, index), "state")
                 if self.cluster_mode == SERVICE:  # the service's 8 B/param messages: huge pages (cluster.huge_pages)
                     env = with_huge_pages(env)
                 if job == TFE_JOB:

@@ -29,7 +29,7 @@ import threading
 from typing import Mapping, Optional, Tuple
 
 from tfe_estimator.cluster.peers import DEFAULT_MODE, SERVICE, validate_mode
-from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, TFE_JOB, TLS_DIR_ENV, TfeCluster
+from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, STATE_DIR_ENV, TFE_JOB, TLS_DIR_ENV, TfeCluster
 from tfe_estimator.secure.protocols import load_backend
 from tfe_estimator.validation import is_int
 
@@ -150,7 +150,7 @@ def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]]
         role=cluster.task_index, address=bind, owners=owners,
         tls=TlsFiles.from_dir(tls_dir, TFE_JOB, cluster.task_index),
         peer_address=servers[1] if cluster.task_index == 0 else None,
-        data_address=_data_address(bind, data_port), **limits)
+        data_address=_data_address(bind, data_port), state_dir=environ.get(STATE_DIR_ENV) or None, **limits)
     server.start()  # it logs the one start line (`AggregationServer.start`): role, owners, port
     _stop_on_signals(stop)
     try:

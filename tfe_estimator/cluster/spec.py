@@ -32,7 +32,7 @@ from tfe_estimator.validation import check_int, is_int
 
 __all__ = [
     "TfeCluster", "TFE_JOB", "NUM_TFE_TASKS", "DATA_OWNER_JOBS", "KNOWN_JOBS", "LAUNCH_PROTOCOL_ENV",
-    "LAUNCH_CLUSTER_MODE_ENV", "TLS_DIR_ENV", "DATA_DIR_ENV",
+    "LAUNCH_CLUSTER_MODE_ENV", "TLS_DIR_ENV", "DATA_DIR_ENV", "STATE_DIR_ENV",
     "cluster_tasks", "cluster_jobs", "tf_config_json", "cluster_digest", "tf_config_hidden", "task_from_tf_config",
 ]
 
@@ -47,6 +47,8 @@ LAUNCH_PROTOCOL_ENV = "TFE_ESTIMATOR_PROTOCOL"
 LAUNCH_CLUSTER_MODE_ENV = "TFE_ESTIMATOR_CLUSTER_MODE"
 #: Service mode: the directory with ``ca.crt`` and this task's ``<job>-<index>.crt``/``.key``.
 TLS_DIR_ENV = "TFE_ESTIMATOR_TLS_DIR"
+#: Service mode, server0: where it records its releases' blind keys for a restart (`service.release_log`).
+STATE_DIR_ENV = "TFE_ESTIMATOR_STATE_DIR"
 #: Set by `tfe-estimator k8s --data-claim` in a task's pod: where the task's own data claim is mounted.
 DATA_DIR_ENV = "TFE_ESTIMATOR_DATA_DIR"
 _SOURCE = "Note that these values come from the TF_CONFIG environment variable."

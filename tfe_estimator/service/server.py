@@ -49,6 +49,7 @@ from tfe_estimator.service.data_plane import DataPlane, Refused
 from tfe_estimator.service.handshake_table import HandshakeTable
 from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
 from tfe_estimator.service.buffers import BufferPool
+from tfe_estimator.service.release_log import ReleaseLog
 from tfe_estimator.service.ring import DIGESTS_METADATA, KEY_METADATA, REPLAYED_METADATA, key_digest
 from tfe_estimator.service.steps import Released, ReplayLimits, StepChannel, StepRefused
 from tfe_estimator.service.tls import TlsFiles, check_peer, peer_identity, server_name, server_name_option
@@ -62,6 +63,12 @@ _LOG = logging.getLogger("tfe_estimator")
 SERVER_OPTIONS = (("grpc.so_reuseport", 0), ("grpc.max_send_message_length", -1),
                   ("grpc.max_receive_message_length", -1))
 _FORWARDER = "tfe:0"
+#: gRPC metadata of server0's ForwardBlinded that only asks server1 whether it released the step from owners' keys
+#: of the call's digests (server0 restarted and found the step in its `release_log`); nothing is added.
+_CONFIRM_METADATA = "tfe-confirm-released"
+#: gRPC metadata of server0's ForwardBlinded: the digest of the key its part is blinded with (`ring.key_digest`),
+#: so that server1 takes a step's part again only if it is the one it released (server0 restarted).
+_BLIND_METADATA = "tfe-blind-digest"
 
 
 def _serialize(reply) -> bytes:
@@ -133,6 +140,10 @@ class AggregationServer:
         plane). Contribute and ForwardBlinded are served there too, with the same rules and certificates,
         without gRPC's copies (`data_plane`); callers learn its port from the ``DataPlane`` call. A server0
         with one forwards to server1's data plane when server1 has one.
+      state_dir: server0: where it records the blind key of each step it releases before forwarding it
+        (`release_log`), so that after a restart it answers the steps server1 released with the same key
+        (None: nothing is kept; a server0 killed between server1's release and its own answers leaves the
+        owners unable to finish that step). Server1 keeps nothing there.
 
     Example::
 
@@ -147,7 +158,7 @@ class AggregationServer:
                  max_workers: Optional[int] = None, max_elements: int = 2**27, max_channels: int = 4096,
                  memory_budget_bytes: int = 4 << 30, owner_memory_budget_bytes: int = 768 << 20,
                  max_waiting_puts: int = 8, replay_window_steps: int = 64, replay_window_bytes: int = 1 << 30,
-                 data_address: Optional[str] = None):
+                 data_address: Optional[str] = None, state_dir: Optional[str] = None):
         if role not in (0, 1) or isinstance(role, bool):
             raise ValueError(f"role={role!r} must be 0 (server0, tfe:0) or 1 (server1, tfe:1).")
         owners = list(owners)
@@ -195,6 +206,13 @@ class AggregationServer:
         self._stopped = threading.Event()
         self._data_address, self._data_plane = data_address, None
         self._peer_plane: Optional[PlaneLink] = None  # server0: its link to server1's data plane
+        # server0: its releases' blind keys on disk; the steps read back at start that server1 has not confirmed
+        self._releases = ReleaseLog(state_dir, owners, peer_address, replay_window_steps) \
+            if role == 0 and state_dir is not None else None
+        self._unconfirmed = set(self._releases.recorded()) if self._releases is not None else set()
+        if self._unconfirmed:
+            _LOG.info("aggregation server0: %d released steps recorded in %s (answered again once server1 "
+                      "confirms them)", len(self._unconfirmed), self._releases.path)
 
     # ------------------------------------------------------------ lifecycle --
 
@@ -272,6 +290,8 @@ class AggregationServer:
             self._peer_plane.close()
         if self._ahead is not None:
             self._ahead.shutdown(wait=False, cancel_futures=True)
+        if self._releases is not None:
+            self._releases.close()
         self._pool.reclaim()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
@@ -426,15 +446,11 @@ class AggregationServer:
         if self._role == 1:
             payload = released.acc
         else:
-            blind = released.blind
-            if blind is None:  # no prepared accumulator (the channel's first step): blind it now
-                blind = secrets.token_bytes(ring.KEY_BYTES)
-                stream = ring.keystream_into(blind, self._pool.take(released.acc.size))
-                ring.sub_into(released.acc, stream, released.ring_bits)
-                self._pool.give(stream)
-            digests = ",".join(key_digest(released.parts[o]).hex() for o in range(len(self._owners)))
+            summed = [key_digest(released.parts[o]) for o in range(len(self._owners))]
+            blind = self._blind(channel, released, summed)
+            digests = ",".join(d.hex() for d in summed)
             try:
-                self._send_forward(channel, released, digests)
+                self._send_forward(channel, released, digests, key_digest(blind).hex())
             except _Forwarded as e:
                 channel.finish(released, None, StepRefused(
                     e.code.name, f"Service mode, {channel.label} step {released.step}: server0 could not forward "
@@ -448,6 +464,73 @@ class AggregationServer:
                 self._ahead.submit(self._prepare, channel)
             except RuntimeError:  # stopping
                 pass
+
+    def _blind(self, channel: StepChannel, released: Released, summed) -> bytes:
+        """Server0: blinds a released step's sum (``acc -= AES(blind)``) and records the blind key before the
+        forward (`release_log`); returns the key. A step recorded before a restart and summed again from keys
+        of the recorded digests takes the recorded key: its forwarded part is the one server1 may hold."""
+        key = (channel.name, channel.ring_bits, channel.num_elements)
+        record = self._releases.get(key, released.step) if self._releases is not None else None
+        blind = record.blind if record is not None and list(record.digests) == summed else None
+        prepared = released.blind  # the accumulator already holds -AES(prepared) (masks ahead of data)
+        if blind is not None and prepared is not None:
+            self._keystream(released, prepared, ring.add_into)  # the recorded key instead of the prepared one
+        if blind is None and prepared is None:  # no prepared accumulator (the channel's first step)
+            blind = secrets.token_bytes(ring.KEY_BYTES)
+        if blind is None:
+            blind = prepared
+        else:
+            self._keystream(released, blind, ring.sub_into)
+        if self._releases is not None:
+            try:
+                self._releases.write(key, released.step, blind, summed)
+            except OSError as e:  # the step is still released; only a restart in its window would lose it
+                _LOG.error("aggregation server0: cannot record step %d of %s in %s (%s): a restart of server0 "
+                           "before it answers the owners would leave them unable to finish the step",
+                           released.step, channel.label, self._releases.path, e)
+            with self._lock:
+                self._unconfirmed.discard((key, released.step))
+        return blind
+
+    def _keystream(self, released: Released, key16: bytes, apply) -> None:
+        """``apply(acc, AES(key16))`` on a released step's accumulator (ring.add_into or ring.sub_into)."""
+        stream = ring.keystream_into(key16, self._pool.take(released.acc.size))
+        apply(released.acc, stream, released.ring_bits)
+        self._pool.give(stream)
+
+    def _recover(self, channel: StepChannel, step: int) -> None:
+        """Server0, before a put: a step recorded before a restart (`release_log`) that server1 confirms it
+        released from keys of the recorded digests is answered from the record (a replay, as before the
+        restart); otherwise it is summed anew. Each recorded step is asked about once."""
+        key = (channel.name, channel.ring_bits, channel.num_elements)
+        with self._lock:
+            if (key, step) not in self._unconfirmed:
+                return
+        record = self._releases.get(key, step)
+        if record is None:  # left the log's window since
+            with self._lock:
+                self._unconfirmed.discard((key, step))
+            return
+        request = wire.encode("ForwardRequest", b"", channel=channel.name, step=step, ring_bits=channel.ring_bits,
+                              num_elements=channel.num_elements)
+        meta = ((DIGESTS_METADATA, ",".join(d.hex() for d in record.digests)),
+                (_BLIND_METADATA, key_digest(record.blind).hex()), (_CONFIRM_METADATA, "1"))
+        try:
+            self._forward(request, timeout=self._timeout, wait_for_ready=True, metadata=meta)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                return  # no answer (server1 down?): the put goes on, the next one asks again
+            confirmed = False
+        else:
+            confirmed = True
+        with self._lock:
+            if (key, step) not in self._unconfirmed:
+                return
+            self._unconfirmed.discard((key, step))
+        if confirmed and channel.restore(step, wire.encode("ContributeReply", record.blind, step=step),
+                                         record.digests):
+            _LOG.info("aggregation server0: step %d of %s answered from %s (server1 released it before this "
+                      "server restarted)", step, channel.label, self._releases.path)
 
     def _enter(self, identity: str) -> None:
         """Counts one more waiting call of `identity`; refuses past ``max_waiting_puts``."""
@@ -472,6 +555,8 @@ class AggregationServer:
         self._enter(identity)
         try:
             _, channel = self._channel(identity, request)
+            if self._unconfirmed:
+                self._recover(channel, request.step)
             expansion = 8 * words if self._role == 0 else 0  # server0 expands the key to ring words
             try:
                 self._budget.reserve(identity, expansion, f"the expansion of its key for {channel.label}")
@@ -490,7 +575,8 @@ class AggregationServer:
             if ticket.released is not None:
                 self._finish(channel, ticket.released)
             answer = channel.wait(owner, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())
-            if ticket.replay is not None:  # the owner counts it apart from the releases (OwnerClient.answers)
+            if ticket.replay is not None and not (  # the owner counts it apart from releases (OwnerClient.answers)
+                    self._role == 0 and channel.first_answer(ticket, owner, key_digest(payload))):
                 context.set_trailing_metadata(((REPLAYED_METADATA, "1"),))
             return answer
         finally:
@@ -500,18 +586,36 @@ class AggregationServer:
         """Server0's part of a step: waits until server1 released the step (or aborted it), so that server0
         keeps an answer only for a step server1 released too."""
         payload = request.payload
+        blind = _digests(context, _BLIND_METADATA)
+        blind = blind[0] if blind else None
+        if any(key == _CONFIRM_METADATA for key, _ in context.invocation_metadata() or ()):
+            return self._confirm(request, _digests(context, DIGESTS_METADATA), blind, reply)
         self._check_request(request, len(payload), "ForwardBlinded")
         self._enter(identity)
         try:
             _, channel = self._channel(None, request)
             forwarder = len(self._owners)
             ticket = channel.put(forwarder, request.step, payload, np.frombuffer(payload, "<u8"),
-                                 _digests(context, DIGESTS_METADATA))
+                                 _digests(context, DIGESTS_METADATA), blind)
             if ticket.released is not None:
                 self._finish(channel, ticket.released)
             channel.wait(forwarder, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())
         finally:
             self._leave(identity)
+        return reply()
+
+    def _confirm(self, request, digests, blind, reply):
+        """Server1: answers server0's question whether it released a step from owners' keys of `digests` and
+        a part blinded with a key of digest `blind` (`_recover`): OK if so, else FAILED_PRECONDITION. Nothing is
+        added, opened or released."""
+        with self._lock:
+            channel = self._channels.get((request.channel, int(request.ring_bits), int(request.num_elements)))
+        if request.payload or digests is None or blind is None or channel is None or \
+                not channel.released(request.step, digests, blind):
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"Service mode: channel {request.channel!r} step {request.step}: aggregation server1 holds "
+                         "no release of that step from owners' keys and a blind key of those digests; server0 sums it "
+                         "anew.")
         return reply()
 
     def _data_port(self, identity: str, request, context, reply):
@@ -549,11 +653,11 @@ class AggregationServer:
         self._pool.give(buffer)
         return answer, context.replayed
 
-    def _send_forward(self, channel: StepChannel, released: Released, digests: str) -> None:
+    def _send_forward(self, channel: StepChannel, released: Released, digests: str, blind_digest: str) -> None:
         """Forwards a released step's blinded part to server1: on its data plane if it has one, else gRPC."""
         fields = dict(channel=channel.name, step=released.step, ring_bits=released.ring_bits,
                       num_elements=released.num_elements)
-        meta = ((DIGESTS_METADATA, digests),)
+        meta = ((DIGESTS_METADATA, digests), (_BLIND_METADATA, blind_digest))
         try:
             link = self._peer_plane.get(timeout=5.0)
         except grpc.RpcError:

@@ -97,6 +97,8 @@ class _Result:
         self.step = step
         self.reply: Optional[bytes] = None
         self.error: Optional[StepRefused] = None
+        self.expected: Optional[Sequence[bytes]] = None  # server1: the digests of the owners' keys server0 summed
+        self.blind_digest: Optional[bytes] = None  # server1: the digest of the key server0 blinded its part with
 
     @property
     def done(self) -> bool:
@@ -120,6 +122,7 @@ class _Open:
         self.dropped: Dict[int, StepRefused] = {}  # participants whose contribution a rewind dropped
         self.digests: Dict[int, bytes] = {}  # server1: owner -> the digest of the key its share was masked with
         self.expected: Optional[Sequence[bytes]] = None  # server1: per owner, the digest of the key server0 summed
+        self.blind_digest: Optional[bytes] = None  # server1: the digest of server0's blind key (its forward says)
 
 
 class Released(NamedTuple):
@@ -192,7 +195,7 @@ class StepChannel:
     # ----------------------------------------------------------------- put --
 
     def put(self, participant: int, step: int, payload: bytes, addend: np.ndarray,
-            digests: Optional[Sequence[bytes]] = None) -> Ticket:
+            digests: Optional[Sequence[bytes]] = None, blind_digest: Optional[bytes] = None) -> Ticket:
         """Adds `participant`'s contribution to `step` (or finds its stored answer); see the module docstring.
 
         Args:
@@ -201,9 +204,12 @@ class StepChannel:
             masked with another key than the one server0 summed for the step is refused (or dropped when the
             forwarded part comes later): the sum would be garbage (e.g. a restarted owner's fresh share for a
             step server0 released before its crash).
+          blind_digest: server1 only, server0's forwarded part: the digest of the key it is blinded with. A
+            forwarded part for a step already released is answered as a replay (nothing added) only when
+            both its digests and this one are the release's: the same part (server0 restarted, `release_log`).
         """
         with self._cond:
-            return self._put(participant, step, payload, addend, digests)
+            return self._put(participant, step, payload, addend, digests, blind_digest)
 
     def _mismatch(self, current: _Open, participant: int, digest: Optional[bytes]) -> Optional[str]:
         if current is None or current.expected is None or digest is None or \
@@ -215,11 +221,15 @@ class StepChannel:
                 "contribution again; if it cannot, restart every owner from one checkpoint after that step, or "
                 "restart both servers.")
 
-    def _put(self, participant, step, payload, addend, digests=None):
+    def _put(self, participant, step, payload, addend, digests=None, blind_digest=None):
         me = self._names[participant]
         stored = self._window.get(step)
         if stored is not None:
             if participant >= len(self._owners):
+                if self._same_release(stored, digests, blind_digest):
+                    # server0 restarted and forwards the step again from the same keys, blinded with the key it
+                    # recorded (`release_log`): the part it sent before. Nothing is added or released again.
+                    return Ticket(step, None, stored, None)
                 raise self._refuse("FAILED_PRECONDITION",
                                    f"{me} forwards step {step}, which this server already released: server0 was "
                                    "restarted and lost its replay window while this server kept it. Restart both "
@@ -264,6 +274,8 @@ class StepChannel:
         self._last_step[participant] = step
         if mine is not None:
             current.digests[participant] = mine
+        if participant >= len(self._owners):
+            current.blind_digest = blind_digest
         if participant >= len(self._owners) and digests and len(digests) == len(self._owners):
             current.expected = list(digests)
             for owner, digest in list(current.digests.items()):
@@ -298,6 +310,7 @@ class StepChannel:
             self._pending.pop(participant, None)
         current.charges.clear()
         result = current.result = self._window[current.step] = _Result(current.step)
+        result.expected, result.blind_digest = current.expected, current.blind_digest
         self._last_released = current.step if self._last_released is None else max(self._last_released,
                                                                                    current.step)
         self.ever_released = True
@@ -322,17 +335,59 @@ class StepChannel:
                 known = list(self._window) + ([self._evicted_through] if self._evicted_through is not None else [])
                 self._last_released = max(known) if known else None
             else:
-                within = self._replay.add(len(reply))
-                while self._window:
-                    too_many = len(self._window) > max(self._replay.window_steps, 1)
-                    if not too_many and (within or len(self._window) <= 1):
-                        break
-                    oldest = min(self._window)
-                    self._evicted_for_bytes = not too_many
-                    evicted = self._window.pop(oldest)
-                    self._evicted_through = max(self._evicted_through or oldest, oldest)
-                    within = self._replay.remove(len(evicted.reply or b""))
+                self._store(reply)
             self._cond.notify_all()
+
+    def _store(self, reply: bytes) -> None:
+        """Counts a stored answer and evicts the oldest beyond the window (the caller holds the lock)."""
+        within = self._replay.add(len(reply))
+        while self._window:
+            too_many = len(self._window) > max(self._replay.window_steps, 1)
+            if not too_many and (within or len(self._window) <= 1):
+                break
+            oldest = min(self._window)
+            self._evicted_for_bytes = not too_many
+            evicted = self._window.pop(oldest)
+            self._evicted_through = max(self._evicted_through or oldest, oldest)
+            within = self._replay.remove(len(evicted.reply or b""))
+
+    @staticmethod
+    def _same_release(stored: _Result, digests, blind_digest) -> bool:
+        return digests is not None and blind_digest is not None and stored.expected is not None and \
+            stored.blind_digest is not None and bytes(blind_digest) == bytes(stored.blind_digest) and \
+            [bytes(d) for d in digests] == [bytes(d) for d in stored.expected]
+
+    def released(self, step: int, digests: Sequence[bytes], blind_digest: bytes) -> bool:
+        """Server1: whether `step` is in the window, released from owners' keys of `digests` and server0's part
+        blinded with a key of `blind_digest` (server0 confirms a release it recorded before it restarted,
+        `release_log`)."""
+        with self._cond:
+            stored = self._window.get(step)
+            return stored is not None and stored.reply is not None and \
+                self._same_release(stored, digests, blind_digest)
+
+    def restore(self, step: int, reply: bytes, digests: Sequence[bytes]) -> bool:
+        """Server0 after a restart: puts the answer of a step server1 confirmed it released (`release_log`) into
+        the window, so puts of it are answered from there; False if the step is open or known here already.
+        `digests`: of the owners' keys it summed (`first_answer`)."""
+        with self._cond:
+            if step in self._window or step in self._open:
+                return False
+            result = self._window[step] = _Result(step)
+            result.reply, result.expected = reply, list(digests)
+            self._last_released = step if self._last_released is None else max(self._last_released, step)
+            self.ever_released = True
+            self._store(reply)
+            self._cond.notify_all()
+            return True
+
+    @staticmethod
+    def first_answer(ticket: Ticket, participant: int, digest: bytes) -> bool:
+        """Server0: whether a put answered from a restored release (`restore`) is the participant's same
+        contribution put again (its key's `digest` is the one summed): the answer it never received before
+        server0 restarted, not a replay of one it received."""
+        expected = ticket.replay.expected if ticket.replay is not None else None
+        return expected is not None and participant < len(expected) and bytes(expected[participant]) == digest
 
     # ---------------------------------------------------------------- wait --
 
