@@ -180,3 +180,14 @@ def test_recording_costs_little(tmp_path):
         log.write(("c", 64, 8), step, b"k" * 16, [b"a" * 16, b"b" * 16])
     assert (time.perf_counter() - start) / 2000 < 1e-3  # well under a step's cost (tens of microseconds here)
     assert sum(1 for _ in open(log.path)) <= 1024 + 1
+
+
+def test_the_launcher_gives_each_server_a_private_state_directory_of_its_run():
+    # Inside the server's own TLS directory: private (its own mount under --isolate), removed at the run's end.
+    from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.cluster.spec import STATE_DIR_ENV  # pylint: disable=import-outside-toplevel
+
+    launcher = Launcher(["true"], workers=1, cluster_mode="service")
+    dirs = {(task.job, task.index): task.env.get(STATE_DIR_ENV) for task in launcher.tasks}
+    assert dirs[("tfe", 0)] == os.path.join(launcher.task_tls_dir("tfe", 0), "state")
+    assert dirs[("chief", 0)] is None and dirs[("worker", 0)] is None

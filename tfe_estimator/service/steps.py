@@ -16,6 +16,10 @@ tells them to users):
 - a put for a released step inside the window gets the stored answer: its
   payload is never added and nothing is released again (an owner restored from
   an earlier checkpoint replays bit-identically; DP noise is released once);
+  server0's forwarded part for a released step is refused, unless it is the
+  release's own part (the same owners' key digests and blind-key digest: a
+  restarted server0 that kept the step's blind key, `release_log`), which is
+  answered like a replay;
   an older step is refused FAILED_PRECONDITION naming the window and its flag;
 - a step not complete ``timeout_secs`` after it was opened, or whose caller's
   call ended, is aborted for everyone: the owners' contributions are dropped,
@@ -232,8 +236,9 @@ class StepChannel:
                     return Ticket(step, None, stored, None)
                 raise self._refuse("FAILED_PRECONDITION",
                                    f"{me} forwards step {step}, which this server already released: server0 was "
-                                   "restarted and lost its replay window while this server kept it. Restart both "
-                                   "servers (and the owners from one checkpoint).")
+                                   "restarted and lost its replay window while this server kept it (it runs "
+                                   "without a state directory, TFE_ESTIMATOR_STATE_DIR, or lost its release log). "
+                                   "Restart both servers (and the owners from one checkpoint).")
             return Ticket(step, None, stored, None)  # a replay: the payload is never added
         if self._last_released is not None and step <= self._last_released:
             raise self._refuse("FAILED_PRECONDITION", self._stale(me, step))
