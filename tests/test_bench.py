@@ -70,3 +70,25 @@ def test_flower_secagg_plus_runs_in_flowers_own_virtualenv_and_decodes_the_mean(
     (row,) = flower_compare.flower([2000], 3, 1)
     assert row["elements"] == 2000 and row["clients"] == 3 and row["clients_cpu_ms"] > 0 and row["server_cpu_ms"] > 0
     assert row["max_error"] < 0.01, row
+
+
+def test_flower_secagg_plus_on_its_deployment_runtime_reports_a_round_and_leaves_no_process(capsys):
+    # Flower's own SuperLink and SuperNodes with TLS on loopback (only where `make bench-flower` built
+    # .venv-flower): one SecAgg+ round at 1e3 elements, 2 clients, beside our service; the printed JSON
+    # parses, the released mean is checked by the ServerApp, and every Flower process is gone afterwards.
+    import os
+
+    from tools.bench import flower_deployed
+
+    if not os.path.exists(os.path.join(flower_deployed.FLOWER_VENV, "bin", "flower-superlink")):
+        pytest.skip(f"{flower_deployed.FLOWER_VENV} is not built (make bench-flower builds it)")
+    assert flower_deployed.main(["--elements", "1000", "--clients", "2", "--rounds", "1", "--steps", "3",
+                                 "--timeout", "180", "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    (flower_round,) = row["flower"]["rounds"]
+    assert flower_round["wall_s"] > 0 and flower_round["cpu_s"] > 0, row
+    assert flower_round["max_error"] < flower_deployed.max_error(2), row
+    assert row["ours"]["wall_ms"] > 0 and row["ours"]["cpu_ms"] > 0, row
+    assert len(row["flower"]["pids"]) >= 3 and row["flower"]["left_alive"] == [], row
+    assert not [pid for pid in row["flower"]["pids"] if os.path.exists(f"/proc/{pid}")
+                and open(f"/proc/{pid}/stat", encoding="ascii").read().rsplit(")", 1)[1].split()[0] != "Z"], row
