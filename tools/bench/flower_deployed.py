@@ -352,9 +352,11 @@ def format_row(row: Dict) -> str:
     cpus = ", ".join(f"{r['cpu_s']:.2f}" for r in flower["rounds"])
     wall = sum(r["wall_s"] for r in flower["rounds"]) / len(flower["rounds"])
     cpu = sum(r["cpu_s"] for r in flower["rounds"]) / len(flower["rounds"])
+    link = sum(r["cpu_s_by_root"][0] for r in flower["rounds"]) / len(flower["rounds"])
     return (f"[flower-deployed] {row['elements']:,} elements, {row['clients']} clients: Flower {flower['flwr']} "
             f"SecAgg+ deployed (SuperLink + SuperNodes, TLS, loopback) per round wall s [{walls}] CPU s of all its "
-            f"processes [{cpus}] (start-up {flower['setup_s']:.1f} s); ours per secure sum wall "
+            f"processes [{cpus}] (SuperLink's tree {link:.2f} s, SuperNodes' {cpu - link:.2f} s per round; start-up "
+            f"{flower['setup_s']:.1f} s, {len(flower['pids'])} Flower processes seen); ours per secure sum wall "
             f"{ours['wall_ms']:.2f} ms, CPU {ours['cpu_ms']:.1f} ms (servers {ours['server_cpu_ms'][0]:.1f} + "
             f"{ours['server_cpu_ms'][1]:.1f}, owners' clients {ours['owners_cpu_ms']:.1f}); Flower/ours wall "
             f"{1e3 * wall / ours['wall_ms']:,.0f}x, CPU {1e3 * cpu / ours['cpu_ms']:,.0f}x")

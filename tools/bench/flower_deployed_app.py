@@ -13,7 +13,8 @@ and ``components.clientapp``):
   ``rounds`` secure rounds. Around each round it writes one JSON line to the run config's ``out``
   file: the round's wall seconds and the CPU seconds, over that round, of every process descended
   from the ``pids`` the bench started (SuperLink, SuperNodes and what they spawn: SuperExecs,
-  ServerApp and ClientApp processes), read from ``/proc``, and how far the released mean is from the
+  ServerApp and ClientApp processes), in total and per pid's tree (``cpu_s_by_root``), read from
+  ``/proc``, and how far the released mean is from the
   plain mean of the clients' vectors (``max_error``; each client's vector is seeded by its node id).
 
 Usage (what the bench writes into the app's ``pyproject.toml``)::
@@ -120,10 +121,12 @@ def make_serverapp():
         secure = SecAggPlusWorkflow(num_shares=1.0, reconstruction_threshold=1.0)
 
         def timed_round(grid_, context_) -> None:
-            wall, cpu = time.perf_counter(), tree_cpu_seconds(roots)
+            wall, cpu = time.perf_counter(), [tree_cpu_seconds([root]) for root in roots]
             secure(grid_, context_)
-            row = {"elements": elements, "clients": clients, "wall_s": time.perf_counter() - wall,
-                   "cpu_s": tree_cpu_seconds(roots) - cpu}
+            wall = time.perf_counter() - wall
+            cpu = [tree_cpu_seconds([root]) - before for root, before in zip(roots, cpu)]
+            row = {"elements": elements, "clients": clients, "wall_s": wall, "cpu_s": sum(cpu),
+                   "cpu_s_by_root": cpu}
             # What SecAgg+ released (the mean of the clients' vectors) against the plain mean.
             released = parameters_to_ndarrays(compat.arrayrecord_to_parameters(
                 context_.state.array_records[MAIN_PARAMS_RECORD], keep_input=True))[0]
