@@ -11,7 +11,8 @@ handed to the client; masking is in the owner's TensorFlow graph, about 1 ns per
 our AES-CTR kernel); Flower's is its clients' whole protocol (key agreement, Shamir shares,
 quantization, masks) and its server's unmasking, without its deployment runtime (SuperLink,
 SuperNodes, polls), which costs far more than either. So the comparison flatters neither side's
-deployment: it is the data path against the protocol.
+deployment: it is the data path against the protocol. `tools.bench.flower_deployed` measures the
+deployed side: SecAgg+ rounds through Flower's SuperLink and SuperNodes with TLS on loopback.
 
 Run (``make bench-flower`` builds ``.venv-flower`` first)::
 

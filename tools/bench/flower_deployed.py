@@ -22,8 +22,10 @@ Each Flower deployment is bounded by ``timeout`` seconds; every process it start
 descendants) is terminated, then killed, at the end, and the bench checks none is left. Ports come
 from `portpicker`; everything binds to 127.0.0.1.
 
-Run (``make bench-flower`` builds ``.venv-flower`` first; 2 clients at 1e4 and 1e5 take about
-a minute per size, most of it SuperNodes' 3-second polls)::
+Run (``make bench-flower`` builds ``.venv-flower`` first). With the defaults, 2 clients at 1e4 and
+1e5 with 2 rounds each, it takes about 2.5 minutes on 2 cores (a deployment starts in 10-25 s and a
+round takes 20-30 s, spent waiting on polls and starting a ClientApp process per message); 1e6
+adds about 1.5 minutes::
 
     PYTHONPATH=. .venv/bin/python -m tools.bench.flower_deployed --elements 10000 100000 --clients 2 --rounds 2
 """
