@@ -72,6 +72,56 @@ def test_flower_secagg_plus_runs_in_flowers_own_virtualenv_and_decodes_the_mean(
     assert row["max_error"] < 0.01, row
 
 
+def test_the_deployed_flower_bench_stops_every_descendant_even_in_its_own_session():
+    # Flower's SuperLink starts its SuperExec in a new session; the bench's stop must still end it.
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tools.bench import flower_deployed
+
+    script = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+              "start_new_session=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 20
+    while len(flower_deployed._descendants([parent.pid])) < 2 and time.monotonic() < deadline:  # pylint: disable=W0212
+        time.sleep(0.05)
+    tree = flower_deployed._descendants([parent.pid])  # pylint: disable=protected-access
+    assert len(tree) == 2, tree
+    assert flower_deployed._stop([parent], set()) == []  # pylint: disable=protected-access
+    assert not [pid for pid in tree if flower_deployed._alive(pid)]  # pylint: disable=protected-access
+    assert parent.returncode is not None and not os.path.exists(f"/proc/{parent.pid}/status")
+
+
+def test_the_deployed_flower_bench_certificates_serve_tls_for_127_0_0_1(tmp_path):
+    import ssl
+
+    from tools.bench import flower_deployed
+
+    paths = flower_deployed.make_tls(str(tmp_path))
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(paths["cert"], paths["key"])
+    client = ssl.create_default_context(cafile=paths["ca"])
+    import socket
+    import threading
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def serve():
+            conn, _ = listener.accept()
+            with server.wrap_socket(conn, server_side=True) as tls:
+                tls.sendall(b"ok")
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            with client.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                assert tls.recv(2) == b"ok"
+        thread.join(timeout=10)
+
+
 def test_flower_secagg_plus_on_its_deployment_runtime_reports_a_round_and_leaves_no_process(capsys):
     # Flower's own SuperLink and SuperNodes with TLS on loopback (only where `make bench-flower` built
     # .venv-flower): one SecAgg+ round at 1e3 elements, 2 clients, beside our service; the printed JSON
