@@ -43,6 +43,17 @@ def test_a_contribution_of_anything_else_is_refused_naming_it(leak):
         audit_owner_graph(_graph(leak))
 
 
+def test_an_answer_op_that_takes_anything_but_its_contributions_ticket_is_refused():
+    # The answer op (which waits for the call) is a numpy_function too: fed the gradients, it could send them.
+    graph = _graph()
+    with graph.as_default():
+        grads = tf.constant([1.0, 2.0])
+        tf.numpy_function(lambda g: g, [grads], tf.float32, name="service_answer")
+    with pytest.raises(OwnerGraphAuditError, match=r"the answer op service_answer.* takes \[Const.*\], but an answer "
+                                                   r"op may take only its contribution's ticket"):
+        audit_owner_graph(graph)
+
+
 def test_an_op_on_another_task_is_refused():
     graph = _graph()
     with graph.as_default(), tf.device("/job:worker/task:0/device:CPU:0"):

@@ -91,10 +91,17 @@ def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_
         # Every op in this owner's own process; no TensorFlow server, no other task.
         assert all(d == "" or d.startswith("/job:localhost/") or d.startswith("/device:") for d in audit["devices"]), \
             audit["devices"]
-        # What leaves the graph: per contribution the step, a fresh key and a masked share (the mask op's outputs).
-        assert audit["contributions"], audit
+        # What leaves the graph: per contribution the step, a fresh key and a masked share (the mask op's outputs);
+        # per answer op only its contribution's ticket; no other numpy_function.
+        assert audit["contributions"] and not audit["others"], audit
         for inputs in audit["contributions"]:
             assert inputs[1:] == ["TfeMaskShare:1", "TfeMaskShare:0"], inputs
+        assert audit["answers"] == [["PyFunc:0"]] * len(audit["contributions"]), audit
+        # One round trip per step: a step's sums (the gradients, the reported loss) are on the wire together.
+        with open(os.path.join(workdir, owner, "training_calls.json")) as f:
+            calls = json.load(f)
+        assert calls["steps"] == STEPS and calls["calls"] == 2 * STEPS and calls["steps_alone"] >= STEPS - 2, calls
+        assert calls["waves_alone"] == calls["steps_alone"], calls
 
 
 def test_owners_with_different_learning_rates_are_refused_before_the_first_step(tmp_path):

@@ -23,19 +23,65 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # model_fns
 import tfe_estimator  # noqa: E402  pylint: disable=wrong-import-position
 from model_fns import linear_regression  # noqa: E402  pylint: disable=wrong-import-position
+from tfe_estimator.distribute.in_flight import TICKETS  # noqa: E402  pylint: disable=wrong-import-position
 from tfe_estimator.service.client import live_clients  # noqa: E402  pylint: disable=wrong-import-position
 
 
+def _answers_before(op):
+    """The answer ops `op` runs after (its inputs' and control inputs' ancestors)."""
+    seen, todo, found = set(), [op], set()
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent.name not in seen:
+                seen.add(parent.name)
+                todo.append(parent)
+                if "service_answer" in parent.name:
+                    found.add(parent.name)
+    return found
+
+
 class GraphAudit(tf.estimator.SessionRunHook):
-    """Writes what the training graph holds: op devices, and the inputs of each service contribution."""
+    """Writes what the training graph holds: op devices, and the inputs of each service contribution and answer
+    op (every numpy_function of the graph, by kind); at the end, the training's calls and sequential waves."""
 
     def begin(self):
         graph = tf.compat.v1.get_default_graph()
-        contributions = [op for op in graph.get_operations() if op.type in ("PyFunc", "EagerPyFunc")]
+        functions = [op for op in graph.get_operations() if op.type in ("PyFunc", "EagerPyFunc")]
+        kinds = {"contributions": [], "answers": [], "others": []}
+        for op in functions:
+            kind = ("contributions" if "service_contribute" in op.name else
+                    "answers" if "service_answer" in op.name else "others")
+            kinds[kind].append([f"{t.op.type}:{t.value_index}" for t in op.inputs])
+        after_answers = [sorted(_answers_before(op)) for op in functions if "service_contribute" in op.name]
         with open("graph_audit.json", "w") as f:
-            json.dump({"devices": sorted({op.device for op in graph.get_operations()}),
-                       "contributions": [[f"{t.op.type}:{t.value_index}" for t in op.inputs]
-                                         for op in contributions]}, f)
+            json.dump({"devices": sorted({op.device for op in graph.get_operations()}), **kinds,
+                       "after_answers": after_answers}, f)
+        self._totals, self._before = {"steps": 0, "calls": 0, "steps_alone": 0, "waves_alone": 0}, None
+
+    @staticmethod
+    def _counts():
+        """(waves, the training's calls, the evaluations' calls) so far."""
+        calls = {"train": 0, "eval": 0}
+        for client in live_clients():
+            for channel, counts in client.answers.items():
+                calls["eval" if "/eval_" in channel else "train"] += sum(counts)
+        return TICKETS.waves, calls["train"], calls["eval"]
+
+    def before_run(self, run_context):
+        self._before = self._counts()
+
+    def after_run(self, run_context, run_values):
+        # An evaluation may run inside a training step's hooks (after a checkpoint): waves only of steps without one.
+        del run_context, run_values
+        waves, train, evaluation = (a - b for a, b in zip(self._counts(), self._before))
+        self._totals["steps"] += 1
+        self._totals["calls"] += train
+        if not evaluation:
+            self._totals["steps_alone"] += 1
+            self._totals["waves_alone"] += waves
+        with open("training_calls.json", "w") as f:
+            json.dump(self._totals, f)
 
 
 class SlowSteps(tf.estimator.SessionRunHook):

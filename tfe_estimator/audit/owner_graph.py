@@ -10,7 +10,10 @@ talks to the aggregation service only through its contribution ops (one
 - every contribution op takes exactly the step (a scalar int64) and the two
   outputs of one ``TfeMaskShare`` op: its key (output 1) and its masked share
   (output 0), so the only values that leave are a fresh key and a value
-  masked by that key's keystream.
+  masked by that key's keystream;
+- every answer op (``service_answer``, the other ``tf.numpy_function`` of a
+  sum, which waits for the call) takes exactly one contribution op's ticket,
+  so nothing leaves through it.
 
 `ServiceStrategy` runs it when a training graph is finalized (the owners'
 handshake hook), so a graph that would send anything else stops before its
@@ -41,7 +44,8 @@ def _local(device: str) -> bool:
     return not device or tf.DeviceSpec.from_string(device).job in (None, "localhost")
 
 
-def audit_owner_graph(graph: tf.Graph, contribution_name: str = "service_contribute") -> int:
+def audit_owner_graph(graph: tf.Graph, contribution_name: str = "service_contribute",
+                      answer_name: str = "service_answer") -> int:
     """Checks `graph` (module docstring); returns how many contributions it holds.
 
     Raises:
@@ -53,10 +57,20 @@ def audit_owner_graph(graph: tf.Graph, contribution_name: str = "service_contrib
             raise OwnerGraphAuditError(
                 f"owner graph audit: {op.name} ({op.type}) is placed on {op.device}, another task: in service mode "
                 "an owner's graph runs in its own process only.")
-        if op.type not in CONTRIBUTION_OP_TYPES or not op.name.split("/")[-1].startswith(contribution_name):
+        if op.type not in CONTRIBUTION_OP_TYPES:
+            continue
+        inputs = list(op.inputs)
+        if op.name.split("/")[-1].startswith(answer_name):
+            if len(inputs) != 1 or not inputs[0].op.name.split("/")[-1].startswith(contribution_name) or \
+                    inputs[0].op.type not in CONTRIBUTION_OP_TYPES:
+                sent = ", ".join(f"{t.op.name}:{t.value_index} ({t.op.type})" for t in inputs)
+                raise OwnerGraphAuditError(
+                    f"owner graph audit: the answer op {op.name} takes [{sent}], but an answer op may take only "
+                    "its contribution's ticket.")
+            continue
+        if not op.name.split("/")[-1].startswith(contribution_name):
             continue
         count += 1
-        inputs = list(op.inputs)
         sent = ", ".join(f"{t.op.name}:{t.value_index} ({t.op.type})" for t in inputs)
         ok = (len(inputs) == 3 and inputs[0].dtype == tf.int64 and inputs[0].shape.rank == 0
               and inputs[1].op.type == "TfeMaskShare" and inputs[1].value_index == 1

@@ -7,16 +7,16 @@ to which it only connects out. Per sum and step, in the owner's graph::
     owner (its devices):   x = x_0 + ... + x_{L-1}          its L local replicas, in plaintext (one organisation)
                            share, key = mask_share(x)       enc(x) - AES-128-CTR(key), a fresh key (our kernel)
     owner -> service:      blind_key, w = contribute(step, key, share)
-                           key to server0, share to server1 (one `tf.numpy_function`, the only op that
-                           talks to anything outside the process); server0 expands every owner's key,
+                           key to server0, share to server1 (started by one `tf.numpy_function`, the only
+                           op that sends anything outside the process); server0 expands every owner's key,
                            subtracts the keystream of a fresh blind key and forwards that part to server1;
                            server1 adds it to the owners' shares: w = enc(sum) - AES(blind_key)
-    owner (its device):    y = dec(w + AES(blind_key))      unmasked in the contribution op, decoded by
+    owner (its device):    y = dec(w + AES(blind_key))      unmasked in the call, decoded by
                                                             `reveal_sum`, then copied to the local replicas
 
 With `checks` (service mode's training sums: the owners' check seed from the
 handshake, `check_seed`), the owner appends `sum_check.CHECK_WORDS` check
-words to its masked share inside the contribution op and verifies them on the
+words to its masked share inside the call and verifies them on the
 revealed sum before it goes on to `reveal_sum`: a sum a server altered stops
 the session run (`sum_check.SumIntegrityError`), nothing of it applied.
 
@@ -25,9 +25,12 @@ is the sum of all owners, masked, and the key that unmasks it. The service
 binds every contribution to the caller's certificate, releases a step only
 when every owner put it, and answers each owner's own call.
 
-The contributions of one graph are chained in the order they were built
-(each waits for the previous one's answer): every owner builds the same
-graph, so the owners contribute to their sums in the same order, and a
+Each sum is two ops: the contribution op (``service_contribute``) starts the
+call and returns a ticket, the answer op (``service_answer``) waits for it
+(`in_flight`). The contributions of one graph are chained in the order they
+were built (each waits for the previous one's ticket, not its answer): every
+owner builds the same graph, so the owners put their sums in the same order,
+all of a step's sums travel together (one round trip per step), and a
 session's few inter-op threads can never all wait on sums that the other
 owners have not reached.
 
@@ -47,17 +50,21 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import errors_impl
 
-from tfe_estimator.distribute import sum_check
+from tfe_estimator.distribute import in_flight, sum_check
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 
-__all__ = ["service_sum", "tf_errors", "CONTRIBUTE_OP_NAME"]
+__all__ = ["service_sum", "tf_errors", "CONTRIBUTE_OP_NAME", "ANSWER_OP_NAME"]
 
 #: The name (scope) of the op through which a contribution leaves the graph: what the audit looks for.
 CONTRIBUTE_OP_NAME = "service_contribute"
+#: The name of the op that waits for a contribution's answer (its only input: the contribution's ticket).
+ANSWER_OP_NAME = "service_answer"
 
-#: Per graph, the outputs of the last contribution built (the next one waits for them).
+#: Per graph, the ticket of the last contribution built (the next contribution waits for it).
 _LAST: "weakref.WeakKeyDictionary[tf.Graph, tf.Tensor]" = weakref.WeakKeyDictionary()
+#: Per graph, the answer ops built (each later contribution runs before them: `_before_earlier_answers`).
+_ANSWERS: "weakref.WeakKeyDictionary[tf.Graph, List[tf.Operation]]" = weakref.WeakKeyDictionary()
 
 
 def service_sum(
@@ -106,13 +113,19 @@ def service_sum(
                                     encoding.fraction_bits, owner, hint, noise=noise)
     graph = tf.compat.v1.get_default_graph()
     after = [_LAST[graph]] if graph in _LAST else []
-    call = functools.partial(_call, contribute, channel, encoding.ring_bits, num_elements, checks)
+    begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks)
     with tf.device(sources[0]), tf.control_dependencies(after):
-        revealed = tf.numpy_function(call, [step, key, share], tf.int64, stateful=True, name=CONTRIBUTE_OP_NAME)
+        ticket = tf.numpy_function(begin, [step, key, share], tf.int64, stateful=True, name=CONTRIBUTE_OP_NAME)
+    ticket.set_shape([])
+    _LAST[graph] = ticket
+    _before_earlier_answers(graph, ticket.op)
+    with tf.device(sources[0]):
+        revealed = tf.numpy_function(functools.partial(_finish, tuple(share.shape.as_list())), [ticket], tf.int64,
+                                     stateful=True, name=ANSWER_OP_NAME)
+    _ANSWERS.setdefault(graph, []).append(revealed.op)
     revealed.set_shape(share.shape)
-    _LAST[graph] = revealed
     with tf.device(sources[0]), tf.name_scope("service_reveal"):
-        # The sum's ring words are unmasked in the contribution op (its checks need them): decode them.
+        # The sum's ring words are unmasked in the call (its checks need them): decode them.
         total = ops.reveal_sum(revealed, tf.zeros_like(revealed), dtype, encoding.ring_bits, encoding.fraction_bits,
                                scale, shapes)
     results = []
@@ -122,29 +135,66 @@ def service_sum(
     return results
 
 
-def _call(contribute, channel, ring_bits, num_elements, checks, step, key, share):
-    """The numpy side of the contribution op: one call to the service; returns the revealed sum's ring words
-    (its answers unmasked, ``w + AES(blind_key)``), which the graph decodes.
+def _before_earlier_answers(graph: tf.Graph, contribution: tf.Operation) -> None:
+    """Makes every earlier answer op of `graph` that `contribution` does not need run after it.
 
-    The client waits out what can be waited out (`OwnerClient.contribute`): a step aborted because
-    another owner was missing, or a server unreachable mid-call, is put again with the SAME key and
-    masked share (a fresh mask is drawn only by a new session run): server0 may already have released
-    the step with this key, and server1 refuses a share of another key for it; nothing was released for
-    the aborted step, so the servers learn nothing new. A released step is answered from the servers'
-    replay window, so a restored owner replays bit-identically. A call that still fails fails the
-    session run with the server's message (TensorFlow reports an exception raised inside a
-    `tf.numpy_function` as ``UnknownError`` whatever its type, so Estimator does not retry it in the
-    same process): the owner's process exits, and its supervisor (the launcher's ``--max-restarts``,
-    Kubernetes' restart policy) restarts it from its latest checkpoint; its handshake drops its own
-    unreleased contributions, and it catches up from the replay window.
+    TensorFlow's executor may run a ready answer op (which blocks until the call's answer) before a
+    contribution that became ready at the same time, on the same thread: the step's next sum would start
+    only after the previous one's round trip. With these edges every sum of a step is on the wire before
+    any answer is awaited. An answer the contribution depends on (a sum computed from another's result)
+    keeps its order: no cycle.
+    """
+    answers = _ANSWERS.get(graph, [])
+    if not answers:
+        return
+    needed = _ancestors(contribution)
+    for answer in answers:
+        if answer not in needed:
+            answer._add_control_input(contribution)  # pylint: disable=protected-access
 
-    With `checks`, the contribution carries the owner's check words and its answer is verified
-    (`sum_check.checked_contribute`; a replayed answer too): `SumIntegrityError` fails the run.
+
+def _ancestors(op: tf.Operation) -> set:
+    """Every op `op` depends on, through data and control edges."""
+    seen, todo = set(), [op]
+    while todo:
+        current = todo.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def _begin(contribute, channel, ring_bits, num_elements, checks, step, key, share) -> np.ndarray:
+    """The numpy side of the contribution op: starts one call to the service (`in_flight.TICKETS`) with this
+    owner's key and masked share (check words appended first); returns its ticket (int64 scalar).
+
+    The call, in its channel's worker thread (`in_flight`), waits out what can be waited out
+    (`OwnerClient.contribute`): a step aborted because another owner was missing, or a server unreachable
+    mid-call, is put again with the SAME key and masked share (a fresh mask is drawn only by a new session
+    run): server0 may already have released the step with this key, and server1 refuses a share of another
+    key for it; nothing was released for the aborted step, so the servers learn nothing new. A released step
+    is answered from the servers' replay window, so a restored owner replays bit-identically.
     """
     check = checks() if checks is not None else None
-    revealed = sum_check.checked_contribute(contribute, check, channel, int(step), ring_bits, num_elements, key,
-                                            share, reveal=True)
-    return revealed.reshape(np.shape(share))  # the share's shape (the 128-bit ring: (n, 2) words)
+    # `key` and `share` alias the op's input tensors, whose buffers they keep alive after the op returns
+    return np.int64(in_flight.TICKETS.begin(channel, functools.partial(
+        sum_check.checked_contribute, contribute, check, channel, int(step), ring_bits, num_elements, key, share,
+        reveal=True)))
+
+
+def _finish(shape, ticket) -> np.ndarray:
+    """The numpy side of the answer op: waits for the call of `ticket`; returns the revealed sum's ring words
+    (its answers unmasked, ``w + AES(blind_key)``, checked with `checks`), which the graph decodes.
+
+    A call that still fails fails the session run with the server's message (TensorFlow reports an
+    exception raised inside a `tf.numpy_function` as ``UnknownError`` whatever its type, so Estimator does
+    not retry it in the same process): the owner's process exits, and its supervisor (the launcher's
+    ``--max-restarts``, Kubernetes' restart policy) restarts it from its latest checkpoint; its handshake
+    drops its own unreleased contributions, and it catches up from the replay window. `SumIntegrityError`
+    (a sum a server altered) fails it the same way.
+    """
+    return in_flight.TICKETS.finish(int(ticket)).reshape(shape)  # the share's shape (128-bit ring: (n, 2))
 
 
 @contextlib.contextmanager
