@@ -539,8 +539,9 @@ class AggregationServer:
             if waiting >= self._max_waiting:
                 raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"Service mode: {identity} already has {waiting} calls waiting on aggregation "
-                             f"server{self._role} (--max-waiting-puts={self._max_waiting}). An owner contributes "
-                             "one sum at a time per model: a second process runs as this owner, or it misbehaves.")
+                             f"server{self._role} (--max-waiting-puts={self._max_waiting}). An owner keeps at most "
+                             "2 sums in flight (a step's gradients and loss): a second process runs as this owner, "
+                             "or it misbehaves.")
             self._waiting[identity] = waiting + 1
 
     def _leave(self, identity: str) -> None:

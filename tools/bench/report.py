@@ -142,8 +142,8 @@ def _service_distance(cases) -> list:
     if not rows:
         return []
     links = next(c for c in cases if c.get("service") and "round_trips_per_step" in c)["predicted_ms_per_step"]
-    relayed = [f"| {c['name']} | {r['rtt_ms']:g} | {c['contributions_per_step']:g} | {c['secure_ms_per_step']:.2f} | "
-               f"{r['predicted_ms_per_step']:.1f} | {r['measured_ms_per_step']:.1f} |"
+    relayed = [f"| {c['name']} | {r['rtt_ms']:g} | {c['sequential_calls_per_step']:g} | "
+               f"{c['secure_ms_per_step']:.2f} | {r['predicted_ms_per_step']:.1f} | {r['measured_ms_per_step']:.1f} |"
                for c in cases if c.get("service") and (r := c.get("relayed_owner_links"))]
     if relayed:
         relayed = ["", "Checked (`--relay-rtt-ms`): the service twin again with each owner's links to the servers "
@@ -152,8 +152,9 @@ def _service_distance(cases) -> list:
                    "| --- | ---: | ---: | ---: | ---: | ---: |", *relayed]
     return [
         "",
-        "Service-mode cases at a distance: sequential round trips per step (Contribute calls x 2: the owner's "
-        "and server0's forward to server1), bytes per owner and step, and the step predicted by "
+        "Service-mode cases at a distance: sequential round trips per step (Contribute calls that wait for "
+        "each other x 2: the owner's and server0's forward to server1; a step's sums travel together), bytes "
+        "per owner and step, and the step predicted by "
         "`tools.bench.distance.predict_step_ms` (loopback step + round trips x RTT + bytes / bandwidth; "
         "`python -m tools.bench.distance` checks it through a delaying relay):",
         "",

@@ -104,7 +104,7 @@ def run_service_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
         from tools.bench.distance import predict_step_ms  # pylint: disable=import-outside-toplevel
 
         # Only the owners' links are relayed (server0 reaches server1 directly): one round trip per call.
-        predicted = predict_step_ms(row["secure_ms_per_step"], row["contributions_per_step"],
+        predicted = predict_step_ms(row["secure_ms_per_step"], row["sequential_calls_per_step"],
                                     row["upload_bytes_per_step"], row["download_bytes_per_step"], rtt)
         row["relayed_owner_links"] = {"rtt_ms": rtt, "measured_ms_per_step": relayed, "predicted_ms_per_step":
                                       predicted, "round_ms": [r["chief"]["ms_per_step"] for r in launches[RELAYED]]}
@@ -115,11 +115,12 @@ def _distance_figures(row: Dict) -> Dict:
     """Round trips and bytes per owner and step, and the step predicted at `DISTANCE_RTT_MS` (`tools.bench.distance`).
 
     Bytes are the chief's client's per step (each owner sends and receives the same); round trips are its
-    Contribute calls per step x `distance.SERVICE_HOPS` (the owner's and server0's forward to server1).
+    sequential Contribute calls per step (`in_flight.Tickets.waves`: a step's sums travel together) x
+    `distance.SERVICE_HOPS` (the owner's and server0's forward to server1).
     """
     from tools.bench.distance import SERVICE_HOPS, predict_step_ms  # pylint: disable=import-outside-toplevel
 
-    round_trips = row["contributions_per_step"] * SERVICE_HOPS
+    round_trips = row["sequential_calls_per_step"] * SERVICE_HOPS
     up, down = row["upload_bytes_per_step"], row["download_bytes_per_step"]
     return {"round_trips_per_step": round_trips,
             "bytes_per_owner_per_step": {"up": up, "down": down},
@@ -151,6 +152,7 @@ def _service_figures(launches: Dict[str, List[Dict]], params: int, rounds: int) 
             "servers": [median([r["chief"]["server_cpu_ms_per_step"][k] for r in runs])
                         for k in range(len(runs[0]["chief"].get("server_cpu_ms_per_step", [])))]},
         "contributions_per_step": runs[0]["chief"]["contributions_per_step"],
+        "sequential_calls_per_step": runs[0]["chief"]["sequential_calls_per_step"],
         "launches_per_twin": rounds,
     }
     return figures
@@ -278,7 +280,8 @@ class _StepTimes(tf.estimator.SessionRunHook):
             if self._service:
                 self.usage.update(client_sent=(end["sent"] - start["sent"]) / steps,
                                   client_received=(end["received"] - start["received"]) / steps,
-                                  contributions_per_step=(end["calls"] - start["calls"]) / steps)
+                                  contributions_per_step=(end["calls"] - start["calls"]) / steps,
+                                  sequential_calls_per_step=(end["waves"] - start["waves"]) / steps)
             if "servers" in end:
                 self.usage["server_cpu_ms_per_step"] = [1e3 * (b - a) / steps
                                                         for a, b in zip(start["servers"], end["servers"])]
@@ -291,11 +294,12 @@ def _usage(service: bool, chief: bool) -> Dict:
     rusage = resource.getrusage(resource.RUSAGE_SELF)
     usage = {"cpu": rusage.ru_utime + rusage.ru_stime}
     if service:
+        from tfe_estimator.distribute.in_flight import TICKETS  # pylint: disable=import-outside-toplevel
         from tfe_estimator.service.client import live_clients  # pylint: disable=import-outside-toplevel
 
         clients = live_clients()
         usage.update(sent=sum(c.bytes_sent for c in clients), received=sum(c.bytes_received for c in clients),
-                     calls=sum(c.contributions for c in clients))
+                     calls=sum(c.contributions for c in clients), waves=TICKETS.waves)
     pids = [p for p in os.environ.get(SERVER_PIDS_ENV, "").split(",") if p]
     if chief and pids:
         usage["servers"] = [process_cpu_seconds(int(pid)) for pid in pids]
