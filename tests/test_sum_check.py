@@ -214,6 +214,18 @@ def test_the_kernel_pass_computes_the_numpy_definition_exactly(ring_bits):
                 assert element(out, i, ring_bits) == expected, (n, copy, i)
 
 
+def test_the_revealed_sum_is_aligned_for_tensorflow_to_take_it_without_a_copy():
+    # A tf.numpy_function result whose data is not 64-byte aligned is copied into a new tensor (8 MB per 1e6 sum).
+    n, check = 1000, SumCheck(SEED)
+    key, share = _masked(np.arange(n), 64)
+    extended = check.extend("sum_0", 1, 64, n, key, share)
+    revealed = check.verify("sum_0", 1, 64, n, key, extended.copy())  # blind key = key: the owner's own vector
+    assert revealed.ctypes.data % 64 == 0
+    np.testing.assert_array_equal(revealed[:n].view(np.int64), np.arange(n))
+    plain = sum_check._plus(np.ones(n, np.uint64), np.ones(n, np.uint64), 64)  # pylint: disable=protected-access
+    assert plain.ctypes.data % 64 == 0 and (plain == 2).all()
+
+
 def test_the_kernel_pass_refuses_arrays_outside_its_contract():
     words = np.zeros(10, np.uint64)
     with pytest.raises(ValueError, match="writable contiguous uint64 array of 14 words"):

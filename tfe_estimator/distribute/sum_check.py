@@ -92,9 +92,22 @@ def _derive(seed: bytes, channel: str, step: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=ring.KEY_BYTES, salt=None, info=info).derive(seed)
 
 
+#: TensorFlow takes a `tf.numpy_function`'s result without a copy only if its data is aligned to this many bytes
+#: (``EIGEN_MAX_ALIGN_BYTES``; NumPy's large arrays start 16 bytes into a page).
+_TF_ALIGN = 64
+
+
+def _for_tensorflow(words: int) -> np.ndarray:
+    """A new uint64 array of `words` words whose data TensorFlow can take as a tensor without copying it."""
+    raw = np.empty(8 * words + _TF_ALIGN, np.uint8)
+    start = -raw.ctypes.data % _TF_ALIGN
+    return raw[start:start + 8 * words].view(np.uint64)
+
+
 def _plus(a: np.ndarray, b: np.ndarray, ring_bits: int) -> np.ndarray:
-    """The ring vector ``a + b`` (uint64 words) in a new array, in one pass where the ring allows."""
-    out = np.empty(a.shape, np.uint64)
+    """The ring vector ``a + b`` (uint64 words) in a new array (`_for_tensorflow`), in one pass where the ring
+    allows."""
+    out = _for_tensorflow(a.size).reshape(a.shape)
     if ring_bits == 64:
         return np.add(a, b, out=out)
     if ring_bits == 32:
@@ -233,7 +246,7 @@ class SumCheck:
                 f"the sum released for step {step} on channel {channel} has {answer.size} ring words, not the "
                 f"{ring.ring_words(total, ring_bits)} of {n} elements and {CHECK_WORDS} check words: a server "
                 f"altered it (server operators: {self.operators}); training stopped, nothing of it applied.")
-        revealed = np.empty(answer.size, np.uint64)  # a new array: it is handed to TensorFlow
+        revealed = _for_tensorflow(answer.size)  # a new array: it is handed to TensorFlow
         values = check_pass(answer, total, total, n, ring_bits, blind_key, _derive(self._seed, channel, step),
                             revealed, copy=False)
         expected = self.residues(values, ring_bits)
