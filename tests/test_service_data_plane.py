@@ -1064,3 +1064,23 @@ def test_a_data_port_that_cannot_be_reached_is_tried_again_only_after_a_while(ce
     plane.failed(again, LinkError(grpc.StatusCode.UNAVAILABLE, "reset after the request", sent=True))
     assert plane.get(timeout=1.0) is not None and len(asked) == 3  # reached it: asked again at once
     plane.close()
+
+
+def test_calls_that_start_together_wait_for_the_one_asking_for_the_port_and_all_take_the_data_plane(cert_dirs):
+    """A step's two sums start their puts at once: the second must not fall back to gRPC because the first is
+    still asking the server for its data port (mutation: returning at once gives it None)."""
+    from tfe_estimator.service import data_link  # pylint: disable=import-outside-toplevel
+
+    asked, answering = [], threading.Event()
+
+    def ask(timeout):
+        asked.append(timeout)
+        assert answering.wait(10.0)
+        return portpicker.pick_unused_port()
+
+    tls = TlsFiles.from_dir(cert_dirs[0], "chief", 0)
+    plane = data_link.PlaneLink(ask, "localhost", lambda: tls.ssl_client_context(1), server_name(tls, 1))
+    threading.Timer(0.5, answering.set).start()  # the server answers while the second call waits
+    links = in_threads([lambda: plane.get(timeout=5.0), lambda: (time.sleep(0.2), plane.get(timeout=5.0))[1]])
+    assert links[0] is not None and links[1] is links[0] and len(asked) == 1
+    plane.close()

@@ -195,30 +195,39 @@ class PlaneLink:
                  hostname: str):
         self._ask, self._host, self._context, self._hostname = ask, host, context, hostname
         self._lock = threading.Lock()
+        self._asked_now = threading.Condition(self._lock)
+        self._asking = False
         self.link: Optional[DataLink] = None
         self._asked: Optional[float] = None  # when the server was last asked for its port
 
     def get(self, timeout: float) -> Optional[DataLink]:
         """The link, asking the server for its port if due; None: use gRPC. A failed ask raises
-        ``grpc.RpcError`` and is asked again at the next call."""
+        ``grpc.RpcError`` and is asked again at the next call. Callers that come while the server is being
+        asked wait for that answer (within `timeout`), so concurrent first calls all take the data plane."""
         with self._lock:
+            if self._asking:
+                self._asked_now.wait_for(lambda: not self._asking, timeout=timeout)
+                return self.link
             if self.link is not None or (self._asked is not None and time.monotonic() - self._asked < RETRY_SECS):
                 return self.link
-            self._asked = time.monotonic()
+            self._asked, self._asking = time.monotonic(), True
+        link = None
         try:
             port = self._ask(timeout)
+            if port:
+                link = DataLink(self._host, port, self._context(), self._hostname)
         except grpc.RpcError:
             with self._lock:
                 self._asked = None
             raise
-        if not port:
-            return None
-        link = DataLink(self._host, port, self._context(), self._hostname)
-        with self._lock:
-            if self.link is None:
-                self.link = link
-                return link
-        link.close()
+        finally:
+            with self._lock:
+                self._asking = False
+                if link is not None and self.link is None:
+                    self.link, link = link, None
+                self._asked_now.notify_all()
+        if link is not None:
+            link.close()
         return self.link
 
     def failed(self, link: DataLink, error: LinkError) -> None:
