@@ -43,6 +43,7 @@ Example::
 """
 import collections
 import itertools
+import logging
 import queue
 import threading
 from typing import Callable, Dict, Optional
@@ -51,6 +52,9 @@ __all__ = ["Tickets", "TICKETS", "IDLE_SECS", "MAX_IN_FLIGHT"]
 
 #: A channel's worker thread ends after this long without a call.
 IDLE_SECS = 60.0
+#: How often an answer that keeps waiting says so (the client names the server a running call waits for).
+_NOTICE_SECS = 30.0
+_LOG = logging.getLogger("tfe_estimator")
 #: Calls of one process running at once: a training step's two sums (the gradients, the reported loss).
 MAX_IN_FLIGHT = 2
 
@@ -142,7 +146,13 @@ class Tickets:
         if call is None:
             raise KeyError(f"contribution ticket {ticket} is not in flight in this process (collected already, or "
                            "dropped when a later call of its channel started).")
-        call.done.wait()
+        waited = 0.0
+        while not call.done.wait(timeout=_NOTICE_SECS):  # a call that never ends is named, not silent
+            waited += _NOTICE_SECS
+            with self._lock:
+                running, queued = self._running, [c.channel for c in self._waiting]
+            _LOG.info("service mode: the answer of %s waits (%.0f s; %d calls of this process running, waiting "
+                      "their turn: %s)", call.channel, waited, running, queued or "none")
         if call.error is not None:
             with self._lock:
                 self._ended.wait_for(lambda: self._running == 0 and not self._waiting)

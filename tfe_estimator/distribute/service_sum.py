@@ -52,7 +52,7 @@ from tensorflow.python.framework import errors_impl
 
 from tfe_estimator.distribute import in_flight, sum_check
 from tfe_estimator.secure.fused_sum import Encoding
-from tfe_estimator.secure.kernels import ops
+from tfe_estimator.secure.kernels import check_pass, ops
 
 __all__ = ["service_sum", "tf_errors", "CONTRIBUTE_OP_NAME", "ANSWER_OP_NAME"]
 
@@ -111,6 +111,8 @@ def service_sum(
         noise = None if noise_variance is None else ops.discrete_gaussian(num_elements, noise_variance)
         share, key = ops.mask_share(local, encoding.bound * len(vectors), encoding.ring_bits,
                                     encoding.fraction_bits, owner, hint, noise=noise)
+    if checks is not None:
+        check_pass.load()
     graph = tf.compat.v1.get_default_graph()
     after = [_LAST[graph]] if graph in _LAST else []
     begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks)

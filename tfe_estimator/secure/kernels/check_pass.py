@@ -22,7 +22,7 @@ from typing import List
 
 import numpy as np
 
-__all__ = ["check_pass", "ROWS", "CheckPassError"]
+__all__ = ["check_pass", "load", "ROWS", "CheckPassError"]
 
 #: Check rows the pass computes (`sum_check.ROWS`).
 ROWS = 2
@@ -32,6 +32,12 @@ _FUNCTION = None
 
 class CheckPassError(RuntimeError):
     """The cipher library reported an error, or the pass was called outside its contract."""
+
+
+def load() -> None:
+    """Loads the pass (the kernel library, built and self-tested) now: a graph that will call it does so while it
+    is built, so that no step's first call loads a library in a thread of its own."""
+    _function()
 
 
 def _function():
