@@ -331,6 +331,9 @@ def test_an_owner_cannot_make_a_server_allocate_past_its_limits(make_service):
     with pytest.raises(ServiceError) as e:
         _put(chief, 0, channel="c")
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-channels=2" in e.value.details
+    with pytest.raises(ValueError, match=r"max_waiting_puts=1 must be at least 2: an owner keeps up to 2 sums"):
+        AggregationServer(1, "localhost:0", ["chief:0"], TlsFiles.from_dir(service.certs_dir, "tfe", 1),
+                          max_waiting_puts=1)
     with pytest.raises(ValueError, match=r"max_elements=0 must be an integer >= 1"):
         AggregationServer(1, "localhost:0", ["chief:0"], TlsFiles.from_dir(service.certs_dir, "tfe", 1), max_elements=0)
 

@@ -185,6 +185,9 @@ class AggregationServer:
                             ("replay_window_bytes", replay_window_bytes)):
             if not is_int(value, minimum=1):
                 raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+        if max_waiting_puts < 2:
+            raise ValueError(f"max_waiting_puts={max_waiting_puts} must be at least 2: an owner keeps up to 2 sums in "
+                             "flight (its step's gradients and loss travel together); use the default 8.")
         self._max_workers = max_workers or 16 + max_waiting_puts * (len(owners) + 1)  # the owners and server0
         self._max_elements, self._max_channels = max_elements, max_channels
         self._max_waiting = max_waiting_puts
