@@ -132,7 +132,8 @@ class AggregationServer:
       memory_budget_bytes, owner_memory_budget_bytes: what the server may hold for everyone, and for one
         owner's puts (`budget.MemoryBudget`: ring words x 8, server0's key expansion included; default
         4 GiB and 768 MiB): beyond them a put is refused RESOURCE_EXHAUSTED naming the flag.
-      max_waiting_puts: how many calls of one owner may wait at once on this server (default 8).
+      max_waiting_puts: how many calls of one owner may wait at once on this server (default 8, at least 2:
+        an owner keeps its step's two sums in flight).
       replay_window_steps, replay_window_bytes: how many released steps per channel keep their answer for
         owners that restored an earlier checkpoint (default 64), and how many bytes of answers in all
         (default 1 GiB).
