@@ -415,3 +415,32 @@ def test_mutation_unbounded_waiting_puts_hold_the_honest_owners_threads(make_ser
     service = make_service(owner_names(3), step_timeout_secs=4.0, max_waiting_puts=1000, max_workers=40,
                            data_plane=False)
     assert _honest_step_secs(service) > 2.0
+
+
+def test_a_channel_made_for_a_put_is_not_forgotten_before_the_put_registers_in_it(make_service):
+    """Two new channels made at once (a step's gradients and loss from two owners): making the second forgets
+    idle channels, and the first had no put registered yet (server0 was expanding its key). Its put must not
+    land in a forgotten channel while the other owners' go to a new one: that step stalled until its timeout."""
+    service = make_service(owner_names(2), step_timeout_secs=6.0)
+    chief, worker = service.clients_of(2)
+    server0 = service.servers[1]
+    expanding, go = threading.Event(), threading.Event()
+    real = server0._addend  # pylint: disable=protected-access
+
+    def addend(payload, words, out):  # the chief's first key of channel "a" waits between table and put
+        if words == 8 and not expanding.is_set():
+            expanding.set()
+            assert go.wait(10.0)
+        return real(payload, words, out)
+
+    server0._addend = addend  # pylint: disable=protected-access
+
+    def late_put():
+        assert expanding.wait(10.0)
+        result = in_threads([lambda: _put(worker, 0, n=16, channel="b"), lambda: (time.sleep(0.3), go.set())])
+        return result[0]
+
+    results = in_threads([lambda: _put(chief, 0, n=8, channel="a"), late_put,
+                          lambda: (expanding.wait(10.0), time.sleep(0.5), _put(worker, 0, n=8, channel="a"))[2],
+                          lambda: (expanding.wait(10.0), time.sleep(0.5), _put(chief, 0, n=16, channel="b"))[2]])
+    assert not [r for r in results if isinstance(r, Exception)], results

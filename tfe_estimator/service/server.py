@@ -364,13 +364,17 @@ class AggregationServer:
     # ------------------------------------------------------------- methods --
 
     def _channel(self, identity: Optional[str], request) -> Tuple[Tuple[str, int, int], StepChannel]:
-        """The channel (name AND settings) a put goes to; made on first use within the limits on channels."""
+        """The channel (name AND settings) a put goes to; made on first use within the limits on channels.
+        Counted as in use until `_unhold`: the caller registers its put in it in between."""
         key = (request.channel, int(request.ring_bits), int(request.num_elements))
         with self._lock:
             channel = self._channels.get(key)
             if channel is not None:
+                channel.users += 1
                 return key, channel
-            for other in [k for k, c in self._channels.items() if c.idle()]:  # nothing open, nothing stored
+            # nothing open, nothing stored, and no put between finding it here and registering in it (a channel
+            # forgotten in that window would keep its put while the others' went to a new one: a stalled step)
+            for other in [k for k, c in self._channels.items() if c.users == 0 and c.idle()]:
                 self._pool.unstock(self._channels.pop(other))
                 self._created_by.pop(other, None)
             if len(self._channels) >= self._max_channels:
@@ -394,6 +398,7 @@ class AggregationServer:
                 self._addend, self._replay, self._budget, self._timeout, self._pool)
             if identity is not None:
                 self._created_by[key] = identity
+            channel.users += 1
             return key, channel
 
     def _check_request(self, request, nbytes: int, what: str) -> int:
@@ -536,6 +541,11 @@ class AggregationServer:
             _LOG.info("aggregation server0: step %d of %s answered from %s (server1 released it before this "
                       "server restarted)", step, channel.label, self._releases.path)
 
+    def _unhold(self, channel: StepChannel) -> None:
+        """Ends a `_channel` use (the put is registered in it, or refused)."""
+        with self._lock:
+            channel.users -= 1
+
     def _enter(self, identity: str) -> None:
         """Counts one more waiting call of `identity`; refuses past ``max_waiting_puts``."""
         with self._lock:
@@ -560,23 +570,26 @@ class AggregationServer:
         self._enter(identity)
         try:
             _, channel = self._channel(identity, request)
-            if self._unconfirmed:
-                self._recover(channel, request.step)
-            expansion = 8 * words if self._role == 0 else 0  # server0 expands the key to ring words
             try:
-                self._budget.reserve(identity, expansion, f"the expansion of its key for {channel.label}")
-            except BudgetExceeded as e:
-                raise StepRefused(e.code, e.message) from None
-            addend = None
-            try:
-                # server0: the key's keystream, outside any lock, into a buffer reused across steps
-                addend = self._addend(payload, words, self._pool.take(words) if self._role == 0 else None)
-                ticket = channel.put(owner, request.step, payload, addend, _digests(context, KEY_METADATA))
+                if self._unconfirmed:
+                    self._recover(channel, request.step)
+                expansion = 8 * words if self._role == 0 else 0  # server0 expands the key to ring words
+                try:
+                    self._budget.reserve(identity, expansion, f"the expansion of its key for {channel.label}")
+                except BudgetExceeded as e:
+                    raise StepRefused(e.code, e.message) from None
+                addend = None
+                try:
+                    # server0: the key's keystream, outside any lock, into a buffer reused across steps
+                    addend = self._addend(payload, words, self._pool.take(words) if self._role == 0 else None)
+                    ticket = channel.put(owner, request.step, payload, addend, _digests(context, KEY_METADATA))
+                finally:
+                    self._budget.free(identity, expansion)
+                    if self._role == 0 and addend is not None:
+                        self._pool.give(addend)
+                    del addend
             finally:
-                self._budget.free(identity, expansion)
-                if self._role == 0 and addend is not None:
-                    self._pool.give(addend)
-                del addend
+                self._unhold(channel)
             if ticket.released is not None:
                 self._finish(channel, ticket.released)
             answer = channel.wait(owner, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())
@@ -600,8 +613,11 @@ class AggregationServer:
         try:
             _, channel = self._channel(None, request)
             forwarder = len(self._owners)
-            ticket = channel.put(forwarder, request.step, payload, np.frombuffer(payload, "<u8"),
-                                 _digests(context, DIGESTS_METADATA), blind)
+            try:
+                ticket = channel.put(forwarder, request.step, payload, np.frombuffer(payload, "<u8"),
+                                     _digests(context, DIGESTS_METADATA), blind)
+            finally:
+                self._unhold(channel)
             if ticket.released is not None:
                 self._finish(channel, ticket.released)
             channel.wait(forwarder, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())

@@ -167,6 +167,9 @@ class StepChannel:
                  timeout_secs: float = 300.0, pool: Optional[BufferPool] = None):
         self.name, self.ring_bits, self.num_elements = name, ring_bits, num_elements
         self.words = ring.ring_words(num_elements, ring_bits)
+        #: puts between finding this channel in the server's table and registering in it (the server's lock
+        #: guards it): a channel in use is never forgotten as idle
+        self.users = 0
         self._owners, self._addend_of, self._replay, self._budget = list(owners), addend_of, replay, budget
         self._names = self._owners + ([forwarder] if forwarder else [])
         self._timeout = float(timeout_secs)
