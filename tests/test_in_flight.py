@@ -27,7 +27,7 @@ def _call(log, name, release=None, error=None):
 
 
 def test_calls_run_in_the_order_they_started_at_most_two_at_once_and_count_their_waves():
-    tickets, log = Tickets(max_in_flight=2), []
+    tickets, log = Tickets(), []
     gates = {name: threading.Event() for name in "abc"}
     a = tickets.begin("sum_0", _call(log, "a", gates["a"]))
     b = tickets.begin("sum_1", _call(log, "b", gates["b"]))
@@ -50,7 +50,7 @@ def test_calls_run_in_the_order_they_started_at_most_two_at_once_and_count_their
 
 def test_a_failed_call_is_raised_only_after_every_call_in_flight_ended():
     # As a failed session run used to wait for its running ops: the next session never finds them still waiting.
-    tickets, log, gate = Tickets(max_in_flight=2), [], threading.Event()
+    tickets, log, gate = Tickets(), [], threading.Event()
     failed = tickets.begin("sum_0", _call(log, "grads", error=RuntimeError("server0 refused")))
     slow = tickets.begin("sum_1", _call(log, "loss", gate))
     threading.Timer(0.3, gate.set).start()
@@ -70,18 +70,6 @@ def test_a_ticket_is_collected_once_and_an_uncollected_one_is_dropped_by_its_cha
     with pytest.raises(KeyError, match=f"ticket {second} is not in flight"):
         tickets.finish(second)
     assert log.index(("end", "first")) < log.index(("start", "second"))  # one call per channel at a time
-
-
-def test_by_default_a_process_runs_one_call_at_a_time():
-    # MAX_IN_FLIGHT is 1 while the race it names is open: the second call starts after the first ended.
-    tickets, log, gate = Tickets(), [], threading.Event()
-    first = tickets.begin("sum_0", _call(log, "grads", gate))
-    second = tickets.begin("sum_1", _call(log, "loss"))
-    time.sleep(0.2)
-    assert log == [("start", "grads")]
-    gate.set()
-    assert (tickets.finish(first), tickets.finish(second)) == ("grads", "loss")
-    assert log == [("start", "grads"), ("end", "grads"), ("start", "loss"), ("end", "loss")] and tickets.waves == 2
 
 
 def test_a_channels_worker_ends_when_idle_and_a_new_one_takes_its_next_call():

@@ -55,11 +55,8 @@ IDLE_SECS = 60.0
 #: How often an answer that keeps waiting says so (the client names the server a running call waits for).
 _NOTICE_SECS = 30.0
 _LOG = logging.getLogger("tfe_estimator")
-#: Calls of one process running at once. 2 would put a training step's two sums (the gradients, the reported loss)
-#: on the wire together, one round trip per step; it is 1 while a race is open: with 2, one launch in about ten
-#: under CPU load stalled at step 0 because server0 never registered an owner's second call (its loss key) while
-#: server1 had its share (test_service_mode's 8 owners, the bench's 4 owners; not found in the code yet).
-MAX_IN_FLIGHT = 1
+#: Calls of one process running at once: a training step's two sums (the gradients, the reported loss).
+MAX_IN_FLIGHT = 2
 
 
 class _Call:
