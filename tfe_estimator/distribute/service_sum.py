@@ -150,8 +150,9 @@ def _before_earlier_answers(graph: tf.Graph, contribution: tf.Operation) -> None
     if not answers:
         return
     needed = _ancestors(contribution)
+    context = getattr(contribution, "_control_flow_context", None)  # TF1 cond/while: edges stay in one frame
     for answer in answers:
-        if answer not in needed:
+        if answer not in needed and getattr(answer, "_control_flow_context", None) is context:
             answer._add_control_input(contribution)  # pylint: disable=protected-access
 
 
