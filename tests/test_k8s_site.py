@@ -32,7 +32,7 @@ def sites(tmp_path_factory):
 def _render(capsys, fed, party, *extra):
     argv = ["--name", "demo", "--namespace", "ml", "--image", IMAGE, "--federation", fed, "--party", party, *extra]
     if not party.startswith("tfe"):
-        argv += ["--", "python", "train.py"]
+        argv += ([] if "--model-claim" in extra else ["--model-claim", "{name}-model"]) + ["--", "python", "train.py"]
     assert kubernetes.main(argv) == 0
     text = capsys.readouterr().out
     return text, list(yaml.safe_load_all(text))
@@ -193,15 +193,18 @@ def _check_server(objs, ports, node_ports=False):
     command = container["command"]
     bound = (ports[0],) + ((int(command[command.index("--data-port") + 1]),) if "--data-port" in command else ())
     assert bound == tuple(ports)
-    assert [p["containerPort"] for p in container["ports"]] == list(ports)
+    # Its metrics port (`--metrics-port`) is a container port too, but on no Service and in its own rule.
+    metrics = [int(command[command.index("--metrics-port") + 1])] if "--metrics-port" in command else []
+    assert [p["containerPort"] for p in container["ports"]] == list(ports) + metrics
     (service,) = [o for o in objs if o["kind"] == "Service"]
     for p in service["spec"]["ports"]:
         assert p["port"] == p["targetPort"] and p.get("nodePort", p["port"]) == p["port"]
         assert ("nodePort" in p) == node_ports
     assert [p["port"] for p in service["spec"]["ports"]] == list(ports)
     policy = _policy(objs)
-    assert len(policy["ingress"]) == 1  # one rule: every port admits exactly the same callers
-    (rule,) = policy["ingress"]
+    federation_rules = [r for r in policy["ingress"] if not any(p["port"] in metrics for p in r["ports"])]
+    assert len(federation_rules) == 1  # one rule: every federation port admits exactly the same callers
+    (rule,) = federation_rules
     assert rule["ports"] == [{"protocol": "TCP", "port": p} for p in ports]
     return policy
 
@@ -238,7 +241,8 @@ def test_mutation_a_server_open_to_more_is_caught(sites, capsys, plant):
         rules.append({"ports": [{"protocol": "TCP", "port": 7002}]})
     else:
         (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
-        deployment["spec"]["template"]["spec"]["containers"][0]["command"][-1] = "7001"
+        command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+        command[command.index("--data-port") + 1] = "7001"
     with pytest.raises(AssertionError):
         _check_server(objs, _server_ports(7001))
 

@@ -147,7 +147,8 @@ def test_tfe_pods_run_the_server_and_others_the_training_command():
         assert spec["automountServiceAccountToken"] is False
         job, index = _task_of(w)
         if job == "tfe":
-            assert container["command"] == ["tfe-estimator", "server", "--data-port", "2223"]  # service mode
+            assert container["command"] == ["tfe-estimator", "server", "--data-port", "2223",  # service mode
+                                            "--metrics-port", "9100"]
             claims = [v for v in spec.get("volumes", []) if "persistentVolumeClaim" in v]
             assert not claims, claims  # servers never see data (only their certificate Secret)
         else:
@@ -349,7 +350,8 @@ def test_tfe_pods_run_the_one_server_command():
     (deployment, *_) = [m for m in _render(0, False) if m["kind"] == "Deployment"]
     assert tuple(_container(deployment)["command"]) == server_command() == kubernetes.SERVER_COMMAND
     for deployment in [m for m in _render(0, False, cluster_mode="service") if m["kind"] == "Deployment"]:
-        assert _container(deployment)["command"] == [*server_command(), "--data-port", "2223"]  # port + 1
+        assert _container(deployment)["command"] == [*server_command(), "--data-port", "2223",  # port + 1
+                                                     "--metrics-port", "9100"]
 
 
 def test_committed_example_equals_a_fresh_render(capsys):
@@ -526,14 +528,14 @@ def test_service_mode_owners_accept_nothing_and_servers_only_owners_and_server0(
     assert all([(p["name"], p["port"], p["targetPort"]) for p in s["spec"]["ports"]] == [
         ("grpc", 7000, 7000), ("data", 7001, 7001)] for s in _by_kind(manifests)["Service"])
     expected = {(o, ("tfe", k)) for o in owners for k in (0, 1)} | {(("tfe", 0), ("tfe", 1))}
-    for port in (7000, 7001, kubernetes.TLS_PORT, 2222, 7002):
+    for port in (7000, 7001, kubernetes.TLS_PORT, 2222, 7002, 9100):  # the metrics port: nobody by default
         assert _reachable(manifests, port) == (expected if port in (7000, 7001) else set()), port
     for port in (7000, 7001):
         assert _egress(manifests, port) == expected  # server1 calls nobody, owners only the servers
     for w in workloads:
         if _task_of(w)[0] == "tfe":
-            assert _container(w)["command"][-2:] == ["--data-port", "7001"]
-            assert [p["containerPort"] for p in _container(w)["ports"]] == [7000, 7001]
+            assert _container(w)["command"][-4:] == ["--data-port", "7001", "--metrics-port", "9100"]
+            assert [p["containerPort"] for p in _container(w)["ports"]] == [7000, 7001, 9100]
     for policy in _by_kind(manifests)["NetworkPolicy"]:
         if _task_of(policy)[0] != "tfe":  # owners and the evaluator: deny all ingress
             assert policy["spec"]["ingress"] == [] and "Ingress" in policy["spec"]["policyTypes"]
@@ -573,7 +575,7 @@ def test_service_mode_without_a_data_plane_opens_the_service_port_only(capsys):
     assert all([p["port"] for p in s["spec"]["ports"]] == [7000] for s in _by_kind(manifests)["Service"])
     for deployment in _by_kind(manifests)["Deployment"]:
         assert "--data-port" not in _container(deployment)["command"]
-        assert [p["containerPort"] for p in _container(deployment)["ports"]] == [7000]
+        assert [p["containerPort"] for p in _container(deployment)["ports"]] == [7000, 9100]  # gRPC, metrics
     assert _render(1, False, cluster_mode="service", port=65535, data_plane=False)  # no data port, no room needed
     assert kubernetes.main(["--name", "demo", "--image", IMAGE, "--namespace", "ml", "--no-data-plane", "--port",
                             "7000", "--evaluator", "--", "python", "train.py"]) == 0

@@ -39,6 +39,7 @@ __all__ = [
     "parse_quantities",
     "teardown_command",
     "check_arguments",
+    "check_image",
     "check_active_deadline_seconds",
     "check_tls",
     "check_tls_secret",
@@ -114,11 +115,7 @@ def check_arguments(
             f"namespace={namespace!r} is not a valid Kubernetes namespace: it must be a DNS-1123 "
             "label (lowercase letters, digits and '-', at most 63 characters)."
         )
-    if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
-        raise ValueError(
-            f"image={image!r} must be a non-empty container image reference without spaces, "
-            "e.g. 'registry.example.com/tfe-train:1.0'; the image needs tfe_estimator installed."
-        )
+    check_image(image, "image")
     if (
         not isinstance(command, (list, tuple))
         or not command
@@ -148,6 +145,15 @@ def check_arguments(
     (data_path, model_path) = (claims["data"][1], claims["model"][1])
     if data_path.rstrip("/") == model_path.rstrip("/"):
         raise ValueError(f"data_mount_path and model_mount_path are both {data_path!r}: use two paths.")
+
+
+def check_image(image: str, source: str) -> None:
+    """Raises ValueError unless `image` (from `source`, e.g. ``"server_image"``) is a container image reference."""
+    if not isinstance(image, str) or not image.strip() or any(c.isspace() for c in image):
+        raise ValueError(
+            f"{source}={image!r} must be a non-empty container image reference without spaces, "
+            "e.g. 'registry.example.com/tfe-train:1.0'; the image needs tfe_estimator installed."
+        )
 
 
 def check_active_deadline_seconds(active_deadline_seconds: Optional[int]) -> None:

@@ -45,13 +45,14 @@ or from a shell::
         -- python train.py
 """
 import ipaddress
+import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from tfe_estimator.cluster import peers
+from tfe_estimator.cluster import k8s_server, peers
 from tfe_estimator.cluster.k8s_common import (DEFAULT_COMMAND, DEFAULT_RESOURCES, DEFAULT_RUN_AS_USER,
-                                              DEFAULT_TLS_SECRET, SERVER_COMMAND, SERVICE_TFE_TASKS,
-                                              check_active_deadline_seconds, check_arguments, check_tls_secret,
-                                              labels, pod_security_context, selector)
+                                              DEFAULT_TLS_SECRET, SERVICE_TFE_TASKS, check_active_deadline_seconds,
+                                              check_arguments, check_image, check_tls_secret, labels,
+                                              pod_security_context, selector)
 from tfe_estimator.cluster.manifests import _pod_spec, data_port  # pylint: disable=protected-access
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV
 from tfe_estimator.cluster.spec import (DATA_DIR_ENV, TFE_JOB, cluster_digest, cluster_jobs, cluster_tasks,
@@ -59,7 +60,7 @@ from tfe_estimator.cluster.spec import (DATA_DIR_ENV, TFE_JOB, cluster_digest, c
 from tfe_estimator.identity import certs
 from tfe_estimator.identity.federation import SERVERS, Federation
 
-__all__ = ["render_party", "owner_address", "EXPOSE_TYPES", "NODE_PORTS", "DIGEST_ANNOTATION"]
+__all__ = ["render_party", "prerequisites", "owner_address", "EXPOSE_TYPES", "NODE_PORTS", "DIGEST_ANNOTATION"]
 
 #: On every rendered workload: the cluster's digest, the same at every site (compare it before starting).
 DIGEST_ANNOTATION = "tfe-estimator/cluster-digest"
@@ -69,6 +70,7 @@ EXPOSE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
 #: The ports a NodePort may use (Kubernetes' default service-node-port-range).
 NODE_PORTS = range(30000, 32768)
 _DNS = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 
 def owner_address(job: str, index: int, cluster: str) -> str:
@@ -185,6 +187,12 @@ def render_party(
     run_as_user: int = DEFAULT_RUN_AS_USER,
     read_only_root: bool = False,
     data_plane: bool = True,
+    server_image: Optional[str] = None,
+    metrics_port: Optional[int] = k8s_server.DEFAULT_METRICS_PORT,
+    metrics_namespace: Optional[str] = None,
+    metrics_pod_labels: Optional[Mapping[str, str]] = None,
+    model_claim_size: Optional[str] = None,
+    storage_class: Optional[str] = None,
 ) -> List[Dict[str, Any]]:
     """The manifests of one party of federation `fed`, for its own organisation's cluster.
 
@@ -207,10 +215,26 @@ def render_party(
         always admits the servers' data ports (refused for an owner: whether a server has one is its
         operator's choice).
       tls_secret: the party's Secret name (``{name}``, ``{job}``, ``{index}``), from ``tfe-estimator certs secret``.
+      data_claim, model_claim: an owner's claims (refused for a server, which never sees data or the model).
+        An owner needs `model_claim`: its checkpoints (``TFE_ESTIMATOR_MODEL_DIR``, ``<mount>/<job>-<index>``)
+        must outlive its container, and its egress reaches the two servers only. Its data is on `data_claim`
+        (``TFE_ESTIMATOR_DATA_DIR``, the mount path) or in its image.
+      model_claim_size, storage_class: an owner's model claim rendered as a PersistentVolumeClaim of that size
+        (``ReadWriteOnce``; the cluster's default storage class unless `storage_class`); None: the site makes
+        it (`prerequisites` says so).
+      server_image: a server's image (``tfe-estimator server`` needs ``tfe_estimator``, not the owners' training
+        script; default `image`); refused for an owner.
+      metrics_port, metrics_namespace, metrics_pod_labels: a server's metrics (`k8s_server`): ``--metrics-port``
+        and a ``metrics`` container port (None: none), on no Service; its NetworkPolicy admits the site's
+        monitoring (that namespace, those pod labels) to it, nobody without them. Refused for an owner.
+
+    A server also gets probes calling its own health service (``tfe-estimator health``) and server0 its state
+    directory, ``TFE_ESTIMATOR_STATE_DIR``, on an emptyDir (`k8s_server`).
 
     Returns:
-      JSON-compatible manifests: an owner's Job and NetworkPolicy; a server's Service, Deployment and
-      NetworkPolicy. No Secret: each organisation creates its own party's from its own directory.
+      JSON-compatible manifests: an owner's Job and NetworkPolicy (and its model claim with `model_claim_size`);
+      a server's Service, Deployment and NetworkPolicy, every one in `namespace`. No Secret: each organisation
+      creates its own party's from its own directory.
 
     Raises:
       ValueError: naming the bad value and the fix.
@@ -235,6 +259,8 @@ def render_party(
                          "has one is its operator's choice: `--party tfe:K --no-data-plane`). Drop --no-data-plane.")
     check_arguments(name, image, len(owners) - 1, command, namespace, addresses[SERVERS[0]][1],
                     {"data": (data_claim, data_mount_path), "model": (model_claim, model_mount_path)})
+    _check_roles(party, job == TFE_JOB, data_claim, model_claim, model_claim_size, storage_class, server_image,
+                 metrics_namespace, metrics_pod_labels)
     check_active_deadline_seconds(active_deadline_seconds)
     check_tls_secret(name, [(job, index)], tls_secret)
     pod_security_context(run_as_user)
@@ -254,9 +280,15 @@ def render_party(
     pod_options = {"resources": resources, "run_as_user": run_as_user, "read_only_root": read_only_root,
                    "mode": peers.SERVICE, "cert_secret": tls_secret.format(name=name, job=job, index=index)}
     if job != TFE_JOB:
-        return _owner(fed, (job, index), metadata, name, namespace, image, command, tf_config, addresses,
+        objs = _owner(fed, (job, index), metadata, name, namespace, image, command, tf_config, addresses,
                       dict(server_cidrs or {}), pod_options, data_claim, data_mount_path, model_claim,
                       model_mount_path, active_deadline_seconds)
+        if model_claim_size is not None:
+            objs.insert(0, _claim(model_claim.format(name=name, job=job, index=index), namespace,
+                                  labels(name, job, index), model_claim_size, storage_class))
+        return objs
+    if server_image is not None:
+        check_image(server_image, "--server-image")
     host, port = addresses[party]
     if host == "localhost" or (_host_cidr(host) or "").startswith(("127.", "::1/")):
         raise ValueError(f"{party}'s address {host}:{port} is a loopback address: the server would bind it and "
@@ -269,14 +301,20 @@ def render_party(
     data = data_port(port) if data_plane else None
     if data is not None:
         _check_data_port(party, addresses, expose)
-    command = SERVER_COMMAND + (("--data-port", str(data)) if data is not None else ())
-    pod_spec = _pod_spec(job, image, command, tf_config, port, "Always", listens=True, **pod_options)
+    k8s_server.check_metrics_port(metrics_port, {port: f"service port ({party}'s address port)", **(
+        {data: f"data port (its address port + 1, {data})"} if data is not None else {})})
+    metrics = k8s_server.metrics_ingress(metrics_port, k8s_server.metrics_sources(metrics_namespace,
+                                                                                 dict(metrics_pod_labels or {})))
+    command = k8s_server.server_command(data, metrics_port)
+    pod_spec = _pod_spec(job, server_image or image, command, tf_config, port, "Always", listens=True,
+                         **pod_options)
     # The data port is the same number in the container, on the Service and (NodePort) on every node: the server
     # announces the port it binds, and callers dial it at the federation host.
     service_ports: List[Dict[str, Any]] = [{"name": "grpc", "port": port, "targetPort": port, "protocol": "TCP"}]
     if data is not None:
         pod_spec["containers"][0]["ports"].append({"name": "data", "containerPort": data, "protocol": "TCP"})
         service_ports.append({"name": "data", "port": data, "targetPort": data, "protocol": "TCP"})
+    k8s_server.add_server_parts(pod_spec, index, metrics_port)  # probes, metrics (on no Service), server0's state
     service_spec: Dict[str, Any] = {"type": expose, "selector": selector(name, job, index), "ports": service_ports}
     if expose == "NodePort":
         for service_port in service_ports:
@@ -301,8 +339,94 @@ def render_party(
         egress.append({"to": [{"ipBlock": {"cidr": cidr}}], "ports": _ports(addresses[SERVERS[1]][1])})
         if _host_cidr(addresses[SERVERS[1]][0]) is None:
             egress.append(_DNS)
-    manifests.append(_policy(name, namespace, (job, index), [rule], egress))
+    manifests.append(_policy(name, namespace, (job, index), [rule, *metrics], egress))
     return manifests
+
+
+def _check_roles(party, server, data_claim, model_claim, model_claim_size, storage_class, server_image,
+                 metrics_namespace, metrics_pod_labels) -> None:
+    """Refuses an option that does not apply to the party's role, naming it and the fix."""
+    if server:
+        given = [flag for flag, value in (("--data-claim", data_claim), ("--model-claim", model_claim),
+                                          ("--model-claim-size", model_claim_size),
+                                          ("--storage-class", storage_class)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: {party} is an aggregation server, which never sees an owner's "
+                             "data or model (its only volumes are its certificate and, for tfe:0, its state). Drop "
+                             "them; each owner renders its own claims.")
+        return
+    given = [flag for flag, value in (("--server-image", server_image), ("--metrics-namespace", metrics_namespace),
+                                      ("--metrics-pod-label", metrics_pod_labels or None)) if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: {party} is a data owner, which runs the training image (--image) and "
+                         "serves no metrics; these are for a server's party (tfe:0, tfe:1). Drop them.")
+    if model_claim is None:
+        raise ValueError(f"--party {party} needs --model-claim NAME (a PersistentVolumeClaim, e.g. '{{name}}-model'): "
+                         "without it the owner's checkpoints stay in its container and are lost when it restarts "
+                         "(its egress reaches the two servers only, so no remote storage either). Add "
+                         "--model-claim-size SIZE (e.g. 10Gi) to render the claim too.")
+    if model_claim_size is not None and not (isinstance(model_claim_size, str) and _QUANTITY.match(model_claim_size)):
+        raise ValueError(f"--model-claim-size {model_claim_size!r} is not a storage quantity such as '10Gi' or "
+                         "'500Mi'.")
+    if storage_class is not None and model_claim_size is None:
+        raise ValueError("--storage-class is the rendered model claim's: add --model-claim-size SIZE (or drop "
+                         "--storage-class and create the claim yourself).")
+    if storage_class is not None and not re.match(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", storage_class):
+        raise ValueError(f"--storage-class {storage_class!r} is not a StorageClass name (lowercase letters, digits, "
+                         "'-' and '.').")
+
+
+def _claim(claim: str, namespace: str, claim_labels: Dict[str, str], size: str,
+           storage_class: Optional[str]) -> Dict[str, Any]:
+    """An owner's model claim: ReadWriteOnce (one pod writes its checkpoints), `size`."""
+    spec: Dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
+    if storage_class is not None:
+        spec["storageClassName"] = storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": namespace, "labels": dict(claim_labels)}, "spec": spec}
+
+
+def prerequisites(party: str, name: str, namespace: str, tls_secret: str = DEFAULT_TLS_SECRET,
+                  data_claim: Optional[str] = None, data_mount_path: str = "/data",
+                  model_claim: Optional[str] = None, model_claim_size: Optional[str] = None,
+                  metrics_port: Optional[int] = k8s_server.DEFAULT_METRICS_PORT, metrics_open: bool = False,
+                  server_image: Optional[str] = None) -> List[str]:
+    """What the site must have in its cluster before it applies `party`'s manifests, one line each.
+
+    Example::
+
+        >>> prerequisites("worker:0", "demo", "tfe", model_claim="{name}-model")[0]
+        "namespace 'tfe' (kubectl create namespace tfe)"
+    """
+    job, index = _split(party, "--party")
+    lines = [f"namespace {namespace!r} (kubectl create namespace {namespace})" if namespace != "default" else
+             "namespace 'default': give this party a namespace of its own (--namespace NS), where only its "
+             "operators may create pods",
+             f"Secret {tls_secret.format(name=name, job=job, index=index)!r} with this party's key: `tfe-estimator "
+             f"certs secret --dir DIR --identity {party} --name {name} --namespace {namespace}`"]
+    if job == TFE_JOB:
+        if server_image is None:
+            lines.append("the server runs --image (no --server-image): the owners' training image is not needed "
+                         "by a server; give your own with --server-image")
+        if index == 0:
+            lines.append(f"server0's release log is on an emptyDir ({k8s_server.STATE_DIR}): it survives a "
+                         "container restart, not a move to another node")
+        if metrics_port is not None and not metrics_open:
+            lines.append(f"metrics on port {metrics_port} admit nobody: name your monitoring with "
+                         "--metrics-namespace NS (and --metrics-pod-label KEY=VALUE)")
+        return lines
+    if data_claim is None:
+        lines.append("no --data-claim: the training script must find its data in the image")
+    else:
+        lines.append(f"PersistentVolumeClaim {data_claim.format(name=name, job=job, index=index)!r} holding this "
+                     f"owner's data (mounted read-only at {data_mount_path}, {DATA_DIR_ENV})")
+    if model_claim is not None:
+        claim = model_claim.format(name=name, job=job, index=index)
+        lines.append(f"PersistentVolumeClaim {claim!r} for the checkpoints ({MODEL_DIR_ENV}; rendered with them)"
+                     if model_claim_size is not None else
+                     f"PersistentVolumeClaim {claim!r} for the checkpoints ({MODEL_DIR_ENV}), read-write: create "
+                     "it, or add --model-claim-size SIZE to render it")
+    return lines
 
 
 def _check_data_port(party: str, addresses: Mapping[str, Tuple[str, int]], expose: str) -> None:

@@ -28,12 +28,13 @@ import shlex
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from tfe_estimator.cluster import peers
+from tfe_estimator.cluster import k8s_server, peers
 from tfe_estimator.cluster.k8s_common import (CLUSTER_LABEL, DEFAULT_COMMAND, DEFAULT_PORT, DEFAULT_SIDECAR_IMAGE,
                                               DEFAULT_TLS_SECRET, INDEX_LABEL, JOB_LABEL, NUM_TFE_TASKS,
                                               SERVER_COMMAND, TLS_PORT, DEFAULT_RESOURCES, DEFAULT_RUN_AS_USER,
                                               parse_quantities, teardown_command)
 from tfe_estimator.cluster.manifests import render_manifests, to_yaml
+from tfe_estimator.cluster.spec import TFE_JOB
 from tfe_estimator.cluster.tfjob import render_tfjob
 
 __all__ = [
@@ -75,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                         "that evaluates after training, as the README's train.py does, needs none)")
     parser.add_argument("--no-evaluator", dest="evaluator", action="store_false",
                         help="leave out the evaluator task (the default)")
-    parser.add_argument("--namespace", default="default", help="namespace of every object (default 'default')")
+    parser.add_argument("--namespace", default=None,
+                        help="namespace of every object (default 'default'; give each cluster or party its own)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"gRPC port (default {DEFAULT_PORT})")
     parser.add_argument(
         "--data-claim",
@@ -105,6 +107,21 @@ def _parser() -> argparse.ArgumentParser:
                         help="service mode: run the aggregation servers without their data port (--port + 1; with "
                         "--party a server's address port + 1), every call on gRPC; the data plane serves the "
                         "step's large calls at about half the servers' CPU")
+    parser.add_argument("--server-image", default=None,
+                        help="the aggregation servers' image (default --image): `tfe-estimator server` needs "
+                        "tfe_estimator, not the owners' training script; with --party tfe:K it replaces --image")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help=f"service mode: each aggregation server's `--metrics-port` (Prometheus text at /metrics) "
+                        f"and its 'metrics' container port (default {k8s_server.DEFAULT_METRICS_PORT}); on no "
+                        "Service, and its NetworkPolicy admits only --metrics-namespace/--metrics-pod-label")
+    parser.add_argument("--no-metrics", dest="metrics", action="store_false",
+                        help="service mode: render the servers without a metrics port")
+    parser.add_argument("--metrics-namespace", default=None, metavar="NS",
+                        help="the namespace of the site's monitoring (e.g. Prometheus), admitted to the servers' "
+                        "metrics port (default: nobody; the federation ports stay closed to it)")
+    parser.add_argument("--metrics-pod-label", action="append", default=[], metavar="KEY=VALUE",
+                        help="only the pods with this label (in --metrics-namespace, else in --namespace) may "
+                        "scrape the metrics port")
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS on every link: a stunnel sidecar per pod, certificates from a Secret per "
                         "task, only the TLS port exposed")
@@ -144,6 +161,11 @@ def _parser() -> argparse.ArgumentParser:
     site.add_argument("--allow-from", action="append", default=[], metavar="CIDR",
                       help="a server admits only these IP ranges (the owners', and server0's for tfe:1) on its "
                       "port and data port (default: any source)")
+    site.add_argument("--model-claim-size", default=None, metavar="SIZE",
+                      help="an owner's party: render its --model-claim as a PersistentVolumeClaim of this size "
+                      "(ReadWriteOnce, e.g. 10Gi); without it the site creates the claim")
+    site.add_argument("--storage-class", default=None, metavar="NAME",
+                      help="with --model-claim-size: the claim's StorageClass (default: the cluster's default)")
     site.add_argument("--expose", default="LoadBalancer", choices=("LoadBalancer", "NodePort", "ClusterIP"),
                       help="a server's Service type (default LoadBalancer; NodePort: the address's port is the "
                       "node port, the data port the next one; ClusterIP: you route the federation address, and "
@@ -162,18 +184,46 @@ def _quantities(values: Dict[str, str]) -> str:
 def _tfjob(args, command) -> List[Dict[str, Any]]:
     """`--tfjob`: the TFJob rendering (`tfe_estimator.cluster.tfjob`), refusing what it cannot do."""
     unsupported = [flag for flag, value in (("--tls", args.tls), ("--data-claim", args.data_claim),
-                                             ("--model-claim", args.model_claim)) if value]
+                                             ("--model-claim", args.model_claim)) if value] + _metrics_flags(args)
     if unsupported:
         raise ValueError(f"{', '.join(unsupported)} cannot be used with --tfjob: every worker of a TFJob shares one "
                          "pod template, so per-task certificates and claims cannot be mounted (and the operator "
                          "writes TF_CONFIG from Service addresses). Render plain manifests instead (drop --tfjob).")
     return render_tfjob(args.name, args.image, args.workers, evaluator=args.evaluator,
-                        command=command or DEFAULT_COMMAND, namespace=args.namespace, port=args.port,
+                        command=command or DEFAULT_COMMAND, namespace=args.namespace or "default", port=args.port,
                         cluster_mode=args.cluster_mode or peers.IN_GRAPH,
                         active_deadline_seconds=args.active_deadline_seconds,
                         resources={"requests": parse_quantities(args.requests, "--requests"),
                                    "limits": parse_quantities(args.limits, "--limits")},
                         run_as_user=args.run_as_user)
+
+
+def _metrics_flags(args, metrics_only: bool = False) -> List[str]:
+    """The metrics (and server-image) flags given: what only service mode's servers use."""
+    return [flag for flag, given in (("--server-image", args.server_image is not None and not metrics_only),
+                                     ("--metrics-port", args.metrics_port is not None),
+                                     ("--no-metrics", not args.metrics),
+                                     ("--metrics-namespace", args.metrics_namespace is not None),
+                                     ("--metrics-pod-label", bool(args.metrics_pod_label))) if given]
+
+
+def _metrics_port(args) -> Optional[int]:
+    if not args.metrics:
+        if args.metrics_port is not None:
+            raise ValueError("--no-metrics and --metrics-port contradict each other: drop one.")
+        return None
+    return k8s_server.DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
+
+
+def _labels(values: Sequence[str]) -> Dict[str, str]:
+    result = {}
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--metrics-pod-label {value!r}: expected KEY=VALUE, e.g. "
+                             "'--metrics-pod-label app.kubernetes.io/name=prometheus'.")
+        result[key] = rest
+    return result
 
 
 def _pairs(values: Sequence[str], flag: str) -> Dict[str, str]:
@@ -206,16 +256,28 @@ def _party(args, command) -> List[Dict[str, Any]]:
     except OSError as e:
         raise ValueError(f"--federation {args.federation}: cannot read it ({e.strerror}); give the federation "
                          "file every site shares (`tfe-estimator certs federation --out FILE`).") from None
-    return k8s_site.render_party(
-        fed, args.party, args.name, args.image, command=command or DEFAULT_COMMAND,
-        namespace=args.namespace, server_addresses=_pairs(args.server_address, "--server-address"),
+    namespace = args.namespace or "default"
+    objs = k8s_site.render_party(
+        fed, args.party, args.name, args.image or args.server_image, command=command or DEFAULT_COMMAND,
+        namespace=namespace, server_addresses=_pairs(args.server_address, "--server-address"),
         server_cidrs=_pairs(args.server_cidr, "--server-cidr"), allow_from=args.allow_from, expose=args.expose,
         tls_secret=args.tls_secret, data_claim=args.data_claim, data_mount_path=args.data_mount_path,
         model_claim=args.model_claim, model_mount_path=args.model_mount_path,
         active_deadline_seconds=args.active_deadline_seconds,
         resources={"requests": parse_quantities(args.requests, "--requests"),
                    "limits": parse_quantities(args.limits, "--limits")},
-        run_as_user=args.run_as_user, read_only_root=args.read_only_root, data_plane=args.data_plane)
+        run_as_user=args.run_as_user, read_only_root=args.read_only_root, data_plane=args.data_plane,
+        server_image=args.server_image, metrics_port=_metrics_port(args), metrics_namespace=args.metrics_namespace,
+        metrics_pod_labels=_labels(args.metrics_pod_label), model_claim_size=args.model_claim_size,
+        storage_class=args.storage_class)
+    notes = k8s_site.prerequisites(
+        args.party, args.name, namespace, tls_secret=args.tls_secret, data_claim=args.data_claim,
+        data_mount_path=args.data_mount_path, model_claim=args.model_claim, model_claim_size=args.model_claim_size,
+        metrics_port=_metrics_port(args), metrics_open=bool(args.metrics_namespace or args.metrics_pod_label),
+        server_image=args.server_image)
+    print(f"{PROG}: before applying {args.party}'s part, its cluster needs:\n" +
+          "\n".join(f"  - {line}" for line in notes), file=sys.stderr)
+    return objs
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -231,10 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.teardown:
-        print(shlex.join(teardown_command(args.name, args.namespace, tfjob=args.tfjob)))
+        print(shlex.join(teardown_command(args.name, args.namespace or "default", tfjob=args.tfjob)))
         return 0
-    if args.image is None:
-        parser.error("the following arguments are required: --image")
+    if args.image is None and not (str(args.party).partition(":")[0] == TFE_JOB and args.server_image):
+        parser.error("the following arguments are required: --image (or, for a server's --party, --server-image)")
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -244,6 +306,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif args.federation is not None:
             raise ValueError("--federation is read only with --party IDENTITY (one organisation's part): add "
                              "--party, e.g. --party worker:0.")
+        elif args.model_claim_size is not None or args.storage_class is not None:
+            raise ValueError("--model-claim-size and --storage-class render one owner's model claim: use them with "
+                             "--party chief:0 or worker:K (the whole cluster's claims are yours to create).")
+        elif (args.cluster_mode or peers.SERVICE) != peers.SERVICE and _metrics_flags(args, metrics_only=True):
+            raise ValueError(f"{', '.join(_metrics_flags(args, metrics_only=True))}: only service mode's "
+                             f"aggregation servers serve metrics; drop them with --cluster-mode {args.cluster_mode}.")
         else:
             text = to_yaml(_tfjob(args, command) if args.tfjob else render_manifests(
                 args.name,
@@ -251,7 +319,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.workers,
                 evaluator=args.evaluator,
                 command=command or DEFAULT_COMMAND,
-                namespace=args.namespace,
+                namespace=args.namespace or "default",
                 port=args.port,
                 data_claim=args.data_claim,
                 data_mount_path=args.data_mount_path,
@@ -267,6 +335,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 run_as_user=args.run_as_user,
                 read_only_root=args.read_only_root,
                 data_plane=args.data_plane,
+                server_image=args.server_image,
+                metrics_port=_metrics_port(args),
+                metrics_namespace=args.metrics_namespace,
+                metrics_pod_labels=_labels(args.metrics_pod_label),
             ))
     except ValueError as e:
         parser.error(str(e))

@@ -44,8 +44,10 @@ from tfe_estimator.cluster.k8s_common import (DEFAULT_RESOURCES, DEFAULT_RUN_AS_
 from tfe_estimator.cluster.k8s_common import (DEFAULT_COMMAND, DEFAULT_PORT, DEFAULT_SIDECAR_IMAGE, DEFAULT_TLS_SECRET,
                                               NUM_TFE_TASKS, SERVER_COMMAND, SERVICE_TFE_TASKS, TLS_DIR, TLS_PORT,
                                               CLUSTER_LABEL, JOB_LABEL, check_active_deadline_seconds,
-                                              check_arguments, check_tls, check_tls_secret, labels, selector)
+                                              check_arguments, check_image, check_tls, check_tls_secret, labels,
+                                              selector)
 from tfe_estimator.cluster.k8s_common import tasks as all_tasks
+from tfe_estimator.cluster import k8s_server
 from tfe_estimator.cluster.huge_pages import HUGE_PAGES_TUNABLE, TUNABLES_ENV
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV
 from tfe_estimator.cluster.sidecar import stunnel_config
@@ -194,14 +196,15 @@ def _network_policy(name: str, namespace: str, task: Tuple[str, int], tasks, mod
 
 
 def _service_network_policy(name: str, namespace: str, task: Tuple[str, int], tasks, port: int,
-                            data_plane: bool = True) -> Dict[str, Any]:
+                            data_plane: bool = True, metrics: Sequence[Dict[str, Any]] = ()) -> Dict[str, Any]:
     """Service mode: who may connect to and from `task`'s pod.
 
     An owner (chief, worker) and the evaluator accept nothing (deny-all ingress); an owner may connect out to
     the two aggregation servers' ports only (the service port and, with `data_plane`, the data port, and DNS),
     the evaluator to nothing but DNS. Server0 accepts the owners; server1 the owners and server0 (its blinded
     part), on those ports; server0 may connect out to server1 only, server1 to nothing (and DNS). The peer
-    table's SERVICE row (`tfe_estimator.cluster.peers`), narrowed to the task: tfe-1 calls nobody.
+    table's SERVICE row (`tfe_estimator.cluster.peers`), narrowed to the task: tfe-1 calls nobody. A server's
+    `metrics` rule (`k8s_server.metrics_ingress`) admits the site's monitoring to its metrics port only.
     """
     job, index = task
     owner_jobs = sorted({j for j, _ in tasks if j in DATA_OWNER_JOBS})
@@ -216,7 +219,7 @@ def _service_network_policy(name: str, namespace: str, task: Tuple[str, int], ta
     ingress: List[Dict[str, Any]] = []
     egress: List[Dict[str, Any]] = []
     if job == TFE_JOB:
-        ingress = [{"from": [owners] + ([server(0)] if index == 1 else []), "ports": service_port}]
+        ingress = [{"from": [owners] + ([server(0)] if index == 1 else []), "ports": service_port}, *metrics]
         if index == 0:
             egress.append({"to": [server(1)], "ports": service_port})
     elif job in DATA_OWNER_JOBS:
@@ -253,6 +256,10 @@ def render_manifests(
     run_as_user: int = DEFAULT_RUN_AS_USER,
     read_only_root: bool = False,
     data_plane: bool = True,
+    server_image: Optional[str] = None,
+    metrics_port: Optional[int] = k8s_server.DEFAULT_METRICS_PORT,
+    metrics_namespace: Optional[str] = None,
+    metrics_pod_labels: Optional[Dict[str, str]] = None,
 ) -> List[Dict[str, Any]]:
     """Renders the Kubernetes objects of one secure-aggregation cluster.
 
@@ -341,6 +348,17 @@ def render_manifests(
         (the default); False (``--no-data-plane``) renders the servers without
         ``--data-port``, their Services and NetworkPolicies on `port` only, and
         every call goes over gRPC. In-graph mode has no data plane either way.
+      server_image: the ``tfe`` pods' image (default `image`): a server needs ``tfe_estimator``, not the
+        training script.
+      metrics_port: service mode: each aggregation server's ``--metrics-port`` and ``metrics`` container
+        port (default 9100; None: no metrics). Not on any Service; its NetworkPolicy admits only
+        `metrics_namespace`/`metrics_pod_labels` (`k8s_server.metrics_sources`; neither: nobody).
+      metrics_namespace, metrics_pod_labels: the site's monitoring (e.g. ``"monitoring"``,
+        ``{"app.kubernetes.io/name": "prometheus"}``), admitted to the metrics port only.
+
+    In service mode each server also gets startup, readiness and liveness probes running
+    ``tfe-estimator health`` in its pod (its own health service over mutual TLS), and server0 its state
+    directory (``TFE_ESTIMATOR_STATE_DIR``, the release log) on an emptyDir (`k8s_server`).
 
     Returns:
       The manifests as JSON-compatible dicts: Services and workloads task by
@@ -374,6 +392,8 @@ def render_manifests(
     if not isinstance(data_plane, bool):
         raise TypeError(f"data_plane={data_plane!r} must be True (the servers' data ports) or False (gRPC only).")
     command = tuple(command)
+    if server_image is not None:
+        check_image(server_image, "server_image")
     service = cluster_mode == peers.SERVICE  # the aggregation service speaks mutual TLS itself: no sidecars
     tasks = all_tasks(workers, evaluator, SERVICE_TFE_TASKS if service else NUM_TFE_TASKS)
     sidecars = tls and not service
@@ -387,6 +407,11 @@ def render_manifests(
             raise ValueError(f"port={port} in service mode: each aggregation server's data plane listens on the next "
                              f"port ({data_port(port)}), which must stay below 65536. Use e.g. --port {DEFAULT_PORT} "
                              "(or --no-data-plane: every call on gRPC).")
+        k8s_server.check_metrics_port(metrics_port, {port: f"service port (--port {port})", **(
+            {data_port(port): f"data port (--port + 1, {data_port(port)})"} if data_plane else {})})
+    metrics_port = metrics_port if service else None  # the in-graph TensorFlow servers serve no metrics
+    metrics = k8s_server.metrics_ingress(metrics_port, k8s_server.metrics_sources(metrics_namespace,
+                                                                                 dict(metrics_pod_labels or {})))
 
     def address(job: str, index: int) -> str:
         if sidecars:  # the caller's own sidecar listens there for this task
@@ -436,12 +461,15 @@ def render_manifests(
         tf_port = tf_ports[(job, index)]
         if job == TFE_JOB:
             # The TFE parties never see data or the model: no volumes.
-            server = SERVER_COMMAND + (("--data-port", str(data_port(port))) if data_plane else ())
-            pod_spec = _pod_spec(job, image, server, tf_config, tf_port, "Always", mode=cluster_mode,
-                                 sidecar=sidecar, **pod_options, **cert_options)
+            server = (k8s_server.server_command(data_port(port) if data_plane else None, metrics_port) if service
+                      else SERVER_COMMAND)
+            pod_spec = _pod_spec(job, server_image or image, server, tf_config, tf_port, "Always",
+                                 mode=cluster_mode, sidecar=sidecar, **pod_options, **cert_options)
             if data_plane:
                 pod_spec["containers"][0]["ports"].append(
                     {"name": "data", "containerPort": data_port(port), "protocol": "TCP"})
+            if service:
+                k8s_server.add_server_parts(pod_spec, index, metrics_port)
             manifests.append(
                 {
                     "apiVersion": "apps/v1",
@@ -492,8 +520,11 @@ def render_manifests(
 
     # One NetworkPolicy per task: only the peers the cluster mode's table allows (cluster.peers).
     for task in tasks:
-        manifests.append(_service_network_policy(name, namespace, task, tasks, port, data_plane) if service else
-                         _network_policy(name, namespace, task, tasks, cluster_mode, TLS_PORT if tls else port, tls))
+        if service:
+            manifests.append(_service_network_policy(name, namespace, task, tasks, port, data_plane, metrics))
+        else:
+            manifests.append(_network_policy(name, namespace, task, tasks, cluster_mode, TLS_PORT if tls else port,
+                                             tls))
     return manifests
 
 
