@@ -3,6 +3,7 @@ import base64
 import ipaddress
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -382,3 +383,220 @@ def test_a_party_renders_without_tensorflow(sites, tmp_path):
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "kind: NetworkPolicy" in out_file.read_text()
+
+
+# ------------------------------------------------------------------ what a site applies (issue 41, item 4)
+
+SERVER_IMAGE = "registry.operator-x.example/tfe-server:1.0"
+NAMESPACED = {"Job", "Deployment", "Service", "NetworkPolicy", "PersistentVolumeClaim", "Secret", "ConfigMap"}
+
+
+def _workload(objs):
+    (workload,) = [o for o in objs if o["kind"] in ("Job", "Deployment")]
+    spec = workload["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    return spec, container, {e["name"]: e["value"] for e in container["env"]}
+
+
+def _metrics_rules(objs, port):
+    """The ingress rules that admit `port` (the metrics port): each with its `from`."""
+    return [r for r in _policy(objs)["ingress"] if any(p["port"] == port for p in r["ports"])]
+
+
+def _check_metrics_closed(objs, port, sources):
+    """The metrics port: a container port on no Service, admitted only from `sources` (none: from nobody), in a
+    rule of its own that opens nothing else."""
+    _, container, _ = _workload(objs)
+    assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
+    (service,) = [o for o in objs if o["kind"] == "Service"]
+    assert port not in [p["port"] for p in service["spec"]["ports"]]
+    rules = _metrics_rules(objs, port)
+    if not sources:
+        assert rules == []
+        return
+    assert len(rules) == 1, rules
+    assert rules[0] == {"from": sources, "ports": [{"protocol": "TCP", "port": port}]}
+
+
+def test_a_sites_whole_part_is_what_it_applies(sites, capsys):
+    """Every new flag at once, at every party: schema-valid, every object in the namespace, the owner's data and
+    model claims where train.py reads them, the servers on their own image with probes, server0 with its state."""
+    _, fed = sites
+    utils = _schema_validator()
+    monitoring = ["--metrics-namespace", "monitoring", "--metrics-pod-label", "app.kubernetes.io/name=prometheus"]
+    for party in ("chief:0", "worker:0", "tfe:0", "tfe:1"):
+        job, index = party.split(":")
+        if job == "tfe":
+            extra = ["--server-image", SERVER_IMAGE, "--metrics-port", "9200", "--allow-from", OWNER_CIDR, *monitoring]
+        else:
+            extra = ["--data-claim", "{name}-data-{job}-{index}", "--model-claim", "{name}-model",
+                     "--model-claim-size", "10Gi", "--storage-class", "fast-ssd", "--data-mount-path", "/srv/data"]
+        _, objs = _render(capsys, fed, party, *extra)
+        for manifest in objs:
+            utils.validate(manifest, utils.latest_version(), strict=True)
+            assert manifest["kind"] in NAMESPACED and manifest["metadata"]["namespace"] == "ml", manifest["kind"]
+        spec, container, env = _workload(objs)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["name"]: m for m in container.get("volumeMounts", [])}
+        if job != "tfe":
+            assert container["image"] == IMAGE
+            assert volumes["data"]["persistentVolumeClaim"] == {"claimName": f"demo-data-{job}-{index}",
+                                                                "readOnly": True}
+            assert mounts["data"]["mountPath"] == env["TFE_ESTIMATOR_DATA_DIR"] == "/srv/data"
+            assert mounts["data"]["readOnly"] is True
+            assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "demo-model", "readOnly": False}
+            assert env["TFE_ESTIMATOR_MODEL_DIR"] == f"/model/{job}-{index}"
+            assert env["TFE_ESTIMATOR_MODEL_DIR"].startswith(mounts["model"]["mountPath"] + "/")
+            (claim,) = [o for o in objs if o["kind"] == "PersistentVolumeClaim"]
+            assert claim["metadata"]["name"] == "demo-model"
+            assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}},
+                                     "storageClassName": "fast-ssd"}
+            assert not any(k.startswith(("readiness", "liveness")) for k in container)
+            continue
+        assert container["image"] == SERVER_IMAGE  # the operator's image, not the hospitals'
+        assert not [v for v in spec["volumes"] if "persistentVolumeClaim" in v]  # no owner's data or model
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["exec"]["command"] == ["tfe-estimator", "health"], probe
+        started = container["startupProbe"]
+        assert started["periodSeconds"] * started["failureThreshold"] >= 120  # a slow start is no failure
+        live = container["livenessProbe"]
+        assert live["periodSeconds"] * live["failureThreshold"] >= 60  # nor one slow answer
+        command = container["command"]
+        assert command[command.index("--metrics-port") + 1] == "9200"
+        _check_metrics_closed(objs, 9200, [{
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}])
+        _check_server(objs, _server_ports(SERVERS[party][1]))  # the federation ports as before, metrics apart
+        if index == "0":  # its release log survives a container restart
+            state = env["TFE_ESTIMATOR_STATE_DIR"]
+            assert volumes["state"] == {"name": "state", "emptyDir": {}}
+            assert state.startswith(mounts["state"]["mountPath"] + "/")  # a directory the server makes 0700
+        else:
+            assert "TFE_ESTIMATOR_STATE_DIR" not in env and "state" not in volumes
+
+
+def test_a_servers_metrics_are_closed_by_default_and_a_server_needs_no_training_image(sites, capsys):
+    _, fed = sites
+    argv = ["--name", "demo", "--namespace", "ml", "--federation", fed, "--party", "tfe:1"]
+    assert kubernetes.main(argv + ["--server-image", SERVER_IMAGE]) == 0  # no --image at all
+    captured = capsys.readouterr()
+    objs = list(yaml.safe_load_all(captured.out))
+    assert _workload(objs)[1]["image"] == SERVER_IMAGE
+    _check_metrics_closed(objs, 9100, [])  # the default port, admitted from nobody
+    assert "metrics on port 9100 admit nobody" in captured.err
+    _, objs = _render(capsys, fed, "tfe:1", "--no-metrics")
+    assert "--metrics-port" not in _workload(objs)[1]["command"]
+    assert [p["name"] for p in _workload(objs)[1]["ports"]] == ["grpc", "data"]
+
+
+@pytest.mark.parametrize("plant", ["metrics in the federation rule", "metrics from anywhere", "metrics on the service"])
+def test_mutation_a_metrics_port_open_to_more_is_caught(sites, capsys, plant):
+    """Plant the metrics port where the owners (or anyone) may reach it: the metrics check must fail."""
+    _, fed = sites
+    _, objs = _render(capsys, fed, "tfe:0", "--allow-from", OWNER_CIDR, "--metrics-namespace", "monitoring")
+    sources = [{"podSelector": {}, "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    _check_metrics_closed(objs, 9100, sources)
+    rules = _policy(objs)["ingress"]
+    if plant == "metrics in the federation rule":
+        rules[0]["ports"].append({"protocol": "TCP", "port": 9100})
+    elif plant == "metrics from anywhere":
+        del rules[1]["from"]
+    else:
+        (service,) = [o for o in objs if o["kind"] == "Service"]
+        service["spec"]["ports"].append({"name": "metrics", "port": 9100, "targetPort": 9100, "protocol": "TCP"})
+    with pytest.raises(AssertionError):
+        _check_metrics_closed(objs, 9100, sources)
+
+
+def _notes(capsys, fed, party, *extra, namespace=("--namespace", "ml")):
+    """What `tfe-estimator k8s --party` tells the site on stderr."""
+    argv = ["--name", "demo", *namespace, "--image", IMAGE, "--federation", fed, "--party", party, *extra]
+    assert kubernetes.main(argv) == 0
+    return capsys.readouterr().err
+
+
+def test_a_site_is_told_what_to_create_before_applying(sites, capsys):
+    _, fed = sites
+    err = _notes(capsys, fed, "worker:0", "--data-claim", "{name}-data", "--model-claim", "{name}-model-{job}-{index}")
+    for needed in ("kubectl create namespace ml", "Secret 'demo-worker-0-tls'", "--namespace ml",
+                   "PersistentVolumeClaim 'demo-data' holding this owner's data",
+                   "PersistentVolumeClaim 'demo-model-worker-0' for the checkpoints", "--model-claim-size SIZE"):
+        assert needed in err, (needed, err)
+    err = _notes(capsys, fed, "chief:0", "--model-claim", "m", "--model-claim-size", "1Gi")
+    assert "no --data-claim: the training script must find its data in the image" in err
+    assert "'m' for the checkpoints (TFE_ESTIMATOR_MODEL_DIR; rendered with them)" in err
+    err = _notes(capsys, fed, "tfe:0", "--metrics-namespace", "monitoring")
+    assert "release log is on an emptyDir" in err and "no --server-image" in err and "admit nobody" not in err
+    err = _notes(capsys, fed, "tfe:1", "--server-image", IMAGE, namespace=())
+    assert "namespace 'default': give this party a namespace of its own" in err and "release log" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--party", "tfe:0", "--data-claim", "{name}-data"], "--data-claim: tfe:0 is an aggregation server, which never "
+                                                          "sees an owner's data or model"),
+    (["--party", "tfe:1", "--model-claim", "m", "--model-claim-size", "1Gi"], "--model-claim, --model-claim-size: "
+                                                                              "tfe:1 is an aggregation server"),
+    (["--party", "worker:0", "--model-claim", "m", "--server-image", "x:1"],
+     "--server-image: worker:0 is a data owner"),
+    (["--party", "chief:0", "--model-claim", "m", "--metrics-namespace", "monitoring"],
+     "--metrics-namespace: chief:0 is a data owner"),
+    (["--party", "worker:0", "--", "python", "train.py"], "--party worker:0 needs --model-claim NAME"),
+    (["--party", "worker:0", "--model-claim", "m", "--model-claim-size", "lots"], "'lots' is not a storage quantity"),
+    (["--party", "worker:0", "--model-claim", "m", "--storage-class", "fast"], "add --model-claim-size SIZE"),
+    (["--party", "tfe:0", "--metrics-port", "7000"], "--metrics-port 7000 is the server's service port"),
+    (["--party", "tfe:0", "--metrics-port", "7001"], "--metrics-port 7001 is the server's data port"),
+    (["--party", "tfe:0", "--metrics-port", "70000"], "must be a TCP port in 1..65535"),
+    (["--party", "tfe:0", "--metrics-namespace", "Monitoring_NS"], "'Monitoring_NS' is not a namespace name"),
+    (["--party", "tfe:0", "--metrics-pod-label", "app=prom etheus"], "not a Kubernetes label"),
+    (["--party", "tfe:0", "--metrics-pod-label", "app"], "expected KEY=VALUE"),
+    (["--party", "tfe:0", "--no-metrics", "--metrics-port", "9100"], "contradict each other"),
+    (["--party", "tfe:0", "--server-image", "bad image"], "--server-image='bad image' must be a non-empty"),
+])
+def test_options_that_do_not_fit_the_party_are_refused(sites, capsys, argv, message):
+    _, fed = sites
+    with pytest.raises(SystemExit):
+        kubernetes.main(["--name", "demo", "--namespace", "ml", "--image", IMAGE, "--federation", fed] + argv)
+    assert message in capsys.readouterr().err
+
+
+def _table_ports(text):
+    """The docs' table of the servers' ports: ``tfe:K`` -> (service port, data port, metrics port)."""
+    rows = re.findall(r"^\| `(tfe:\d)` \| [^|]+ \| (\d+) \| (\d+) \| (\d+) \|$", text, re.M)
+    return {party: tuple(int(p) for p in ports) for party, *ports in rows}
+
+
+#: The pages whose `tfe-estimator k8s --party` commands and server-port table must agree with the renderer.
+PORT_PAGES = ("kubernetes.md",)
+
+
+@pytest.mark.parametrize("page", PORT_PAGES)
+def test_the_docs_ports_are_the_renderers(tmp_path_factory, monkeypatch, capsys, page):
+    """The page's commands, run as written, render each server on exactly the ports its table names (service,
+    data = service + 1, metrics), and each owner's egress reaches exactly those federation ports."""
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", page)
+    text = open(path, encoding="utf-8").read()
+    table = _table_ports(text)
+    assert sorted(table) == ["tfe:0", "tfe:1"], table
+    root = tmp_path_factory.mktemp("docs-ports")
+    servers = {"tfe:0": ("203.0.113.10", table["tfe:0"][0]), "tfe:1": ("198.51.100.7", table["tfe:1"][0])}
+    fed = make_federation(root, servers)
+    monkeypatch.chdir(root)
+    os.replace(fed, root / "federation.json")
+    rendered = {}
+    for argv, _ in _doc_commands(path):
+        if argv[0] == "k8s" and "--party" in argv:
+            capsys.readouterr()  # the federation's messages
+            assert cli.main(argv) == 0, argv
+            rendered[argv[argv.index("--party") + 1]] = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert sorted(rendered) == ["chief:0", "tfe:0", "tfe:1", "worker:0"]
+    for party, (service, data, metrics) in table.items():
+        _, container, _ = _workload(rendered[party])
+        assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+            "grpc": service, "data": data, "metrics": metrics}, party
+        command = container["command"]
+        assert int(command[command.index("--data-port") + 1]) == data
+        assert int(command[command.index("--metrics-port") + 1]) == metrics
+    federation_ports = {p for service, data, _ in table.values() for p in (service, data)}
+    for owner in ("chief:0", "worker:0"):
+        reached = {p["port"] for rule in _policy(rendered[owner])["egress"] for p in rule["ports"]}
+        assert reached == federation_ports, owner

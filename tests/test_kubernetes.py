@@ -621,3 +621,57 @@ def test_service_mode_from_the_command_line_and_its_teardown(capsys):
         kubernetes.main(["--name", "demo", "--image", IMAGE, "--cluster-mode", "service", "--tfjob"])
     err = capsys.readouterr().err
     assert "cannot be rendered as a TFJob" in err and "without --tfjob" in err
+
+
+def test_service_mode_servers_have_their_image_probes_state_and_closed_metrics(capsys):
+    """The whole-cluster rendering's two servers, with every server flag, from the command line: schema-valid,
+    in the namespace, on the server image (owners on the training image), probed with `tfe-estimator health`,
+    server0 with its state directory, the metrics port admitted only from the named monitoring."""
+    utils = _schema_validator()
+    server_image = "registry.example.com/tfe-server:1.0"
+    assert kubernetes.main(["--name", "demo", "--namespace", "ml", "--image", IMAGE, "--server-image", server_image,
+                            "--metrics-port", "9300", "--metrics-pod-label", "app=prometheus", "--workers", "1",
+                            "--", "python", "train.py"]) == 0
+    manifests = list(yaml.safe_load_all(capsys.readouterr().out))
+    for manifest in manifests:
+        utils.validate(manifest, utils.latest_version(), strict=True)
+        assert manifest["metadata"]["namespace"] == "ml", manifest["kind"]
+    for workload in _by_kind(manifests)["Job"] + _by_kind(manifests)["Deployment"]:
+        job, index = _task_of(workload)
+        container = _container(workload)
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert container["image"] == (server_image if job == "tfe" else IMAGE)
+        assert ("livenessProbe" in container) == ("readinessProbe" in container) == (job == "tfe")
+        assert ("TFE_ESTIMATOR_STATE_DIR" in env) == ((job, index) == ("tfe", 0))
+        if job != "tfe":
+            continue
+        assert container["readinessProbe"]["exec"]["command"] == ["tfe-estimator", "health"]
+        assert container["command"][-2:] == ["--metrics-port", "9300"]
+        assert {"name": "metrics", "containerPort": 9300, "protocol": "TCP"} in container["ports"]
+        if index == 0:
+            volumes = {v["name"]: v for v in _pod_template(workload)["spec"]["volumes"]}
+            (mount,) = [m for m in container["volumeMounts"] if m["name"] == "state"]
+            assert "emptyDir" in volumes["state"] and env["TFE_ESTIMATOR_STATE_DIR"].startswith(mount["mountPath"])
+    assert all(9300 not in [p["port"] for p in s["spec"]["ports"]] for s in _by_kind(manifests)["Service"])
+    assert _reachable(manifests, 9300) == set()  # no pod of the cluster reaches it
+    for policy in _by_kind(manifests)["NetworkPolicy"]:
+        rules = [r for r in policy["spec"]["ingress"] if any(p["port"] == 9300 for p in r["ports"])]
+        if _task_of(policy)[0] == "tfe":
+            assert rules == [{"from": [{"podSelector": {"matchLabels": {"app": "prometheus"}}}],
+                              "ports": [{"protocol": "TCP", "port": 9300}]}]
+        else:
+            assert rules == []
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cluster-mode", "in-graph", "--metrics-port", "9100"], "--metrics-port: only service mode's aggregation "
+                                                               "servers serve metrics"),
+    (["--model-claim", "m", "--model-claim-size", "1Gi"], "use them with --party chief:0 or worker:K"),
+    (["--tfjob", "--server-image", "x:1"], "--server-image cannot be used with --tfjob"),
+    (["--port", "9099"], "--metrics-port 9100 is the server's data port"),
+    (["--metrics-namespace", "NS"], "'NS' is not a namespace name"),
+])
+def test_server_options_that_do_not_fit_are_refused(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        kubernetes.main(["--name", "demo", "--image", IMAGE, *argv])
+    assert message in capsys.readouterr().err
