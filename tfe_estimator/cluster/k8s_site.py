@@ -5,14 +5,22 @@ organisations each site runs only its own party, in its own cluster, and reaches
 over the internet. `render_party` renders exactly that part, from the public federation file
 (`tfe_estimator.identity.federation`):
 
-- a data owner (``chief:0``, ``worker:k``): its Job, its certificate Secret referenced (made by
-  ``tfe-estimator certs secret``; no key is ever in a rendered manifest), and a NetworkPolicy with
-  no ingress rule at all and egress only to the two servers' IP ranges on their two ports each (and
-  DNS when a server's address is a host name);
-- a server operator (``tfe:0``, ``tfe:1``): its Deployment, a Service other organisations can
-  reach (``LoadBalancer``, ``NodePort`` or ``ClusterIP`` behind an address the operator routes)
-  and a NetworkPolicy admitting only its two mTLS ports (from the given CIDRs); server0 may connect
-  out to server1 only, server1 to nobody.
+- a data owner (``chief:0``, ``worker:k``): its Job on the training image, its certificate Secret
+  referenced (made by ``tfe-estimator certs secret``; no key is ever in a rendered manifest), its data
+  claim (read-only, ``TFE_ESTIMATOR_DATA_DIR``) and its model claim (required: its checkpoints,
+  ``TFE_ESTIMATOR_MODEL_DIR``; rendered with a size), and a NetworkPolicy with no ingress rule at
+  all and egress only to the two servers' IP ranges on their two ports each (and DNS when a
+  server's address is a host name);
+- a server operator (``tfe:0``, ``tfe:1``): its Deployment on its own server image, probed with
+  ``tfe-estimator health``, with a metrics port and, for server0, its state directory
+  (`tfe_estimator.cluster.k8s_server`), a Service other organisations can reach (``LoadBalancer``,
+  ``NodePort`` or ``ClusterIP`` behind an address the operator routes) and a NetworkPolicy admitting
+  only its two mTLS ports (from the given CIDRs) and its metrics port from the site's monitoring
+  only; server0 may connect out to server1 only, server1 to nobody.
+
+Every object is in the party's namespace; `prerequisites` lists what the site creates before it
+applies them (the namespace, the Secret, an owner's claims). An option of the other role (a claim
+on a server, a server image or metrics on an owner) is refused.
 
 A server's two ports are its federation address's port (gRPC) and the next one, its data port
 (`manifests.data_port`, ``tfe-estimator server --data-port``: the step's large calls without gRPC's

@@ -372,8 +372,8 @@ def render_manifests(
 
         >>> objs = render_manifests("demo", "example.com/train:1", workers=1)
         >>> [o["kind"] for o in objs][:2]
-        ['Service', 'Job']
-        >>> objs[1]["metadata"]["name"]
+        ['Job', 'Job']
+        >>> objs[0]["metadata"]["name"]
         'demo-chief-0'
     """
     check_arguments(
