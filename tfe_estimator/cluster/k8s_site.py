@@ -19,8 +19,9 @@ over the internet. `render_party` renders exactly that part, from the public fed
   only; server0 may connect out to server1 only, server1 to nobody.
 
 Every object is in the party's namespace; `prerequisites` lists what the site creates before it
-applies them (the namespace, the Secret, an owner's claims). An option of the other role (a claim
-on a server, a server image or metrics on an owner) is refused.
+applies them (`tfe_estimator.cluster.k8s_party.prerequisites`: the namespace, the Secret, an owner's
+claims). An option of the other role (a claim on a server, a server image or metrics on an owner) is
+refused (`k8s_party.check_roles`).
 
 A server's two ports are its federation address's port (gRPC) and the next one, its data port
 (`manifests.data_port`, ``tfe-estimator server --data-port``: the step's large calls without gRPC's
@@ -53,10 +54,10 @@ or from a shell::
         -- python train.py
 """
 import ipaddress
-import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tfe_estimator.cluster import k8s_server, peers
+from tfe_estimator.cluster.k8s_party import check_roles, model_claim_manifest
 from tfe_estimator.cluster.k8s_common import (DEFAULT_COMMAND, DEFAULT_RESOURCES, DEFAULT_RUN_AS_USER,
                                               DEFAULT_TLS_SECRET, SERVICE_TFE_TASKS, check_active_deadline_seconds,
                                               check_arguments, check_image, check_tls_secret, labels,
@@ -68,7 +69,7 @@ from tfe_estimator.cluster.spec import (DATA_DIR_ENV, TFE_JOB, cluster_digest, c
 from tfe_estimator.identity import certs
 from tfe_estimator.identity.federation import SERVERS, Federation
 
-__all__ = ["render_party", "prerequisites", "owner_address", "EXPOSE_TYPES", "NODE_PORTS", "DIGEST_ANNOTATION"]
+__all__ = ["render_party", "owner_address", "EXPOSE_TYPES", "NODE_PORTS", "DIGEST_ANNOTATION"]
 
 #: On every rendered workload: the cluster's digest, the same at every site (compare it before starting).
 DIGEST_ANNOTATION = "tfe-estimator/cluster-digest"
@@ -78,7 +79,6 @@ EXPOSE_TYPES = ("LoadBalancer", "NodePort", "ClusterIP")
 #: The ports a NodePort may use (Kubernetes' default service-node-port-range).
 NODE_PORTS = range(30000, 32768)
 _DNS = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 
 def owner_address(job: str, index: int, cluster: str) -> str:
@@ -229,7 +229,7 @@ def render_party(
         (``TFE_ESTIMATOR_DATA_DIR``, the mount path) or in its image.
       model_claim_size, storage_class: an owner's model claim rendered as a PersistentVolumeClaim of that size
         (``ReadWriteOnce``; the cluster's default storage class unless `storage_class`); None: the site makes
-        it (`prerequisites` says so).
+        it (`k8s_party.prerequisites` says so).
       server_image: a server's image (``tfe-estimator server`` needs ``tfe_estimator``, not the owners' training
         script; default `image`); refused for an owner.
       metrics_port, metrics_namespace, metrics_pod_labels: a server's metrics (`k8s_server`): ``--metrics-port``
@@ -267,7 +267,7 @@ def render_party(
                          "has one is its operator's choice: `--party tfe:K --no-data-plane`). Drop --no-data-plane.")
     check_arguments(name, image, len(owners) - 1, command, namespace, addresses[SERVERS[0]][1],
                     {"data": (data_claim, data_mount_path), "model": (model_claim, model_mount_path)})
-    _check_roles(party, job == TFE_JOB, data_claim, model_claim, model_claim_size, storage_class, server_image,
+    check_roles(party, job == TFE_JOB, data_claim, model_claim, model_claim_size, storage_class, server_image,
                  metrics_namespace, metrics_pod_labels)
     check_active_deadline_seconds(active_deadline_seconds)
     check_tls_secret(name, [(job, index)], tls_secret)
@@ -292,7 +292,7 @@ def render_party(
                       dict(server_cidrs or {}), pod_options, data_claim, data_mount_path, model_claim,
                       model_mount_path, active_deadline_seconds)
         if model_claim_size is not None:
-            objs.insert(0, _claim(model_claim.format(name=name, job=job, index=index), namespace,
+            objs.insert(0, model_claim_manifest(model_claim.format(name=name, job=job, index=index), namespace,
                                   labels(name, job, index), model_claim_size, storage_class))
         return objs
     if server_image is not None:
@@ -349,92 +349,6 @@ def render_party(
             egress.append(_DNS)
     manifests.append(_policy(name, namespace, (job, index), [rule, *metrics], egress))
     return manifests
-
-
-def _check_roles(party, server, data_claim, model_claim, model_claim_size, storage_class, server_image,
-                 metrics_namespace, metrics_pod_labels) -> None:
-    """Refuses an option that does not apply to the party's role, naming it and the fix."""
-    if server:
-        given = [flag for flag, value in (("--data-claim", data_claim), ("--model-claim", model_claim),
-                                          ("--model-claim-size", model_claim_size),
-                                          ("--storage-class", storage_class)) if value is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)}: {party} is an aggregation server, which never sees an owner's "
-                             "data or model (its only volumes are its certificate and, for tfe:0, its state). Drop "
-                             "them; each owner renders its own claims.")
-        return
-    given = [flag for flag, value in (("--server-image", server_image), ("--metrics-namespace", metrics_namespace),
-                                      ("--metrics-pod-label", metrics_pod_labels or None)) if value is not None]
-    if given:
-        raise ValueError(f"{', '.join(given)}: {party} is a data owner, which runs the training image (--image) and "
-                         "serves no metrics; these are for a server's party (tfe:0, tfe:1). Drop them.")
-    if model_claim is None:
-        raise ValueError(f"--party {party} needs --model-claim NAME (a PersistentVolumeClaim, e.g. '{{name}}-model'): "
-                         "without it the owner's checkpoints stay in its container and are lost when it restarts "
-                         "(its egress reaches the two servers only, so no remote storage either). Add "
-                         "--model-claim-size SIZE (e.g. 10Gi) to render the claim too.")
-    if model_claim_size is not None and not (isinstance(model_claim_size, str) and _QUANTITY.match(model_claim_size)):
-        raise ValueError(f"--model-claim-size {model_claim_size!r} is not a storage quantity such as '10Gi' or "
-                         "'500Mi'.")
-    if storage_class is not None and model_claim_size is None:
-        raise ValueError("--storage-class is the rendered model claim's: add --model-claim-size SIZE (or drop "
-                         "--storage-class and create the claim yourself).")
-    if storage_class is not None and not re.match(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", storage_class):
-        raise ValueError(f"--storage-class {storage_class!r} is not a StorageClass name (lowercase letters, digits, "
-                         "'-' and '.').")
-
-
-def _claim(claim: str, namespace: str, claim_labels: Dict[str, str], size: str,
-           storage_class: Optional[str]) -> Dict[str, Any]:
-    """An owner's model claim: ReadWriteOnce (one pod writes its checkpoints), `size`."""
-    spec: Dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}
-    if storage_class is not None:
-        spec["storageClassName"] = storage_class
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": claim, "namespace": namespace, "labels": dict(claim_labels)}, "spec": spec}
-
-
-def prerequisites(party: str, name: str, namespace: str, tls_secret: str = DEFAULT_TLS_SECRET,
-                  data_claim: Optional[str] = None, data_mount_path: str = "/data",
-                  model_claim: Optional[str] = None, model_claim_size: Optional[str] = None,
-                  metrics_port: Optional[int] = k8s_server.DEFAULT_METRICS_PORT, metrics_open: bool = False,
-                  server_image: Optional[str] = None) -> List[str]:
-    """What the site must have in its cluster before it applies `party`'s manifests, one line each.
-
-    Example::
-
-        >>> prerequisites("worker:0", "demo", "tfe", model_claim="{name}-model")[0]
-        "namespace 'tfe' (kubectl create namespace tfe)"
-    """
-    job, index = _split(party, "--party")
-    lines = [f"namespace {namespace!r} (kubectl create namespace {namespace})" if namespace != "default" else
-             "namespace 'default': give this party a namespace of its own (--namespace NS), where only its "
-             "operators may create pods",
-             f"Secret {tls_secret.format(name=name, job=job, index=index)!r} with this party's key: `tfe-estimator "
-             f"certs secret --dir DIR --identity {party} --name {name} --namespace {namespace}`"]
-    if job == TFE_JOB:
-        if server_image is None:
-            lines.append("the server runs --image (no --server-image): the owners' training image is not needed "
-                         "by a server; give your own with --server-image")
-        if index == 0:
-            lines.append(f"server0's release log is on an emptyDir ({k8s_server.STATE_DIR}): it survives a "
-                         "container restart, not a move to another node")
-        if metrics_port is not None and not metrics_open:
-            lines.append(f"metrics on port {metrics_port} admit nobody: name your monitoring with "
-                         "--metrics-namespace NS (and --metrics-pod-label KEY=VALUE)")
-        return lines
-    if data_claim is None:
-        lines.append("no --data-claim: the training script must find its data in the image")
-    else:
-        lines.append(f"PersistentVolumeClaim {data_claim.format(name=name, job=job, index=index)!r} holding this "
-                     f"owner's data (mounted read-only at {data_mount_path}, {DATA_DIR_ENV})")
-    if model_claim is not None:
-        claim = model_claim.format(name=name, job=job, index=index)
-        lines.append(f"PersistentVolumeClaim {claim!r} for the checkpoints ({MODEL_DIR_ENV}; rendered with them)"
-                     if model_claim_size is not None else
-                     f"PersistentVolumeClaim {claim!r} for the checkpoints ({MODEL_DIR_ENV}), read-write: create "
-                     "it, or add --model-claim-size SIZE to render it")
-    return lines
 
 
 def _check_data_port(party: str, addresses: Mapping[str, Tuple[str, int]], expose: str) -> None:

@@ -238,7 +238,7 @@ def _pairs(values: Sequence[str], flag: str) -> Dict[str, str]:
 
 def _party(args, command) -> List[Dict[str, Any]]:
     """`--party`: one organisation's part (`tfe_estimator.cluster.k8s_site`), refusing what does not apply."""
-    from tfe_estimator.cluster import k8s_site  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.cluster import k8s_party, k8s_site  # pylint: disable=import-outside-toplevel
     from tfe_estimator.identity.federation import Federation  # pylint: disable=import-outside-toplevel
 
     if args.federation is None:
@@ -270,7 +270,7 @@ def _party(args, command) -> List[Dict[str, Any]]:
         server_image=args.server_image, metrics_port=_metrics_port(args), metrics_namespace=args.metrics_namespace,
         metrics_pod_labels=_labels(args.metrics_pod_label), model_claim_size=args.model_claim_size,
         storage_class=args.storage_class)
-    notes = k8s_site.prerequisites(
+    notes = k8s_party.prerequisites(
         args.party, args.name, namespace, tls_secret=args.tls_secret, data_claim=args.data_claim,
         data_mount_path=args.data_mount_path, model_claim=args.model_claim, model_claim_size=args.model_claim_size,
         metrics_port=_metrics_port(args), metrics_open=bool(args.metrics_namespace or args.metrics_pod_label),
