@@ -63,8 +63,9 @@ def _parser() -> argparse.ArgumentParser:
         prog=PROG,
         description=(
             "Print Kubernetes manifests (a YAML stream) for a secure-aggregation cluster: a chief, "
-            "N workers, an optional evaluator and 3 tfe servers, one headless Service and one "
-            "NetworkPolicy each. The training command follows '--'."
+            "N workers, an optional evaluator and the tfe servers (service mode, the default: the 2 "
+            "aggregation servers; in-graph: 3 TensorFlow servers), one NetworkPolicy per task; with --party "
+            "only one organisation's part of a federation. The training command follows '--'."
         ),
         epilog="Example: %(prog)s --name demo --image example.com/train:1 --workers 2 -- python train.py",
     )
