@@ -2,6 +2,7 @@
 
 - `aggregation`: `SecureAggregation`, the `CrossDeviceOps`.
 - `strategy`: `TfeStrategy`, a MirroredStrategy routed through it.
+- `strategy_mode`: which `TfeStrategy()` a process gets (one machine, or a TF_CONFIG cluster's).
 - `run_config`: `TfeRunConfig`, the one line a user changes.
 - `devices`, `logical_devices`: replica and party placement.
 - `checkpoint_replicas`: model_dir compatibility checks.

@@ -2,10 +2,11 @@
 
 Example::
 
-    strategy = tfe_estimator.TfeStrategy(protocol="pond")   # 2 local replicas
-    config = tf.estimator.RunConfig(train_distribute=strategy,
-                                    eval_distribute=strategy)
-    est = tf.estimator.LinearRegressor(feature_columns=cols, config=config)
+    strategy = tfe_estimator.TfeStrategy()   # 2 local replicas, 3 TFE parties
+    with strategy.scope():                   # Keras, as under tf.distribute.MirroredStrategy()
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(1,))])
+        model.compile(loss="mse", optimizer="sgd")
+    model.fit(dataset, epochs=2)
 """
 import contextlib
 import logging
@@ -22,7 +23,9 @@ from tensorflow.python.util import nest
 
 from tfe_estimator.distribute import distributed_eval, progress
 from tfe_estimator.distribute.aggregation import SecureAggregation
-from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_party_devices, DEFAULT_NUM_REPLICAS
+from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas, validate_party_devices
+from tfe_estimator.distribute.logical_devices import check_logical_cpus, ensure_logical_cpus
+from tfe_estimator.distribute.strategy_mode import pick_mode
 from tfe_estimator.secure.protocols import check_supported, validate_protocol
 
 __all__ = ["TfeStrategy"]
@@ -199,9 +202,18 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
 class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
     """Data-parallel training whose cross-replica sums are TF Encrypted secure sums.
 
+    `TfeStrategy()` replaces `tf.distribute.MirroredStrategy()` in a Keras
+    `model.fit` or a custom training loop (`strategy.run`, `strategy.reduce`,
+    `strategy.experimental_distribute_dataset`) and trains exactly like it on
+    the same replica devices. Built eagerly without `devices`, it gives
+    TensorFlow's eager runtime the logical CPU devices its replicas and parties
+    need (`tfe_estimator.distribute.logical_devices`), whatever ran before,
+    unless the runtime already started with several but too few: `scope()` then
+    raises a clear error.
+
     Args:
-      devices: the replica devices. None: 2 local replicas (GPUs if there are
-        2, otherwise CPU devices).
+      devices: the replica devices. None: `num_replicas` local replicas (GPUs
+        if there are that many, otherwise CPU devices).
       protocol: "pond" or "aby3" (see `tfe_estimator.secure.protocols`).
       precision: "low" or "high" (see `tfe_estimator.secure.precision`).
       server_devices: the devices of the three TFE parties. None with
@@ -222,9 +234,13 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         empty batches); it costs a cross-worker
         synchronisation per step on a cluster (about 10 ms on the loopback
         benchmark), so `TfeRunConfig` turns it on for `eval_distribute` only.
+      num_replicas: with `devices=None`, how many local replicas (default 2).
 
     Raises:
-      ValueError: for an unknown protocol or precision, or a bad `clip_norm`.
+      ValueError: for an unknown protocol or precision, a bad `clip_norm`, or
+        `num_replicas` that disagrees with `devices`.
+      NotImplementedError: without `devices`, for a cluster in TF_CONFIG
+        (`tfe_estimator.distribute.strategy_mode.pick_mode`).
       NotImplementedError: for a protocol and precision this TensorFlow cannot
         run (`tfe_estimator.secure.protocols.check_supported`, e.g. ABY3 at "high" on
         TensorFlow 2.15).
@@ -238,6 +254,12 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
     Example::
 
         strategy = TfeStrategy()
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(1,))])
+            model.compile(loss="mse", optimizer="sgd")
+        model.fit(dataset, epochs=2)
+
+        # Estimator (or use tfe_estimator.TfeRunConfig):
         config = tf.estimator.RunConfig(
             train_distribute=strategy, eval_distribute=strategy,
             session_config=strategy.update_config_proto(
@@ -255,12 +277,20 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         dp=None,
         partial_batches: bool = False,
         update_ring_bits: int = 64,
+        num_replicas: Optional[int] = None,
     ) -> None:
         protocol = validate_protocol(protocol)
         check_supported(protocol, precision)
         if devices is None:
-            devices, default_servers = local_layout(DEFAULT_NUM_REPLICAS, protocol)
+            pick_mode()  # one machine; a cluster in TF_CONFIG is another mode
+            devices, default_servers = local_layout(validate_num_replicas(num_replicas), protocol)
             server_devices = server_devices or default_servers
+            if tf.executing_eagerly():  # Keras or a custom loop: the eager runtime needs the devices
+                ensure_logical_cpus(cpus_needed(list(devices) + list(server_devices)))
+        elif num_replicas is not None and validate_num_replicas(num_replicas) != len(devices):
+            raise ValueError(
+                f"TfeStrategy(num_replicas={num_replicas}) but devices= lists {len(devices)} replica devices: "
+                f"{list(devices)}. Pass one of the two.")
         ops = SecureAggregation(protocol=protocol, precision=precision, server_devices=server_devices,
                                 clip_norm=clip_norm, implementation=implementation,
                                 dp=dp,  # differential privacy: see tfe_estimator.privacy.dp
@@ -283,8 +313,6 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
     def scope(self):
         """The strategy's scope; for Keras, first checks the process has the CPU devices it needs."""
         if tf.compat.v1.executing_eagerly_outside_functions():  # Keras; Estimator builds in a graph
-            from tfe_estimator.distribute.logical_devices import check_logical_cpus  # pylint: disable=import-outside-toplevel
-
             check_logical_cpus(self)
         return super().scope()
 
