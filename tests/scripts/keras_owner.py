@@ -1,0 +1,43 @@
+"""One data owner of a service-mode test cluster: Keras `model.fit` under `tfe_estimator.TfeStrategy()`.
+
+Run by `tfe-estimator launch --workers 1 -- python keras_owner.py ...` in each owner's own directory
+(tests/test_keras_service.py): reads only ./data.csv (two features, a label), builds the strategy with no
+arguments, fits a Dense layer with SGD on `repeat().batch(16)` for STEPS steps, and writes ./keras_weights.json
+(the initial and the trained weights).
+Usage: keras_owner.py STEPS LEARNING_RATE [--learning-rate-in TASK_DIR LR]
+--learning-rate-in: the owner running in directory TASK_DIR (e.g. worker-0) uses LR instead.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import tfe_estimator
+
+
+def main(argv):
+    steps, learning_rate = int(argv[1]), float(argv[2])
+    if "--learning-rate-in" in argv:
+        at = argv.index("--learning-rate-in")
+        if os.path.basename(os.getcwd()) == argv[at + 1]:
+            learning_rate = float(argv[at + 2])
+    rows = np.loadtxt("data.csv", delimiter=",", dtype=np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((rows[:, :2], rows[:, 2:])).repeat().batch(16)
+
+    strategy = tfe_estimator.TfeStrategy()
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
+        model.compile(tf.keras.optimizers.SGD(learning_rate), "mse")
+    initial = [w.tolist() for w in model.get_weights()]
+    history = model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
+    with open("keras_weights.json", "w") as f:
+        json.dump({"initial": initial, "trained": [w.tolist() for w in model.get_weights()],
+                   "iterations": int(model.optimizer.iterations.numpy()),
+                   "loss": history.history["loss"]}, f)
+    print(f"keras owner finished at step {int(model.optimizer.iterations.numpy())}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
