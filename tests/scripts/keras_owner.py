@@ -8,6 +8,7 @@ Usage: keras_owner.py STEPS LEARNING_RATE [--learning-rate-in TASK_DIR LR]
 --learning-rate-in: the owner running in directory TASK_DIR (e.g. worker-0) uses LR instead.
 """
 import json
+import logging
 import os
 import sys
 
@@ -26,6 +27,8 @@ def main(argv):
     rows = np.loadtxt("data.csv", delimiter=",", dtype=np.float32)
     dataset = tf.data.Dataset.from_tensor_slices((rows[:, :2], rows[:, 2:])).repeat().batch(16)
 
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("tfe_estimator").setLevel(logging.INFO)  # the handshake's line: the sums are checked
     strategy = tfe_estimator.TfeStrategy()
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])

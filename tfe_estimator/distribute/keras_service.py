@@ -174,7 +174,14 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         state["sessions"] += 1
 
     record = model_record.keras_record(model, settings, len(binding.owners))
+    step, weights, fields = record
+    agreed = (model_record.model_id(fields), step, weights)
+    if state.get("agreed") == agreed:
+        # tf.function traces fit's step twice when its first trace creates variables (Keras' metrics); nothing
+        # ran in between: the owners agreed on this very record already.
+        return
     service_handshake.agree(binding, service_lib.service_client, record, on_model, seed_hint=SEED_HINT)
+    state["agreed"] = agreed
     _LATEST.update(state=state, optimizer=weakref.ref(optimizer), step=None, count=0)
 
 

@@ -50,8 +50,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
-__all__ = ["ModelRecord", "keras_record", "Field", "INT", "FLOAT", "HASH", "model_id", "make_row", "parse_row", "differences",
-           "weights_fingerprint", "format_fingerprint", "label_hash", "HEADER"]
+__all__ = ["ModelRecord", "keras_record", "Field", "INT", "FLOAT", "HASH", "model_id", "make_row", "parse_row",
+           "differences", "weights_fingerprint", "format_fingerprint", "label_hash", "HEADER"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -254,8 +254,8 @@ def _config_fields(what: str, obj) -> List[Field]:
         if key == "name":
             continue
         label = f"{_HYPER_NAMES.get(key, key.replace('_', ' '))} of the {what} ({type(obj).__name__} {key})"
-        fields.append(_value_field(label, value) if isinstance(value, (int, float, bool, str, type(None)))
-                      else (label, HASH, _hash63(repr(value).encode())))
+        scalar = isinstance(value, (int, float, bool, str, type(None), np.generic))
+        fields.append(_value_field(label, value) if scalar else (label, HASH, _hash63(repr(value).encode())))
     return fields
 
 
