@@ -8,6 +8,7 @@ plaintext Keras model trained with SGD on, per step, the concatenation of each o
 import io
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -50,7 +51,7 @@ def _plaintext_keras(data, initial):
 def test_keras_fit_trains_every_owner_to_the_plaintext_model_of_their_rows(tmp_path):
     workdir = str(tmp_path)
     data = _owner_data(workdir, OWNERS)
-    status, log = _launch(workdir)
+    status, log = _launch(workdir, "--then-evaluate")
     assert status == 0, log[-5000:]
     assert log.count(f"keras owner finished at step {STEPS}") == 2, log[-5000:]
     results = {}
@@ -71,6 +72,17 @@ def test_keras_fit_trains_every_owner_to_the_plaintext_model_of_their_rows(tmp_p
     for name in ("chief:0", "worker:0"):
         assert log.count(f"{name} rewound to step 0") == 2, log[-5000:]
     assert log.count("sums checked (check seed") == 2, log[-5000:]
+    # evaluate and predict across owners are refused with the recipe (not half the rows, not replayed sums);
+    # the recipe's plain copy evaluates each owner's own rows.
+    for name in ("predict", "evaluate"):
+        assert log.count(f"keras owner: {name} refused") == 2, log[-5000:]
+    assert log.count("copy = tf.keras.models.clone_model(model); copy.set_weights(model.get_weights())") >= 4
+    weights = np.append(np.array(chief["trained"][0]).ravel(), chief["trained"][1]).astype(np.float64)
+    for owner in OWNERS:
+        x = np.column_stack([data[owner][:, :2], np.ones(len(data[owner]))])
+        mse = float(np.mean((x @ weights - data[owner][:, 2]) ** 2))
+        printed = re.findall(rf"\[{owner.replace('-', ':')}\] keras owner: own mse ([0-9.]+)", log)
+        assert printed and float(printed[0]) == pytest.approx(mse, rel=1e-5), (owner, mse, printed)
 
 
 def test_keras_owners_with_different_learning_rates_are_refused_before_the_first_step(tmp_path):

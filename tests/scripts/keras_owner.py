@@ -4,8 +4,10 @@ Run by `tfe-estimator launch --workers 1 -- python keras_owner.py ...` in each o
 (tests/test_keras_service.py): reads only ./data.csv (two features, a label), builds the strategy with no
 arguments, fits a Dense layer with SGD on `repeat().batch(16)` for STEPS steps, and writes ./keras_weights.json
 (the initial and the trained weights).
-Usage: keras_owner.py STEPS LEARNING_RATE [--learning-rate-in TASK_DIR LR]
+Usage: keras_owner.py STEPS LEARNING_RATE [--learning-rate-in TASK_DIR LR] [--then-evaluate]
 --learning-rate-in: the owner running in directory TASK_DIR (e.g. worker-0) uses LR instead.
+--then-evaluate: then tries model.predict and model.evaluate (refused in service mode for now: prints the errors)
+  and evaluates a plain copy of the trained model on its own rows (the recipe the refusal gives).
 """
 import json
 import logging
@@ -40,6 +42,18 @@ def main(argv):
                    "iterations": int(model.optimizer.iterations.numpy()),
                    "loss": history.history["loss"]}, f)
     print(f"keras owner finished at step {int(model.optimizer.iterations.numpy())}", flush=True)
+    if "--then-evaluate" in argv:
+        for name, call in (("predict", lambda: model.predict(rows[:16, :2], batch_size=16, verbose=0)),
+                           ("evaluate", lambda: model.evaluate(dataset, steps=4, verbose=0))):
+            try:
+                call()
+                print(f"keras owner: {name} ran", flush=True)
+            except NotImplementedError as e:
+                print(f"keras owner: {name} refused: {e}", flush=True)
+        copy = tf.keras.models.clone_model(model)
+        copy.set_weights(model.get_weights())
+        copy.compile(loss="mse")
+        print(f"keras owner: own mse {copy.evaluate(rows[:, :2], rows[:, 2:], verbose=0):.6f}", flush=True)
 
 
 if __name__ == "__main__":

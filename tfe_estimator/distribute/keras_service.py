@@ -148,15 +148,35 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
             "keyed by the model's optimizer.iterations and the owners agree on the model first); strategy.run "
             f"of {getattr(fn, '__name__', fn)!r} (a custom training loop) is not supported across owners yet.")
     graph = tf.compat.v1.get_default_graph()
+    function = _keras_function(graph)
+    if function != "train_function":
+        # evaluate: Keras' test_function reads the metrics across owners at every batch, all at the optimizer's
+        # step (unchanged while it evaluates): those sums need keys of their own (not the replay window's
+        # answers of another batch). predict: Keras splits each batch over every owner's replicas, so an owner
+        # would predict half of its rows.
+        raise NotImplementedError(
+            f"Keras' {function or graph.name} under TfeStrategy in service mode: model.evaluate, "
+            "fit(validation_data=...) and model.predict across owners are not supported yet; model.fit is. "
+            "Evaluate or predict each owner's own data with a plain copy of the trained model: "
+            "copy = tf.keras.models.clone_model(model); copy.set_weights(model.get_weights()); "
+            "copy.compile(loss=..., metrics=...); copy.evaluate(own_data).")
     state = _MODELS.setdefault(model, {"model": None, "sessions": 0})
     service_lib.register_graph(graph, step_sum.read_step(optimizer.iterations, name="service_step"), state)
     result = call(fn, args, kwargs)
-    log.debug("service mode: Keras step traced in %s, %d sums", graph.name, service_lib.sums_built(graph))
     if service_lib.sums_built(graph):
         audit_owner_graph(graph)  # what the step lets out: fresh keys and masked shares only
         with tf.init_scope():  # eager: the model's initial (or restored) weights, before any step runs
             _handshake(extended, model, optimizer, state)
     return result
+
+
+def _keras_function(graph) -> str:
+    """Which of Keras' functions `graph` belongs to ("train_function", "test_function", ...; "" if none)."""
+    while graph is not None:
+        if graph.name.split("_function")[0] in ("train", "test", "predict"):
+            return graph.name.split("_function")[0] + "_function"
+        graph = getattr(graph, "outer_graph", None)
+    return ""
 
 
 def _handshake(extended, model, optimizer, state: dict) -> None:
