@@ -25,25 +25,28 @@ STEPS = 10
 LEARNING_RATE = 0.1
 
 
-def _launch(workdir, *flags):
+def _launch(workdir, *flags, max_restarts=0):
     out = io.StringIO()
     launcher = Launcher([sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), *flags], workers=1,
                         task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="service",
-                        down_timeout=120)
+                        down_timeout=120, max_restarts=max_restarts)
     status = launcher.run()
     assert not [t.name for t in launcher.tasks if t.process.poll() is None]
     return status, out.getvalue()
 
 
-def _plaintext_keras(data, initial):
-    """One plaintext Keras model from the owners' initial weights, SGD on each step's 8 + 8 rows."""
+def _plaintext_keras(data, initial, worker_batch=lambda step: step):
+    """One plaintext Keras model from the owners' initial weights, SGD on each step's 8 + 8 rows (the worker's
+    ``worker_batch(step)``-th 8 rows)."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
     model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
     model.compile(tf.keras.optimizers.SGD(LEARNING_RATE), "mse")
     model.set_weights([np.array(w, np.float32) for w in initial])
     for step in range(STEPS):
-        rows = np.concatenate([np.take(data[o], range(8 * step, 8 * step + 8), axis=0, mode="wrap") for o in OWNERS])
+        batch = {"chief-0": step, "worker-0": worker_batch(step)}
+        rows = np.concatenate([np.take(data[o], range(8 * batch[o], 8 * batch[o] + 8), axis=0, mode="wrap")
+                               for o in OWNERS])
         model.train_on_batch(rows[:, :2], rows[:, 2:])
     return model.get_weights()
 
@@ -53,7 +56,7 @@ def test_keras_fit_trains_every_owner_to_the_plaintext_model_of_their_rows(tmp_p
     data = _owner_data(workdir, OWNERS)
     status, log = _launch(workdir, "--then-evaluate")
     assert status == 0, log[-5000:]
-    assert log.count(f"keras owner finished at step {STEPS}") == 2, log[-5000:]
+    assert log.count(f"keras owner finished at step {STEPS}; 0 answers replayed") == 2, log[-5000:]
     results = {}
     for owner in OWNERS:
         with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
@@ -93,3 +96,26 @@ def test_keras_owners_with_different_learning_rates_are_refused_before_the_first
     assert "refused before the first step" in log, log[-5000:]
     assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
     assert "keras owner finished" not in log and "sums checked" not in log, log[-5000:]
+
+
+def test_a_keras_owner_restarted_with_backup_and_restore_replays_from_the_window_and_the_owners_stay_equal(tmp_path):
+    # worker-0 backs up every 3 steps and dies after step 4; restarted, it restores step 3 (weights and
+    # optimizer.iterations), takes step 3's sums from the servers' replay window (the chief is already waiting
+    # in step 4) and goes on. Keras does not restore the dataset's position: the restarted worker reads its rows
+    # from the start again, one batch of them consumed by the replayed step.
+    workdir = str(tmp_path)
+    data = _owner_data(workdir, OWNERS)
+    status, log = _launch(workdir, "--crash-in", "worker-0", "4", "3", max_restarts=1)
+    assert status == 0, log[-5000:]
+    assert "keras owner crashing after step 4" in log and "worker:0 died with status 3; restarting" in log
+    assert "[worker:0] tfe_estimator: service handshake at step 3: every owner trains model" in log, log[-5000:]
+    assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, log[-5000:]
+    assert f"[worker:0] keras owner finished at step {STEPS}; 3 answers replayed" in log, log[-5000:]  # 1 step
+    results = {}
+    for owner in OWNERS:
+        with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
+            results[owner] = json.load(f)
+    assert results["chief-0"]["trained"] == results["worker-0"]["trained"]
+    expected = _plaintext_keras(data, results["chief-0"]["initial"], lambda step: step if step < 4 else step - 3)
+    for got, want in zip(results["chief-0"]["trained"], expected):
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)

@@ -61,11 +61,15 @@ _MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LATEST = {"state": None, "optimizer": None, "step": None, "count": 0}
 
 
-class OwnerStrategy(service_lib.ServiceStrategy):
+class OwnerStrategy(service_lib.ServiceStrategy, tf.distribute.MirroredStrategy):
     """The `ServiceStrategy` that ``TfeStrategy()`` returns to a data owner under a service-mode cluster.
 
     Built by `owner_strategy_from_environment` (from ``TfeStrategy.__new__``); Python then calls
-    ``__init__`` again with ``TfeStrategy``'s arguments, which has nothing left to do.
+    ``__init__`` again with ``TfeStrategy``'s arguments, which has nothing left to do. It is also a
+    ``tf.distribute.MirroredStrategy`` (TensorFlow 2's, after the V1 one `TfeStrategy` is: every method
+    still resolves to the V1 class first) because Keras' ``BackupAndRestore`` accepts only TensorFlow 2's
+    MirroredStrategy, MultiWorkerMirroredStrategy, TPUStrategy and ParameterServerStrategy (an instance
+    check, Keras 2.15 ``callbacks.py``).
     """
 
     def __init__(self, *args, **kwargs):  # pylint: disable=super-init-not-called
