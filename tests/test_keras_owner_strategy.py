@@ -23,6 +23,14 @@ for name, env in json.loads(sys.argv[1]).items():
                        list(s.secure_aggregation.binding.owners), s.secure_aggregation.binding.owner]
     except Exception as e:  # noqa: BLE001
         cases[name] = [type(e).__name__, str(e)]
+        continue
+    if name == "service":  # a custom training loop: refused when traced, before anything is sent
+        import tensorflow as tf
+        step = tf.function(lambda: s.reduce("SUM", s.run(lambda: tf.constant(1.0)), axis=None))
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001
+            cases["custom loop"] = [type(e).__name__, str(e)]
 print(json.dumps(cases))
 """
 
@@ -45,6 +53,8 @@ def test_tfe_strategy_is_the_owners_service_strategy_under_a_service_cluster_and
     assert got["service"] == ["OwnerStrategy", True, 2, ["chief:0", "worker:0"], "worker:0"]
     assert got["no certificates"][0] == "ValueError" and "TFE_ESTIMATOR_TLS_DIR" in got["no certificates"][1]
     assert got["in-graph"][0] == "NotImplementedError" and "--cluster-mode service" in got["in-graph"][1]
+    assert got["custom loop"][0] == "NotImplementedError", got["custom loop"]
+    assert "(a custom training loop) is not supported across owners yet" in got["custom loop"][1]
 
 
 def _compiled(learning_rate, units=1):
