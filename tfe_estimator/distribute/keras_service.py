@@ -129,7 +129,7 @@ def in_function() -> bool:
     return isinstance(tf.compat.v1.get_default_graph(), func_graph.FuncGraph)
 
 
-def _keras_model(fn) -> Optional[tf.keras.Model]:
+def _keras_model(fn) -> Optional["tf.keras.Model"]:
     """The Keras model a replica function of ``fit`` / ``evaluate`` / ``predict`` runs (its closure's)."""
     original = inspect.unwrap(fn)
     code, cells = getattr(original, "__code__", None), getattr(original, "__closure__", None) or ()
