@@ -93,6 +93,7 @@ def test_keras_owners_with_different_learning_rates_are_refused_before_the_first
     _owner_data(workdir, OWNERS)
     status, log = _launch(workdir, "--learning-rate-in", "worker-0", "0.5")
     assert status != 0, log[-5000:]
+    assert "OwnersDisagreeError: Service handshake at step 0" in log and "StagingError" not in log, log[-5000:]
     assert "refused before the first step" in log, log[-5000:]
     assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
     assert "keras owner finished" not in log and "sums checked" not in log, log[-5000:]

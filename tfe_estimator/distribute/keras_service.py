@@ -204,7 +204,11 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         # tf.function traces fit's step twice when its first trace creates variables (Keras' metrics); nothing
         # ran in between: the owners agreed on this very record already.
         return
-    service_handshake.agree(binding, service_lib.service_client, record, on_model, seed_hint=SEED_HINT)
+    try:
+        service_handshake.agree(binding, service_lib.service_client, record, on_model, seed_hint=SEED_HINT)
+    except ValueError as e:  # OwnersDisagreeError, CheckSeedError: raised as they are, not as AutoGraph's
+        e.ag_pass_through = True  # StagingError ("in user code: ...") that fit's tracing would make of them
+        raise
     state["agreed"] = agreed
     _LATEST.update(state=state, optimizer=weakref.ref(optimizer), step=None, count=0)
 
