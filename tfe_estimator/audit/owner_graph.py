@@ -29,8 +29,8 @@ from tfe_estimator.errors import PlaintextOnServerError
 
 __all__ = ["audit_owner_graph", "OwnerGraphAuditError", "CONTRIBUTION_OP_TYPES"]
 
-#: The op types a `tf.numpy_function` / `tf.py_function` becomes.
-CONTRIBUTION_OP_TYPES = ("PyFunc", "EagerPyFunc")
+#: The op types a `tf.numpy_function` / `tf.py_function` becomes (stateless ones in a tf.function: `service_sum`).
+CONTRIBUTION_OP_TYPES = ("PyFunc", "PyFuncStateless", "EagerPyFunc")
 
 
 class OwnerGraphAuditError(PlaintextOnServerError):

@@ -50,8 +50,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
-__all__ = ["ModelRecord", "Field", "INT", "FLOAT", "HASH", "model_id", "make_row", "parse_row", "differences",
-           "weights_fingerprint", "format_fingerprint", "label_hash", "HEADER"]
+__all__ = ["ModelRecord", "keras_record", "Field", "INT", "FLOAT", "HASH", "model_id", "make_row", "parse_row",
+           "differences", "weights_fingerprint", "format_fingerprint", "label_hash", "HEADER"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -66,7 +66,7 @@ Field = Tuple[str, int, int]
 #: indices of a sparse update, Adam's step-dependent powers.
 _NOT_HYPER = {"var", "grad", "delta", "indices", "beta1_power", "beta2_power"}
 #: Human names of hyperparameters (the apply ops' input names otherwise).
-_HYPER_NAMES = {"alpha": "learning rate", "lr": "learning rate"}
+_HYPER_NAMES = {"alpha": "learning rate", "lr": "learning rate", "learning_rate": "learning rate"}
 #: Ops a hyperparameter may be computed from (read in the session without running the input pipeline).
 _STATEFUL_OK = {"VarHandleOp", "ReadVariableOp", "VariableV2", "VarIsInitializedOp"}
 _MAX_WALK = 2000
@@ -234,6 +234,53 @@ def _variable_name(tensor) -> str:
     return op.name
 
 
+def _common_fields(settings: Mapping[str, object], num_owners: int, variables) -> List[Field]:
+    """The fields of every record: the number of owners, the settings, the trainable variables' structure."""
+    fields: List[Field] = [("the number of owners", INT, int(num_owners))]
+    fields += [_value_field(f"setting {name}", value) for name, value in settings.items()]
+    structure = ";".join(f"{v.name}:{v.shape}:{v.dtype.name}" for v in variables)
+    fields.append(("the structure of the trainable variables (names, shapes, dtypes; embedding "
+                   "dimensions, vocabulary and bucket counts)", HASH, _hash63(structure.encode())))
+    return fields
+
+
+def _config_fields(what: str, obj) -> List[Field]:
+    """A Keras object's class and each entry of its ``get_config()`` (numbers as numbers, the rest hashed)."""
+    if obj is None or isinstance(obj, str):
+        return [(f"the {what}", HASH, _hash63(repr(obj).encode()))]
+    fields = [(f"the {what}", HASH, _hash63(type(obj).__name__.encode()))]
+    config = obj.get_config() if hasattr(obj, "get_config") else {}
+    for key, value in sorted(config.items()):
+        if key == "name":
+            continue
+        label = f"{_HYPER_NAMES.get(key, key.replace('_', ' '))} of the {what} ({type(obj).__name__} {key})"
+        scalar = isinstance(value, (int, float, bool, str, type(None), np.generic))
+        fields.append(_value_field(label, value) if scalar else (label, HASH, _hash63(repr(value).encode())))
+    return fields
+
+
+def keras_record(model, settings: Mapping[str, object], num_owners: int) -> Tuple[int, int, List[Field]]:
+    """A compiled Keras model's record, as `ModelRecord.evaluate` gives Estimator's: ``(step, weights, fields)``.
+
+    Read eagerly (before ``fit``'s first step): the step is the optimizer's ``iterations``; the fields are the
+    number of owners, `settings`, the trainable variables' structure, the optimizer's class and each of its
+    hyperparameters (``get_config()``: learning rate, momentum, ...) and the compiled loss; the weights
+    fingerprint covers every trainable variable's value.
+
+    Example::
+
+        step, weights, fields = keras_record(model, {"precision": "low"}, num_owners=2)
+    """
+    variables = sorted(model.trainable_variables, key=lambda v: v.name)
+    fields = _common_fields(settings, num_owners, variables)
+    fields += _config_fields("optimizer", model.optimizer)
+    loss = getattr(model, "loss", None)
+    fields += _config_fields("loss", loss if isinstance(loss, str) or hasattr(loss, "get_config") else
+                             getattr(loss, "__name__", repr(type(loss))))
+    step = int(model.optimizer.iterations.numpy())
+    return step, weights_fingerprint([v.numpy() for v in variables]), fields
+
+
 class ModelRecord:
     """An owner's model record (module docstring), built from a complete training graph.
 
@@ -249,15 +296,11 @@ class ModelRecord:
     """
 
     def __init__(self, graph: tf.Graph, settings: Mapping[str, object], num_owners: int):
-        self._static: List[Field] = [("the number of owners", INT, int(num_owners))]
-        self._static += [_value_field(f"setting {name}", value) for name, value in settings.items()]
         with graph.as_default():
             variables = sorted(tf.compat.v1.trainable_variables(), key=lambda v: v.name)
             self._step = tf.compat.v1.train.get_global_step(graph)
         self._variables = variables
-        structure = ";".join(f"{v.name}:{v.shape}:{v.dtype.name}" for v in variables)
-        self._static.append(("the structure of the trainable variables (names, shapes, dtypes; embedding "
-                             "dimensions, vocabulary and bucket counts)", HASH, _hash63(structure.encode())))
+        self._static: List[Field] = _common_fields(settings, num_owners, variables)
         self._static += self._constants(graph)
         self._hyper_labels: List[str] = []
         self._hyper_tensors = []

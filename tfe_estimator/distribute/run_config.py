@@ -32,7 +32,7 @@ from tfe_estimator.cluster.quiet import hide_deprecation_warnings
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 from tfe_estimator.distribute.aggregation import validate_clip_norm
-from tfe_estimator.distribute.service_aggregation import ServiceBinding, ServiceStrategy
+from tfe_estimator.distribute.service_aggregation import ServiceStrategy, cluster_seed, service_binding
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
 from tfe_estimator.secure.precision import get_precision
 from tfe_estimator.secure.protocols import load_backend, validate_protocol
@@ -263,8 +263,7 @@ def _default_seed(kwargs) -> None:
         return
     if not _each_owner_builds_its_graph(kwargs["train_distribute"]):
         return
-    spec = cluster_lib.TfeCluster.from_environment()
-    seed = int.from_bytes(cluster_lib.cluster_digest(spec.jobs)[:4], "big") >> 1
+    seed = cluster_seed(cluster_lib.TfeCluster.from_environment())
     kwargs["tf_random_seed"] = seed
     logging.getLogger("tfe_estimator").info(
         "tf_random_seed=%d derived from TF_CONFIG's cluster (first 31 bits of the SHA-256 of its canonical JSON), "
@@ -361,22 +360,7 @@ def _service_kwargs(spec: cluster_lib.TfeCluster, settings: TfeSettings, session
         raise ValueError(
             f"TfeRunConfig(protocol={settings.protocol!r}) in cluster_mode='service': the aggregation service "
             "runs Pond's sum (two servers). Use protocol='pond', or cluster_mode='in-graph' on a trusted network.")
-    servers = spec.jobs[cluster_lib.TFE_JOB]
-    if len(servers) != 2:
-        raise ValueError(
-            f"cluster_mode='service' needs exactly 2 '{cluster_lib.TFE_JOB}' tasks (aggregation server0 and "
-            f"server1, each running `tfe-estimator server`), but TF_CONFIG lists {len(servers)}: {list(servers)}. "
-            "Note that these values come from the TF_CONFIG environment variable.")
-    tls_dir = os.environ.get(cluster_lib.TLS_DIR_ENV)
-    if not tls_dir:
-        raise ValueError(
-            f"cluster_mode='service' needs this owner's certificate: set {cluster_lib.TLS_DIR_ENV} to a directory "
-            f"with ca.crt and {spec.task_type}-{spec.task_index}.crt/.key (`tfe-estimator certs`; "
-            "`tfe-estimator launch` makes them for a loopback cluster).")
-    owners = tuple(f"{job}:{index}" for job, index in spec.data_owners())
-    binding = ServiceBinding(addresses=(servers[0], servers[1]), tls_dir=tls_dir,
-                             owner=f"{spec.task_type}:{spec.task_index}", owners=owners,
-                             timeout_secs=settings.step_timeout_secs)
+    binding = service_binding(spec, settings.step_timeout_secs, "TfeRunConfig")
     train, evaluate = (ServiceStrategy(binding, num_replicas=settings.num_replicas or 1,
                                        precision=settings.precision, clip_norm=settings.clip_norm,
                                        update_ring_bits=settings.update_ring_bits, evaluation=evaluation,

@@ -36,6 +36,7 @@ Example::
 """
 import dataclasses
 import logging
+import os
 import weakref
 from typing import Optional, Sequence, Tuple
 
@@ -44,6 +45,7 @@ from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import values as value_lib
 
+from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute import service_sum as service_sum_lib
 from tfe_estimator.distribute import step_sum
 from tfe_estimator.distribute import training_run
@@ -53,7 +55,7 @@ from tfe_estimator.distribute.strategy import TfeStrategy, _TfeExtended
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
 __all__ = ["ServiceBinding", "ServiceAggregation", "ServiceStrategy", "service_client", "channel_name",
-           "repeated_releases"]
+           "repeated_releases", "service_binding", "cluster_seed", "register_graph", "sums_built"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -99,12 +101,55 @@ def _model_of(graph: tf.Graph) -> dict:
     return state[2]
 
 
+def register_graph(graph: tf.Graph, step: tf.Tensor, model: dict) -> None:
+    """Keys `graph`'s sums by `step` and names their channels by `model` (``{"model": id}``, set by the
+    handshake): for a graph without Estimator's global step (Keras' ``train_function``, `keras_service`)."""
+    if graph not in _CHANNELS:
+        _CHANNELS[graph] = [0, step, model]
+
+
+def sums_built(graph: tf.Graph) -> int:
+    """How many service sums `graph` holds."""
+    state = _CHANNELS.get(graph)
+    return state[0] if state is not None else 0
+
+
 def repeated_releases(graph: tf.Graph) -> int:
     """How many steps of `graph`'s training the servers released again, counted under
     ``DistributedDP(count_repeated_releases=True)`` (`training_run.ReleaseLedger`); 0 outside service mode."""
     state = _CHANNELS.get(graph)
     ledger = state[2].get("ledger") if state is not None else None
     return ledger.repeated if ledger is not None else 0
+
+
+def service_binding(spec, step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS, who: str = "TfeRunConfig"):
+    """This owner's `ServiceBinding` from its TF_CONFIG cluster `spec` (`tfe_estimator.cluster.spec.TfeCluster`)
+    and ``TFE_ESTIMATOR_TLS_DIR``: what `TfeRunConfig` (Estimator) and `TfeStrategy()` (Keras) both build.
+
+    Raises:
+      ValueError: naming TF_CONFIG or the variable, when the cluster has not two servers or no certificates.
+    """
+    servers = spec.jobs[cluster_lib.TFE_JOB]
+    if len(servers) != 2:
+        raise ValueError(
+            f"cluster_mode='service' needs exactly 2 '{cluster_lib.TFE_JOB}' tasks (aggregation server0 and "
+            f"server1, each running `tfe-estimator server`), but TF_CONFIG lists {len(servers)}: {list(servers)}. "
+            "Note that these values come from the TF_CONFIG environment variable.")
+    tls_dir = os.environ.get(cluster_lib.TLS_DIR_ENV)
+    if not tls_dir:
+        raise ValueError(
+            f"{who} in cluster_mode='service' needs this owner's certificate: set {cluster_lib.TLS_DIR_ENV} to a "
+            f"directory with ca.crt and {spec.task_type}-{spec.task_index}.crt/.key (`tfe-estimator certs`; "
+            "`tfe-estimator launch` makes them for a loopback cluster).")
+    owners = tuple(f"{job}:{index}" for job, index in spec.data_owners())
+    return ServiceBinding(addresses=(servers[0], servers[1]), tls_dir=tls_dir,
+                          owner=f"{spec.task_type}:{spec.task_index}", owners=owners, timeout_secs=step_timeout_secs)
+
+
+def cluster_seed(spec) -> int:
+    """The seed every owner derives alike from its TF_CONFIG cluster: the first 31 bits of the SHA-256 of the
+    cluster's canonical JSON (`tfe_estimator.cluster.spec.cluster_digest`)."""
+    return int.from_bytes(cluster_lib.cluster_digest(spec.jobs)[:4], "big") >> 1
 
 
 def channel_name(model: int, name: str) -> str:
@@ -182,9 +227,8 @@ class ServiceAggregation(SecureAggregation):
         if len(sources) != self._local_replicas:
             raise ValueError(f"this owner sums {len(sources)} replicas, but its ServiceAggregation was made for "
                              f"{self._local_replicas}.")
-        channel, step = self._next_channel()
+        channel, step, model = self._next_channel()
         binding = self._binding
-        model = _model_of(tf.compat.v1.get_default_graph())
 
         def contribute(name, *args):
             if model["model"] is None:
@@ -207,12 +251,18 @@ class ServiceAggregation(SecureAggregation):
                                            channel, step, contribute, noise_variance=noise_variance, checks=checks)
 
     def _next_channel(self):
-        """The graph's next sum's name (equal on every owner: they build the same graph) and the step."""
+        """The graph's next sum's name (equal on every owner: they build the same graph), the step and the
+        model's state (`_model_of`); eagerly (Keras reading a metric across owners) `keras_service.eager_sum`'s."""
+        if tf.executing_eagerly():
+            from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
+
+            name, step, model = keras_service.eager_sum()
+            return f"{self._channel_prefix}{name}", step, model
         graph = tf.compat.v1.get_default_graph()
-        _model_of(graph)
+        model = _model_of(graph)
         state = _CHANNELS[graph]
         state[0] += 1
-        return f"{self._channel_prefix}sum_{state[0] - 1}", state[1]
+        return f"{self._channel_prefix}sum_{state[0] - 1}", state[1], model
 
 
 class _ServiceExtended(_TfeExtended):
@@ -247,6 +297,11 @@ class _ServiceExtended(_TfeExtended):
         return settings
 
     def _call_for_each_replica(self, fn, args, kwargs):
+        from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
+
+        if keras_service.in_function():  # Keras: a step of fit's train_function, not Estimator's graph
+            return keras_service.call_for_each_replica(self, fn, args, kwargs, super()._call_for_each_replica)
+
         def with_handshake(*fn_args, **fn_kwargs):
             result = fn(*fn_args, **fn_kwargs)
             if isinstance(result, tf.estimator.EstimatorSpec) and result.mode in (tf.estimator.ModeKeys.TRAIN,

@@ -58,7 +58,7 @@ from tfe_estimator.distribute import model_record
 from tfe_estimator.distribute import step_wait
 from tfe_estimator.distribute.service_sum import tf_errors
 
-__all__ = ["ServiceHandshakeHook", "ModelIdHook", "OwnersDisagreeError", "verdict", "Polling", "ACTIVE_SECS",
+__all__ = ["ServiceHandshakeHook", "ModelIdHook", "OwnersDisagreeError", "agree", "verdict", "Polling", "ACTIVE_SECS",
            "FRESH_SECS", "WARN_EVERY_SECS"]
 
 log = logging.getLogger("tfe_estimator")
@@ -108,14 +108,16 @@ class Polling:
 
 def verdict(me: str, owners: Sequence[str], mine: Tuple[int, int, List[model_record.Field]], model: int,
             rows: Sequence[Tuple[int, Optional[Sequence[int]], Optional[float]]],
-            final: bool = False, polling: Optional[Set[str]] = None) -> Tuple[Optional[str], List[str]]:
+            final: bool = False, polling: Optional[Set[str]] = None,
+            seed_hint: Optional[str] = None) -> Tuple[Optional[str], List[str]]:
     """``(error, waiting)`` for this owner's record `mine` = (step, weights, fields) and the server's `rows`.
 
     `rows[o]` is owner o's ``(model id, row, seconds since its last call)`` (`OwnerClient.handshake`).
     `error` is the refusal's message (None: no disagreement); `waiting` says, per owner not there yet,
     why. An owner last seen with another model is a disagreement when it is in `polling` (`Polling`:
     it waits in its handshake too; None: when its last call is younger than `FRESH_SECS`), or with
-    `final` (the wait timed out).
+    `final` (the wait timed out). `seed_hint` says how to give every owner the same initial weights
+    (default: TfeRunConfig's ``tf_random_seed``).
     """
     step, weights, fields = mine
     problems, waiting = [], []
@@ -127,8 +129,8 @@ def verdict(me: str, owners: Sequence[str], mine: Tuple[int, int, List[model_rec
             continue
         if which == model:
             if _row_step(row) == step and int(row[1]) != weights:
-                hint = ("give every owner the same tf_random_seed (TfeRunConfig(tf_random_seed=...)) and no "
-                        "checkpoint in its model_dir" if step == 0 else
+                hint = ((seed_hint or "give every owner the same tf_random_seed (TfeRunConfig(tf_random_seed=...)) "
+                         "and no checkpoint in its model_dir") if step == 0 else
                         "restore every owner from the same checkpoint (the same step of one training)")
                 problems.append(
                     f"the {'initial' if step == 0 else 'restored'} weights differ at step {step}: fingerprint "
@@ -178,58 +180,84 @@ class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
 
     def after_create_session(self, session, coord):
         del coord
-        mine = self._record.evaluate(session)
-        step, weights, fields = mine
-        model = model_record.model_id(fields)
-        row = model_record.make_row(step, weights, fields)
-        client = self._client(self._binding)
-        owners, me = list(self._binding.owners), self._binding.owner
-        state = {"error": None, "waiting": [], "warned": time.monotonic()}
-        started = time.monotonic()
-        polling = Polling()
-        agreement = check_seed.SeedAgreement(_tls_files(self._binding), owners, me, model)
+        agree(self._binding, self._client, self._record.evaluate(session), self._on_model)
 
-        def agreed():
-            sent = agreement.part
-            with tf_errors():
-                rows, parts = client.handshake_parts(step, row, model, sent)
-            now = time.monotonic()
-            state["error"], state["waiting"] = verdict(me, owners, mine, model, rows,
-                                                       polling=polling.update(owners, rows, model, now))
-            if not state["error"] and not state["waiting"]:
-                seed_wait = agreement.update([which for which, _, _ in rows], parts, sent)
-                state["seed_wait"] = seed_wait
-                if seed_wait:
-                    state["waiting"] = [seed_wait]
-            if state["waiting"] and not state["error"] and now - state["warned"] >= WARN_EVERY_SECS:
-                state["warned"] = now
-                log.warning("service handshake at step %d: waiting for %s (%.0f s)", step,
-                            "; ".join(state["waiting"]), now - started)
-            return bool(state["error"]) or not state["waiting"]
 
-        timeout = 0.9 * self._binding.timeout_secs
-        arrived = step_wait.poll(agreed, timeout, interval=step_wait.HANDSHAKE_POLL_SECONDS)
-        if not arrived and not state["error"]:
-            with tf_errors():
-                rows = client.handshake(step, row, model)
-            state["error"], state["waiting"] = verdict(me, owners, mine, model, rows, final=True)
-            if not state["waiting"] and state.get("seed_wait"):
-                state["waiting"] = [state["seed_wait"]]
-            if not state["error"]:
-                state["error"] = (f"Service handshake: {me} at step {step} waited {timeout:g} s for "
-                                  f"{'; '.join(state['waiting'])}. Start every owner (each restores its own "
-                                  "latest checkpoint), or raise TfeRunConfig(step_timeout_secs=...) if one is "
-                                  "only slow.")
-        if state["error"]:
-            raise OwnersDisagreeError(state["error"])
-        check = agreement.check()
-        check_seed.remember(me, model, check)
-        log.info("service handshake at step %d: every owner trains model %016x; weights %s; sums checked "
-                 "(check seed %s)", step, model, model_record.format_fingerprint(weights), check.fingerprint)
-        if self._on_model is not None:
-            self._on_model(model)
+def agree(binding, client: Callable, mine: Tuple[int, int, List[model_record.Field]],
+          on_model: Optional[Callable[[int], None]] = None, seed_hint: Optional[str] = None) -> int:
+    """This owner's handshake for its record `mine` = (step, weights fingerprint, fields); returns the model id.
+
+    What Estimator's `ServiceHandshakeHook` (after a session is created) and Keras' `keras_service` (before
+    the first step of ``fit``) both call: polls server0 until every owner has a row for this model and the
+    owners agree on the check seed (module docstring), remembers the seed (`check_seed.remember`), calls
+    `on_model` with the id, and rewinds this owner's state on both servers.
+
+    Args:
+      binding: this owner's `ServiceBinding`; client: ``client(binding)`` returns its `OwnerClient`.
+      mine: from `model_record.ModelRecord.evaluate` (Estimator) or `model_record.keras_record` (Keras).
+      on_model: called with the model id once the owners agree.
+      seed_hint: how to give every owner the same initial weights (the default names TfeRunConfig's seed).
+
+    Raises:
+      OwnersDisagreeError: naming the owners and what differs, or whom it waited for.
+      check_seed.CheckSeedError: a handshake part that proves no owner, or a check seed that does not decrypt.
+
+    Example::
+
+        model = agree(binding, service_client, (0, weights_fingerprint(values), fields))
+    """
+    step, weights, fields = mine
+    model = model_record.model_id(fields)
+    row = model_record.make_row(step, weights, fields)
+    client = client(binding)
+    owners, me = list(binding.owners), binding.owner
+    state = {"error": None, "waiting": [], "warned": time.monotonic()}
+    started = time.monotonic()
+    polling = Polling()
+    agreement = check_seed.SeedAgreement(_tls_files(binding), owners, me, model)
+
+    def agreed():
+        sent = agreement.part
         with tf_errors():
-            client.rewind(int(step))
+            rows, parts = client.handshake_parts(step, row, model, sent)
+        now = time.monotonic()
+        state["error"], state["waiting"] = verdict(me, owners, mine, model, rows, seed_hint=seed_hint,
+                                                   polling=polling.update(owners, rows, model, now))
+        if not state["error"] and not state["waiting"]:
+            seed_wait = agreement.update([which for which, _, _ in rows], parts, sent)
+            state["seed_wait"] = seed_wait
+            if seed_wait:
+                state["waiting"] = [seed_wait]
+        if state["waiting"] and not state["error"] and now - state["warned"] >= WARN_EVERY_SECS:
+            state["warned"] = now
+            log.warning("service handshake at step %d: waiting for %s (%.0f s)", step,
+                        "; ".join(state["waiting"]), now - started)
+        return bool(state["error"]) or not state["waiting"]
+
+    timeout = 0.9 * binding.timeout_secs
+    arrived = step_wait.poll(agreed, timeout, interval=step_wait.HANDSHAKE_POLL_SECONDS)
+    if not arrived and not state["error"]:
+        with tf_errors():
+            rows = client.handshake(step, row, model)
+        state["error"], state["waiting"] = verdict(me, owners, mine, model, rows, final=True, seed_hint=seed_hint)
+        if not state["waiting"] and state.get("seed_wait"):
+            state["waiting"] = [state["seed_wait"]]
+        if not state["error"]:
+            state["error"] = (f"Service handshake: {me} at step {step} waited {timeout:g} s for "
+                              f"{'; '.join(state['waiting'])}. Start every owner (each restores its own "
+                              "latest checkpoint), or raise the step timeout (TfeRunConfig(step_timeout_secs=...), "
+                              "TfeStrategy(step_timeout_secs=...)) if one is only slow.")
+    if state["error"]:
+        raise OwnersDisagreeError(state["error"])
+    check = agreement.check()
+    check_seed.remember(me, model, check)
+    log.info("service handshake at step %d: every owner trains model %016x; weights %s; sums checked "
+             "(check seed %s)", step, model, model_record.format_fingerprint(weights), check.fingerprint)
+    if on_model is not None:
+        on_model(model)
+    with tf_errors():
+        client.rewind(int(step))
+    return model
 
 
 def _tls_files(binding):

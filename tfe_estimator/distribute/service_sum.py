@@ -49,6 +49,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import errors_impl
+from tensorflow.python.framework import func_graph
 
 from tfe_estimator.distribute import in_flight, sum_check
 from tfe_estimator.secure.fused_sum import Encoding
@@ -114,17 +115,25 @@ def service_sum(
     if checks is not None:
         check_pass.load()
     graph = tf.compat.v1.get_default_graph()
-    after = [_LAST[graph]] if graph in _LAST else []
+    eager = tf.executing_eagerly()  # Keras reading a metric across owners: each op runs as it is called
+    after = [_LAST[graph]] if graph in _LAST and not eager else []
     begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks)
+    # In a tf.function (Keras) automatic control dependencies chain every stateful op without a resource input
+    # in program order (mask, contribution, answer, next mask, ...): one round trip per sum, and a cycle with
+    # the edges below. There both call ops are stateless (PyFuncStateless): each has inputs of its own (no
+    # two merge) and feeds the update, so it runs once, in the order these explicit edges give.
+    stateful = not isinstance(graph, func_graph.FuncGraph)
     with tf.device(sources[0]), tf.control_dependencies(after):
-        ticket = tf.numpy_function(begin, [step, key, share], tf.int64, stateful=True, name=CONTRIBUTE_OP_NAME)
+        ticket = tf.numpy_function(begin, [step, key, share], tf.int64, stateful=stateful, name=CONTRIBUTE_OP_NAME)
     ticket.set_shape([])
-    _LAST[graph] = ticket
-    _before_earlier_answers(graph, ticket.op)
+    if not eager:
+        _LAST[graph] = ticket
+        _before_earlier_answers(graph, ticket.op)
     with tf.device(sources[0]):
         revealed = tf.numpy_function(functools.partial(_finish, tuple(share.shape.as_list())), [ticket], tf.int64,
-                                     stateful=True, name=ANSWER_OP_NAME)
-    _ANSWERS.setdefault(graph, []).append(revealed.op)
+                                     stateful=stateful, name=ANSWER_OP_NAME)
+    if not eager:
+        _ANSWERS.setdefault(graph, []).append(revealed.op)
     revealed.set_shape(share.shape)
     with tf.device(sources[0]), tf.name_scope("service_reveal"):
         # The sum's ring words are unmasked in the call (its checks need them): decode them.

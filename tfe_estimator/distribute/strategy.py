@@ -266,6 +266,18 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
                 tfe_estimator.default_session_config()))
     """
 
+    def __new__(cls, *args, **kwargs):
+        # Under a TF_CONFIG cluster in service mode, TfeStrategy() with no devices is this data owner's part
+        # (Keras across organisations, `keras_service`); TfeRunConfig and explicit devices never get here.
+        if cls is TfeStrategy and not args and kwargs.get("devices") is None \
+                and kwargs.get("server_devices") is None:
+            from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
+
+            owner = keras_service.owner_strategy_from_environment(**kwargs)
+            if owner is not None:
+                return owner
+        return super().__new__(cls)
+
     def __init__(
         self,
         devices: Optional[Sequence[str]] = None,

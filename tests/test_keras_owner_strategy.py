@@ -1,0 +1,101 @@
+"""`tfe_estimator.TfeStrategy()` under a TF_CONFIG cluster: the data owner's service-mode strategy for Keras, and
+the Keras model record the owners' handshake compares (no cluster: quick)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PICK = """
+import json, os, sys, tfe_estimator
+from tfe_estimator.distribute.keras_service import OwnerStrategy
+cases = {}
+for name, env in json.loads(sys.argv[1]).items():
+    os.environ.update(env)
+    if not env.get("TFE_ESTIMATOR_TLS_DIR"):
+        os.environ.pop("TFE_ESTIMATOR_TLS_DIR", None)
+    try:
+        s = tfe_estimator.TfeStrategy()
+        cases[name] = [type(s).__name__, isinstance(s, tfe_estimator.TfeStrategy), s.num_replicas_in_sync,
+                       list(s.secure_aggregation.binding.owners), s.secure_aggregation.binding.owner]
+    except Exception as e:  # noqa: BLE001
+        cases[name] = [type(e).__name__, str(e)]
+        continue
+    if name == "service":  # a custom training loop: refused when traced, before anything is sent
+        import tensorflow as tf
+        step = tf.function(lambda: s.reduce("SUM", s.run(lambda: tf.constant(1.0)), axis=None))
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001
+            cases["custom loop"] = [type(e).__name__, str(e)]
+print(json.dumps(cases))
+"""
+
+
+def test_tfe_strategy_is_the_owners_service_strategy_under_a_service_cluster_and_says_what_is_missing(tmp_path):
+    cluster = {"chief": ["localhost:1"], "worker": ["localhost:2"], "tfe": ["localhost:3", "localhost:4"]}
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})
+    cases = {
+        "service": {"TF_CONFIG": tf_config, "TFE_ESTIMATOR_TLS_DIR": str(tmp_path), "TFE_ESTIMATOR_CLUSTER_MODE": ""},
+        "no certificates": {"TF_CONFIG": tf_config, "TFE_ESTIMATOR_TLS_DIR": ""},
+        "in-graph": {"TF_CONFIG": tf_config, "TFE_ESTIMATOR_TLS_DIR": str(tmp_path),
+                     "TFE_ESTIMATOR_CLUSTER_MODE": "in-graph"},
+    }
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFE_ESTIMATOR_CLUSTER_MODE")}
+    out = subprocess.run([sys.executable, "-c", _PICK, json.dumps(cases)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # Service mode (what launch gives): this owner's part, its one replica and every owner's in sync.
+    assert got["service"] == ["OwnerStrategy", True, 2, ["chief:0", "worker:0"], "worker:0"]
+    assert got["no certificates"][0] == "ValueError" and "TFE_ESTIMATOR_TLS_DIR" in got["no certificates"][1]
+    assert got["in-graph"][0] == "NotImplementedError" and "--cluster-mode service" in got["in-graph"][1]
+    assert got["custom loop"][0] == "NotImplementedError", got["custom loop"]
+    assert "(a custom training loop) is not supported across owners yet" in got["custom loop"][1]
+
+
+def _compiled(learning_rate, units=1):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    tf.keras.backend.clear_session()  # the same layer names, as every owner's fresh process has
+    tf.keras.utils.set_random_seed(3)
+    model = tf.keras.Sequential([tf.keras.layers.Dense(units, input_shape=(2,))])
+    model.compile(tf.keras.optimizers.SGD(learning_rate), "mse")
+    return model
+
+
+def test_the_keras_record_names_a_different_learning_rate_with_both_values_and_equal_models_share_an_id():
+    from tfe_estimator.distribute import model_record  # pylint: disable=import-outside-toplevel
+
+    settings = {"precision": "low", "training run": 0}
+    chief = model_record.keras_record(_compiled(0.1), settings, 2)
+    same = model_record.keras_record(_compiled(0.1), settings, 2)
+    worker = model_record.keras_record(_compiled(0.5), settings, 2)
+    wider = model_record.keras_record(_compiled(0.1, units=2), settings, 2)
+    assert chief[0] == 0 and chief[1] == same[1]  # step 0, the same seeded initial weights
+    assert model_record.model_id(chief[2]) == model_record.model_id(same[2])
+    assert model_record.model_id(chief[2]) != model_record.model_id(worker[2])
+    row = model_record.make_row(*worker)
+    assert model_record.differences(chief[2], "chief:0", row, "worker:0") == [
+        "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0"]
+    differ = model_record.differences(chief[2], "chief:0", model_record.make_row(*wider), "worker:0")
+    assert any("structure of the trainable variables" in d for d in differ), differ
+
+
+@pytest.mark.parametrize("loss", ["mse", "mae"])
+def test_the_keras_record_covers_the_compiled_loss(loss):
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.distribute import model_record  # pylint: disable=import-outside-toplevel
+
+    model = _compiled(0.1)
+    model.compile(tf.keras.optimizers.SGD(0.1), loss)
+    fields = dict((label, value) for label, _, value in model_record.keras_record(model, {}, 2)[2])
+    assert "the loss" in fields
+    other = _compiled(0.1)
+    other.compile(tf.keras.optimizers.SGD(0.1), "mae" if loss == "mse" else "mse")
+    assert model_record.model_id(model_record.keras_record(other, {}, 2)[2]) != \
+        model_record.model_id(model_record.keras_record(model, {}, 2)[2])

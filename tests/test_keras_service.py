@@ -1,0 +1,122 @@
+"""Keras `model.fit` across organisations: `tfe-estimator launch --workers 1 -- python train.py` where
+train.py builds `tfe_estimator.TfeStrategy()` with no arguments (tests/scripts/keras_owner.py).
+
+Each owner reads only its own rows (`owner_data`, 64 per owner) with `repeat().batch(16)`: the global batch,
+so each owner feeds 8 of its rows per step, in order; both owners must end bit-identical and equal to one
+plaintext Keras model trained with SGD on, per step, the concatenation of each owner's next 8 rows.
+"""
+import io
+import json
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from owner_data import _owner_data
+from tfe_estimator.cluster.launcher import Launcher
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_owner.py")
+OWNERS = ("chief-0", "worker-0")
+STEPS = 10
+LEARNING_RATE = 0.1
+
+
+def _launch(workdir, *flags, max_restarts=0):
+    out = io.StringIO()
+    launcher = Launcher([sys.executable, SCRIPT, str(STEPS), str(LEARNING_RATE), *flags], workers=1,
+                        task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="service",
+                        down_timeout=120, max_restarts=max_restarts)
+    status = launcher.run()
+    assert not [t.name for t in launcher.tasks if t.process.poll() is None]
+    return status, out.getvalue()
+
+
+def _plaintext_keras(data, initial, worker_batch=lambda step: step):
+    """One plaintext Keras model from the owners' initial weights, SGD on each step's 8 + 8 rows (the worker's
+    ``worker_batch(step)``-th 8 rows)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
+    model.compile(tf.keras.optimizers.SGD(LEARNING_RATE), "mse")
+    model.set_weights([np.array(w, np.float32) for w in initial])
+    for step in range(STEPS):
+        batch = {"chief-0": step, "worker-0": worker_batch(step)}
+        rows = np.concatenate([np.take(data[o], range(8 * batch[o], 8 * batch[o] + 8), axis=0, mode="wrap")
+                               for o in OWNERS])
+        model.train_on_batch(rows[:, :2], rows[:, 2:])
+    return model.get_weights()
+
+
+def test_keras_fit_trains_every_owner_to_the_plaintext_model_of_their_rows(tmp_path):
+    workdir = str(tmp_path)
+    data = _owner_data(workdir, OWNERS)
+    status, log = _launch(workdir, "--then-evaluate")
+    assert status == 0, log[-5000:]
+    assert log.count(f"keras owner finished at step {STEPS}; 0 answers replayed") == 2, log[-5000:]
+    results = {}
+    for owner in OWNERS:
+        with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
+            results[owner] = json.load(f)
+    chief, worker = results["chief-0"], results["worker-0"]
+    # Bit-identical owners (weights and the epoch's loss, read across owners).
+    assert chief["trained"] == worker["trained"] and chief["initial"] == worker["initial"]
+    assert chief["loss"] == worker["loss"]
+    # Equal to one plaintext Keras model on each step's concatenated 8 + 8 rows, and it learned.
+    expected = _plaintext_keras(data, chief["initial"])
+    for got, want in zip(chief["trained"], expected):
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)
+    assert not np.allclose(np.array(chief["trained"][0]), np.array(chief["initial"][0]), atol=0.5)
+    # The owners agreed once (one rewind each on both servers, although tf.function traces fit's step twice),
+    # and their sums are checked under the handshake's check seed.
+    for name in ("chief:0", "worker:0"):
+        assert log.count(f"{name} rewound to step 0") == 2, log[-5000:]
+    assert log.count("sums checked (check seed") == 2, log[-5000:]
+    # evaluate and predict across owners are refused with the recipe (not half the rows, not replayed sums);
+    # the recipe's plain copy evaluates each owner's own rows.
+    for name in ("predict", "evaluate"):
+        assert log.count(f"keras owner: {name} refused") == 2, log[-5000:]
+    assert log.count("copy = tf.keras.models.clone_model(model); copy.set_weights(model.get_weights())") >= 4
+    weights = np.append(np.array(chief["trained"][0]).ravel(), chief["trained"][1]).astype(np.float64)
+    for owner in OWNERS:
+        x = np.column_stack([data[owner][:, :2], np.ones(len(data[owner]))])
+        mse = float(np.mean((x @ weights - data[owner][:, 2]) ** 2))
+        printed = re.findall(rf"\[{owner.replace('-', ':')}\] keras owner: own mse ([0-9.]+)", log)
+        assert printed and float(printed[0]) == pytest.approx(mse, rel=1e-5), (owner, mse, printed)
+
+
+def test_keras_owners_with_different_learning_rates_are_refused_before_the_first_step(tmp_path):
+    workdir = str(tmp_path)
+    _owner_data(workdir, OWNERS)
+    status, log = _launch(workdir, "--learning-rate-in", "worker-0", "0.5")
+    assert status != 0, log[-5000:]
+    assert "OwnersDisagreeError: Service handshake at step 0" in log and "StagingError" not in log, log[-5000:]
+    assert "refused before the first step" in log, log[-5000:]
+    assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
+    assert "keras owner finished" not in log and "sums checked" not in log, log[-5000:]
+
+
+def test_a_keras_owner_restarted_with_backup_and_restore_replays_from_the_window_and_the_owners_stay_equal(tmp_path):
+    # worker-0 backs up every 3 steps and dies after step 4; restarted, it restores step 3 (weights and
+    # optimizer.iterations), takes step 3's sums from the servers' replay window (the chief is already waiting
+    # in step 4) and goes on. Keras does not restore the dataset's position: the restarted worker reads its rows
+    # from the start again, one batch of them consumed by the replayed step.
+    workdir = str(tmp_path)
+    data = _owner_data(workdir, OWNERS)
+    status, log = _launch(workdir, "--crash-in", "worker-0", "4", "3", max_restarts=1)
+    assert status == 0, log[-5000:]
+    assert "keras owner crashing after step 4" in log and "worker:0 died with status 3; restarting" in log
+    assert "[worker:0] tfe_estimator: service handshake at step 3: every owner trains model" in log, log[-5000:]
+    assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, log[-5000:]
+    assert f"[worker:0] keras owner finished at step {STEPS}; 3 answers replayed" in log, log[-5000:]  # 1 step
+    results = {}
+    for owner in OWNERS:
+        with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
+            results[owner] = json.load(f)
+    assert results["chief-0"]["trained"] == results["worker-0"]["trained"]
+    expected = _plaintext_keras(data, results["chief-0"]["initial"], lambda step: step if step < 4 else step - 3)
+    for got, want in zip(results["chief-0"]["trained"], expected):
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)

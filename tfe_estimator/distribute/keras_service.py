@@ -1,0 +1,235 @@
+"""Keras ``model.fit`` across organisations: the thin adapter between Keras and the owner's side of service mode.
+
+Under a TF_CONFIG cluster in service mode (what `tfe-estimator launch`, ``k8s --party`` and the deployment
+page give every data owner), ``tfe_estimator.TfeStrategy()`` builds this owner's `OwnerStrategy`
+(`owner_strategy_from_environment`): a `ServiceStrategy` bound to the cluster's two aggregation servers,
+exactly as `TfeRunConfig` builds it for Estimator. Keras then trains as under MultiWorkerMirroredStrategy:
+
+- each owner reads only its own data; the batch its dataset carries is the global batch (with 2 owners and
+  ``batch(16)`` each owner feeds 8 of its rows per step, in order: the strategy counts every owner's
+  replicas in ``num_replicas_in_sync``, and Keras' distributed dataset splits by it);
+- per step the update is the gradient of the mean loss over every owner's rows: each owner's gradients are
+  one secure contribution per step to the service (`service_sum`, with its integrity checks), keyed by the
+  optimizer's ``iterations``;
+- before the first step (when ``fit`` traces its ``train_function``) the owners agree on one model: the same
+  handshake as Estimator's (`service_handshake.agree`) on the Keras model's record (`model_record.keras_record`:
+  optimizer and its hyperparameters, loss, variables, initial weights, secure and DP settings), refusing
+  owners that disagree by name ("learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on
+  chief:0");
+- every owner starts from identical weights: the strategy seeds Keras (``tf.keras.utils.set_random_seed``)
+  with the seed every owner derives alike from the cluster, as `TfeRunConfig` does for Estimator.
+
+What Keras runs here is found in ``fit``'s replica function (Keras' ``run_step`` closes over its model);
+``strategy.run`` of another function (a custom training loop) is refused with a clear error for now.
+
+Example (``train.py``, run by ``tfe-estimator launch --workers 1 -- python train.py``)::
+
+    strategy = tfe_estimator.TfeStrategy()
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(3,))])
+        model.compile(tf.keras.optimizers.SGD(0.1), "mse")
+    model.fit(own_rows.repeat().batch(16), steps_per_epoch=10, epochs=1)
+"""
+import inspect
+import logging
+import os
+import weakref
+from typing import Callable, Optional
+
+import tensorflow as tf
+from tensorflow.python.framework import func_graph
+
+from tfe_estimator.audit.owner_graph import audit_owner_graph
+from tfe_estimator.cluster import peers
+from tfe_estimator.cluster import spec as cluster_lib
+from tfe_estimator.distribute import model_record, service_handshake, step_sum, training_run
+from tfe_estimator.distribute import service_aggregation as service_lib
+from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
+
+__all__ = ["OwnerStrategy", "owner_strategy_from_environment", "in_function", "call_for_each_replica",
+           "eager_sum", "SEED_HINT"]
+
+log = logging.getLogger("tfe_estimator")
+
+#: How owners start from identical weights under Keras (the handshake's hint when their weights differ).
+SEED_HINT = ("build the model after TfeStrategy() (it seeds Keras alike on every owner), or call "
+             "tf.keras.utils.set_random_seed(<one seed>) on every owner before building it")
+
+#: Per Keras model: {"model": its id once the owners agree, "run": its `TrainingRun`, "sessions": handshakes}.
+_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: The model that trained last (its state and optimizer), and the eager sums made at its current step.
+_LATEST = {"state": None, "optimizer": None, "step": None, "count": 0}
+
+
+class OwnerStrategy(service_lib.ServiceStrategy, tf.distribute.MirroredStrategy):
+    """The `ServiceStrategy` that ``TfeStrategy()`` returns to a data owner under a service-mode cluster.
+
+    Built by `owner_strategy_from_environment` (from ``TfeStrategy.__new__``); Python then calls
+    ``__init__`` again with ``TfeStrategy``'s arguments, which has nothing left to do. It is also a
+    ``tf.distribute.MirroredStrategy`` (TensorFlow 2's, after the V1 one `TfeStrategy` is: every method
+    still resolves to the V1 class first) because Keras' ``BackupAndRestore`` accepts only TensorFlow 2's
+    MirroredStrategy, MultiWorkerMirroredStrategy, TPUStrategy and ParameterServerStrategy (an instance
+    check, Keras 2.15 ``callbacks.py``).
+    """
+
+    def __init__(self, *args, **kwargs):  # pylint: disable=super-init-not-called
+        del args, kwargs  # built by owner_strategy_from_environment
+
+
+def owner_strategy_from_environment(num_replicas: Optional[int] = None, protocol: str = "pond",
+                                    precision: str = "low", clip_norm: Optional[float] = None, dp=None,
+                                    update_ring_bits: int = 64,
+                                    step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS,
+                                    **ignored) -> Optional[OwnerStrategy]:
+    """This owner's service-mode strategy when TF_CONFIG names a cluster in service mode, else None.
+
+    Args:
+      num_replicas: this owner's local replicas (default 1); protocol: must be "pond" (two servers);
+      precision, clip_norm, dp, update_ring_bits: as `ServiceStrategy`; step_timeout_secs: as `TfeRunConfig`.
+      ignored: `TfeStrategy`'s one-machine arguments (``implementation``, ``partial_batches``).
+
+    Raises:
+      ValueError: this task is an aggregation server, the protocol is not Pond, or TF_CONFIG / the
+        certificates cannot run service mode (`service_aggregation.service_binding`).
+      NotImplementedError: the cluster runs ``--cluster-mode in-graph``, which Keras does not support.
+    """
+    del ignored
+    spec = cluster_lib.TfeCluster.from_environment()
+    if spec is None or spec.is_evaluator:
+        return None
+    if spec.task_type == cluster_lib.TFE_JOB:
+        raise ValueError(f"TF_CONFIG says this is task {spec.task_index} of the '{cluster_lib.TFE_JOB}' job: "
+                         "aggregation servers run `tfe-estimator server`, not a training script.")
+    mode = os.environ.get(cluster_lib.LAUNCH_CLUSTER_MODE_ENV) or peers.DEFAULT_MODE
+    if mode != peers.SERVICE:
+        raise NotImplementedError(
+            f"TfeStrategy() under a TF_CONFIG cluster in cluster_mode={mode!r} "
+            f"({cluster_lib.LAUNCH_CLUSTER_MODE_ENV}={mode}): Keras trains across owners in service mode only. "
+            "Launch with --cluster-mode service, or train with an Estimator and TfeRunConfig in-graph.")
+    if protocol != "pond":
+        raise ValueError(f"TfeStrategy(protocol={protocol!r}) in service mode: the aggregation service runs "
+                         "Pond's sum (two servers); use protocol='pond'.")
+    from tfe_estimator.secure.protocols import load_backend  # pylint: disable=import-outside-toplevel
+
+    load_backend()  # fails early without secure randomness
+    binding = service_lib.service_binding(spec, step_timeout_secs, "TfeStrategy()")
+    strategy = OwnerStrategy.__new__(OwnerStrategy)
+    service_lib.ServiceStrategy.__init__(strategy, binding, num_replicas=num_replicas or 1, precision=precision,
+                                         clip_norm=clip_norm, update_ring_bits=update_ring_bits, dp=dp)
+    seed = service_lib.cluster_seed(spec)
+    tf.keras.utils.set_random_seed(seed)
+    log.info("Keras seeded with %d, derived from TF_CONFIG's cluster alike on every owner, so all owners start "
+             "from identical weights; call tf.keras.utils.set_random_seed(<int>) after TfeStrategy() on every "
+             "owner to choose another.", seed)
+    return strategy
+
+
+def in_function() -> bool:
+    """Whether ops are being built in a ``tf.function`` (Keras' ``train_function``), not Estimator's graph."""
+    return isinstance(tf.compat.v1.get_default_graph(), func_graph.FuncGraph)
+
+
+def _keras_model(fn) -> Optional["tf.keras.Model"]:
+    """The Keras model a replica function of ``fit`` / ``evaluate`` / ``predict`` runs (its closure's)."""
+    original = inspect.unwrap(fn)
+    code, cells = getattr(original, "__code__", None), getattr(original, "__closure__", None) or ()
+    if code is None:
+        return None
+    for name, cell in zip(code.co_freevars, cells):
+        if name == "model" and isinstance(cell.cell_contents, tf.keras.Model):
+            return cell.cell_contents
+    return None
+
+
+def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
+    """Builds one step of a Keras function under `extended` (a `_ServiceExtended`): its sums keyed by the
+    optimizer's ``iterations``, and, when it trained, the owners' handshake before its first step runs."""
+    model = _keras_model(fn)
+    optimizer = getattr(model, "optimizer", None)
+    if model is None or optimizer is None:
+        raise NotImplementedError(
+            "TfeStrategy in service mode trains compiled Keras models through model.fit (each step's sums are "
+            "keyed by the model's optimizer.iterations and the owners agree on the model first); strategy.run "
+            f"of {getattr(fn, '__name__', fn)!r} (a custom training loop) is not supported across owners yet.")
+    graph = tf.compat.v1.get_default_graph()
+    function = _keras_function(graph)
+    if function != "train_function":
+        # evaluate: Keras' test_function reads the metrics across owners at every batch, all at the optimizer's
+        # step (unchanged while it evaluates): those sums need keys of their own (not the replay window's
+        # answers of another batch). predict: Keras splits each batch over every owner's replicas, so an owner
+        # would predict half of its rows.
+        raise NotImplementedError(
+            f"Keras' {function or graph.name} under TfeStrategy in service mode: model.evaluate, "
+            "fit(validation_data=...) and model.predict across owners are not supported yet; model.fit is. "
+            "Evaluate or predict each owner's own data with a plain copy of the trained model: "
+            "copy = tf.keras.models.clone_model(model); copy.set_weights(model.get_weights()); "
+            "copy.compile(loss=..., metrics=...); copy.evaluate(own_data).")
+    state = _MODELS.setdefault(model, {"model": None, "sessions": 0})
+    service_lib.register_graph(graph, step_sum.read_step(optimizer.iterations, name="service_step"), state)
+    result = call(fn, args, kwargs)
+    if service_lib.sums_built(graph):
+        audit_owner_graph(graph)  # what the step lets out: fresh keys and masked shares only
+        with tf.init_scope():  # eager: the model's initial (or restored) weights, before any step runs
+            _handshake(extended, model, optimizer, state)
+    return result
+
+
+def _keras_function(graph) -> str:
+    """Which of Keras' functions `graph` belongs to ("train_function", "test_function", ...; "" if none)."""
+    while graph is not None:
+        if graph.name.split("_function")[0] in ("train", "test", "predict"):
+            return graph.name.split("_function")[0] + "_function"
+        graph = getattr(graph, "outer_graph", None)
+    return ""
+
+
+def _handshake(extended, model, optimizer, state: dict) -> None:
+    """The owners' handshake on `model` (`service_handshake.agree`), once per traced training function."""
+    binding = extended._cross_device_ops.binding  # pylint: disable=protected-access
+    step = int(optimizer.iterations.numpy())
+    if "run" not in state:  # a model restored (BackupAndRestore) resumes its run: replays are its catch-up
+        run = training_run.for_training(None)
+        state["run"] = training_run.TrainingRun(run.number, fresh=step == 0)
+    settings = extended._settings()  # pylint: disable=protected-access
+    settings["training run"] = state["run"].number
+
+    def on_model(model_id):
+        state["model"] = model_id
+        state["sessions"] += 1
+
+    record = model_record.keras_record(model, settings, len(binding.owners))
+    step, weights, fields = record
+    agreed = (model_record.model_id(fields), step, weights)
+    if state.get("agreed") == agreed:
+        # tf.function traces fit's step twice when its first trace creates variables (Keras' metrics); nothing
+        # ran in between: the owners agreed on this very record already.
+        return
+    try:
+        service_handshake.agree(binding, service_lib.service_client, record, on_model, seed_hint=SEED_HINT)
+    except ValueError as e:  # OwnersDisagreeError, CheckSeedError: raised as they are, not as AutoGraph's
+        e.ag_pass_through = True  # StagingError ("in user code: ...") that fit's tracing would make of them
+        raise
+    state["agreed"] = agreed
+    _LATEST.update(state=state, optimizer=weakref.ref(optimizer), step=None, count=0)
+
+
+def eager_sum():
+    """``(name, step, model state)`` of a sum made eagerly: Keras reads a metric's variables across owners
+    (the epoch's ``loss`` in ``fit``'s logs, as under MultiWorkerMirroredStrategy) after the steps ran.
+
+    Every owner reads the same metrics in the same order at the same step: the k-th eager sum at the
+    optimizer's current ``iterations`` is ``eager_sum_<k>`` of that step, for the model that trained last.
+
+    Raises:
+      ValueError: no Keras model trained through this strategy yet (nothing names the sum's model).
+    """
+    optimizer = _LATEST["optimizer"]() if _LATEST["optimizer"] is not None else None
+    if optimizer is None:
+        raise ValueError("a sum across owners outside a Keras model.fit step (read eagerly): in service mode "
+                         "TfeStrategy sums a model's values across owners once model.fit has agreed on the model "
+                         "with the other owners; call fit first.")
+    step = int(optimizer.iterations.numpy())
+    if _LATEST["step"] != step:
+        _LATEST.update(step=step, count=0)
+    _LATEST["count"] += 1
+    return f"eager_sum_{_LATEST['count'] - 1}", tf.constant(step, tf.int64), _LATEST["state"]
