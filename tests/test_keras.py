@@ -169,7 +169,13 @@ def test_without_a_cluster_in_tf_config_the_strategy_is_local():
     assert strategy_mode.pick_mode(environ={"TF_CONFIG": json.dumps({"task": {}})}) == strategy_mode.LOCAL
 
 
-def test_a_cluster_in_tf_config_is_refused_until_service_mode_exists(monkeypatch):
-    monkeypatch.setenv("TF_CONFIG", json.dumps(_CLUSTER))
-    with tf.Graph().as_default(), pytest.raises(NotImplementedError, match=r"TF_CONFIG.*worker:0.*unset TF_CONFIG"):
-        tfe_estimator.TfeStrategy()
+def test_a_service_cluster_is_service_mode_and_other_clusters_are_refused_naming_the_fix():
+    service = {"TF_CONFIG": json.dumps(_CLUSTER)}
+    assert strategy_mode.pick_mode(environ=service) == strategy_mode.SERVICE
+    in_graph = dict(service, TFE_ESTIMATOR_CLUSTER_MODE="in-graph")
+    with pytest.raises(NotImplementedError, match=r"worker:0, cluster_mode='in-graph'.*--cluster-mode service"):
+        strategy_mode.pick_mode(environ=in_graph)
+    cluster = dict(_CLUSTER["cluster"], evaluator=["localhost:5"])
+    evaluator = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "evaluator", "index": 0}})}
+    with pytest.raises(NotImplementedError, match=r"evaluator:0.*unset TF_CONFIG"):
+        strategy_mode.pick_mode(environ=evaluator)

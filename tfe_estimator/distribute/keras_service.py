@@ -32,7 +32,6 @@ Example (``train.py``, run by ``tfe-estimator launch --workers 1 -- python train
 """
 import inspect
 import logging
-import os
 import weakref
 from typing import Callable, Optional
 
@@ -40,7 +39,6 @@ import tensorflow as tf
 from tensorflow.python.framework import func_graph
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
-from tfe_estimator.cluster import peers
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute import model_record, service_handshake, step_sum, training_run
 from tfe_estimator.distribute import service_aggregation as service_lib
@@ -80,8 +78,8 @@ def owner_strategy_from_environment(num_replicas: Optional[int] = None, protocol
                                     precision: str = "low", clip_norm: Optional[float] = None, dp=None,
                                     update_ring_bits: int = 64,
                                     step_timeout_secs: float = DEFAULT_STEP_TIMEOUT_SECS,
-                                    **ignored) -> Optional[OwnerStrategy]:
-    """This owner's service-mode strategy when TF_CONFIG names a cluster in service mode, else None.
+                                    **ignored) -> OwnerStrategy:
+    """This owner's service-mode strategy; TF_CONFIG names a service-mode cluster (`strategy_mode.pick_mode`).
 
     Args:
       num_replicas: this owner's local replicas (default 1); protocol: must be "pond" (two servers);
@@ -91,21 +89,12 @@ def owner_strategy_from_environment(num_replicas: Optional[int] = None, protocol
     Raises:
       ValueError: this task is an aggregation server, the protocol is not Pond, or TF_CONFIG / the
         certificates cannot run service mode (`service_aggregation.service_binding`).
-      NotImplementedError: the cluster runs ``--cluster-mode in-graph``, which Keras does not support.
     """
     del ignored
-    spec = cluster_lib.TfeCluster.from_environment()
-    if spec is None or spec.is_evaluator:
-        return None
+    spec = cluster_lib.TfeCluster.from_environment()  # a chief or worker of a service-mode cluster (pick_mode)
     if spec.task_type == cluster_lib.TFE_JOB:
         raise ValueError(f"TF_CONFIG says this is task {spec.task_index} of the '{cluster_lib.TFE_JOB}' job: "
                          "aggregation servers run `tfe-estimator server`, not a training script.")
-    mode = os.environ.get(cluster_lib.LAUNCH_CLUSTER_MODE_ENV) or peers.DEFAULT_MODE
-    if mode != peers.SERVICE:
-        raise NotImplementedError(
-            f"TfeStrategy() under a TF_CONFIG cluster in cluster_mode={mode!r} "
-            f"({cluster_lib.LAUNCH_CLUSTER_MODE_ENV}={mode}): Keras trains across owners in service mode only. "
-            "Launch with --cluster-mode service, or train with an Estimator and TfeRunConfig in-graph.")
     if protocol != "pond":
         raise ValueError(f"TfeStrategy(protocol={protocol!r}) in service mode: the aggregation service runs "
                          "Pond's sum (two servers); use protocol='pond'.")

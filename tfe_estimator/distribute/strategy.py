@@ -25,7 +25,7 @@ from tfe_estimator.distribute import distributed_eval, progress
 from tfe_estimator.distribute.aggregation import SecureAggregation
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas, validate_party_devices
 from tfe_estimator.distribute.logical_devices import check_logical_cpus, ensure_logical_cpus
-from tfe_estimator.distribute.strategy_mode import pick_mode
+from tfe_estimator.distribute.strategy_mode import SERVICE, pick_mode
 from tfe_estimator.secure.protocols import check_supported, validate_protocol
 
 __all__ = ["TfeStrategy"]
@@ -267,15 +267,14 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
     """
 
     def __new__(cls, *args, **kwargs):
-        # Under a TF_CONFIG cluster in service mode, TfeStrategy() with no devices is this data owner's part
-        # (Keras across organisations, `keras_service`); TfeRunConfig and explicit devices never get here.
+        # TfeStrategy() with no devices: local replicas, or, under a service-mode TF_CONFIG cluster, this data
+        # owner's part (Keras across organisations, `keras_service`); `pick_mode` is the one place that decides.
+        # TfeRunConfig and explicit devices never get here.
         if cls is TfeStrategy and not args and kwargs.get("devices") is None \
-                and kwargs.get("server_devices") is None:
+                and kwargs.get("server_devices") is None and pick_mode() == SERVICE:
             from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
 
-            owner = keras_service.owner_strategy_from_environment(**kwargs)
-            if owner is not None:
-                return owner
+            return keras_service.owner_strategy_from_environment(**kwargs)
         return super().__new__(cls)
 
     def __init__(
@@ -294,7 +293,6 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
         protocol = validate_protocol(protocol)
         check_supported(protocol, precision)
         if devices is None:
-            pick_mode()  # one machine; a cluster in TF_CONFIG is another mode
             devices, default_servers = local_layout(validate_num_replicas(num_replicas), protocol)
             server_devices = server_devices or default_servers
             if tf.executing_eagerly():  # Keras or a custom loop: the eager runtime needs the devices

@@ -11,8 +11,10 @@ Example::
     >>> pick_mode(environ={})
     'local'
 """
+import os
 from typing import Mapping, Optional
 
+from tfe_estimator.cluster import peers
 from tfe_estimator.cluster import spec as cluster_lib
 
 __all__ = ["LOCAL", "SERVICE", "pick_mode"]
@@ -22,23 +24,27 @@ SERVICE = "service"
 
 
 def pick_mode(environ: Optional[Mapping[str, str]] = None) -> str:
-    """`LOCAL` without a cluster in TF_CONFIG; a cluster's mode otherwise.
+    """`LOCAL` without a cluster in TF_CONFIG; `SERVICE` for a data owner of a service-mode cluster.
 
     Args:
-      environ: the environment to read TF_CONFIG from (default `os.environ`).
+      environ: the environment to read TF_CONFIG and the cluster mode from (default `os.environ`).
 
     Raises:
       ValueError: for a TF_CONFIG that is set but invalid (naming TF_CONFIG and the fix).
-      NotImplementedError: for a TF_CONFIG cluster: `TfeStrategy()` across
-        organisations (service mode under Keras) is not built yet.
+      NotImplementedError: for an evaluator task, or a cluster in the in-graph mode: Keras and custom
+        training loops train across owners in service mode only.
     """
+    environ = os.environ if environ is None else environ
     spec = cluster_lib.TfeCluster.from_environment(environ)
     if spec is None:
         return LOCAL
-    # Service mode under Keras and custom training loops plugs in here (issue 40, item 2).
-    raise NotImplementedError(
-        f"tfe_estimator.TfeStrategy() found a cluster in TF_CONFIG (this task is "
-        f"{spec.task_type}:{spec.task_index}; '{cluster_lib.TFE_JOB}' job {list(spec.jobs[cluster_lib.TFE_JOB])}), "
-        "but TfeStrategy across organisations (service mode for Keras and custom training loops) is not "
-        "available yet. Estimator trains across organisations with tfe_estimator.TfeRunConfig; to train on "
-        "this machine, unset TF_CONFIG (`del os.environ['TF_CONFIG']`) or pass devices= explicitly.")
+    mode = environ.get(cluster_lib.LAUNCH_CLUSTER_MODE_ENV) or peers.DEFAULT_MODE
+    if spec.is_evaluator or mode != peers.SERVICE:
+        task = f"{spec.task_type}:{spec.task_index}"
+        raise NotImplementedError(
+            f"tfe_estimator.TfeStrategy() found a cluster in TF_CONFIG (this task is {task}, "
+            f"cluster_mode={mode!r} from {cluster_lib.LAUNCH_CLUSTER_MODE_ENV}): Keras and custom training loops "
+            "train across owners as the chief or a worker in service mode only. Launch with --cluster-mode "
+            "service, or train with an Estimator and TfeRunConfig (in-graph, or an evaluator task); to train on "
+            "this machine, unset TF_CONFIG (`del os.environ['TF_CONFIG']`) or pass devices= explicitly.")
+    return SERVICE
