@@ -242,19 +242,24 @@ def _server_flags(launcher):
     return {t.index: t.argv[t.argv.index("server") + 1:] for t in launcher.tasks if t.job == "tfe"}
 
 
-def test_service_mode_plans_a_data_port_per_server_and_in_graph_none():
+def test_service_mode_plans_a_data_port_and_a_metrics_port_per_server_and_in_graph_none():
     launcher = Launcher(["true"], workers=1, cluster_mode="service")
     flags = _server_flags(launcher)
     ports = {k: int(argv[1]) for k, argv in flags.items()}
-    assert all(argv[0] == "--data-port" for argv in flags.values()) and ports == launcher.data_ports, flags
+    metrics = {k: int(argv[3]) for k, argv in flags.items()}
+    assert all(argv[0::2] == ["--data-port", "--metrics-port"] for argv in flags.values()), flags
+    assert ports == launcher.data_ports and metrics == launcher.metrics_ports, flags
     tf_ports = {int(a.rsplit(":", 1)[1]) for addresses in launcher.cluster.jobs.values() for a in addresses}
-    assert len(set(ports.values())) == 2 and not set(ports.values()) & tf_ports, (ports, tf_ports)
-    assert _server_flags(Launcher(["true"], workers=1, cluster_mode="service", data_plane=False)) == {0: [], 1: []}
+    planned = set(ports.values()) | set(metrics.values())
+    assert len(planned) == 4 and not planned & tf_ports, (ports, metrics, tf_ports)
+    assert [argv[0] for argv in _server_flags(Launcher(["true"], workers=1, cluster_mode="service",
+                                                       data_plane=False)).values()] == ["--metrics-port"] * 2
     assert all(argv == [] for argv in _server_flags(Launcher(["true"], workers=1, cluster_mode="in-graph")).values())
     isolated = Launcher(["true"], workers=1, cluster_mode="service", isolate=True)  # planned, never started
     tf_ports = set(isolated.isolation.tf_ports.values())
     assert isolated.data_ports == {0: max(tf_ports) + 1, 1: max(tf_ports) + 2}
     assert [isolated.task("tfe", k).argv[-2:] for k in (0, 1)] == [["--data-port", "7004"], ["--data-port", "7005"]]
+    assert isolated.metrics_ports == {}  # an isolated server opens only the ports owners call
 
 
 def test_a_launched_service_cluster_serves_a_data_plane_the_owners_find(tmp_path):

@@ -63,6 +63,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="service mode: also open the data plane (the large calls on mutual TLS without gRPC's "
                              "copies) on this port of the service port's host; 0 picks a free port. Default: none "
                              "(owners then send everything over gRPC); open it in the firewall like the service port")
+    server.add_argument("--metrics-port", type=int, default=None,
+                        help="service mode: serve Prometheus metrics at http://<bind host>:PORT/metrics (plain "
+                             "HTTP, counts only: open it to the site's monitoring only); 0 picks a free port. "
+                             "Default: none")
     server.add_argument("--tf-warnings", action="store_true",
                         help="in-graph mode: show TensorFlow's INFO lines (hidden by default)")
 
@@ -137,7 +141,7 @@ def _run(args: argparse.Namespace) -> int:
         limits = {name: getattr(args, name) for name in (
             "step_timeout_secs", "max_elements", "max_channels", "memory_budget_bytes", "owner_memory_budget_bytes",
             "max_waiting_puts", "replay_window_steps", "replay_window_bytes") if getattr(args, name) is not None}
-        return run_server(limits=limits, data_port=args.data_port)
+        return run_server(limits=limits, data_port=args.data_port, metrics_port=args.metrics_port)
     if args.command == "launch":
         from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
 
