@@ -30,8 +30,8 @@ def test_metrics_count_released_steps_refusals_bytes_and_owners(make_service, ce
 
     # Execute: STEPS steps, one replayed put (not a release), one refused caller per server.
     for step in range(STEPS):
-        results = in_threads([lambda: chief.contribute(CHANNEL, step, 64, N, key, share),
-                              lambda: worker.contribute(CHANNEL, step, 64, N, key, share)])
+        results = in_threads([lambda step=step: chief.contribute(CHANNEL, step, 64, N, key, share),
+                              lambda step=step: worker.contribute(CHANNEL, step, 64, N, key, share)])
         assert all(isinstance(r, tuple) for r in results), results
     chief.contribute(CHANNEL, 0, 64, N, key, share)  # step 0 again: answered from the replay window
     for k, address in enumerate(service.addresses):
