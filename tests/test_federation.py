@@ -160,8 +160,15 @@ def check_health_refuses_a_forged_worker(sites, servers, tmp_path):
         assert "not by the CA of worker:0's organisation 'Hospital B'" in e.value.details()
 
 
-def test_health_answers_parties_and_refuses_a_forged_worker(sites, servers, tmp_path):
+def test_health_answers_parties_and_refuses_a_forged_worker(sites, servers, tmp_path, monkeypatch, capsys):
     check_health_refuses_a_forged_worker(sites, servers, tmp_path)
+    # `tfe-estimator status` as Hospital A: the federation file's server addresses, its own certificate.
+    root, _ = sites
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert cli.main(["status", "--federation", str(root / "federation.json"),
+                     "--tls-dir", str(root / "hospital-a" / "chief-0")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [["tfe:0", servers.addresses[0], "SERVING"], ["tfe:1", servers.addresses[1], "SERVING"]], rows
 
 
 def test_mutation_health_open_to_everyone_is_detected(sites, tmp_path, monkeypatch):
