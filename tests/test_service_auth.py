@@ -52,12 +52,14 @@ def test_no_client_certificate_fails_the_tls_handshake(make_service, cert_dirs):
     check_no_client_certificate_fails_the_tls_handshake(make_service, cert_dirs)
 
 
-def test_mutation_server_without_client_auth_is_detected(make_service, cert_dirs, monkeypatch):
-    def without_client_auth(self):
-        ca, cert, key = self.read()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=False)
+def _without_client_auth(tls):
+    """The planted leak: server credentials that ask no client certificate."""
+    ca, cert, key = tls.read()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=False)
 
-    monkeypatch.setattr(TlsFiles, "server_credentials", without_client_auth)
+
+def test_mutation_server_without_client_auth_is_detected(make_service, cert_dirs, monkeypatch):
+    monkeypatch.setattr(TlsFiles, "server_credentials", _without_client_auth)
     _detects(check_no_client_certificate_fails_the_tls_handshake, make_service, cert_dirs)
 
 
@@ -123,11 +125,7 @@ def test_health_answers_the_federations_parties_only(make_service, cert_dirs):
 
 
 def test_mutation_health_on_a_port_without_client_auth_is_detected(make_service, cert_dirs, monkeypatch):
-    def without_client_auth(self):
-        ca, cert, key = self.read()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=False)
-
-    monkeypatch.setattr(TlsFiles, "server_credentials", without_client_auth)
+    monkeypatch.setattr(TlsFiles, "server_credentials", _without_client_auth)
     _detects(check_health_answers_the_federations_parties_only, make_service, cert_dirs)
 
 
