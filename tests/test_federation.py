@@ -130,10 +130,12 @@ def check_forged_worker_is_refused_by_both_servers(sites, servers, tmp_path):
     for ca_org in ("hospital-a", "operator-x"):
         forged = _forged(root, tmp_path, ca_org)
         for server, address in enumerate(servers.addresses):
-            with pytest.raises(grpc.RpcError) as e:
-                _raw(address, server, "Rewind", wire.messages()["RewindRequest"](step=0), forged)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (ca_org, server, e.value.details())
-            assert "not by the CA of worker:0's organisation 'Hospital B'" in e.value.details()
+            for method in ("Rewind", "Status"):  # an owner's method, and one any party may call
+                request = wire.messages()[wire.method(method).request]()
+                with pytest.raises(grpc.RpcError) as e:
+                    _raw(address, server, method, request, forged)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (ca_org, method, e.value.details())
+                assert "not by the CA of worker:0's organisation 'Hospital B'" in e.value.details()
 
 
 def test_a_worker_certificate_of_another_organisations_ca_is_refused(sites, servers, tmp_path):
@@ -168,7 +170,7 @@ def test_health_answers_parties_and_refuses_a_forged_worker(sites, servers, tmp_
     assert cli.main(["status", "--federation", str(root / "federation.json"),
                      "--tls-dir", str(root / "hospital-a" / "chief-0")]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert rows == [["tfe:0", servers.addresses[0], "SERVING"], ["tfe:1", servers.addresses[1], "SERVING"]], rows
+    assert rows == [[f"tfe:{k}", servers.addresses[k], "SERVING", "none", "yet"] for k in (0, 1)], rows
 
 
 def test_mutation_health_open_to_everyone_is_detected(sites, tmp_path, monkeypatch):

@@ -1,9 +1,10 @@
 """`tfe-estimator health` (a server task's own probe) and `tfe-estimator status` (both servers, as the caller)."""
 import json
 
+import numpy as np
 import pytest
 
-from service_helpers import cert_dirs, make_service, owner_names  # noqa: F401
+from service_helpers import cert_dirs, in_threads, make_service, owner_names  # noqa: F401
 from tfe_estimator.tools import cli
 
 
@@ -49,13 +50,19 @@ def test_health_outside_a_server_task_names_the_fix(cert_dirs, monkeypatch, caps
 
 def test_status_prints_a_row_per_server_and_exits_1_when_one_is_down(make_service, cert_dirs, monkeypatch, capsys):
     service = make_service(owner_names(2))
+    chief, worker = service.clients_of(2)
+    key, share = np.zeros(4, np.int32), np.zeros(4, np.int64)
+    for channel, step in (("00000000000000ab/grads", 6), ("00000000000000ab/loss", 7), ("00000000000000cd/grads", 2)):
+        assert all(isinstance(r, tuple) for r in in_threads([
+            lambda c=channel, s=step: chief.contribute(c, s, 64, 4, key, share),
+            lambda c=channel, s=step: worker.contribute(c, s, 64, 4, key, share)]))
     monkeypatch.setenv("TF_CONFIG", _tf_config(service, "chief", 0))  # one CA names no addresses: TF_CONFIG's
     monkeypatch.delenv("TFE_ESTIMATOR_TLS_DIR", raising=False)
-    assert cli.main(["status", "--tls-dir", cert_dirs[0], "--identity", "chief:0"]) == 0
+    assert cli.main(["status", "--tls-dir", cert_dirs[0], "--identity", "evaluator:0"]) == 0  # any party
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["server", "address", "health"], lines
-    assert [line.split() for line in lines[1:]] == [["tfe:0", service.addresses[0], "SERVING"],
-                                                    ["tfe:1", service.addresses[1], "SERVING"]], lines
+    assert lines[0].split() == ["server", "address", "health", "released"], lines
+    released = "model 00000000000000ab: step 7, model 00000000000000cd: step 2"
+    assert lines[1:] == [f"tfe:{k}   {service.addresses[k]}  SERVING  {released}" for k in (0, 1)], lines
     service.servers[0].stop(0)  # server1
     assert cli.main(["status", "--tls-dir", cert_dirs[0], "--identity", "worker:0", "--timeout", "2"]) == 1
     lines = capsys.readouterr().out.splitlines()

@@ -103,14 +103,20 @@ def _health(address, server, credentials):
 
 
 def check_health_answers_the_federations_parties_only(make_service, dirs):
-    """Health/Check: SERVING to an owner, a server and an evaluator (parties of this one-CA cluster); no client
-    certificate and a foreign CA's fail the TLS handshake (UNAVAILABLE); Watch is UNIMPLEMENTED even to an owner."""
+    """Health/Check and Status: answered to an owner, a server and an evaluator (parties of this one-CA cluster);
+    no client certificate and a foreign CA's fail the TLS handshake (UNAVAILABLE); Watch is UNIMPLEMENTED even
+    to an owner."""
     service = make_service(owner_names(2))
     for server, address in enumerate(service.addresses):
         for job, index in (("chief", 0), ("worker", 0), ("tfe", 1 - server), ("evaluator", 0)):
             assert _health(address, server, credentials_of(dirs[0], job, index)) == "SERVING", (job, index)
+            reply = raw_call(address, server, "Status", MESSAGES["StatusRequest"](),
+                             credentials_of(dirs[0], job, index), timeout=5)  # any party: names and steps
+            assert list(reply.channels) == [] and list(reply.steps) == []
         for credentials in (ca_only_credentials(dirs[0]), _foreign_owner_credentials(dirs)):
             _refused(grpc.StatusCode.UNAVAILABLE, lambda: health_call(address, server, credentials, timeout=5))
+            _refused(grpc.StatusCode.UNAVAILABLE, lambda: raw_call(address, server, "Status",
+                                                                   MESSAGES["StatusRequest"](), credentials, timeout=5))
         details = _refused(grpc.StatusCode.UNIMPLEMENTED, lambda: health_call(
             address, server, credentials_of(dirs[0], "chief", 0), method="Watch", timeout=5))
         assert "poll Check" in details, details

@@ -40,7 +40,11 @@ def test_metrics_count_released_steps_refusals_bytes_and_owners(make_service, ce
             raw_call(address, k, "Rewind", request, credentials_of(cert_dirs[0], "tfe", 2), timeout=5)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
-    # Assert: per server, its own counts.
+    # Assert: each server tells a party the newest released step (Status), and its own counts.
+    for k, address in enumerate(service.addresses):
+        reply = raw_call(address, k, "Status", wire.messages()["StatusRequest"](),
+                         credentials_of(cert_dirs[0], "evaluator", 0), timeout=5)
+        assert (list(reply.channels), list(reply.steps)) == ([CHANNEL], [STEPS - 1])
     (m0, text0), (m1, text1) = _scrape(server0.metrics_port), _scrape(server1.metrics_port)
     for m, role in ((m0, 0), (m1, 1)):
         assert m[("tfe_aggregation_steps_released_total", ())] == STEPS, role

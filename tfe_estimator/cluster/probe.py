@@ -12,7 +12,10 @@ exits 0 when SERVING, 1 otherwise; Kubernetes exec probes run exactly
 ``["tfe-estimator", "health"]``.
 
 ``status`` asks both servers of a federation, as an owner or an operator, and
-prints one row per server; it exits 0 when both are SERVING, 1 otherwise.
+prints one row per server: its health and, from the service's ``Status`` call
+(any party may ask; names and step numbers, no values), the newest step
+released per model (a channel's name is its model id, then its sum's name); it
+exits 0 when both are SERVING, 1 otherwise.
 
 Example::
 
@@ -20,9 +23,9 @@ Example::
       TFE_ESTIMATOR_TLS_DIR=/etc/tfe/certs tfe-estimator health
     tfe:0 at localhost:7000: SERVING
     $ tfe-estimator status --federation federation.json --tls-dir hospital-a/chief-0
-    server  address             health
-    tfe:0   tfe0.example:7000   SERVING
-    tfe:1   tfe1.example:7000   SERVING
+    server  address             health   released
+    tfe:0   tfe0.example:7000   SERVING  model 5f0c...: step 41
+    tfe:1   tfe1.example:7000   SERVING  model 5f0c...: step 41
 """
 import glob
 import os
@@ -50,6 +53,27 @@ def _ask(address: str, tls, server: int, timeout: float) -> Tuple[bool, str]:
         details = " ".join((e.details() or "").split())[:200]
         return False, f"unreachable or refused ({e.code().name}: {details})"
     return status == SERVING, status
+
+
+def _released(address: str, tls, server: int, timeout: float) -> str:
+    """The newest released step per model on server `server` (its ``Status`` call), as one cell."""
+    from tfe_estimator.service import wire  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.service.tls import server_name_option  # pylint: disable=import-outside-toplevel
+
+    classes = wire.messages()
+    try:
+        with grpc.secure_channel(address, tls.channel_credentials(server),
+                                 options=[server_name_option(tls, server)]) as channel:
+            reply = channel.unary_unary(wire.method_path("Status"), request_serializer=wire.serialize,
+                                        response_deserializer=classes["StatusReply"].FromString)(
+                classes["StatusRequest"](), timeout=timeout)
+    except grpc.RpcError as e:
+        return f"unknown ({e.code().name})"
+    latest = {}
+    for channel_name, step in zip(reply.channels, reply.steps):
+        model = channel_name.split("/", 1)[0]  # `<model id>/<sum>` (distribute.service_aggregation.channel_name)
+        latest[model] = max(step, latest.get(model, step))
+    return ", ".join(f"model {model}: step {step}" for model, step in sorted(latest.items())) or "none yet"
 
 
 def _own_target(address: str) -> str:
@@ -152,16 +176,17 @@ def run_status(federation: Optional[str] = None, tls_dir: Optional[str] = None, 
                              "federation (`tfe-estimator certs federation`).")
         tls = TlsFiles(federation, tls.cert, tls.key)
     addresses = _server_addresses(tls.trust(), environ, federation or tls.ca)
-    rows = [("server", "address", "health")]
+    rows = [("server", "address", "health", "released")]
     serving = []
     for k, address in enumerate(addresses):
         ok, what = _ask(address, tls, k, timeout)
         serving.append(ok)
-        rows.append((f"{TFE_JOB}:{k}", address, what))
+        rows.append((f"{TFE_JOB}:{k}", address, what, _released(address, tls, k, timeout) if ok else "-"))
     print(_table(rows), file=out, flush=True)
     return 0 if all(serving) else 1
 
 
 def _table(rows: Sequence[Tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell (the last one as it is)."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows)

@@ -381,7 +381,7 @@ class AggregationServer:
 
     def _admit(self, method: wire.Method, identity: str) -> None:
         """Refuses `identity` (proved by its certificate) a method it may not call or this role does not serve."""
-        if identity not in self._callers(method):
+        if method.callers != wire.PARTIES and identity not in self._callers(method):  # PARTIES: `_trusted` only
             raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
                          f"{identity} may not call {method.name} on aggregation server{self._role}: only "
                          f"{list(self._callers(method))} may. Check the owners configured on the servers "
@@ -399,7 +399,7 @@ class AggregationServer:
 
     def _handler(self, method: wire.Method):
         work = {"Contribute": self._contribute, "Handshake": self._handshake, "Rewind": self._rewind,
-                "ForwardBlinded": self._forwarded, "DataPlane": self._data_port}[method.name]
+                "ForwardBlinded": self._forwarded, "DataPlane": self._data_port, "Status": self._status}[method.name]
         reply = wire.messages()[method.reply]
 
         def handle(request, context):
@@ -696,6 +696,14 @@ class AggregationServer:
     def _data_port(self, identity: str, request, context, reply):
         del identity, request, context
         return reply(port=self._data_plane.port if self._data_plane is not None else 0)
+
+    def _status(self, identity: str, request, context, reply):
+        """The newest released step of each channel this server keeps: names and step numbers, never values
+        (steps released are no secret among the federation's parties; a channel's name is its model id and sum)."""
+        del identity, request, context
+        with self._lock:
+            latest = sorted((c.name, c.last_released) for c in self._channels.values() if c.last_released is not None)
+        return reply(channels=[name for name, _ in latest], steps=[step for _, step in latest])
 
     def _data_call(self, identity: str, name: str, request, metadata, nbytes: int, receive, alive):
         """A Contribute or ForwardBlinded on the data plane (`data_plane.DataPlane`'s handler): the same
