@@ -35,6 +35,9 @@ INSTALL_REQUIRES = [
     "portpicker>=1.5,<2",  # free ports for loopback clusters
     "filelock>=3.12",  # one build of the kernel library at a time
     "cryptography>=41",  # certificates for mutual TLS between tasks (cluster.certs)
+    # the aggregation servers' standard gRPC health service; 1.63+ needs protobuf 5 (1.48.2 on the TF 2.9 stack's 3.19)
+    "grpcio-health-checking>=1.48,<1.63",
+    "prometheus_client>=0.17,<1",  # the aggregation servers' metrics (`tfe-estimator server --metrics-port`)
 ]
 
 EXTRAS_REQUIRE = {

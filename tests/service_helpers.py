@@ -114,6 +114,20 @@ def raw_call(address, server, method, request, credentials, metadata=None, timeo
         return stub(request, timeout=timeout, metadata=metadata, wait_for_ready=False)
 
 
+def health_call(address, server, credentials, method="Check", timeout=WAIT_SECS):
+    """The health service's `method` (Check; Watch: its first answer) with any credentials, pinned to tfe-<server>;
+    returns the status name."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # pylint: disable=import-outside-toplevel
+
+    options = [("grpc.ssl_target_name_override", certs.task_dns_name("tfe", server, CLUSTER))]
+    with grpc.secure_channel(address, credentials, options=options) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest()
+        reply = stub.Check(request, timeout=timeout) if method == "Check" else \
+            next(iter(stub.Watch(request, timeout=timeout)))
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def credentials_of(certs_dir, job, index):
     return TlsFiles.from_dir(certs_dir, job, index).channel_credentials()
 

@@ -15,6 +15,7 @@ import pytest
 
 from tfe_estimator.identity import certs, diagnose, expiry, federation as federation_lib, keyfiles
 from tfe_estimator.service import AggregationServer, OwnerClient, ServiceError, TlsFiles, ring, tls as tls_lib, wire
+from tfe_estimator.service import health as health_lib
 from tfe_estimator.tools import cli
 
 from federation_helpers import CLUSTER, PARTIES, make_federation, stem as _stem
@@ -129,10 +130,12 @@ def check_forged_worker_is_refused_by_both_servers(sites, servers, tmp_path):
     for ca_org in ("hospital-a", "operator-x"):
         forged = _forged(root, tmp_path, ca_org)
         for server, address in enumerate(servers.addresses):
-            with pytest.raises(grpc.RpcError) as e:
-                _raw(address, server, "Rewind", wire.messages()["RewindRequest"](step=0), forged)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (ca_org, server, e.value.details())
-            assert "not by the CA of worker:0's organisation 'Hospital B'" in e.value.details()
+            for method in ("Rewind", "Status"):  # an owner's method, and one any party may call
+                request = wire.messages()[wire.method(method).request]()
+                with pytest.raises(grpc.RpcError) as e:
+                    _raw(address, server, method, request, forged)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (ca_org, method, e.value.details())
+                assert "not by the CA of worker:0's organisation 'Hospital B'" in e.value.details()
 
 
 def test_a_worker_certificate_of_another_organisations_ca_is_refused(sites, servers, tmp_path):
@@ -143,6 +146,41 @@ def test_mutation_no_per_organisation_check_is_detected(sites, servers, tmp_path
     monkeypatch.setattr(federation_lib.Federation, "check_peer", lambda self, identity, leaf, now=None: None)
     with pytest.raises((AssertionError, pytest.fail.Exception)):
         check_forged_worker_is_refused_by_both_servers(sites, servers, tmp_path)
+
+
+def check_health_refuses_a_forged_worker(sites, servers, tmp_path):
+    """The health service answers a party (an owner, each server as itself) and refuses a certificate its
+    organisation's CA did not issue, though it passes the TLS handshake (the CA is one of the federation's)."""
+    root, _ = sites
+    forged = _forged(root, tmp_path, "hospital-a")
+    for server, address in enumerate(servers.addresses):
+        for identity in ("chief:0", "worker:0", "tfe:0", "tfe:1"):
+            assert health_lib.check_health(address, _tls(root, identity), server) == "SERVING", identity
+        with pytest.raises(grpc.RpcError) as e:
+            health_lib.check_health(address, forged, server)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value.details()
+        assert "not by the CA of worker:0's organisation 'Hospital B'" in e.value.details()
+
+
+def test_health_answers_parties_and_refuses_a_forged_worker(sites, servers, tmp_path, monkeypatch, capsys):
+    check_health_refuses_a_forged_worker(sites, servers, tmp_path)
+    # `tfe-estimator status` as Hospital A: the federation file's server addresses, its own certificate.
+    root, _ = sites
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    assert cli.main(["status", "--federation", str(root / "federation.json"),
+                     "--tls-dir", str(root / "hospital-a" / "chief-0")]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [[f"tfe:{k}", servers.addresses[k], "SERVING", "none", "yet"] for k in (0, 1)], rows
+
+
+def test_mutation_health_open_to_everyone_is_detected(sites, tmp_path, monkeypatch):
+    monkeypatch.setattr(AggregationServer, "_health_refusal", lambda self, context: None)
+    started = _Servers(*sites)  # after the plant: a server binds its health check when it starts
+    try:
+        with pytest.raises((AssertionError, pytest.fail.Exception)):
+            check_health_refuses_a_forged_worker(sites, started, tmp_path)
+    finally:
+        started.close()
 
 
 def test_the_honest_worker_passes_the_per_organisation_check(sites, servers):

@@ -242,35 +242,68 @@ def _server_flags(launcher):
     return {t.index: t.argv[t.argv.index("server") + 1:] for t in launcher.tasks if t.job == "tfe"}
 
 
-def test_service_mode_plans_a_data_port_per_server_and_in_graph_none():
+def test_service_mode_plans_a_data_port_and_a_metrics_port_per_server_and_in_graph_none():
     launcher = Launcher(["true"], workers=1, cluster_mode="service")
     flags = _server_flags(launcher)
     ports = {k: int(argv[1]) for k, argv in flags.items()}
-    assert all(argv[0] == "--data-port" for argv in flags.values()) and ports == launcher.data_ports, flags
+    metrics = {k: int(argv[3]) for k, argv in flags.items()}
+    assert all(argv[0::2] == ["--data-port", "--metrics-port"] for argv in flags.values()), flags
+    assert ports == launcher.data_ports and metrics == launcher.metrics_ports, flags
     tf_ports = {int(a.rsplit(":", 1)[1]) for addresses in launcher.cluster.jobs.values() for a in addresses}
-    assert len(set(ports.values())) == 2 and not set(ports.values()) & tf_ports, (ports, tf_ports)
-    assert _server_flags(Launcher(["true"], workers=1, cluster_mode="service", data_plane=False)) == {0: [], 1: []}
+    planned = set(ports.values()) | set(metrics.values())
+    assert len(planned) == 4 and not planned & tf_ports, (ports, metrics, tf_ports)
+    assert [argv[0] for argv in _server_flags(Launcher(["true"], workers=1, cluster_mode="service",
+                                                       data_plane=False)).values()] == ["--metrics-port"] * 2
     assert all(argv == [] for argv in _server_flags(Launcher(["true"], workers=1, cluster_mode="in-graph")).values())
     isolated = Launcher(["true"], workers=1, cluster_mode="service", isolate=True)  # planned, never started
     tf_ports = set(isolated.isolation.tf_ports.values())
     assert isolated.data_ports == {0: max(tf_ports) + 1, 1: max(tf_ports) + 2}
     assert [isolated.task("tfe", k).argv[-2:] for k in (0, 1)] == [["--data-port", "7004"], ["--data-port", "7005"]]
+    assert isolated.metrics_ports == {}  # an isolated server opens only the ports owners call
 
 
-def test_a_launched_service_cluster_serves_a_data_plane_the_owners_find(tmp_path):
-    """End to end: launch -> `tfe-estimator server --data-port` -> the DataPlane call an owner makes."""
-    code = ("import json, os; from tfe_estimator.service import OwnerClient, TlsFiles; "
-            "jobs = json.loads(os.environ['TF_CONFIG'])['cluster']; "
-            "c = OwnerClient(jobs['tfe'], TlsFiles.from_dir(os.environ['TFE_ESTIMATOR_TLS_DIR'], 'chief', 0), "
-            "timeout_secs=60); "
-            "print('data ports', [c._call(k, 'DataPlane', c._messages['DataPlaneRequest']()).port for k in (0, 1)]); "
-            "c.close()")
+_OWNER_PROBES = """
+import json, os, subprocess, sys, urllib.request
+from tfe_estimator.service import OwnerClient, TlsFiles
+network = json.load(open(sys.argv[1]))
+jobs = json.loads(os.environ["TF_CONFIG"])["cluster"]
+c = OwnerClient(jobs["tfe"], TlsFiles.from_dir(os.environ["TFE_ESTIMATOR_TLS_DIR"], "chief", 0), timeout_secs=60)
+print("data ports", [c._call(k, "DataPlane", c._messages["DataPlaneRequest"]()).port for k in (0, 1)], flush=True)
+c.close()
+cli = [sys.executable, "-m", "tfe_estimator.tools.cli"]
+print("status exit", subprocess.run(cli + ["status"]).returncode, flush=True)  # as this owner
+for k in (0, 1):  # each server's own probe, in that server's environment
+    env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": jobs, "task": {"type": "tfe", "index": k}}),
+               TFE_ESTIMATOR_TLS_DIR=network["cert_dirs"]["tfe:%d" % k])
+    print("health exit", subprocess.run(cli + ["health"], env=env).returncode, flush=True)
+for name, port in sorted(network["metrics_ports"].items()):
+    page = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10).read().decode()
+    print("metrics", name, [line for line in page.splitlines() if line.startswith("tfe_aggregation_owners ")])
+"""
+
+
+def test_a_launched_service_cluster_serves_a_data_plane_health_and_metrics(tmp_path):
+    """End to end: launch -> `tfe-estimator server --data-port --metrics-port` -> the DataPlane call an owner
+    makes, `tfe-estimator status` as that owner, `tfe-estimator health` as each server, each server's metrics."""
     out, network_file = io.StringIO(), str(tmp_path / "net.json")
-    launcher = Launcher([sys.executable, "-c", code], workers=0, out=out, cluster_mode="service",
+    script = tmp_path / "probes.py"
+    script.write_text(_OWNER_PROBES)
+    launcher = Launcher([sys.executable, str(script), network_file], workers=0, out=out, cluster_mode="service",
                         network_file=network_file, down_timeout=60)
     assert launcher.run() == 0, out.getvalue()
+    text = out.getvalue()
     ports = [launcher.data_ports[k] for k in (0, 1)]
-    assert f"[chief:0] data ports {ports}" in out.getvalue(), out.getvalue()
-    assert f"aggregation servers' data planes: tfe:0=port {ports[0]} tfe:1=port {ports[1]}" in out.getvalue()
+    assert f"[chief:0] data ports {ports}" in text, text
+    assert f"aggregation servers' data planes: tfe:0=port {ports[0]} tfe:1=port {ports[1]}" in text
     with open(network_file, encoding="utf-8") as f:
-        assert json.load(f)["data_ports"] == {"tfe:0": ports[0], "tfe:1": ports[1]}
+        network = json.load(f)
+    metrics = [launcher.metrics_ports[k] for k in (0, 1)]
+    assert network["data_ports"] == {"tfe:0": ports[0], "tfe:1": ports[1]}
+    assert network["metrics_ports"] == {"tfe:0": metrics[0], "tfe:1": metrics[1]} and len(set(metrics + ports)) == 4
+    servers = launcher.cluster.jobs["tfe"]
+    for k in (0, 1):
+        assert re.search(rf"\[chief:0\] tfe:{k} +{re.escape(servers[k])} +SERVING", text), text
+        host, port = servers[k].rsplit(":", 1)
+        assert f"[chief:0] tfe:{k} at {host}:{port}: SERVING" in text, text
+        assert f"[chief:0] metrics tfe:{k} ['tfe_aggregation_owners 1.0']" in text, text
+    assert text.count("[chief:0] status exit 0") == 1 and text.count("[chief:0] health exit 0") == 2, text

@@ -10,16 +10,19 @@ naming the attack that got through.
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import portpicker
 import pytest
 
 from service_helpers import cert_dirs, make_service, owner_names, small_owner_data  # noqa: F401
-from tfe_estimator.service import server as server_module
+from tfe_estimator.service import TlsFiles, server as server_module
+from tfe_estimator.service.health import check_health
 from tools import CHECKOUT, attack
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "service_owner.py")
@@ -31,6 +34,12 @@ SERVICE_ATTACKS = {"put-as-other-owner", "get-other-result", "tf-runtime", "forw
 def _attack_lines(out):
     return [line for line in out.splitlines() if line.startswith("[attack] ") and " -> " in line
             and not line.startswith("[attack] control ")]
+
+
+def _released(port):
+    """A server's ``tfe_aggregation_steps_released_total`` at http://127.0.0.1:port/metrics."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return float(re.search(r"^tfe_aggregation_steps_released_total (\S+)$", page, re.M).group(1))
 
 
 def _run_tool(network_file, timeout=120):
@@ -67,9 +76,17 @@ def test_every_service_attack_is_refused_on_a_cluster_in_training(tmp_path):
         before = [int(open(p).read() or 0) for p in progress]
         time.sleep(1.5)
         after = [int(open(p).read() or 0) for p in progress]
+        # An operator's view meanwhile: each server SERVING to an owner's certificate, its metrics (from the
+        # network file's metrics_ports) counting at least the steps trained so far as released.
+        owner_tls = TlsFiles.from_dir(network["cert_dirs"]["chief:0"], "chief", 0)
+        health = [check_health(address, owner_tls, k) for k, address in enumerate(network["jobs"]["tfe"])]
+        released = {name: _released(port) for name, port in network["metrics_ports"].items()}
     finally:
         launcher.stop()
         runner.join(timeout=60)
+    assert health == ["SERVING", "SERVING"]
+    assert set(released) == {"tfe:0", "tfe:1"} and all(n >= max(after) for n in released.values()), \
+        (released, after)
     assert tool.returncode == 0, tool.stdout + tool.stderr
     lines = _attack_lines(tool.stdout)
     assert lines and all(": refused (" in line for line in lines), tool.stdout

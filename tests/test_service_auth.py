@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 import pytest
 
-from service_helpers import (WAIT_SECS, ca_only_credentials, cert_dirs, credentials_of, in_threads,  # noqa: F401
-                             make_service, owner_names, raw_call)
+from service_helpers import (WAIT_SECS, ca_only_credentials, cert_dirs, credentials_of, health_call,  # noqa: F401
+                             in_threads, make_service, owner_names, raw_call)
 from tfe_estimator.service import TlsFiles, client as client_module, server as server_module, wire
 from tfe_estimator.service.tls import server_name
 
@@ -52,12 +52,14 @@ def test_no_client_certificate_fails_the_tls_handshake(make_service, cert_dirs):
     check_no_client_certificate_fails_the_tls_handshake(make_service, cert_dirs)
 
 
-def test_mutation_server_without_client_auth_is_detected(make_service, cert_dirs, monkeypatch):
-    def without_client_auth(self):
-        ca, cert, key = self.read()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=False)
+def _without_client_auth(tls):
+    """The planted leak: server credentials that ask no client certificate."""
+    ca, cert, key = tls.read()
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=False)
 
-    monkeypatch.setattr(TlsFiles, "server_credentials", without_client_auth)
+
+def test_mutation_server_without_client_auth_is_detected(make_service, cert_dirs, monkeypatch):
+    monkeypatch.setattr(TlsFiles, "server_credentials", _without_client_auth)
     _detects(check_no_client_certificate_fails_the_tls_handshake, make_service, cert_dirs)
 
 
@@ -88,6 +90,49 @@ def test_mutation_server_trusting_a_foreign_ca_is_detected(make_service, cert_di
 
     monkeypatch.setattr(TlsFiles, "server_credentials", trusting_both)
     _detects(check_foreign_ca_client_is_refused, make_service, cert_dirs)
+
+
+# ------------------------------------------------------------ the health service --
+
+def _health(address, server, credentials):
+    """The status a health Check answers, or the code it was refused with."""
+    try:
+        return health_call(address, server, credentials, timeout=5)
+    except grpc.RpcError as e:
+        return e.code().name
+
+
+def check_health_answers_the_federations_parties_only(make_service, dirs):
+    """Health/Check and Status: answered to an owner, a server and an evaluator (parties of this one-CA cluster);
+    no client certificate and a foreign CA's fail the TLS handshake (UNAVAILABLE); Watch is UNIMPLEMENTED even
+    to an owner."""
+    service = make_service(owner_names(2))
+    for server, address in enumerate(service.addresses):
+        for job, index in (("chief", 0), ("worker", 0), ("tfe", 1 - server), ("evaluator", 0)):
+            assert _health(address, server, credentials_of(dirs[0], job, index)) == "SERVING", (job, index)
+            reply = raw_call(address, server, "Status", MESSAGES["StatusRequest"](),
+                             credentials_of(dirs[0], job, index), timeout=5)  # any party: names and steps
+            assert list(reply.channels) == [] and list(reply.steps) == []
+        for credentials in (ca_only_credentials(dirs[0]), _foreign_owner_credentials(dirs)):
+            _refused(grpc.StatusCode.UNAVAILABLE, lambda: health_call(address, server, credentials, timeout=5))
+            _refused(grpc.StatusCode.UNAVAILABLE, lambda: raw_call(address, server, "Status",
+                                                                   MESSAGES["StatusRequest"](), credentials, timeout=5))
+        details = _refused(grpc.StatusCode.UNIMPLEMENTED, lambda: health_call(
+            address, server, credentials_of(dirs[0], "chief", 0), method="Watch", timeout=5))
+        assert "poll Check" in details, details
+    service.servers[1].stop(0)  # server0 (started second) stopped: it answers nothing, server1 still SERVING
+    assert _health(service.addresses[1], 1, credentials_of(dirs[0], "chief", 0)) == "SERVING"
+    _refused(grpc.StatusCode.UNAVAILABLE, lambda: health_call(service.addresses[0], 0,
+                                                              credentials_of(dirs[0], "chief", 0), timeout=2))
+
+
+def test_health_answers_the_federations_parties_only(make_service, cert_dirs):
+    check_health_answers_the_federations_parties_only(make_service, cert_dirs)
+
+
+def test_mutation_health_on_a_port_without_client_auth_is_detected(make_service, cert_dirs, monkeypatch):
+    monkeypatch.setattr(TlsFiles, "server_credentials", _without_client_auth)
+    _detects(check_health_answers_the_federations_parties_only, make_service, cert_dirs)
 
 
 def check_client_pinning_tfe0_refuses_server1(make_service):

@@ -151,7 +151,7 @@ def _listening_sockets(pid):
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` (Debian's iproute2; scripts/system-deps.sh)")
-def test_owners_listen_on_nothing_and_the_servers_only_on_their_service_and_data_ports(tmp_path):
+def test_owners_listen_on_nothing_and_the_servers_only_on_their_service_data_and_metrics_ports(tmp_path):
     workdir = str(tmp_path)
     _owner_data(workdir, _owners(1))
     out = io.StringIO()
@@ -168,9 +168,9 @@ def test_owners_listen_on_nothing_and_the_servers_only_on_their_service_and_data
         assert all(os.path.exists(p) for p in progress), out.getvalue()[-5000:]
         for task in launcher.tasks:  # mid-training
             sockets = _listening_sockets(task.process.pid)
-            if task.job == "tfe":  # its service port and its data plane's (launch opens one), nothing else
+            if task.job == "tfe":  # its service port, its data plane's and its metrics' (launch opens them), no other
                 ports = {launcher.cluster.jobs["tfe"][task.index].rsplit(":", 1)[1],
-                         str(launcher.data_ports[task.index])}
+                         str(launcher.data_ports[task.index]), str(launcher.metrics_ports[task.index])}
                 assert sockets and all(any(f":{port} " in line for port in ports) for line in sockets), \
                     (task.name, sockets)
                 assert all(any(f":{port} " in line for line in sockets) for port in ports), (task.name, sockets)

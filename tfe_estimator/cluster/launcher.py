@@ -243,10 +243,13 @@ class Launcher:
         there once they exist (`IsolatedCluster.describe`; read by
         `tfe-estimator attack`). In service mode (no `isolate`): write
         ``{"mode": "service", "cluster": "launch", "cert_dir": ..., "jobs":
-        {job: [address, ...]}, "data_ports": {"tfe:k": port}}`` there before the
-        tasks start (every start, re-plans included): the run's certificate
-        directory, TF_CONFIG's addresses and the servers' data ports, for
-        `tfe-estimator attack`.
+        {job: [address, ...]}, "data_ports": {"tfe:k": port}, "metrics_ports":
+        {"tfe:k": port}}`` there before the tasks start (every start, re-plans
+        included): the run's certificate directory, TF_CONFIG's addresses, the
+        servers' data ports and their Prometheus metrics' ports (each server
+        serves ``http://<its host>:<port>/metrics``; none with `isolate`,
+        where a server opens only the ports owners call), for `tfe-estimator
+        attack` and the site's monitoring.
       data_plane: service mode: start each aggregation server with a data plane
         (``--data-port``): a free port on loopback, or with `isolate` the port
         after the cluster's TensorFlow ports in the server's own namespace.
@@ -323,6 +326,8 @@ class Launcher:
         self.data_plane = bool(data_plane) and self.cluster_mode == SERVICE
         #: Service mode with `data_plane`: each aggregation server's data port, by ``tfe`` index.
         self.data_ports: Dict[int, int] = {}
+        #: Service mode: each aggregation server's Prometheus metrics port (``--metrics-port``), by ``tfe`` index.
+        self.metrics_ports: Dict[int, int] = {}
         self._cert_dir: Optional[str] = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -336,7 +341,11 @@ class Launcher:
         else:
             self.cluster = plan_cluster(self.workers, self.evaluator, self.protocol, self.host,
                                         SERVICE_TFE_TASKS if self.cluster_mode == SERVICE else NUM_TFE_TASKS)
-        self.data_ports = self._plan_data_ports() if self.data_plane else {}
+        self.data_ports = self._plan_server_ports(0) if self.data_plane else {}
+        # Not with `isolate`: there every server's namespace is a host of its own, and its only open ports are
+        # the ones owners call (`tfe-estimator attack` scans for any other); a site's monitoring scrapes its own.
+        self.metrics_ports = self._plan_server_ports(2) if self.cluster_mode == SERVICE and \
+            self.isolation is None else {}
         if self.cluster_mode == SERVICE:  # each task its own directory: its key, its certificate, public trust
             self._make_certs()
             if self.isolation is not None:  # ... and, in its own mount and PID namespaces, no other task's
@@ -361,6 +370,8 @@ class Launcher:
                     argv, cwd = list(self.server_command), None
                     if index in self.data_ports:
                         argv += ["--data-port", str(self.data_ports[index])]
+                    if index in self.metrics_ports:
+                        argv += ["--metrics-port", str(self.metrics_ports[index])]
                 else:
                     argv = list(self.command)
                     cwd = self._task_dirs(job, index)[0]
@@ -374,14 +385,16 @@ class Launcher:
                     task.log_path = os.path.join(self.log_dir, f"{job}-{index}.log")
                 self.tasks.append(task)
 
-    def _plan_data_ports(self) -> Dict[int, int]:
-        """Each aggregation server's data port: with `isolate` the port after every task's TensorFlow port (in
-        its own namespace, where nothing else listens); else a free loopback port no task of the plan uses."""
+    def _plan_server_ports(self, offset: int) -> Dict[int, int]:
+        """Each aggregation server's data port (`offset` 0) or metrics port (2): with `isolate` the ports after
+        every task's TensorFlow port (in its own namespace, where nothing else listens); else a free loopback
+        port no task of the plan uses."""
         servers = range(len(self.cluster.jobs[TFE_JOB]))
         if self.isolation is not None:
-            first = TF_PORT_BASE + len(self.isolation.tasks)
+            first = TF_PORT_BASE + len(self.isolation.tasks) + offset
             return {k: first + k for k in servers}
         taken = {int(address.rsplit(":", 1)[1]) for addresses in self.cluster.jobs.values() for address in addresses}
+        taken.update(self.data_ports.values())
         ports: Dict[int, int] = {}
         while len(ports) < len(servers):
             port = free_ports(1, self.host)[0]
@@ -491,7 +504,8 @@ class Launcher:
             network = {"mode": SERVICE, "cluster": "launch", "cert_dir": self.task_tls_dir("chief", 0),
                        "cert_dirs": {f"{t.job}:{t.index}": self.task_tls_dir(t.job, t.index) for t in self.tasks},
                        "jobs": {job: list(addresses) for job, addresses in self.cluster.jobs.items()},
-                       "data_ports": {f"{TFE_JOB}:{k}": port for k, port in sorted(self.data_ports.items())}}
+                       "data_ports": {f"{TFE_JOB}:{k}": port for k, port in sorted(self.data_ports.items())},
+                       "metrics_ports": {f"{TFE_JOB}:{k}": port for k, port in sorted(self.metrics_ports.items())}}
             if self.isolation is not None:  # the namespaces, bridge addresses and IPv6 link-local addresses
                 network["isolation"] = self.isolation.describe()
             _write_json(self.network_file, network)
@@ -577,8 +591,9 @@ class Launcher:
         if status is not None and task.reader is not None:
             task.reader.join(timeout=2)  # its last lines, which may name a bind failure
         if status is not None and task.restart_at is None and task.bind_failed:
-            data = f" or its data port {self.data_ports[task.index]}" if (
-                task.job == TFE_JOB and task.index in self.data_ports) else ""
+            data = "".join(f" or its {what} port {ports[task.index]}" for what, ports in (
+                ("data", self.data_ports), ("metrics", self.metrics_ports))
+                if task.job == TFE_JOB and task.index in ports)
             raise PortTakenError(f"{task.name} could not bind {self.cluster.jobs[task.job][task.index]}{data}: "
                                  "another process took the port after it was planned")
         return status

@@ -21,6 +21,8 @@ Example::
 (`tfe_estimator.service.data_plane`) on that port of the service port's bind
 host: the owners and server0 ask each server for it (the ``DataPlane`` call)
 and send their large calls there, on gRPC when a server has none.
+``--metrics-port`` (service mode) serves its Prometheus metrics
+(`tfe_estimator.service.metrics`) at ``http://<bind host>:PORT/metrics``.
 """
 import logging
 import os
@@ -33,7 +35,8 @@ from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, STATE_DIR_ENV, T
 from tfe_estimator.secure.protocols import load_backend
 from tfe_estimator.validation import is_int
 
-__all__ = ["run_server", "start_server", "server_command", "check_data_port", "SERVER_SUBCOMMAND"]
+__all__ = ["run_server", "start_server", "server_command", "check_data_port", "check_metrics_port",
+           "SERVER_SUBCOMMAND"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -120,15 +123,37 @@ def check_data_port(data_port, service_address: str) -> int:
     return int(data_port)
 
 
+def check_metrics_port(metrics_port, service_address: str, data_port: Optional[int] = None) -> int:
+    """`metrics_port` (``tfe-estimator server --metrics-port``) checked against the server's other ports.
+
+    Example::
+
+        >>> check_metrics_port(9090, "tfe-0.example.org:2222", 2223)
+        9090
+    """
+    if not is_int(metrics_port, minimum=0, maximum=65535):
+        raise ValueError(f"--metrics-port {metrics_port!r} is not a TCP port: pass 1..65535 (or 0 for any free "
+                         "port), e.g. --metrics-port 9090.")
+    service_port = int(service_address.rsplit(":", 1)[1])
+    for port, what in ((service_port, f"this server's service port (TF_CONFIG says {service_address})"),
+                       (data_port, "its --data-port")):
+        if metrics_port and metrics_port == port:
+            raise ValueError(f"--metrics-port {metrics_port} is {what}: the metrics endpoint (plain HTTP) needs a "
+                             "port of its own, e.g. --metrics-port 9090.")
+    return int(metrics_port)
+
+
 def _data_address(bind_address: str, data_port: Optional[int]) -> Optional[str]:
-    """Where the data plane listens: the service port's bind host at `data_port` (None: no data plane)."""
+    """Where the data plane (or the metrics endpoint) listens: the service port's bind host at `data_port`
+    (None: none)."""
     if data_port is None:
         return None
     return f"{bind_address.rsplit(':', 1)[0]}:{data_port}"
 
 
 def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]], stop: threading.Event,
-                       limits: Mapping[str, float], data_port: Optional[int] = None) -> int:
+                       limits: Mapping[str, float], data_port: Optional[int] = None,
+                       metrics_port: Optional[int] = None) -> int:
     """Service mode: this ``tfe`` task is aggregation server 0 or 1 (`tfe_estimator.service`), no TensorFlow."""
     from tfe_estimator.service import AggregationServer, TlsFiles  # pylint: disable=import-outside-toplevel
 
@@ -146,11 +171,14 @@ def _serve_aggregation(cluster: TfeCluster, environ: Optional[Mapping[str, str]]
     bind = _bind_address(servers[cluster.task_index])
     if data_port is not None:
         data_port = check_data_port(data_port, servers[cluster.task_index])
+    if metrics_port is not None:
+        metrics_port = check_metrics_port(metrics_port, servers[cluster.task_index], data_port)
     server = AggregationServer(
         role=cluster.task_index, address=bind, owners=owners,
         tls=TlsFiles.from_dir(tls_dir, TFE_JOB, cluster.task_index),
         peer_address=servers[1] if cluster.task_index == 0 else None,
-        data_address=_data_address(bind, data_port), state_dir=environ.get(STATE_DIR_ENV) or None, **limits)
+        data_address=_data_address(bind, data_port), state_dir=environ.get(STATE_DIR_ENV) or None,
+        metrics_address=_data_address(bind, metrics_port), **limits)
     server.start()  # it logs the one start line (`AggregationServer.start`): role, owners, port
     _stop_on_signals(stop)
     try:
@@ -169,7 +197,8 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 
 def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threading.Event] = None,
-               limits: Optional[Mapping[str, float]] = None, data_port: Optional[int] = None) -> int:
+               limits: Optional[Mapping[str, float]] = None, data_port: Optional[int] = None,
+               metrics_port: Optional[int] = None) -> int:
     """Serves this ``tfe`` task until SIGTERM or SIGINT (or `stop` is set).
 
     Args:
@@ -177,6 +206,8 @@ def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threa
         ``max_channels`` (``tfe-estimator server --step-timeout-secs ... --max-elements ... --max-channels ...``).
       data_port: service mode only: the data plane's port (``--data-port``; 0: any free port; None: no data
         plane, the owners use gRPC for every call).
+      metrics_port: service mode only: the port of its Prometheus metrics on the service port's bind host
+        (``--metrics-port``; 0: any free port; None: none).
 
     Returns:
       0, the exit status.
@@ -195,10 +226,11 @@ def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threa
     stop = stop or threading.Event()
     limits = dict(limits or {})
     if _cluster_mode(environ) == SERVICE:
-        return _serve_aggregation(cluster, environ, stop, limits, data_port)
-    if limits or data_port is not None:
+        return _serve_aggregation(cluster, environ, stop, limits, data_port, metrics_port)
+    if limits or data_port is not None or metrics_port is not None:
         flags = ", ".join("--" + name.replace("_", "-") for name in sorted(limits) +
-                          (["data_port"] if data_port is not None else []))
+                          (["data_port"] if data_port is not None else []) +
+                          (["metrics_port"] if metrics_port is not None else []))
         raise ValueError(f"{flags} configure the aggregation service; this task runs in "
                          f"{_cluster_mode(environ)} mode, where the servers are TensorFlow servers. Drop {flags}.")
     server = start_server(cluster)

@@ -10,6 +10,8 @@ that does. `aggregation.proto` is the API with the table of who may call what.
 - `tls`: certificates, pinned server names, the caller's identity.
 - `steps`: the rules of one channel's steps (no gRPC).
 - `server`: `AggregationServer` (server0 or server1).
+- `health`: the standard gRPC health service on a server's port, for its federation's parties.
+- `metrics`: a server's Prometheus metrics (counts only), in a registry of its own.
 - `client`: `OwnerClient`, `get_client`.
 
 Example::

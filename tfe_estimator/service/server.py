@@ -47,6 +47,8 @@ from tfe_estimator.service import frames, ring, wire
 from tfe_estimator.service.data_link import LinkError, PlaneLink
 from tfe_estimator.service.data_plane import DataPlane, Refused
 from tfe_estimator.service.handshake_table import HandshakeTable
+from tfe_estimator.service.health import HEALTH_SERVICE, TrustedHealth
+from tfe_estimator.service.metrics import ServerMetrics
 from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
 from tfe_estimator.service.buffers import BufferPool
 from tfe_estimator.service.release_log import ReleaseLog
@@ -145,6 +147,11 @@ class AggregationServer:
         (`release_log`), so that after a restart it answers the steps server1 released with the same key
         (None: nothing is kept; a server0 killed between server1's release and its own answers leaves the
         owners unable to finish that step). Server1 keeps nothing there.
+      metrics_address: where to serve its Prometheus metrics (`metrics`), e.g. ``"[::]:9090"`` (plain HTTP
+        ``/metrics``; port 0: any free port; None: none).
+
+    Every server also serves the standard gRPC health service on its port (`health`), to any party of its
+    federation.
 
     Example::
 
@@ -159,7 +166,8 @@ class AggregationServer:
                  max_workers: Optional[int] = None, max_elements: int = 2**27, max_channels: int = 4096,
                  memory_budget_bytes: int = 4 << 30, owner_memory_budget_bytes: int = 768 << 20,
                  max_waiting_puts: int = 8, replay_window_steps: int = 64, replay_window_bytes: int = 1 << 30,
-                 data_address: Optional[str] = None, state_dir: Optional[str] = None):
+                 data_address: Optional[str] = None, state_dir: Optional[str] = None,
+                 metrics_address: Optional[str] = None):
         if role not in (0, 1) or isinstance(role, bool):
             raise ValueError(f"role={role!r} must be 0 (server0, tfe:0) or 1 (server1, tfe:1).")
         owners = list(owners)
@@ -217,6 +225,15 @@ class AggregationServer:
         if self._unconfirmed:
             _LOG.info("aggregation server0: %d released steps recorded in %s (answered again once server1 "
                       "confirms them)", len(self._unconfirmed), self._releases.path)
+        self._health: Optional[TrustedHealth] = None
+        self._metrics_address, self._metrics = metrics_address, None
+        if metrics_address is not None:  # counted at the methods both ports call (`metrics`)
+            self._metrics = metrics = ServerMetrics(role, self._budget, owners)
+            self._admit = metrics.observe_admitted(self._admit)
+            self._contribute = metrics.observe_contribute(self._contribute)
+            self._forwarded = metrics.observe_forwarded(self._forwarded)
+            self._send_forward = metrics.observe_forward_sent(self._send_forward)
+            self._refused = metrics.observe_refused(self._refused)
 
     # ------------------------------------------------------------ lifecycle --
 
@@ -236,6 +253,8 @@ class AggregationServer:
                                  # a message larger than an owner's memory budget is refused before it is read
                                  ("grpc.max_receive_message_length", self._receive_limit)])
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE_NAME, handlers),))
+        self._health = TrustedHealth(self._health_refusal)
+        self._health.add_to(server)
         try:
             port = server.add_secure_port(self._address, self._tls.server_credentials())
         except RuntimeError as e:
@@ -270,16 +289,29 @@ class AggregationServer:
             except RuntimeError:
                 server.stop(None)
                 raise
+        if self._metrics is not None:
+            try:
+                self._metrics.serve(self._metrics_address)
+            except RuntimeError:
+                server.stop(None)
+                if self._data_plane is not None:
+                    self._data_plane.stop()
+                raise
         server.start()
         self._server = server
         if self._data_plane is not None:
             _LOG.info("aggregation server%d: data plane on port %d", self._role, self._data_plane.port)
+        if self._metrics is not None:
+            _LOG.info("aggregation server%d: Prometheus metrics at http://%s:%d/metrics", self._role,
+                      self._metrics_address.rpartition(":")[0], self._metrics.port)
         _LOG.info("aggregation server%d serves owners %s on port %d", self._role, self._owners, port)
         return port
 
     def stop(self, grace: Optional[float] = None) -> None:
         """Stops serving (waiting puts end UNAVAILABLE) and closes the link to server1."""
         self._stopped.set()
+        if self._health is not None:
+            self._health.stop()
         with self._lock:
             channels = list(self._channels.values())
         for channel in channels:
@@ -296,7 +328,14 @@ class AggregationServer:
             self._ahead.shutdown(wait=False, cancel_futures=True)
         if self._releases is not None:
             self._releases.close()
+        if self._metrics is not None:
+            self._metrics.close()
         self._pool.reclaim()
+
+    @property
+    def metrics_port(self) -> Optional[int]:
+        """The port of its Prometheus metrics (None: it serves none)."""
+        return self._metrics.port if self._metrics is not None else None
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Blocks until the server stops (or `timeout`); True if it stopped."""
@@ -313,23 +352,36 @@ class AggregationServer:
         return self._role in method.roles
 
     def _authorize(self, method: wire.Method, context) -> str:
+        identity = self._trusted(method.name, context)
+        self._admit(method, identity)
+        return identity
+
+    def _trusted(self, what: str, context) -> str:
+        """The caller's identity if its certificate proves it a party of the federation; else `_Abort`."""
         identity = peer_identity(context)
         if identity is None:
             raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
-                         f"{method.name} refused: the caller's certificate names no task (CN <job>-<index>). "
+                         f"{what} refused: the caller's certificate names no task (CN <job>-<index>). "
                          "Use a certificate made by `tfe-estimator certs` for this cluster.")
         problem = check_peer(self._tls, identity, context)  # issued by the CA of identity's own organisation
         if problem is not None:
             raise _Abort(grpc.StatusCode.UNAUTHENTICATED,
-                         f"{method.name} refused on aggregation server{self._role}: {problem} Ask "
+                         f"{what} refused on aggregation server{self._role}: {problem} Ask "
                          f"{identity}'s organisation for a certificate signed by its CA (`tfe-estimator certs "
                          "sign`), or correct the federation file.")
-        self._admit(method, identity)
         return identity
+
+    def _health_refusal(self, context):
+        """`health.TrustedHealth`'s check: None for any party of the federation, else its refusal's code and text."""
+        try:
+            self._trusted(f"{HEALTH_SERVICE} call", context)
+        except _Abort as e:
+            return self._refused(e), e.message
+        return None
 
     def _admit(self, method: wire.Method, identity: str) -> None:
         """Refuses `identity` (proved by its certificate) a method it may not call or this role does not serve."""
-        if identity not in self._callers(method):
+        if method.callers != wire.PARTIES and identity not in self._callers(method):  # PARTIES: `_trusted` only
             raise _Abort(grpc.StatusCode.PERMISSION_DENIED,
                          f"{identity} may not call {method.name} on aggregation server{self._role}: only "
                          f"{list(self._callers(method))} may. Check the owners configured on the servers "
@@ -347,7 +399,7 @@ class AggregationServer:
 
     def _handler(self, method: wire.Method):
         work = {"Contribute": self._contribute, "Handshake": self._handshake, "Rewind": self._rewind,
-                "ForwardBlinded": self._forwarded, "DataPlane": self._data_port}[method.name]
+                "ForwardBlinded": self._forwarded, "DataPlane": self._data_port, "Status": self._status}[method.name]
         reply = wire.messages()[method.reply]
 
         def handle(request, context):
@@ -468,6 +520,8 @@ class AggregationServer:
             payload = blind
         # The one copy: the answer is bytes of its own, stored in the replay window while the buffer is reused.
         channel.finish(released, wire.encode("ContributeReply", payload, step=released.step))
+        if self._metrics is not None:
+            self._metrics.released()
         if self._ahead is not None and not self._stopped.is_set():
             try:
                 self._ahead.submit(self._prepare, channel)
@@ -642,6 +696,14 @@ class AggregationServer:
     def _data_port(self, identity: str, request, context, reply):
         del identity, request, context
         return reply(port=self._data_plane.port if self._data_plane is not None else 0)
+
+    def _status(self, identity: str, request, context, reply):
+        """The newest released step of each channel this server keeps: names and step numbers, never values
+        (steps released are no secret among the federation's parties; a channel's name is its model id and sum)."""
+        del identity, request, context
+        with self._lock:
+            latest = sorted((c.name, c.last_released) for c in self._channels.values() if c.last_released is not None)
+        return reply(channels=[name for name, _ in latest], steps=[step for _, step in latest])
 
     def _data_call(self, identity: str, name: str, request, metadata, nbytes: int, receive, alive):
         """A Contribute or ForwardBlinded on the data plane (`data_plane.DataPlane`'s handler): the same

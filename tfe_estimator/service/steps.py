@@ -185,6 +185,11 @@ class StepChannel:
         self.ever_released = False
 
     @property
+    def last_released(self) -> Optional[int]:
+        """The newest step released on this channel (None: none yet)."""
+        return self._last_released
+
+    @property
     def label(self) -> str:
         return f"channel {self.name!r} (ring {self.ring_bits}, {self.num_elements} elements)"
 

@@ -28,15 +28,16 @@ from typing import Dict, NamedTuple, Tuple
 
 __all__ = ["encode", "encoded_size", "serialize", "decode", "decoder", "Decoded", "PACKAGE", "SERVICE",
            "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0", "OWNERS_AND_SERVER0",
-           "file_descriptor", "messages", "method", "method_path"]
+           "PARTIES", "file_descriptor", "messages", "method", "method_path"]
 
 PACKAGE = "tfe_estimator.aggregation.v1"
 SERVICE = "Aggregation"
 SERVICE_NAME = f"{PACKAGE}.{SERVICE}"
 PROTO_FILE = "tfe_estimator/service/aggregation.proto"
 
-#: Who may call a method: every configured data owner, server0 (task tfe:0) only, or both.
-OWNERS, SERVER0, OWNERS_AND_SERVER0 = "owners", "tfe:0", "owners and tfe:0"
+#: Who may call a method: every configured data owner, server0 (task tfe:0) only, or both; or any party of the
+#: federation (a certificate the CA of its own organisation issued: owners, servers, evaluators).
+OWNERS, SERVER0, OWNERS_AND_SERVER0, PARTIES = "owners", "tfe:0", "owners and tfe:0", "any party"
 
 #: message -> ((field, type, number), ...); type "repeated int64" for a repeated field.
 MESSAGES: Tuple[Tuple[str, Tuple[Tuple[str, str, int], ...]], ...] = (
@@ -55,6 +56,8 @@ MESSAGES: Tuple[Tuple[str, Tuple[Tuple[str, str, int], ...]], ...] = (
     ("ForwardReply", ()),
     ("DataPlaneRequest", ()),
     ("DataPlaneReply", (("port", "int32", 1),)),
+    ("StatusRequest", ()),
+    ("StatusReply", (("channels", "repeated string", 1), ("steps", "repeated int64", 2))),
 )
 
 
@@ -64,7 +67,7 @@ class Method(NamedTuple):
     request: str
     reply: str
     roles: Tuple[int, ...]  # 0: server0 (tfe:0, keys), 1: server1 (tfe:1, masked shares)
-    callers: str            # OWNERS, SERVER0 or OWNERS_AND_SERVER0
+    callers: str            # OWNERS, SERVER0, OWNERS_AND_SERVER0 or PARTIES
 
 
 METHODS: Tuple[Method, ...] = (
@@ -73,6 +76,7 @@ METHODS: Tuple[Method, ...] = (
     Method("Rewind", "RewindRequest", "RewindReply", (0, 1), OWNERS),
     Method("ForwardBlinded", "ForwardRequest", "ForwardReply", (1,), SERVER0),
     Method("DataPlane", "DataPlaneRequest", "DataPlaneReply", (0, 1), OWNERS_AND_SERVER0),
+    Method("Status", "StatusRequest", "StatusReply", (0, 1), PARTIES),
 )
 
 

@@ -6,6 +6,8 @@ Example::
     $ tfe-estimator demo --cluster            # the same on a loopback cluster
     $ tfe-estimator launch --workers 1 --evaluator -- python train.py
     $ TF_CONFIG=... tfe-estimator server      # one TFE party of a real cluster (service mode: --data-port 2223)
+    $ TF_CONFIG=... tfe-estimator health      # in a server's environment: exit 0 when its server is SERVING
+    $ tfe-estimator status --federation federation.json --tls-dir hospital-a/chief-0   # both servers, as you
     $ tfe-estimator bench                     # secure vs plaintext step time (from a checkout: tools/bench)
     $ tfe-estimator build-kernels             # compile the AES-CTR kernels ahead of time
     $ tfe-estimator k8s --name demo --image my/train:1 --workers 2 -- python train.py
@@ -21,6 +23,7 @@ import sys
 from typing import Optional, Sequence
 
 from tfe_estimator._version import __version__
+from tfe_estimator.cluster.probe import HEALTH_SUBCOMMAND, STATUS_SUBCOMMAND
 from tfe_estimator.cluster.server import SERVER_SUBCOMMAND
 from tfe_estimator.tools import certs_cli
 
@@ -63,8 +66,29 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="service mode: also open the data plane (the large calls on mutual TLS without gRPC's "
                              "copies) on this port of the service port's host; 0 picks a free port. Default: none "
                              "(owners then send everything over gRPC); open it in the firewall like the service port")
+    server.add_argument("--metrics-port", type=int, default=None,
+                        help="service mode: serve Prometheus metrics at http://<bind host>:PORT/metrics (plain "
+                             "HTTP, counts only: open it to the site's monitoring only); 0 picks a free port. "
+                             "Default: none")
     server.add_argument("--tf-warnings", action="store_true",
                         help="in-graph mode: show TensorFlow's INFO lines (hidden by default)")
+
+    health = sub.add_parser(HEALTH_SUBCOMMAND, help="in an aggregation server's environment (TF_CONFIG, "
+                            "TFE_ESTIMATOR_TLS_DIR): ask its own server's gRPC health service; exit 0 when SERVING, "
+                            "1 otherwise (Kubernetes probes run it)")
+    health.add_argument("--target", default=None,
+                        help="HOST:PORT to call instead of this host's port from TF_CONFIG")
+    health.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    status = sub.add_parser(STATUS_SUBCOMMAND, help="ask both aggregation servers of a federation for their health, "
+                            "as you (your certificate); exit 0 when both are SERVING")
+    status.add_argument("--federation", default=None,
+                        help="the federation file (default: the one in --tls-dir); its servers' addresses are "
+                             "called (TF_CONFIG's when it has none)")
+    status.add_argument("--tls-dir", default=None,
+                        help="your certificate directory (default: $TFE_ESTIMATOR_TLS_DIR)")
+    status.add_argument("--identity", default=None,
+                        help="job:index of your certificate there (default: the only one)")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per server (default 5)")
 
     launch = sub.add_parser("launch", help="run a whole cluster on loopback ports as local processes")
     launch.add_argument("--workers", type=int, default=1, help="workers besides the chief (default 1)")
@@ -137,7 +161,14 @@ def _run(args: argparse.Namespace) -> int:
         limits = {name: getattr(args, name) for name in (
             "step_timeout_secs", "max_elements", "max_channels", "memory_budget_bytes", "owner_memory_budget_bytes",
             "max_waiting_puts", "replay_window_steps", "replay_window_bytes") if getattr(args, name) is not None}
-        return run_server(limits=limits, data_port=args.data_port)
+        return run_server(limits=limits, data_port=args.data_port, metrics_port=args.metrics_port)
+    if args.command in (HEALTH_SUBCOMMAND, STATUS_SUBCOMMAND):
+        from tfe_estimator.cluster import probe  # pylint: disable=import-outside-toplevel
+
+        if args.command == HEALTH_SUBCOMMAND:
+            return probe.run_health(target=args.target, timeout=args.timeout)
+        return probe.run_status(federation=args.federation, tls_dir=args.tls_dir, identity=args.identity,
+                                timeout=args.timeout)
     if args.command == "launch":
         from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
 
