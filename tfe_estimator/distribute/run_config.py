@@ -171,8 +171,10 @@ class TfeRunConfig(tf.estimator.RunConfig):
 
     Raises:
       ValueError, TypeError: for a bad protocol, precision or num_replicas,
-        a distribute argument, or a TF_CONFIG that cannot run secure
-        aggregation (the message names TF_CONFIG and the fix).
+        a distribute argument, a TF_CONFIG that cannot run secure
+        aggregation (the message names TF_CONFIG and the fix), or a data
+        owner in service mode without a model_dir (neither `model_dir` nor
+        ``TFE_ESTIMATOR_MODEL_DIR``: Estimator would pick a temporary one).
     """
 
     def __init__(

@@ -43,7 +43,7 @@ log = logging.getLogger("tfe_estimator")
 SOURCE_DIR = pathlib.Path(__file__).parent / "src"
 LIBRARY_NAME = "libtfe_estimator_kernels.so"
 CACHE_ENV = "TFE_ESTIMATOR_KERNEL_CACHE"
-#: What a build took on a 2-core machine (g++ 12, TensorFlow 2.15): said before each build.
+#: About what a build takes on a 2-core machine (g++ 12, TensorFlow 2.15; issue 41): said before each build.
 BUILD_MINUTES = 3
 
 
