@@ -69,7 +69,7 @@ def test_an_owner_run_by_hand_hides_tf_datas_options_warning_unless_asked_for(mo
         with warnings.catch_warnings(record=True) as caught:  # restores the filters afterwards
             warnings.simplefilter("always")
             quiet.hide_deprecation_warnings()
-            warnings.warn(quiet.TF_DATA_OPTIONS_WARNING + " across serialization boundaries, ...", UserWarning, stacklevel=1)
+            warnings.warn(f"{quiet.TF_DATA_OPTIONS_WARNING} across ...", UserWarning, stacklevel=1)
             warnings.warn("a warning of the user's own", UserWarning, stacklevel=1)
         shown = [str(w.message).split(" across")[0] for w in caught]
         assert shown == [quiet.TF_DATA_OPTIONS_WARNING] * asked + ["a warning of the user's own"], (asked, shown)
