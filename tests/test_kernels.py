@@ -240,7 +240,7 @@ def test_a_process_waiting_for_another_ones_build_says_so(tmp_path, monkeypatch,
         fcntl.flock(held, fcntl.LOCK_EX)
         waiter = threading.Thread(target=_build.build)
         waiter.start()
-        waiter.join(timeout=2)
+        waiter.join(timeout=0.5)
         assert waiter.is_alive()  # it waits for the lock
         said = capsys.readouterr().err
         assert said == (f"tfe_estimator: waiting for another process to compile tfe_estimator's kernels into "
