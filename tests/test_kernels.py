@@ -202,6 +202,53 @@ def test_failed_compile_names_the_command_and_the_fix(tmp_path, monkeypatch):
     assert not list(pathlib.Path(tmp_path).rglob("*.so"))  # nothing half-built left behind
 
 
+def _fake_compiler(tmp_path):
+    """A "compiler" that only creates its ``-o`` output: a build in milliseconds, with its own cache key."""
+    path = tmp_path / "fake-g++"
+    path.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_build_is_announced_before_it_starts_and_when_it_ends_and_not_when_cached(tmp_path, monkeypatch, capsys):
+    """Issue 41: the first training compiled for three silent minutes."""
+    monkeypatch.setenv(_build.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path))
+    said_before = []
+    real_compile = _build._compile
+    monkeypatch.setattr(_build, "_compile", lambda command: (said_before.append(capsys.readouterr().err),
+                                                             real_compile(command)))
+    path = _build.build()
+    assert path.exists()
+    assert said_before == [
+        f"tfe_estimator: compiling tfe_estimator's kernels for TensorFlow {tf.__version__} (once per TensorFlow "
+        f"version, cached in {path.parent}; about {_build.BUILD_MINUTES} minutes on 2 cores; `tfe-estimator "
+        "build-kernels` does it ahead)\n"]
+    assert capsys.readouterr().err.startswith("tfe_estimator: compiled tfe_estimator's kernels in ")
+    assert _build.build() == path and capsys.readouterr().err == ""  # cached: silent
+
+
+def test_a_process_waiting_for_another_ones_build_says_so(tmp_path, monkeypatch, capsys):
+    import fcntl
+    import threading
+
+    monkeypatch.setenv(_build.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path))
+    target = _build.library_path()
+    target.parent.mkdir(parents=True)
+    with open(target.parent / ".lock", "w") as held:  # another task of the cluster is compiling
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=_build.build)
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert waiter.is_alive()  # it waits for the lock
+        said = capsys.readouterr().err
+        assert said == (f"tfe_estimator: waiting for another process to compile tfe_estimator's kernels into "
+                        f"{target.parent} (about {_build.BUILD_MINUTES} minutes)\n")
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and target.exists()
+
+
 @pytest.mark.parametrize("call, compiles", [
     ("if (!tfe_estimator::AesCtrKeystream(key, 0, 0, out, 16)) return 1;", True),
     ("tfe_estimator::AesCtrKeystream(key, 0, 0, out, 16);", False),  # the planted unchecked call

@@ -56,3 +56,20 @@ def test_the_tutorials_multiworkermirroredstrategy_line_gets_a_hint_to_delete_it
     assert "delete the script's MultiWorkerMirroredStrategy() line" in lines[error + 1], out.getvalue()
     assert out.getvalue().count("hint: this is TensorFlow's MultiWorkerMirroredStrategy") == 1
     _assert_all_gone(launcher)
+
+
+def test_an_owner_run_by_hand_hides_tf_datas_options_warning_unless_asked_for(monkeypatch):
+    """Issue 41: a hand-started owner printed what the launcher drops (TfeRunConfig calls this on a cluster)."""
+    import warnings
+
+    from tfe_estimator.cluster import quiet
+
+    for asked in (False, True):
+        monkeypatch.setenv(quiet.TF_WARNINGS_ENV, "1" if asked else "0")
+        with warnings.catch_warnings(record=True) as caught:  # restores the filters afterwards
+            warnings.simplefilter("always")
+            quiet.hide_deprecation_warnings()
+            warnings.warn(f"{quiet.TF_DATA_OPTIONS_WARNING} across ...", UserWarning, stacklevel=1)
+            warnings.warn("a warning of the user's own", UserWarning, stacklevel=1)
+        shown = [str(w.message).split(" across")[0] for w in caught]
+        assert shown == [quiet.TF_DATA_OPTIONS_WARNING] * asked + ["a warning of the user's own"], (asked, shown)

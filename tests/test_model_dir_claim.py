@@ -90,6 +90,33 @@ def test_the_model_dir_defaults_to_the_launchers_per_task_directory(monkeypatch,
     assert (tmp_path / "worker-0" / CLAIM_FILE).exists()
 
 
+@pytest.mark.parametrize("job", ["chief", "worker"])
+def test_a_service_owner_without_a_model_dir_is_refused_before_the_kernels_load(monkeypatch, tmp_path, job):
+    """Issue 41: an owner run by hand without a model_dir trained into /tmp/tmpXXXX; a restart lost the model."""
+    from tfe_estimator.distribute import run_config
+
+    def no_backend():
+        raise AssertionError("the kernels loaded (maybe compiled) before the model_dir was checked")
+
+    monkeypatch.setattr(run_config, "load_backend", no_backend)
+    monkeypatch.chdir(tmp_path)
+    _as_task(monkeypatch, job)
+    with pytest.raises(ValueError, match=rf"Data owner {job}:0 has no model_dir: TfeRunConfig got no model_dir and "
+                                         r"TFE_ESTIMATOR_MODEL_DIR is not set.*temporary directory.*restarted owner "
+                                         r"resumes.*Pass TfeRunConfig\(model_dir=...\) \(e.g. from `python train.py "
+                                         r"--model-dir hospital-a/model`\) or set TFE_ESTIMATOR_MODEL_DIR"):
+        TfeRunConfig(tf_random_seed=1)
+    assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_without_a_service_owner_a_missing_model_dir_stays_estimators_choice(monkeypatch):
+    assert TfeRunConfig().model_dir is None  # one machine, no TF_CONFIG: Estimator's temporary directory, as ever
+    _as_task(monkeypatch, "evaluator")
+    assert TfeRunConfig().model_dir is None
+    _as_task(monkeypatch, "worker", cluster=IN_GRAPH_CLUSTER)
+    assert TfeRunConfig(cluster_mode="in-graph").model_dir is None
+
+
 def test_an_evaluators_relative_model_dir_resolves_in_its_owners_directory(monkeypatch, tmp_path):
     _as_task(monkeypatch, "evaluator")
     monkeypatch.setenv(model_dir_claim.OWNER_CWD_ENV, str(tmp_path / "chief-0"))

@@ -57,7 +57,7 @@ from typing import Dict, List, Optional, Sequence, TextIO
 from tfe_estimator.cluster.isolation import TF_PORT_BASE, IsolatedCluster
 from tfe_estimator.cluster.model_dir_claim import MODEL_DIR_ENV, OWNER_CWD_ENV
 from tfe_estimator.cluster.peers import IN_GRAPH, SERVICE, validate_mode
-from tfe_estimator.cluster.quiet import task_env
+from tfe_estimator.cluster.quiet import TF_DATA_OPTIONS_WARNING, task_env
 from tfe_estimator.cluster.spec import (LAUNCH_CLUSTER_MODE_ENV, LAUNCH_PROTOCOL_ENV, NUM_TFE_TASKS, TFE_JOB,
                                         STATE_DIR_ENV, TLS_DIR_ENV, TfeCluster, cluster_jobs, cluster_tasks)
 from tfe_estimator.secure.protocols import validate_protocol
@@ -117,7 +117,7 @@ class _DeprecationFilter:
             return False
         if any(noise in line for noise in _BENIGN_NOISE):
             return False
-        if "UserWarning: To make it possible to preserve tf.data options" in line:
+        if f"UserWarning: {TF_DATA_OPTIONS_WARNING}" in line:
             self._skip = 1  # and the `warnings.warn(...)` source line Python prints after it
             return False
         if line.startswith("Instructions for updating"):

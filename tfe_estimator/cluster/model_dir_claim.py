@@ -16,7 +16,9 @@ Where a task's model_dir comes from when the script passes none:
 and the Kubernetes renderer set per task (each owner its own directory, the
 evaluator its owner's: the chief's). A relative model_dir on an evaluator
 resolves against its owner's working directory when the launcher exports it
-as ``TFE_ESTIMATOR_OWNER_CWD`` (`OWNER_CWD_ENV`).
+as ``TFE_ESTIMATOR_OWNER_CWD`` (`OWNER_CWD_ENV`). A data owner in service mode
+with neither is refused (`require_owner_model_dir`): Estimator would train it
+into a fresh temporary directory, and a restart would lose its model.
 
 On a remote filesystem (``gs://``, ``hdfs://``) the claim is a check then a
 write through `tf.io.gfile`, not atomic: two owners starting in the same
@@ -35,7 +37,7 @@ from typing import Mapping, Optional
 from tfe_estimator.cluster.spec import cluster_digest
 
 __all__ = ["CLAIM_FILE", "MODEL_DIR_ENV", "OWNER_CWD_ENV", "DefaultModelDir", "claim_model_dir", "cluster_id",
-           "default_model_dir"]
+           "default_model_dir", "require_owner_model_dir"]
 
 #: The claim file an owner writes into its model_dir.
 CLAIM_FILE = "tfe_owner.json"
@@ -88,6 +90,32 @@ def default_model_dir(model_dir: Optional[str], environ: Optional[Mapping[str, s
                   model_dir, resolved, OWNER_CWD_ENV, owner_cwd)
         return resolved
     return model_dir
+
+
+def require_owner_model_dir(model_dir: Optional[str], owner_name: str) -> None:
+    """Refuses a service-mode data owner `owner_name` (e.g. ``"worker:0"``) that has no model_dir.
+
+    Without one (none passed to `TfeRunConfig`, `MODEL_DIR_ENV` unset) Estimator
+    trains into a new temporary directory: the owner's only copy of the model
+    is lost with it, and a restarted owner can neither resume from its
+    checkpoint nor catch up from the servers' replay window. A model_dir given
+    only to the Estimator does not count: `TfeRunConfig` must know it to claim
+    it (`claim_model_dir`) before anything is written.
+
+    Raises:
+      ValueError: if `model_dir` is empty, naming the owner, the sources of a model_dir and the fix.
+    """
+    if model_dir:
+        return
+    raise ValueError(
+        f"Data owner {owner_name} has no model_dir: TfeRunConfig got no model_dir and {MODEL_DIR_ENV} is not set, "
+        "so Estimator would train into a new temporary directory (/tmp/tmpXXXXXXXX). In service mode each owner's "
+        "model_dir holds its own copy of the model: a restarted owner resumes from its checkpoint there and catches "
+        "up from the servers' replay window; a temporary directory loses both. Pass TfeRunConfig(model_dir=...) "
+        "(e.g. from `python train.py --model-dir hospital-a/model`) or set "
+        f"{MODEL_DIR_ENV}=<this owner's directory> (`tfe-estimator launch` and `tfe-estimator k8s` set it for every "
+        "owner). A model_dir given only to the Estimator is not enough: TfeRunConfig claims this owner's directory "
+        "before anything is written.")
 
 
 def claim_model_dir(model_dir: str, owner_name: str, cluster_id: str) -> None:  # pylint: disable=redefined-outer-name

@@ -171,8 +171,10 @@ class TfeRunConfig(tf.estimator.RunConfig):
 
     Raises:
       ValueError, TypeError: for a bad protocol, precision or num_replicas,
-        a distribute argument, or a TF_CONFIG that cannot run secure
-        aggregation (the message names TF_CONFIG and the fix).
+        a distribute argument, a TF_CONFIG that cannot run secure
+        aggregation (the message names TF_CONFIG and the fix), or a data
+        owner in service mode without a model_dir (neither `model_dir` nor
+        ``TFE_ESTIMATOR_MODEL_DIR``: Estimator would pick a temporary one).
     """
 
     def __init__(
@@ -198,9 +200,10 @@ class TfeRunConfig(tf.estimator.RunConfig):
         settings = TfeSettings(protocol=protocol, precision=precision, num_replicas=num_replicas,
                                clip_norm=clip_norm, dp=dp, update_ring_bits=update_ring_bits,
                                cluster_mode=cluster_mode, step_timeout_secs=step_timeout_secs)
+        kwargs["model_dir"] = model_dir_claim.default_model_dir(kwargs.get("model_dir"))
+        _require_owner_model_dir(settings, kwargs["model_dir"])  # before the kernels load (maybe compile)
         kwargs.update(_distribute_kwargs(settings, kwargs.get("session_config")))
         _default_seed(kwargs)
-        kwargs["model_dir"] = model_dir_claim.default_model_dir(kwargs.get("model_dir"))
         with cluster_lib.tf_config_hidden(isinstance(kwargs["train_distribute"], ServiceStrategy)):
             super().__init__(protocol=grpc_protocol, **kwargs)
         self._tfe_settings = settings
@@ -288,6 +291,18 @@ def _claim_owner_model_dir(config: "TfeRunConfig") -> None:
             config.train_distribute)):
         model_dir_claim.claim_model_dir(config.model_dir, f"{spec.task_type}:{spec.task_index}",
                                         model_dir_claim.cluster_id(spec.jobs))
+
+
+def _require_owner_model_dir(settings: TfeSettings, model_dir: Optional[str]) -> None:
+    """A data owner in service mode needs a model_dir (`model_dir_claim.require_owner_model_dir`).
+
+    One machine without TF_CONFIG, the evaluator and in-graph mode keep Estimator's own default.
+    """
+    spec = cluster_lib.TfeCluster.from_environment()
+    if spec is None or spec.task_type not in cluster_lib.DATA_OWNER_JOBS:
+        return
+    if _cluster_mode(settings.cluster_mode) == peers.SERVICE:
+        model_dir_claim.require_owner_model_dir(model_dir, f"{spec.task_type}:{spec.task_index}")
 
 
 def _say_when_resuming(model_dir: Optional[str]) -> None:

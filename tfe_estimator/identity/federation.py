@@ -292,9 +292,15 @@ class Federation:
                         f"{identity} belongs to {org.id!r}.")
         return None
 
+    def servers_organisation(self) -> Optional[str]:
+        """The organisation that runs both aggregation servers, if one does (then they could collude)."""
+        operators = {self.parties[s].organisation for s in SERVERS if s in self.parties}
+        return operators.pop() if len(operators) == 1 and all(s in self.parties for s in SERVERS) else None
+
     def verify(self, now: Optional[datetime.datetime] = None, expiry_days: float = 7.0) -> List[str]:
         """Problems of the federation itself (empty: fine): CAs that are no CA, expired or expiring, missing
-        servers, one CA claimed by two organisations."""
+        servers, one CA claimed by two organisations, an operator that is also an owner, both servers run by
+        one organisation."""
         now = now or _now()
         problems = []
         by_pem: Dict[bytes, str] = {}
@@ -331,9 +337,8 @@ class Federation:
                         problems.append(f"{owner} and aggregation server {server} belong to one organisation "
                                         f"({self.parties[owner].organisation}): a server operator must not be a "
                                         "data owner.")
-            if all(self.parties.get(s) for s in SERVERS) and \
-                    self.parties[SERVERS[0]].organisation == self.parties[SERVERS[1]].organisation:
-                problems.append(f"both aggregation servers belong to {self.parties[SERVERS[0]].organisation}: the "
+            if self.servers_organisation() is not None:
+                problems.append(f"both aggregation servers belong to {self.servers_organisation()}: the "
                                 "two servers must be run by two organisations that do not collude.")
         return problems
 

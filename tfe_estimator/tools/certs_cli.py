@@ -160,12 +160,15 @@ def run(args: argparse.Namespace) -> int:
         party_cas = {identity: _read(path) for identity, path in _pairs(args.party, "--party").items()}
         federation = Federation.assemble(args.cluster, party_cas, _pairs(args.server, "--server"))
         problems = federation.verify()
+        if problems:  # refused before anything is written: every party's `certs verify` would refuse it too
+            trial = "" if federation.servers_organisation() is None else (
+                " For a trial inside one organisation, `tfe-estimator certs --dir DIR` makes one lab's certificates "
+                "(`tfe-estimator launch` makes its own).")
+            raise ValueError(f"{args.out} not written: " + " ".join(problems) + trial)
         keyfiles.write_public(args.out, federation.dumps().encode("utf-8"))
         print(f"wrote {args.out}: {len(federation.organisations)} organisations, parties "
               f"{', '.join(federation.describe(i) for i in sorted(federation.parties))}")
-        for problem in problems:
-            print(f"warning: {problem}")
-        return 1 if problems else 0
+        return 0
     if command == "verify":
         federation = Federation.load(args.federation)
         problems = federation.verify()

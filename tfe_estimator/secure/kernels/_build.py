@@ -12,7 +12,9 @@ The result is cached per TensorFlow version, Python version and a hash of the
 sources' contents and the flags (`cache_key`; not the checkout's path) under ``$TFE_ESTIMATOR_KERNEL_CACHE`` (default
 ``$XDG_CACHE_HOME/tfe_estimator/kernels`` or ``~/.cache/tfe_estimator/kernels``),
 and built under a file lock: the tasks of a cluster start at the same moment,
-and exactly one of them compiles.
+and exactly one of them compiles. A build takes minutes, so it says so on
+standard error before it starts and when it ends (as does a process that waits
+for another's build): ``tfe-estimator build-kernels`` does it ahead of time.
 
 Example::
 
@@ -31,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from typing import List, Optional
 
 __all__ = ["KernelBuildError", "build", "cache_key", "library_path", "compile_command", "compile_flags", "SOURCE_DIR"]
@@ -40,6 +43,8 @@ log = logging.getLogger("tfe_estimator")
 SOURCE_DIR = pathlib.Path(__file__).parent / "src"
 LIBRARY_NAME = "libtfe_estimator_kernels.so"
 CACHE_ENV = "TFE_ESTIMATOR_KERNEL_CACHE"
+#: About what a build takes on a 2-core machine (g++ 12, TensorFlow 2.15; issue 41): said before each build.
+BUILD_MINUTES = 3
 
 
 class KernelBuildError(RuntimeError):
@@ -131,16 +136,36 @@ def build(force: bool = False) -> pathlib.Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per cache entry; the others wait
+        _lock(lock, target)  # one builder per cache entry; the others wait
         if target.exists() and not force:
             return target
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             partial = pathlib.Path(tmp) / LIBRARY_NAME
             command = compile_command(partial)
+            _say(f"compiling tfe_estimator's kernels for TensorFlow {_tf().__version__} (once per TensorFlow "
+                 f"version, cached in {target.parent}; about {BUILD_MINUTES} minutes on 2 cores; `tfe-estimator "
+                 "build-kernels` does it ahead)")
+            started = time.monotonic()
             _compile(command)
             os.replace(partial, target)  # atomic: a reader sees no half-written file
-    log.info("built the tfe_estimator kernel library %s", target)
+    _say(f"compiled tfe_estimator's kernels in {time.monotonic() - started:.0f} s: {target}")
     return target
+
+
+def _say(line: str) -> None:
+    """One line on standard error, whatever the logging set-up: a silent build looks like a hang."""
+    sys.stderr.write(f"tfe_estimator: {line}\n")
+    sys.stderr.flush()
+
+
+def _lock(lock, target: pathlib.Path) -> None:
+    """Takes the cache entry's build lock; says so when another process holds it (it is compiling)."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        _say(f"waiting for another process to compile tfe_estimator's kernels into {target.parent} (about "
+             f"{BUILD_MINUTES} minutes)")
+        fcntl.flock(lock, fcntl.LOCK_EX)
 
 
 def _compile(command: List[str]) -> None:
