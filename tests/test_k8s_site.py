@@ -372,6 +372,16 @@ def test_the_deployment_pages_commands_render_schema_valid_parts_without_keys(tm
         assert sum(k in own for k in keys) == 1 and set(secret["data"]) == {f"{stem}.crt", f"{stem}.key",
                                                                             "federation.json"}
     assert len(digests) == 1  # the five sites render one cluster
+    # One set of ports: each server's rendered data port is the one step 4 runs it with (`server --data-port`).
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "deployment.md"), encoding="utf-8").read()
+    step4 = dict(re.findall(r'"index\\": (\d)}}" TFE_ESTIMATOR_CLUSTER_MODE=service \\\n'
+                            r'  TFE_ESTIMATOR_TLS_DIR=\S+ tfe-estimator server --data-port (\d+)', text))
+    assert sorted(step4) == ["0", "1"], step4
+    for index, port in step4.items():
+        (deployment,) = [o for o in yaml.safe_load_all((tmp_path / f"tfe-{index}.yaml").read_text())
+                         if o["kind"] == "Deployment"]
+        command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert command[command.index("--data-port") + 1] == port, (index, command)
 
 
 def test_a_party_renders_without_tensorflow(sites, tmp_path):
