@@ -309,6 +309,64 @@ def test_mutation_without_the_budget_one_owner_makes_the_server_hold_more(make_s
     assert peak > 2 * budget, peak
 
 
+def _fresh_channel_puts(service, sizes, deadline_secs=0.4):
+    """The issue's attack, scaled down: chief:0 alone puts a 16-byte key on server0 for step 0 of a fresh channel
+    at ring 128 of each size in `sizes` (every other owner silent: each put waits until its deadline ends it, and
+    its step is aborted), 3 at a time. Returns how much server0's process (this one) grew, by RSS: its peak
+    during the puts and after them, minus before."""
+    chief = service.client("chief", 0)
+    stub = chief._stubs[0]["Contribute"]  # pylint: disable=protected-access
+    before, peak, stop = _rss(), [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.01)
+
+    def put(n):
+        request = wire.encode("ContributeRequest", np.zeros(2, "<i8"), channel=f"fresh-{n}", step=0, ring_bits=128,
+                              num_elements=n)
+        try:
+            stub(request, timeout=deadline_secs)
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED), e
+        time.sleep(0.3)  # the server sees the call ended (it polls every 0.25 s) and aborts the step
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for start in range(0, len(sizes), 3):
+            in_threads([lambda n=n: put(n) for n in sizes[start:start + 3]])
+    finally:
+        stop.set()
+        watcher.join()
+    return peak[0] - before, _rss() - before
+
+
+_FRESH_BUDGET = 128 << 20
+#: Ring 128 sums of 32 MiB and a bit, each a new size: above glibc's largest mmap threshold (32 MiB), so each
+#: buffer is its own mapping and RSS shows exactly the buffers the server holds.
+_FRESH_SIZES = [(1 << 21) + 4096 * k for k in range(1, 13)]
+
+
+def test_one_owners_puts_on_fresh_channels_raise_rss_by_at_most_its_budget(make_service):
+    """RSS, not the budget's counter: the key expansions and the aborted steps' accumulators the server keeps as
+    spares count against the owner whose puts left them, so 12 fresh sizes x 2 buffers of 32 MiB (768 MiB, what
+    server0 kept before) stay within the owner's 128 MiB budget (and a little of everything else)."""
+    service = make_service(owner_names(2), owner_memory_budget_bytes=_FRESH_BUDGET)
+    peak, after = _fresh_channel_puts(service, _FRESH_SIZES)
+    assert peak <= _FRESH_BUDGET + (48 << 20), f"RSS grew by {peak / 2**20:.0f} MiB at its peak"
+    assert after <= _FRESH_BUDGET + (32 << 20), f"RSS grew by {after / 2**20:.0f} MiB and stayed"
+
+
+def test_mutation_spares_charged_to_the_server_let_one_owner_grow_rss_past_its_budget(make_service, monkeypatch):
+    real = buffers.BufferPool.give
+    monkeypatch.setattr(buffers.BufferPool, "give", lambda self, array, owner=None: real(self, array, None))
+    service = make_service(owner_names(2), owner_memory_budget_bytes=_FRESH_BUDGET)
+    _, after = _fresh_channel_puts(service, _FRESH_SIZES)
+    assert after > _FRESH_BUDGET + (32 << 20), f"RSS grew by {after / 2**20:.0f} MiB only"
+
+
 def _steps_with_reused_buffers(service, ring_bits):
     """Five steps of two owners at `ring_bits`, then step 1 again (a replay); returns (answers right, replay
     bit-identical). The servers reuse accumulators and key expansions across the steps (`buffers.BufferPool`)."""
@@ -345,8 +403,8 @@ def test_buffers_reused_across_steps_keep_every_answer_exact_and_stored_answers_
     assert _steps_with_reused_buffers(service, ring_bits) == (True, True)
     server1, server0 = service.servers
     for server in (server0, server1):
-        # The spares are counted in the budget, as the server's own bytes.
-        assert server._pool.held > 0 and server._budget.held(None) == server._pool.held  # pylint: disable=W0212
+        # The spares are counted in the budget (the server's own, or the owner's whose put left them).
+        assert server._pool.held > 0 and server._budget.total == server._pool.held  # pylint: disable=W0212
     assert server0._pool._ready  # server0 prepared the next step's blinded accumulator  # pylint: disable=W0212
 
 
@@ -377,7 +435,7 @@ def test_spare_buffers_give_way_to_a_put_that_needs_the_room(make_service):
 
 
 def test_mutation_spares_kept_under_pressure_refuse_a_put_that_would_fit(make_service, monkeypatch):
-    monkeypatch.setattr(buffers.BufferPool, "reclaim", lambda self: 0)
+    monkeypatch.setattr(buffers.BufferPool, "reclaim", lambda self, owner=None: 0)
     errors = _small_budget_steps(make_service(owner_names(2), memory_budget_bytes=5 * 32768, step_timeout_secs=1.0))
     assert any(isinstance(e, ServiceError) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and
                "--memory-budget-bytes" in e.details for e in errors), errors

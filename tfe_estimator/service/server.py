@@ -355,8 +355,11 @@ class AggregationServer:
                 identity = self._authorize(method, context)
                 return work(identity, request, context, reply)
             except (StepRefused, _Abort) as e:
-                refusal = e
-            context.abort(self._refused(refusal), refusal.message)
+                # only its code and text outlive the block: the refusal's traceback holds the call's frames (a
+                # key's expansion, a received share) and, kept in this frame, would keep them in a reference
+                # cycle until the garbage collector ran, uncounted by the budget
+                code, message = self._refused(e), e.message
+            context.abort(code, message)
             return None  # unreachable: abort raises
 
         return handle
@@ -501,11 +504,11 @@ class AggregationServer:
                 self._unconfirmed.discard((key, released.step))
         return blind
 
-    def _keystream(self, released: Released, key16: bytes, apply) -> None:
-        """``apply(acc, AES(key16))`` on a released step's accumulator (ring.add_into or ring.sub_into)."""
-        stream = ring.keystream_into(key16, self._pool.take(released.acc.size))
-        apply(released.acc, stream, released.ring_bits)
-        self._pool.give(stream)
+    @staticmethod
+    def _keystream(released: Released, key16: bytes, apply) -> None:
+        """``apply(acc, AES(key16))`` on a released step's accumulator (ring.add_into or ring.sub_into), the
+        keystream drawn a block at a time (`ring.keystream_apply`: no second vector of the sum's size)."""
+        ring.keystream_apply(key16, released.acc, released.ring_bits, subtract=apply is ring.sub_into)
 
     def _recover(self, channel: StepChannel, step: int) -> None:
         """Server0, before a put: a step recorded before a restart (`release_log`) that server1 confirms it
@@ -586,7 +589,7 @@ class AggregationServer:
                 finally:
                     self._budget.free(identity, expansion)
                     if self._role == 0 and addend is not None:
-                        self._pool.give(addend)
+                        self._pool.give(addend, identity)  # a spare charged to the owner whose put made it
                     del addend
             finally:
                 self._unhold(channel)
@@ -670,8 +673,9 @@ class AggregationServer:
                 answer = b""
         except (StepRefused, _Abort) as e:
             raise Refused(self._refused(e), e.message) from None
-        # Released (its contribution left the step) or answered from the window (never added): reuse the buffer.
-        self._pool.give(buffer)
+        # Released (its contribution left the step) or answered from the window (never added): reuse the buffer,
+        # a spare charged to the caller whose bytes it held.
+        self._pool.give(buffer, payer)
         return answer, context.replayed
 
     def _send_forward(self, channel: StepChannel, released: Released, digests: str, blind_digest: str) -> None:

@@ -74,6 +74,13 @@ class StepRefused(Exception):
         self.code, self.message = code, message
 
 
+def _fresh(error: StepRefused) -> StepRefused:
+    """A copy of a refusal kept for several callers, to raise: the kept one never gets a traceback, whose frames
+    (a caller's received payload among them) it would keep alive after the call ends, in a reference cycle only
+    the garbage collector breaks (RSS seen above the budget)."""
+    return StepRefused(error.code, error.message)
+
+
 class ReplayLimits:
     """The replay window's bounds, shared by a server's channels: steps per channel, bytes per server."""
 
@@ -119,6 +126,7 @@ class _Open:
     def __init__(self, step: int, acc: np.ndarray, deadline: float, blind: Optional[bytes] = None):
         self.step, self.acc, self.deadline = step, acc, deadline
         self.blind, self.filled = blind, blind is not None
+        self.opener: Optional[str] = None  # the owner charged for the accumulator (None: server0's forward)
         self.parts: Dict[int, bytes] = {}  # participant -> its payload (a key or ring words)
         self.charges: Dict[int, int] = {}  # participant -> bytes reserved for it (its payload, the accumulator)
         self.result: Optional[_Result] = None  # set when released
@@ -271,6 +279,7 @@ class StepChannel:
             ready = self._pool.take_ready(self, self.words)
             acc, blind = ready if ready is not None else (self._pool.take(self.words), None)
             current = self._open[step] = _Open(step, acc, time.monotonic() + self._timeout, blind)
+            current.opener = self._payer(participant)
         if current.filled:
             ring.add_into(current.acc, addend, self.ring_bits)
         else:
@@ -334,7 +343,7 @@ class StepChannel:
         A failed step (server0 could not forward it) leaves the window: the owners may put it again. The
         step's accumulator goes back to the pool: `reply` must not be a view of it (`wire.encode` copies).
         """
-        self._pool.give(released.acc)
+        self._pool.give(released.acc)  # the server's own spare: every participant's put released it
         with self._cond:
             result = released.result
             result.reply, result.error = reply, error
@@ -406,17 +415,17 @@ class StepChannel:
                 result = ticket.replay if ticket.replay is not None else ticket.open.result
                 if result is not None and result.done:
                     if result.error is not None:
-                        raise result.error
+                        raise _fresh(result.error)
                     return result.reply
                 current = ticket.open
                 if current is not None and result is None:
                     if participant in current.dropped:
-                        raise current.dropped[participant]
+                        raise _fresh(current.dropped[participant])
                     if current.aborted is not None:
-                        raise current.aborted
+                        raise _fresh(current.aborted)
                     if time.monotonic() >= current.deadline:
-                        raise self._abort(current, f"it was not complete {self._timeout:g} s after it was opened "
-                                                   f"({TIMEOUT_FLAG})")
+                        raise _fresh(self._abort(current, f"it was not complete {self._timeout:g} s after it was "
+                                                          f"opened ({TIMEOUT_FLAG})"))
                     if not alive():
                         self._abort(current, f"{self._names[participant]}'s call ended (its process stopped or "
                                              "its client gave up) before the step was complete")
@@ -448,12 +457,12 @@ class StepChannel:
                        "owners put the step again. Check that the missing tasks run and reach this server.")
         current.aborted = error
         self._open.pop(current.step, None)
-        self._recycle(current)
         for participant, charge in current.charges.items():
             self._budget.free(self._payer(participant), charge)
             if self._pending.get(participant) == current.step:
                 del self._pending[participant]
         current.charges.clear()
+        self._recycle(current)  # after the charges: the spare is charged to the step's opener again
         self._cond.notify_all()
         return error
 
@@ -486,9 +495,11 @@ class StepChannel:
         self._cond.notify_all()
 
     def _recycle(self, current: _Open) -> None:
-        """An abandoned open step's accumulator back to the pool (its prepared blind key, if any, forgotten)."""
+        """An abandoned open step's accumulator back to the pool, charged to the owner that opened the step (its
+        prepared blind key, if any, forgotten): an owner opening steps that are never released pays for the
+        spares they leave."""
         if current.acc is not None:
-            self._pool.give(current.acc)
+            self._pool.give(current.acc, current.opener)
         current.acc, current.blind = None, None
 
     def wake(self) -> None:
