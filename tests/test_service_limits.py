@@ -10,9 +10,11 @@ In process, loopback: each property beside its mutation (the check disabled: the
   by the process's RSS too: one owner's puts on fresh channels of ever new sizes leave no spares beyond its budget;
 - threads: 48 waiting puts of one owner on fresh channels leave the honest step under 2 s.
 """
+import gc
 import os
 import threading
 import time
+import types
 
 import grpc
 import numpy as np
@@ -75,6 +77,36 @@ def test_a_far_future_step_opens_only_its_own_step_and_its_owners_rewind_clears_
     assert "worker:0's contribution to step 1000000000000000 was dropped by its own rewind" in results[0].details
     np.testing.assert_array_equal(_reveal(results[1]), 2 * np.arange(8))
     np.testing.assert_array_equal(_reveal(results[2]), _reveal(results[1]))
+
+
+def _open_sum_after_a_rewind(remove_part, ring_bits):
+    """Server0's rules: chief:0 and worker:0 put their keys to step 0 of 3 owners, worker:0 rewinds. Returns
+    whether the open step's sum is exactly chief:0's keystream (a sum past one keystream block, 2**17 words)."""
+    n = 70_001
+    words = ring.ring_words(n, ring_bits)
+    channel = steps.StepChannel("c", ring_bits, n, owner_names(3), None, remove_part, steps.ReplayLimits(),
+                                budget_module.MemoryBudget(1 << 30, 1 << 30))
+    keys = [os.urandom(16) for _ in range(2)]
+    for owner, key in enumerate(keys):
+        channel.put(owner, 0, key, ring.keystream_words(key, words))
+    assert channel.rewind(1) == 1
+    return np.array_equal(channel._open[0].acc, ring.keystream_words(keys[0], words))  # pylint: disable=W0212
+
+
+def _server0_remove_part(acc, payload, ring_bits):
+    server0 = types.SimpleNamespace(_role=0)
+    server_module.AggregationServer._remove_part(server0, acc, payload, ring_bits)  # pylint: disable=W0212
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_a_rewound_key_is_subtracted_exactly_from_server0s_open_sum(ring_bits):
+    """Server0 subtracts a rewound owner's key by its keystream drawn a block at a time (no expansion of the sum's
+    size, which the budget would not count); the other owner's part stays."""
+    assert _open_sum_after_a_rewind(_server0_remove_part, ring_bits)
+
+
+def test_mutation_a_rewind_that_leaves_its_part_in_the_sum_is_detected():
+    assert not _open_sum_after_a_rewind(lambda acc, payload, ring_bits: None, 128)
 
 
 def test_one_unreleased_contribution_per_owner_and_channel(make_service):
@@ -314,8 +346,8 @@ def test_mutation_without_the_budget_one_owner_makes_the_server_hold_more(make_s
 def _fresh_channel_puts(service, sizes, deadline_secs=0.4):
     """The issue's attack, scaled down: chief:0 alone puts a 16-byte key on server0 for step 0 of a fresh channel
     at ring 128 of each size in `sizes` (every other owner silent: each put waits until its deadline ends it, and
-    its step is aborted), 3 at a time. Returns how much server0's process (this one) grew, by RSS: its peak
-    during the puts and after them, minus before."""
+    its step is aborted), 3 at a time, with Python's garbage collector off. Returns how much server0's process
+    (this one) grew, by RSS: its peak during the puts and after them, minus before."""
     chief = service.client("chief", 0)
     stub = chief._stubs[0]["Contribute"]  # pylint: disable=protected-access
     before, peak, stop = _rss(), [0], threading.Event()
@@ -336,13 +368,16 @@ def _fresh_channel_puts(service, sizes, deadline_secs=0.4):
 
     watcher = threading.Thread(target=watch)
     watcher.start()
+    gc.disable()  # what the server holds must be freed when its calls end, not whenever the collector runs
     try:
         for start in range(0, len(sizes), 3):
             in_threads([lambda n=n: put(n) for n in sizes[start:start + 3]])
+        after = _rss() - before
     finally:
+        gc.enable()
         stop.set()
         watcher.join()
-    return peak[0] - before, _rss() - before
+    return peak[0] - before, after
 
 
 _FRESH_BUDGET = 128 << 20

@@ -398,7 +398,7 @@ class AggregationServer:
             forwarder = f"{_FORWARDER} (server0's part)" if self._role == 1 else None
             channel = self._channels[key] = StepChannel(
                 request.channel, int(request.ring_bits), int(request.num_elements), self._owners, forwarder,
-                self._addend, self._replay, self._budget, self._timeout, self._pool)
+                self._remove_part, self._replay, self._budget, self._timeout, self._pool)
             if identity is not None:
                 self._created_by[key] = identity
             channel.users += 1
@@ -433,6 +433,14 @@ class AggregationServer:
         if self._role == 0 and len(payload) == ring.KEY_BYTES:
             return ring.keystream_into(payload, out) if out is not None else ring.keystream_words(payload, words)
         return np.frombuffer(payload, "<u8")
+
+    def _remove_part(self, acc: np.ndarray, payload, ring_bits: int) -> None:
+        """Subtracts an owner's payload from a sum (a rewind): server0 its key's keystream, drawn a block at a time
+        (no expansion of the sum's size, which the budget would not count); server1 its ring words."""
+        if self._role == 0 and len(payload) == ring.KEY_BYTES:
+            ring.keystream_apply(payload, acc, ring_bits, subtract=True)
+        else:
+            ring.sub_into(acc, np.frombuffer(payload, "<u8"), ring_bits)
 
     def _prepare(self, channel: StepChannel) -> None:
         """Server0, in the background after a release: the channel's next accumulator, ``-AES(blind)`` under a

@@ -42,7 +42,7 @@ steps, and the fix.
 
 Example::
 
-    channel = StepChannel("grads", 64, 8, ["chief:0", "worker:0"], None, addend_of, ReplayLimits(), budget)
+    channel = StepChannel("grads", 64, 8, ["chief:0", "worker:0"], None, remove_part, ReplayLimits(), budget)
     ticket = channel.put(0, step, payload, addend)   # ticket.released: set if this put completed the step
     if ticket.released is not None:
         channel.finish(ticket.released, reply_bytes)   # after computing the answer, outside the lock
@@ -163,7 +163,9 @@ class StepChannel:
       name: the channel's name; ring_bits, num_elements: its settings (part of its key on the server).
       owners: the owners' identities in configured order (participants 0..N-1).
       forwarder: server1 only: the name of server0's forwarded part (participant N); None on server0.
-      addend_of: ``(payload, words) -> uint64 words`` a payload adds to the sum (to subtract it on a rewind).
+      remove_part: ``(acc, payload, ring_bits)`` subtracts what a payload added to the sum from `acc` (a rewind
+        drops a contribution), in place and without a vector-sized buffer of its own (server0 draws a key's
+        keystream a block at a time: `ring.keystream_apply`).
       replay: the server's `ReplayLimits`; budget: its `MemoryBudget`.
       timeout_secs: how long an open step may wait for its participants before it is aborted.
       pool: the server's `BufferPool` (accumulators reused across steps; server0's prepared ones); default:
@@ -171,14 +173,14 @@ class StepChannel:
     """
 
     def __init__(self, name: str, ring_bits: int, num_elements: int, owners: Sequence[str], forwarder: Optional[str],
-                 addend_of: Callable[[bytes, int], np.ndarray], replay: ReplayLimits, budget: MemoryBudget,
+                 remove_part: Callable[[np.ndarray, bytes, int], None], replay: ReplayLimits, budget: MemoryBudget,
                  timeout_secs: float = 300.0, pool: Optional[BufferPool] = None):
         self.name, self.ring_bits, self.num_elements = name, ring_bits, num_elements
         self.words = ring.ring_words(num_elements, ring_bits)
         #: puts between finding this channel in the server's table and registering in it (the server's lock
         #: guards it): a channel in use is never forgotten as idle
         self.users = 0
-        self._owners, self._addend_of, self._replay, self._budget = list(owners), addend_of, replay, budget
+        self._owners, self._remove_part, self._replay, self._budget = list(owners), remove_part, replay, budget
         self._names = self._owners + ([forwarder] if forwarder else [])
         self._timeout = float(timeout_secs)
         self._pool = pool if pool is not None else BufferPool(budget)
@@ -482,8 +484,7 @@ class StepChannel:
 
     def _drop(self, current: _Open, participant: int, error: StepRefused) -> None:
         """Subtracts one participant's part from an open step (the caller holds the lock); its call gets `error`."""
-        part = self._addend_of(current.parts.pop(participant), self.words)
-        ring.sub_into(current.acc, part, self.ring_bits)
+        self._remove_part(current.acc, current.parts.pop(participant), self.ring_bits)
         self._budget.free(self._payer(participant), current.charges.pop(participant, 0))
         current.digests.pop(participant, None)
         if self._pending.get(participant) == current.step:
