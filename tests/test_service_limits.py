@@ -550,11 +550,11 @@ def test_a_channel_made_for_a_put_is_not_forgotten_before_the_put_registers_in_i
     expanding, go = threading.Event(), threading.Event()
     real = server0._addend  # pylint: disable=protected-access
 
-    def addend(payload, words, out):  # the chief's first key of channel "a" waits between table and put
-        if words == 8 and not expanding.is_set():
+    def addend(payload, out):  # the chief's first key of channel "a" waits between table and put
+        if out.size == 8 and not expanding.is_set():
             expanding.set()
             assert go.wait(10.0)
-        return real(payload, words, out)
+        return real(payload, out)
 
     server0._addend = addend  # pylint: disable=protected-access
 

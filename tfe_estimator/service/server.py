@@ -427,11 +427,11 @@ class AggregationServer:
                          f"for {request.num_elements} elements at ring {request.ring_bits}).")
         return words
 
-    def _addend(self, payload: bytes, words: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """What an owner's payload adds to the sum: server0 its key's keystream (written into `out` if given),
-        server1 its ring words (a view of the payload)."""
+    def _addend(self, payload: bytes, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """What an owner's payload adds to the sum: server0 its key's keystream, written into `out` (a buffer
+        whose bytes the put reserved), server1 its ring words (a view of the payload)."""
         if self._role == 0 and len(payload) == ring.KEY_BYTES:
-            return ring.keystream_into(payload, out) if out is not None else ring.keystream_words(payload, words)
+            return ring.keystream_into(payload, out)
         return np.frombuffer(payload, "<u8")
 
     def _remove_part(self, acc: np.ndarray, payload, ring_bits: int) -> None:
@@ -592,7 +592,7 @@ class AggregationServer:
                 addend = None
                 try:
                     # server0: the key's keystream, outside any lock, into a buffer reused across steps
-                    addend = self._addend(payload, words, self._pool.take(words) if self._role == 0 else None)
+                    addend = self._addend(payload, self._pool.take(words) if self._role == 0 else None)
                     ticket = channel.put(owner, request.step, payload, addend, _digests(context, KEY_METADATA))
                 finally:
                     self._budget.free(identity, expansion)
