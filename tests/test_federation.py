@@ -301,6 +301,85 @@ def test_a_world_writable_key_directory_is_refused(tmp_path):
         keyfiles.write_private(str(shared / "ca.key"), b"secret")
 
 
+def check_a_group_writable_key_directory_is_refused(tmp_path, capsys):
+    """Members of the directory's group could swap the CA key after it is written (umask 002 leaves 0775)."""
+    shared = tmp_path / "group-shared"
+    shared.mkdir()
+    os.chmod(shared, 0o775)
+    with pytest.raises(ValueError, match="writable by its group"):
+        keyfiles.write_private(str(shared / "ca.key"), b"secret")
+    assert cli.main(["certs", "ca", "--org", "x", "--cluster", CLUSTER, "--dir", str(shared)]) == 2
+    err = capsys.readouterr().err
+    assert f"directory {shared} is writable by its group" in err and f"chmod g-w {shared}" in err, err
+    assert not (shared / "ca.key").exists()
+
+
+def test_a_group_writable_key_directory_is_refused(tmp_path, capsys):
+    check_a_group_writable_key_directory_is_refused(tmp_path, capsys)
+
+
+def test_mutation_only_world_writable_directories_refused_is_detected(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(keyfiles.stat, "S_IWGRP", 0)
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        check_a_group_writable_key_directory_is_refused(tmp_path, capsys)
+
+
+def check_sign_uses_only_the_callers_own_private_ca_key(root, tmp_path, capsys):
+    """`certs sign` with a ca.key another user owns, or that others may read, is refused naming the file; the
+    organisation's own private ca.key signs."""
+    ca = tmp_path / "ca"
+    assert cli.main(["certs", "ca", "--org", "hospital-c", "--cluster", CLUSTER, "--dir", str(ca)]) == 0
+    own = tmp_path / "worker-1"
+    assert cli.main(["certs", "request", "--identity", "worker:1", "--org", "hospital-c", "--cluster", CLUSTER,
+                     "--dir", str(own)]) == 0
+    sign = ["certs", "sign", "--ca-dir", str(ca), "--csr", str(own / "worker-1.csr"), "--cluster", CLUSTER]
+    key = ca / "ca.key"
+    capsys.readouterr()
+    for change, expected in ((lambda: os.chown(key, 12345, 12345), f"{key} belongs to uid 12345, not to you"),
+                             (lambda: os.chmod(key, 0o640), f"{key} has mode 0o640: other users may read")):
+        change()
+        assert cli.main(sign) == 2
+        assert expected in capsys.readouterr().err
+        assert not (own / "worker-1.crt").exists()
+        os.chown(key, os.getuid(), os.getgid())
+        os.chmod(key, 0o600)
+    assert cli.main(sign) == 0 and (own / "worker-1.crt").exists()
+
+
+def test_sign_uses_only_the_callers_own_private_ca_key(sites, tmp_path, capsys):
+    check_sign_uses_only_the_callers_own_private_ca_key(sites[0], tmp_path, capsys)
+
+
+def test_mutation_sign_reading_any_ca_key_is_detected(sites, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(keyfiles, "read_private", lambda path: open(path, "rb").read())
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        check_sign_uses_only_the_callers_own_private_ca_key(sites[0], tmp_path, capsys)
+
+
+def test_certs_verify_prints_the_sha256_of_the_file_and_of_each_certificate(sites, capsys):
+    """What two sites read to each other before installing: computed here with hashlib from the DER bytes (as
+    ``openssl x509 -fingerprint -sha256``) and from the file's bytes."""
+    import hashlib  # pylint: disable=import-outside-toplevel
+    import ssl  # pylint: disable=import-outside-toplevel
+
+    root, _ = sites
+    fed, own = root / "federation.json", root / "hospital-b" / "worker-0"
+    capsys.readouterr()
+    assert cli.main(["certs", "verify", "--federation", str(fed), "--dir", str(own), "--identity", "worker:0"]) == 0
+    out = capsys.readouterr().out
+
+    def sha256(pem):
+        digest = hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem.decode("ascii"))).hexdigest().upper()
+        return ":".join(digest[i:i + 2] for i in range(0, len(digest), 2))
+
+    assert f"{fed}: file SHA-256 {hashlib.sha256(fed.read_bytes()).hexdigest()}" in out, out
+    for org, (identity, name) in PARTIES.items():
+        ca_pem = (root / org / "ca" / "ca.crt").read_bytes()
+        assert f"organisation {org} ({name}): CA certificate SHA-256 {sha256(ca_pem)}" in out, out
+    cert = own / "worker-0.crt"
+    assert f"worker:0: certificate {cert} SHA-256 {sha256(cert.read_bytes())}" in out, out
+
+
 # ------------------------------------------------------------ expiry --
 
 def test_a_certificate_expiring_soon_is_named_with_its_date(tmp_path, caplog):

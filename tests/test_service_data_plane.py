@@ -20,8 +20,11 @@ Regressions of bugs found here (each fixed in e1eac16 or 6509134): a malformed h
 large payload read by its caller, a forward that timed out never sent again, a stopped server ending the
 handshakes in progress, outsiders holding every handshake slot not stopping the owners.
 """
+import datetime
+import json
 import os
 import select
+import shutil
 import socket
 import ssl
 import threading
@@ -40,8 +43,9 @@ from tfe_estimator.cluster import certs
 from tfe_estimator.identity import federation as federation_lib
 from tfe_estimator.service import TlsFiles, budget as budget_module, data_plane, frames, ring, wire
 from tfe_estimator.service import server as server_module
+from tfe_estimator.service import tls as tls_module
 from tfe_estimator.service.data_link import DataLink, LinkError
-from tfe_estimator.service.tls import server_name
+from tfe_estimator.service.tls import server_name, server_name_option
 
 MESSAGES = wire.messages()
 QUICK = 1.0  # how long a refusal may take (it is answered at once; a read payload would wait for bytes never sent)
@@ -350,8 +354,7 @@ def test_a_foreign_certificate_past_tls_is_refused_by_the_federation_check(make_
 
 
 def test_mutation_the_federation_check_skipped_on_the_data_plane_is_detected(make_service, cert_dirs, monkeypatch):
-    real = data_plane.ssl_peer
-    monkeypatch.setattr(data_plane, "ssl_peer", lambda tls, conn: (real(tls, conn)[0], None))
+    monkeypatch.setattr(tls_module.SslPeer, "problem", lambda self, now=None: None)
     _detects(check_a_foreign_certificate_past_tls_is_refused_by_the_federation_check, make_service, cert_dirs,
              monkeypatch)
 
@@ -454,7 +457,7 @@ class _TlsOrPlaintext:
 def test_mutation_a_data_plane_serving_plaintext_too_is_detected(make_service, cert_dirs, monkeypatch):
     real_context, real_peer = data_plane.DataPlane._ssl_context, data_plane.ssl_peer  # pylint: disable=W0212
     monkeypatch.setattr(data_plane.DataPlane, "_ssl_context", lambda self: _TlsOrPlaintext(real_context(self)))
-    monkeypatch.setattr(data_plane, "ssl_peer", lambda tls, conn: ("chief:0", None)
+    monkeypatch.setattr(data_plane, "ssl_peer", lambda tls, conn: _Fixed(tls, "chief:0", None)
                         if isinstance(conn, _PlainConnection) else real_peer(tls, conn))
     _detects(check_tls_refuses_callers_without_a_certificate_of_ours, make_service, cert_dirs)
 
@@ -492,8 +495,15 @@ def test_mutation_owners_allowed_to_forward_on_the_data_plane_is_detected(make_s
 
 
 def test_mutation_identity_fixed_to_an_owner_on_the_data_plane_is_detected(make_service, cert_dirs, monkeypatch):
-    monkeypatch.setattr(data_plane, "ssl_peer", lambda tls, conn: ("chief:0", None))
+    monkeypatch.setattr(data_plane, "ssl_peer", lambda tls, conn: _Fixed(tls, "chief:0", None))
     _detects(check_valid_non_owners_may_not_contribute_and_owners_may_not_forward, make_service, cert_dirs)
+
+
+class _Fixed(tls_module.SslPeer):
+    """The leak: the caller is chief:0, whatever its certificate says."""
+
+    def problem(self, now=None):
+        return None
 
 
 def check_an_owner_puts_only_as_itself(make_service, dirs):
@@ -1084,3 +1094,141 @@ def test_calls_that_start_together_wait_for_the_one_asking_for_the_port_and_all_
     links = in_threads([lambda: plane.get(timeout=5.0), lambda: (time.sleep(0.2), plane.get(timeout=5.0))[1]])
     assert links[0] is not None and links[1] is links[0] and len(asked) == 1
     plane.close()
+
+
+# ------------------------------------------------------------ identity on every call --
+# An owner's organisation removed from the servers' federation file, or its certificate expiring, ends its calls
+# on connections it already holds: the next call on either port is refused (gRPC and the data plane alike).
+
+def _revocable_server1(root):
+    """server1 of a fresh federation under `root` (its own copy of the federation file: the one to edit)."""
+    make_federation(root, {"tfe:0": ("localhost", portpicker.pick_unused_port()),
+                           "tfe:1": ("localhost", portpicker.pick_unused_port())})
+    tls = TlsFiles.from_dir(str(root / "operator-y" / "tfe-1"), "tfe", 1)
+    server1 = server_module.AggregationServer(1, "localhost:0", ["chief:0", "worker:0"], tls, step_timeout_secs=5.0,
+                                              data_address="localhost:0")
+    return server1, server1.start()
+
+
+class _OpenConnections:
+    """worker:0 (of `own`) holding one gRPC channel and one data-plane connection to server1; `call()` makes one
+    call on each: ``(gRPC status code, data-plane reply)`` (a ring-48 put: INVALID_ARGUMENT once the caller is
+    authenticated; no payload, so the data plane keeps the connection open after answering it)."""
+
+    def __init__(self, server1, port, own):
+        self._options = [server_name_option(own, 1)]
+        self._channel = grpc.secure_channel(f"localhost:{port}", own.channel_credentials(1), options=self._options)
+        self._stub = self._channel.unary_unary(wire.method_path("Contribute"))
+        self.raw = _Raw(server1._data_plane.port, None)  # pylint: disable=protected-access
+        self.raw.sock = own.ssl_client_context(1).wrap_socket(self.raw.sock, server_hostname=server_name(own, 1))
+
+    def call(self):
+        request = MESSAGES["ContributeRequest"](channel="c", step=0, ring_bits=48, num_elements=4)
+        try:
+            self._stub(request.SerializeToString(), timeout=5.0)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = (e.code(), e.details())
+        self.raw.send(_frame("Contribute", ring_bits=48, n=4, payload=b""))
+        return code, self.raw.reply()
+
+    def close(self):
+        self._channel.close()
+        self.raw.close()
+
+
+def _accepted(calls):
+    (code, _), reply = calls.call()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, code
+    assert "Contribute of worker:0" in _refused(reply, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def _refused_on_both_ports(calls, why):
+    (code, details), reply = calls.call()
+    assert code == grpc.StatusCode.UNAUTHENTICATED and why in details, (code, details)
+    text = _refused(reply, grpc.StatusCode.UNAUTHENTICATED)
+    assert why in text and "identity is checked on every call" in text, text
+    assert calls.raw.reply(timeout=5.0) == "closed", "the data plane kept the connection of a refused identity open"
+
+
+def check_an_organisation_removed_from_the_federation_is_refused_on_open_connections(root):
+    server1, port = _revocable_server1(root)
+    own = TlsFiles.from_dir(str(root / "hospital-b" / "worker-0"), "worker", 0)
+    calls = _OpenConnections(server1, port, own)
+    try:
+        _accepted(calls)
+        _accepted(calls)
+        # The operator removes Hospital B (worker:0's organisation) from server1's federation file.
+        trust = server1._tls.ca  # pylint: disable=protected-access
+        data = federation_lib.Federation.load(trust).to_dict()
+        del data["organisations"]["hospital-b"], data["parties"]["worker:0"]
+        with open(trust + ".new", "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(trust + ".new", trust)
+        _refused_on_both_ports(calls, "worker:0 is not a party of federation file")
+    finally:
+        calls.close()
+        server1.stop(0)
+
+
+def test_an_organisation_removed_from_the_federation_is_refused_on_open_connections(tmp_path):
+    check_an_organisation_removed_from_the_federation_is_refused_on_open_connections(tmp_path)
+
+
+def _checked_once_per_connection(real):
+    """The leak: a connection's first answer is kept for good (the check made only when it opened)."""
+    def problem(self, now=None):
+        if not hasattr(self, "_first"):
+            self._first = real(self, now)  # pylint: disable=protected-access
+        return self._first  # pylint: disable=protected-access
+    return problem
+
+
+def _checked_once_per_identity(real):
+    """The leak on gRPC: the first answer for an identity is kept for good."""
+    seen = {}
+    return lambda tls, identity, context: seen.setdefault(identity, real(tls, identity, context))
+
+
+def test_mutation_the_data_plane_checking_identity_only_at_connect_is_detected(tmp_path, monkeypatch):
+    monkeypatch.setattr(tls_module.SslPeer, "problem", _checked_once_per_connection(tls_module.SslPeer.problem))
+    _detects(check_an_organisation_removed_from_the_federation_is_refused_on_open_connections, tmp_path)
+
+
+def test_mutation_grpc_checking_identity_once_is_detected(tmp_path, monkeypatch):
+    monkeypatch.setattr(server_module, "check_peer", _checked_once_per_identity(server_module.check_peer))
+    _detects(check_an_organisation_removed_from_the_federation_is_refused_on_open_connections, tmp_path)
+
+
+_EXPIRES_IN = 3.0  # seconds: the short-lived certificate's life left when it connects
+
+
+def check_a_certificate_that_expires_is_refused_on_open_connections(root):
+    server1, port = _revocable_server1(root)
+    # worker:0 gets a certificate from its own organisation's CA that expires in a few seconds.
+    ca, own = root / "hospital-b" / "ca", root / "short-lived"
+    own.mkdir()
+    key, csr = certs.make_key_and_csr("worker", 0, "hospital-b", FEDERATION_CLUSTER)
+    start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1, seconds=-_EXPIRES_IN)
+    (own / "worker-0.crt").write_bytes(certs.sign_csr(csr, (ca / "ca.crt").read_bytes(), (ca / "ca.key").read_bytes(),
+                                                      FEDERATION_CLUSTER, validity_days=1, not_before=start))
+    (own / "worker-0.key").write_bytes(key)
+    shutil.copy(root / "hospital-b" / "worker-0" / "federation.json", own)
+    calls = _OpenConnections(server1, port, TlsFiles.from_dir(str(own), "worker", 0))
+    try:
+        _accepted(calls)
+        time.sleep(max(0.0, (start + datetime.timedelta(days=1) - datetime.datetime.now(
+            datetime.timezone.utc)).total_seconds()) + 1.0)
+        _refused_on_both_ports(calls, "the certificate of worker:0 is valid from")
+    finally:
+        calls.close()
+        server1.stop(0)
+
+
+def test_a_certificate_that_expires_is_refused_on_open_connections(tmp_path):
+    check_a_certificate_that_expires_is_refused_on_open_connections(tmp_path)
+
+
+def test_mutation_the_data_plane_checking_expiry_only_at_connect_is_detected(tmp_path, monkeypatch):
+    monkeypatch.setattr(tls_module.SslPeer, "problem", _checked_once_per_connection(tls_module.SslPeer.problem))
+    _detects(check_a_certificate_that_expires_is_refused_on_open_connections, tmp_path)

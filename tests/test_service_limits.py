@@ -6,12 +6,15 @@ In process, loopback: each property beside its mutation (the check disabled: the
 - a released step is replayed from the window (its payload never added, nothing released twice); older ones are
   refused naming the window's flag;
 - a timed-out step is aborted for everyone: an abandoned contribution is never returned to anyone;
-- memory: one owner cannot make a server hold more than its budget (RESOURCE_EXHAUSTED naming the flag);
+- memory: one owner cannot make a server hold more than its budget (RESOURCE_EXHAUSTED naming the flag), measured
+  by the process's RSS too: one owner's puts on fresh channels of ever new sizes leave no spares beyond its budget;
 - threads: 48 waiting puts of one owner on fresh channels leave the honest step under 2 s.
 """
+import gc
 import os
 import threading
 import time
+import types
 
 import grpc
 import numpy as np
@@ -21,6 +24,7 @@ from service_helpers import cert_dirs, in_threads, make_service, owner_names  # 
 from tfe_estimator.service import ServiceError, ring, steps, wire
 from tfe_estimator.service import budget as budget_module
 from tfe_estimator.service import buffers
+from tfe_estimator.service import server as server_module
 
 
 def _mask(x):
@@ -73,6 +77,36 @@ def test_a_far_future_step_opens_only_its_own_step_and_its_owners_rewind_clears_
     assert "worker:0's contribution to step 1000000000000000 was dropped by its own rewind" in results[0].details
     np.testing.assert_array_equal(_reveal(results[1]), 2 * np.arange(8))
     np.testing.assert_array_equal(_reveal(results[2]), _reveal(results[1]))
+
+
+def _open_sum_after_a_rewind(remove_part, ring_bits):
+    """Server0's rules: chief:0 and worker:0 put their keys to step 0 of 3 owners, worker:0 rewinds. Returns
+    whether the open step's sum is exactly chief:0's keystream (a sum past one keystream block, 2**17 words)."""
+    n = 70_001
+    words = ring.ring_words(n, ring_bits)
+    channel = steps.StepChannel("c", ring_bits, n, owner_names(3), None, remove_part, steps.ReplayLimits(),
+                                budget_module.MemoryBudget(1 << 30, 1 << 30))
+    keys = [os.urandom(16) for _ in range(2)]
+    for owner, key in enumerate(keys):
+        channel.put(owner, 0, key, ring.keystream_words(key, words))
+    assert channel.rewind(1) == 1
+    return np.array_equal(channel._open[0].acc, ring.keystream_words(keys[0], words))  # pylint: disable=W0212
+
+
+def _server0_remove_part(acc, payload, ring_bits):
+    server0 = types.SimpleNamespace(_role=0)
+    server_module.AggregationServer._remove_part(server0, acc, payload, ring_bits)  # pylint: disable=W0212
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_a_rewound_key_is_subtracted_exactly_from_server0s_open_sum(ring_bits):
+    """Server0 subtracts a rewound owner's key by its keystream drawn a block at a time (no expansion of the sum's
+    size, which the budget would not count); the other owner's part stays."""
+    assert _open_sum_after_a_rewind(_server0_remove_part, ring_bits)
+
+
+def test_mutation_a_rewind_that_leaves_its_part_in_the_sum_is_detected():
+    assert not _open_sum_after_a_rewind(lambda acc, payload, ring_bits: None, 128)
 
 
 def test_one_unreleased_contribution_per_owner_and_channel(make_service):
@@ -309,6 +343,95 @@ def test_mutation_without_the_budget_one_owner_makes_the_server_hold_more(make_s
     assert peak > 2 * budget, peak
 
 
+def _fresh_channel_puts(service, sizes, deadline_secs=0.4):
+    """The issue's attack, scaled down: chief:0 alone puts a 16-byte key on server0 for step 0 of a fresh channel
+    at ring 128 of each size in `sizes` (every other owner silent: each put waits until its deadline ends it, and
+    its step is aborted), 3 at a time, with Python's garbage collector off. Returns how much server0's process
+    (this one) grew, by RSS: its peak during the puts and after them, minus before."""
+    chief = service.client("chief", 0)
+    stub = chief._stubs[0]["Contribute"]  # pylint: disable=protected-access
+    before, peak, stop = _rss(), [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.01)
+
+    def put(n):
+        request = wire.encode("ContributeRequest", np.zeros(2, "<i8"), channel=f"fresh-{n}", step=0, ring_bits=128,
+                              num_elements=n)
+        try:
+            stub(request, timeout=deadline_secs)
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED), e
+        time.sleep(0.3)  # the server sees the call ended (it polls every 0.25 s) and aborts the step
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    gc.disable()  # what the server holds must be freed when its calls end, not whenever the collector runs
+    try:
+        for start in range(0, len(sizes), 3):
+            in_threads([lambda n=n: put(n) for n in sizes[start:start + 3]])
+        after = _rss() - before
+    finally:
+        gc.enable()
+        stop.set()
+        watcher.join()
+    return peak[0] - before, after
+
+
+_FRESH_BUDGET = 128 << 20
+#: Ring 128 sums of 32 MiB and a bit, each a new size: above glibc's largest mmap threshold (32 MiB), so each
+#: buffer is its own mapping and RSS shows exactly the buffers the server holds.
+_FRESH_SIZES = [(1 << 21) + 4096 * k for k in range(1, 13)]
+
+
+def test_one_owners_puts_on_fresh_channels_raise_rss_by_at_most_its_budget(make_service):
+    """RSS, not the budget's counter: the key expansions and the aborted steps' accumulators the server keeps as
+    spares count against the owner whose puts left them, so 12 fresh sizes x 2 buffers of 32 MiB (768 MiB, what
+    server0 kept before) stay within the owner's 128 MiB budget (and a little of everything else)."""
+    service = make_service(owner_names(2), owner_memory_budget_bytes=_FRESH_BUDGET)
+    check_fresh_channel_puts_stay_within_the_owner_budget(service)
+
+
+def check_fresh_channel_puts_stay_within_the_owner_budget(service):
+    peak, after = _fresh_channel_puts(service, _FRESH_SIZES)
+    assert peak <= _FRESH_BUDGET + (32 << 20), f"RSS grew by {peak / 2**20:.0f} MiB at its peak"
+    assert after <= _FRESH_BUDGET + (32 << 20), f"RSS grew by {after / 2**20:.0f} MiB and stayed"
+
+
+def _handler_keeping_the_refusal(self, method):
+    """The leak: the handler keeps the refusal in its frame (its traceback holds the call's frames, a refused key's
+    expansion among them, in a reference cycle until the garbage collector runs)."""
+    work = {"Contribute": self._contribute, "Handshake": self._handshake, "Rewind": self._rewind,
+            "ForwardBlinded": self._forwarded, "DataPlane": self._data_port}[method.name]
+    reply = wire.messages()[method.reply]
+
+    def handle(request, context):
+        try:
+            return work(self._authorize(method, context), request, context, reply)
+        except (steps.StepRefused, server_module._Abort) as e:  # pylint: disable=protected-access
+            refusal = e
+        context.abort(self._refused(refusal), refusal.message)
+
+    return handle
+
+
+def test_mutation_refusals_kept_with_their_frames_grow_rss_past_the_budget(make_service, monkeypatch):
+    monkeypatch.setattr(server_module.AggregationServer, "_handler", _handler_keeping_the_refusal)
+    service = make_service(owner_names(2), owner_memory_budget_bytes=_FRESH_BUDGET)
+    with pytest.raises(AssertionError, match="at its peak"):
+        check_fresh_channel_puts_stay_within_the_owner_budget(service)
+
+
+def test_mutation_spares_charged_to_the_server_let_one_owner_grow_rss_past_its_budget(make_service, monkeypatch):
+    real = buffers.BufferPool.give
+    monkeypatch.setattr(buffers.BufferPool, "give", lambda self, array, owner=None: real(self, array, None))
+    service = make_service(owner_names(2), owner_memory_budget_bytes=_FRESH_BUDGET)
+    _, after = _fresh_channel_puts(service, _FRESH_SIZES)
+    assert after > _FRESH_BUDGET + (32 << 20), f"RSS grew by {after / 2**20:.0f} MiB only"
+
+
 def _steps_with_reused_buffers(service, ring_bits):
     """Five steps of two owners at `ring_bits`, then step 1 again (a replay); returns (answers right, replay
     bit-identical). The servers reuse accumulators and key expansions across the steps (`buffers.BufferPool`)."""
@@ -345,8 +468,8 @@ def test_buffers_reused_across_steps_keep_every_answer_exact_and_stored_answers_
     assert _steps_with_reused_buffers(service, ring_bits) == (True, True)
     server1, server0 = service.servers
     for server in (server0, server1):
-        # The spares are counted in the budget, as the server's own bytes.
-        assert server._pool.held > 0 and server._budget.held(None) == server._pool.held  # pylint: disable=W0212
+        # The spares are counted in the budget (the server's own, or the owner's whose put left them).
+        assert server._pool.held > 0 and server._budget.total == server._pool.held  # pylint: disable=W0212
     assert server0._pool._ready  # server0 prepared the next step's blinded accumulator  # pylint: disable=W0212
 
 
@@ -377,7 +500,7 @@ def test_spare_buffers_give_way_to_a_put_that_needs_the_room(make_service):
 
 
 def test_mutation_spares_kept_under_pressure_refuse_a_put_that_would_fit(make_service, monkeypatch):
-    monkeypatch.setattr(buffers.BufferPool, "reclaim", lambda self: 0)
+    monkeypatch.setattr(buffers.BufferPool, "reclaim", lambda self, owner=None: 0)
     errors = _small_budget_steps(make_service(owner_names(2), memory_budget_bytes=5 * 32768, step_timeout_secs=1.0))
     assert any(isinstance(e, ServiceError) and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and
                "--memory-budget-bytes" in e.details for e in errors), errors
@@ -427,11 +550,11 @@ def test_a_channel_made_for_a_put_is_not_forgotten_before_the_put_registers_in_i
     expanding, go = threading.Event(), threading.Event()
     real = server0._addend  # pylint: disable=protected-access
 
-    def addend(payload, words, out):  # the chief's first key of channel "a" waits between table and put
-        if words == 8 and not expanding.is_set():
+    def addend(payload, out):  # the chief's first key of channel "a" waits between table and put
+        if out.size == 8 and not expanding.is_set():
             expanding.set()
             assert go.wait(10.0)
-        return real(payload, words, out)
+        return real(payload, out)
 
     server0._addend = addend  # pylint: disable=protected-access
 

@@ -43,7 +43,7 @@ from tfe_estimator.validation import check_int
 
 __all__ = ["make_ca", "make_key_and_csr", "sign_csr", "make_cluster_certs", "task_name", "task_dns_name",
            "task_uri", "identity_of_common_name", "certificate_identity", "ca_organisation", "load_certificate",
-           "key_matches",
+           "key_matches", "fingerprint",
            "CA_CERT", "CA_KEY", "DEFAULT_VALIDITY_DAYS"]
 
 _LOG = logging.getLogger("tfe_estimator")
@@ -105,6 +105,18 @@ def key_matches(key_pem: bytes, cert_pem: bytes) -> bool:
     """Whether the private key `key_pem` belongs to the certificate `cert_pem`."""
     key = serialization.load_pem_private_key(key_pem, password=None)
     return _public_der(key.public_key()) == _public_der(load_certificate(cert_pem, "the certificate").public_key())
+
+
+def fingerprint(cert_pem: bytes, source: str = "the certificate") -> str:
+    """The certificate's SHA-256 fingerprint as ``openssl x509 -noout -fingerprint -sha256`` prints it
+    (``AB:CD:...``, of its DER bytes): what two sites read to each other to compare out of band.
+
+    Example::
+
+        print(f"SHA-256 {fingerprint(ca_pem)}")
+    """
+    digest = load_certificate(cert_pem, source).fingerprint(hashes.SHA256())
+    return ":".join(f"{b:02X}" for b in digest)
 
 
 def ca_organisation(cert: x509.Certificate) -> Tuple[Optional[str], str]:

@@ -8,8 +8,12 @@ counts two words per element). A reservation that would pass either limit is
 refused with ``RESOURCE_EXHAUSTED`` naming the limit, what holds it and the
 flag that raises it, so one owner cannot exhaust a server (the others' steps
 keep their share of the budget). Spare buffers the server keeps across steps
-(`buffers.BufferPool`) are held for owner None; a reservation that does not fit
-first drops them (`MemoryBudget.reclaim`), so they never cause a refusal.
+(`buffers.BufferPool`) stay charged to the owner whose put left them (an
+expansion, a received share, the accumulator of a step it opened that was
+aborted), to owner None when a release left them (every owner's doing); a
+reservation that does not fit first drops the spares charged to whoever hit
+the limit (`MemoryBudget.reclaim`), so they never cause a refusal, and one
+owner's puts cannot make the server hold more than its budget in spares.
 
 Example::
 
@@ -20,10 +24,12 @@ Example::
 import threading
 from typing import Callable, Dict, Optional
 
-__all__ = ["MemoryBudget", "BudgetExceeded", "SERVER_FLAG", "OWNER_FLAG"]
+__all__ = ["MemoryBudget", "BudgetExceeded", "SERVER_FLAG", "OWNER_FLAG", "EVERYONE"]
 
 SERVER_FLAG = "--memory-budget-bytes"
 OWNER_FLAG = "--owner-memory-budget-bytes"
+#: What `MemoryBudget.reclaim` is asked to free when the server's limit (not one owner's) was hit.
+EVERYONE = "*"
 
 
 class BudgetExceeded(Exception):
@@ -53,9 +59,10 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._held: Dict[Optional[str], int] = {}
         self.total = 0
-        #: Called (outside the lock) when a reservation does not fit: frees what the server keeps only to be
-        #: fast (spare buffers) and returns the bytes freed; the reservation is then tried once more.
-        self.reclaim: Optional[Callable[[], int]] = None
+        #: Called (outside the lock) when a reservation does not fit: ``reclaim(owner)`` frees what the server
+        #: keeps only to be fast (spare buffers) charged to `owner` (`EVERYONE`: all of them, when the server's
+        #: limit was hit) and returns the bytes freed; the reservation is then tried once more.
+        self.reclaim: Optional[Callable[[Optional[str]], int]] = None
 
     def held(self, owner: Optional[str]) -> int:
         """Bytes held for `owner` (None: the server's own parts, e.g. server0's forwarded part on server1)."""
@@ -65,14 +72,17 @@ class MemoryBudget:
     def reserve(self, owner: Optional[str], nbytes: int, what: str, reclaim: bool = True) -> None:
         """Reserves `nbytes` for `owner` (None: counted against the server's limit only) or raises `BudgetExceeded`.
 
-        With `reclaim` (default), a reservation that does not fit calls `self.reclaim` (if set) and tries again.
+        With `reclaim` (default), a reservation that does not fit calls `self.reclaim` (if set) for the spares
+        charged to whoever hit the limit (the owner, or `EVERYONE` for the server's) and tries again.
         """
-        try:
-            self._reserve(owner, int(nbytes), what)
-        except BudgetExceeded as e:
-            if not (reclaim and e.whole) or self.reclaim is None or not self.reclaim():
-                raise
-            self._reserve(owner, int(nbytes), what)
+        for attempt in range(3):  # the owner's spares may free its limit, and the server's then be the one hit
+            try:
+                self._reserve(owner, int(nbytes), what)
+                return
+            except BudgetExceeded as e:
+                if attempt == 2 or not reclaim or self.reclaim is None or \
+                        not self.reclaim(EVERYONE if e.whole else owner):
+                    raise
 
     def _reserve(self, owner: Optional[str], nbytes: int, what: str) -> None:
         with self._lock:

@@ -5,10 +5,15 @@ vectors of the sum's size (80 MB at 1e7 parameters). Allocating them afresh
 every step costs more than the arithmetic (the kernel maps and zeroes every
 page again), so a released step hands its buffers back here and the next step
 of that size takes them. A buffer in use is charged to whoever the put charges
-(`steps.StepChannel`, the key expansion in `server.py`); a spare one here is
-charged to the server itself (``MemoryBudget`` owner None) and is dropped when
-that charge does not fit, or when a put needs the room (`MemoryBudget.reclaim`
-calls `BufferPool.reclaim`), so spares never make the server refuse a put.
+(`steps.StepChannel`, the key expansion in `server.py`); a spare one here stays
+charged to the owner whose put left it (`give`'s `owner`: its key expansion,
+its received share, the accumulator of a step it opened that was aborted), or
+to the server itself (owner None) when a release left it. A spare is dropped
+when that charge does not fit, or when a reservation of its owner (or, at the
+server's limit, of anyone) needs the room (`MemoryBudget.reclaim` calls
+`BufferPool.reclaim`), so spares never make the server refuse a put, and one
+owner's puts of ever new sizes cannot fill the server with spares beyond that
+owner's budget.
 
 A buffer comes out with stale contents: its taker overwrites it (the first
 put copies into an accumulator, a keystream is written over).
@@ -25,14 +30,14 @@ Example::
     pool = BufferPool(budget)
     acc = pool.take(words)        # uninitialised uint64[words]
     ...
-    pool.give(acc)                # kept (charged to the server) or dropped
+    pool.give(acc, "worker:0")    # kept (charged to worker:0) or dropped
 """
 import threading
 from typing import Dict, Hashable, List, Optional, Tuple
 
 import numpy as np
 
-from tfe_estimator.service.budget import BudgetExceeded, MemoryBudget
+from tfe_estimator.service.budget import EVERYONE, BudgetExceeded, MemoryBudget
 
 __all__ = ["BufferPool"]
 
@@ -49,37 +54,38 @@ class BufferPool:
     def __init__(self, budget: MemoryBudget, per_size: int = 4):
         self._budget, self._per_size = budget, int(per_size)
         self._lock = threading.Lock()
-        self._spares: Dict[int, List[np.ndarray]] = {}
+        self._spares: Dict[int, List[Tuple[np.ndarray, Optional[str]]]] = {}  # size -> [(spare, charged to)]
         self._ready: Dict[Hashable, Tuple[np.ndarray, bytes]] = {}  # channel -> (acc = -AES(blind), blind)
-        self.held = 0  # bytes of spares (reserved in the budget for owner None)
+        self.held = 0  # bytes of spares and stocked accumulators (reserved in the budget)
 
     def take(self, words: int) -> np.ndarray:
         """A writable contiguous uint64[words] with stale contents: a spare if one fits, else a new one."""
         with self._lock:
             spares = self._spares.get(int(words))
-            array = spares.pop() if spares else None
+            array, owner = spares.pop() if spares else (None, None)
             if array is not None:
                 self.held -= array.nbytes
         if array is None:
             return np.empty(int(words), np.uint64)
-        self._budget.free(None, array.nbytes)
+        self._budget.free(owner, array.nbytes)
         return array
 
-    def give(self, array: np.ndarray) -> None:
-        """Keeps `array` for a later `take` of its size, if the server's budget has room; else drops it."""
+    def give(self, array: np.ndarray, owner: Optional[str] = None) -> None:
+        """Keeps `array` for a later `take` of its size, charged to `owner` (None: the server's own, a release
+        left it), if that budget has room; else drops it."""
         if not isinstance(array, np.ndarray) or array.dtype != np.uint64 or array.base is not None or \
                 not array.flags.writeable or not array.flags.c_contiguous:
             return  # only buffers this pool could have made (a view of received bytes is never kept)
         with self._lock:
             spares = self._spares.setdefault(array.size, [])
-            if len(spares) >= self._per_size or any(s is array for s in spares):
+            if len(spares) >= self._per_size or any(s is array for s, _ in spares):
                 return
             try:
-                self._budget.reserve(None, array.nbytes, f"a spare buffer of {array.size} ring words",
+                self._budget.reserve(owner, array.nbytes, f"a spare buffer of {array.size} ring words",
                                      reclaim=False)  # never drop spares to keep one
             except BudgetExceeded:
                 return
-            spares.append(array)
+            spares.append((array, owner))
             self.held += array.nbytes
 
     def stock(self, holder: Hashable, array: np.ndarray, blind: bytes) -> bool:
@@ -117,10 +123,24 @@ class BufferPool:
         if ready is not None:
             self._budget.free(None, ready[0].nbytes)
 
-    def reclaim(self) -> int:
-        """Drops every spare and stocked accumulator; returns the bytes it gave back to the budget."""
+    def reclaim(self, owner: Optional[str] = EVERYONE) -> int:
+        """Drops the spares charged to `owner` (`budget.EVERYONE`: every spare and stocked accumulator);
+        returns the bytes it gave back to the budget."""
+        freed: Dict[Optional[str], int] = {}
         with self._lock:
-            freed, self._spares, self._ready, self.held = self.held, {}, {}, 0
-        if freed:
-            self._budget.free(None, freed)
-        return freed
+            for size, spares in self._spares.items():
+                kept = []
+                for array, charged in spares:
+                    if owner == EVERYONE or charged == owner:
+                        freed[charged] = freed.get(charged, 0) + array.nbytes
+                    else:
+                        kept.append((array, charged))
+                self._spares[size] = kept
+            if owner == EVERYONE:
+                freed[None] = freed.get(None, 0) + sum(a.nbytes for a, _ in self._ready.values())
+                self._ready = {}
+            self.held -= sum(freed.values())
+        for charged, nbytes in freed.items():
+            if nbytes:
+                self._budget.free(charged, nbytes)
+        return sum(freed.values())

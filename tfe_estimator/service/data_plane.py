@@ -11,8 +11,10 @@ Rewind, the ``DataPlane`` call that tells callers this port) and still serves
 Contribute for callers that do not use the data plane.
 
 What holds on the gRPC port holds here: mutual TLS only, the caller is who its
-certificate says (`tls.ssl_peer`: issued by the CA of its own organisation,
-checked once per connection; renewed files are taken for new connections),
+certificate says (`tls.ssl_peer`: issued by the CA of its own organisation and
+valid now, checked at the connection and again before every call against the
+current trust, so a revoked organisation or an expired certificate is refused
+on its next call; renewed files are taken for new connections),
 every refusal of the gRPC handlers (the method's callers, the step rules, the
 memory budget: a payload's bytes are reserved before they are read, the calls
 one owner keeps waiting). TLS handshakes run in one thread, non-blocking, so an
@@ -47,7 +49,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from tfe_estimator.service import frames, wire
-from tfe_estimator.service.tls import TlsFiles, ssl_peer
+from tfe_estimator.service.tls import SslPeer, TlsFiles, ssl_peer
 
 __all__ = ["DataPlane", "Refused"]
 
@@ -236,7 +238,8 @@ class DataPlane:
     def _connection(self, conn: ssl.SSLSocket) -> None:
         identity, counted = None, False
         try:
-            identity, problem = ssl_peer(self._tls, conn)
+            peer = ssl_peer(self._tls, conn)
+            identity, problem = peer.identity, peer.problem()
             if problem is None:
                 with self._lock:
                     held = self._callers.get(identity, 0)
@@ -254,7 +257,7 @@ class DataPlane:
                 self._reply(conn, code, problem.encode("utf-8"))
                 _drain(conn)
                 return
-            self._calls(conn, identity)
+            self._calls(conn, peer)
         except (OSError, ssl.SSLError, ValueError, ConnectionError) as e:  # FrameError is a ValueError
             if not self._stopped.is_set():
                 _LOG.debug("%s: data plane connection of %s closed: %s", self._name, identity, e)
@@ -271,9 +274,11 @@ class DataPlane:
         if len(message):
             conn.sendall(message)
 
-    def _calls(self, conn: ssl.SSLSocket, identity: str) -> None:
-        """Serves `identity`'s calls on `conn` one after another until it closes."""
-        classes = wire.messages()
+    def _calls(self, conn: ssl.SSLSocket, peer: SslPeer) -> None:
+        """Serves `peer`'s calls on `conn` one after another until it closes. Its certificate is checked again
+        before each call (`SslPeer.problem`: the current trust, its validity): one no longer trusted or expired
+        is refused UNAUTHENTICATED and the connection closed, as gRPC refuses it on its next call."""
+        classes, identity = wire.messages(), peer.identity
         while not self._stopped.is_set():
             conn.settimeout(None)  # an idle connection waits for its next call (closed on stop)
             header = frames.read_exact(conn, frames.REQUEST.size)
@@ -284,6 +289,15 @@ class DataPlane:
             head, meta = frames.read_exact(conn, head_len), frames.read_exact(conn, meta_len)
             if head is None or meta is None:
                 raise ConnectionError("the stream ended inside a request")
+            problem = peer.problem()
+            if problem is not None:
+                message = (f"{method} refused on {self._name} (identity is checked on every call): {problem} Ask "
+                           f"{identity}'s organisation for a certificate signed by its CA (`tfe-estimator certs "
+                           "sign`), or correct the federation file.")
+                _LOG.warning("%s: data plane: UNAUTHENTICATED: %s", self._name, message)
+                self._reply(conn, grpc.StatusCode.UNAUTHENTICATED, message.encode("utf-8"))
+                _drain(conn)
+                return
             received = []
 
             def receive(view: memoryview, conn=conn, received=received, payload_len=payload_len) -> None:

@@ -25,7 +25,8 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 __all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "keystream_into", "add_into", "copy_into",
-           "negate", "sub_into", "key_digest", "KEY_METADATA", "DIGESTS_METADATA", "REPLAYED_METADATA"]
+           "negate", "sub_into", "keystream_apply", "key_digest", "KEY_METADATA", "DIGESTS_METADATA",
+           "REPLAYED_METADATA"]
 
 RING_BITS = (32, 64, 128)
 KEY_BYTES = 16
@@ -130,6 +131,17 @@ def _operands(acc: np.ndarray, other: np.ndarray):
     return acc, other
 
 
+#: Ring-128 arithmetic runs over blocks of this many words: its carries and borrows are temporaries of a
+#: block's size, not of the vector's (1/16 of a 2**24-element sum, 16 MiB, per call otherwise).
+_BLOCK_WORDS = 1 << 17
+
+
+def _blocks(acc: np.ndarray, other: np.ndarray):
+    """``(acc block, other block)`` pairs of `_BLOCK_WORDS` words (even: whole ring-128 elements)."""
+    for start in range(0, acc.size, _BLOCK_WORDS):
+        yield acc[start:start + _BLOCK_WORDS], other[start:start + _BLOCK_WORDS]
+
+
 def add_into(acc: np.ndarray, other: np.ndarray, ring_bits: int) -> np.ndarray:
     """``acc += other`` modulo 2**ring_bits per element, in place; returns `acc`."""
     acc, other = _operands(acc, other)
@@ -138,12 +150,13 @@ def add_into(acc: np.ndarray, other: np.ndarray, ring_bits: int) -> np.ndarray:
     elif ring_bits == 64:
         np.add(acc, other, out=acc)
     else:
-        low, high = acc[0::2], acc[1::2]
-        other_low = other[0::2]
-        np.add(low, other_low, out=low)
-        carry = low < other_low  # the low word wrapped
-        np.add(high, other[1::2], out=high)
-        np.add(high, carry, out=high, casting="unsafe")
+        for acc_block, other_block in _blocks(acc, other):
+            low, high = acc_block[0::2], acc_block[1::2]
+            other_low = other_block[0::2]
+            np.add(low, other_low, out=low)
+            carry = low < other_low  # the low word wrapped
+            np.add(high, other_block[1::2], out=high)
+            np.add(high, carry, out=high, casting="unsafe")
     return acc
 
 
@@ -162,11 +175,12 @@ def negate(acc: np.ndarray, ring_bits: int) -> np.ndarray:
     elif ring_bits == 64:
         np.negative(acc, out=acc)
     else:  # -(high * 2**64 + low) = ~high * 2**64 + (-low), plus 2**64 when low is 0
-        low, high = acc[0::2], acc[1::2]
-        zero = low == 0
-        np.negative(low, out=low)
-        np.invert(high, out=high)
-        np.add(high, zero, out=high, casting="unsafe")
+        for block, _ in _blocks(acc, acc):
+            low, high = block[0::2], block[1::2]
+            zero = low == 0
+            np.negative(low, out=low)
+            np.invert(high, out=high)
+            np.add(high, zero, out=high, casting="unsafe")
     return acc
 
 
@@ -178,10 +192,35 @@ def sub_into(acc: np.ndarray, other: np.ndarray, ring_bits: int) -> np.ndarray:
     elif ring_bits == 64:
         np.subtract(acc, other, out=acc)
     else:
-        low, high = acc[0::2], acc[1::2]
-        other_low = other[0::2]
-        borrow = low < other_low  # the low word wraps
-        np.subtract(low, other_low, out=low)
-        np.subtract(high, other[1::2], out=high)
-        np.subtract(high, borrow, out=high, casting="unsafe")
+        for acc_block, other_block in _blocks(acc, other):
+            low, high = acc_block[0::2], acc_block[1::2]
+            other_low = other_block[0::2]
+            borrow = low < other_low  # the low word wraps
+            np.subtract(low, other_low, out=low)
+            np.subtract(high, other_block[1::2], out=high)
+            np.subtract(high, borrow, out=high, casting="unsafe")
+    return acc
+
+
+def keystream_apply(key16, acc: np.ndarray, ring_bits: int, subtract: bool = False) -> np.ndarray:
+    """``acc += AES(key16)`` (or ``-=`` with `subtract`) in place, the keystream drawn a block at a time: no
+    vector-sized buffer (server0 blinds a released sum with it). Returns `acc`.
+
+    Example::
+
+        keystream_apply(blind, acc, 128, subtract=True)   # acc -= AES(blind)
+    """
+    key = np.ascontiguousarray(key16).tobytes() if isinstance(key16, np.ndarray) else bytes(key16)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"an AES-128 key has {KEY_BYTES} bytes, got {len(key)}: pass the kernels' int32[4] "
+                         "seed or 16 bytes.")
+    acc, _ = _operands(acc, acc)
+    encryptor = Cipher(algorithms.AES(key), modes.CTR(_ZERO_COUNTER)).encryptor()
+    scratch = np.empty(8 * _BLOCK_WORDS + 15, np.uint8)  # update_into wants 15 bytes of room beyond its output
+    apply = sub_into if subtract else add_into
+    for start in range(0, acc.size, _BLOCK_WORDS):
+        block = acc[start:start + _BLOCK_WORDS]
+        nbytes = 8 * block.size
+        encryptor.update_into(_ZEROS[:nbytes], memoryview(scratch)[:nbytes + 15])  # CTR continues across blocks
+        apply(block, scratch[:nbytes].view("<u8"), ring_bits)
     return acc

@@ -407,8 +407,11 @@ class AggregationServer:
                 identity = self._authorize(method, context)
                 return work(identity, request, context, reply)
             except (StepRefused, _Abort) as e:
-                refusal = e
-            context.abort(self._refused(refusal), refusal.message)
+                # only its code and text outlive the block: the refusal's traceback holds the call's frames (a
+                # key's expansion, a received share) and, kept in this frame, would keep them in a reference
+                # cycle until the garbage collector ran, uncounted by the budget
+                code, message = self._refused(e), e.message
+            context.abort(code, message)
             return None  # unreachable: abort raises
 
         return handle
@@ -447,7 +450,7 @@ class AggregationServer:
             forwarder = f"{_FORWARDER} (server0's part)" if self._role == 1 else None
             channel = self._channels[key] = StepChannel(
                 request.channel, int(request.ring_bits), int(request.num_elements), self._owners, forwarder,
-                self._addend, self._replay, self._budget, self._timeout, self._pool)
+                self._remove_part, self._replay, self._budget, self._timeout, self._pool)
             if identity is not None:
                 self._created_by[key] = identity
             channel.users += 1
@@ -476,12 +479,20 @@ class AggregationServer:
                          f"for {request.num_elements} elements at ring {request.ring_bits}).")
         return words
 
-    def _addend(self, payload: bytes, words: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-        """What an owner's payload adds to the sum: server0 its key's keystream (written into `out` if given),
-        server1 its ring words (a view of the payload)."""
+    def _addend(self, payload: bytes, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """What an owner's payload adds to the sum: server0 its key's keystream, written into `out` (a buffer
+        whose bytes the put reserved), server1 its ring words (a view of the payload)."""
         if self._role == 0 and len(payload) == ring.KEY_BYTES:
-            return ring.keystream_into(payload, out) if out is not None else ring.keystream_words(payload, words)
+            return ring.keystream_into(payload, out)
         return np.frombuffer(payload, "<u8")
+
+    def _remove_part(self, acc: np.ndarray, payload, ring_bits: int) -> None:
+        """Subtracts an owner's payload from a sum (a rewind): server0 its key's keystream, drawn a block at a time
+        (no expansion of the sum's size, which the budget would not count); server1 its ring words."""
+        if self._role == 0 and len(payload) == ring.KEY_BYTES:
+            ring.keystream_apply(payload, acc, ring_bits, subtract=True)
+        else:
+            ring.sub_into(acc, np.frombuffer(payload, "<u8"), ring_bits)
 
     def _prepare(self, channel: StepChannel) -> None:
         """Server0, in the background after a release: the channel's next accumulator, ``-AES(blind)`` under a
@@ -555,11 +566,11 @@ class AggregationServer:
                 self._unconfirmed.discard((key, released.step))
         return blind
 
-    def _keystream(self, released: Released, key16: bytes, apply) -> None:
-        """``apply(acc, AES(key16))`` on a released step's accumulator (ring.add_into or ring.sub_into)."""
-        stream = ring.keystream_into(key16, self._pool.take(released.acc.size))
-        apply(released.acc, stream, released.ring_bits)
-        self._pool.give(stream)
+    @staticmethod
+    def _keystream(released: Released, key16: bytes, apply) -> None:
+        """``apply(acc, AES(key16))`` on a released step's accumulator (ring.add_into or ring.sub_into), the
+        keystream drawn a block at a time (`ring.keystream_apply`: no second vector of the sum's size)."""
+        ring.keystream_apply(key16, released.acc, released.ring_bits, subtract=apply is ring.sub_into)
 
     def _recover(self, channel: StepChannel, step: int) -> None:
         """Server0, before a put: a step recorded before a restart (`release_log`) that server1 confirms it
@@ -635,12 +646,12 @@ class AggregationServer:
                 addend = None
                 try:
                     # server0: the key's keystream, outside any lock, into a buffer reused across steps
-                    addend = self._addend(payload, words, self._pool.take(words) if self._role == 0 else None)
+                    addend = self._addend(payload, self._pool.take(words) if self._role == 0 else None)
                     ticket = channel.put(owner, request.step, payload, addend, _digests(context, KEY_METADATA))
                 finally:
                     self._budget.free(identity, expansion)
                     if self._role == 0 and addend is not None:
-                        self._pool.give(addend)
+                        self._pool.give(addend, identity)  # a spare charged to the owner whose put made it
                     del addend
             finally:
                 self._unhold(channel)
@@ -732,8 +743,9 @@ class AggregationServer:
                 answer = b""
         except (StepRefused, _Abort) as e:
             raise Refused(self._refused(e), e.message) from None
-        # Released (its contribution left the step) or answered from the window (never added): reuse the buffer.
-        self._pool.give(buffer)
+        # Released (its contribution left the step) or answered from the window (never added): reuse the buffer,
+        # a spare charged to the caller whose bytes it held.
+        self._pool.give(buffer, payer)
         return answer, context.replayed
 
     def _send_forward(self, channel: StepChannel, released: Released, digests: str, blind_digest: str) -> None:

@@ -42,7 +42,7 @@ steps, and the fix.
 
 Example::
 
-    channel = StepChannel("grads", 64, 8, ["chief:0", "worker:0"], None, addend_of, ReplayLimits(), budget)
+    channel = StepChannel("grads", 64, 8, ["chief:0", "worker:0"], None, remove_part, ReplayLimits(), budget)
     ticket = channel.put(0, step, payload, addend)   # ticket.released: set if this put completed the step
     if ticket.released is not None:
         channel.finish(ticket.released, reply_bytes)   # after computing the answer, outside the lock
@@ -72,6 +72,13 @@ class StepRefused(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+def _fresh(error: StepRefused) -> StepRefused:
+    """A copy of a refusal kept for several callers, to raise: the kept one never gets a traceback, whose frames
+    (a caller's received payload among them) it would keep alive after the call ends, in a reference cycle only
+    the garbage collector breaks (RSS seen above the budget)."""
+    return StepRefused(error.code, error.message)
 
 
 class ReplayLimits:
@@ -119,6 +126,7 @@ class _Open:
     def __init__(self, step: int, acc: np.ndarray, deadline: float, blind: Optional[bytes] = None):
         self.step, self.acc, self.deadline = step, acc, deadline
         self.blind, self.filled = blind, blind is not None
+        self.opener: Optional[str] = None  # the owner charged for the accumulator (None: server0's forward)
         self.parts: Dict[int, bytes] = {}  # participant -> its payload (a key or ring words)
         self.charges: Dict[int, int] = {}  # participant -> bytes reserved for it (its payload, the accumulator)
         self.result: Optional[_Result] = None  # set when released
@@ -155,7 +163,9 @@ class StepChannel:
       name: the channel's name; ring_bits, num_elements: its settings (part of its key on the server).
       owners: the owners' identities in configured order (participants 0..N-1).
       forwarder: server1 only: the name of server0's forwarded part (participant N); None on server0.
-      addend_of: ``(payload, words) -> uint64 words`` a payload adds to the sum (to subtract it on a rewind).
+      remove_part: ``(acc, payload, ring_bits)`` subtracts what a payload added to the sum from `acc` (a rewind
+        drops a contribution), in place and without a vector-sized buffer of its own (server0 draws a key's
+        keystream a block at a time: `ring.keystream_apply`).
       replay: the server's `ReplayLimits`; budget: its `MemoryBudget`.
       timeout_secs: how long an open step may wait for its participants before it is aborted.
       pool: the server's `BufferPool` (accumulators reused across steps; server0's prepared ones); default:
@@ -163,14 +173,14 @@ class StepChannel:
     """
 
     def __init__(self, name: str, ring_bits: int, num_elements: int, owners: Sequence[str], forwarder: Optional[str],
-                 addend_of: Callable[[bytes, int], np.ndarray], replay: ReplayLimits, budget: MemoryBudget,
+                 remove_part: Callable[[np.ndarray, bytes, int], None], replay: ReplayLimits, budget: MemoryBudget,
                  timeout_secs: float = 300.0, pool: Optional[BufferPool] = None):
         self.name, self.ring_bits, self.num_elements = name, ring_bits, num_elements
         self.words = ring.ring_words(num_elements, ring_bits)
         #: puts between finding this channel in the server's table and registering in it (the server's lock
         #: guards it): a channel in use is never forgotten as idle
         self.users = 0
-        self._owners, self._addend_of, self._replay, self._budget = list(owners), addend_of, replay, budget
+        self._owners, self._remove_part, self._replay, self._budget = list(owners), remove_part, replay, budget
         self._names = self._owners + ([forwarder] if forwarder else [])
         self._timeout = float(timeout_secs)
         self._pool = pool if pool is not None else BufferPool(budget)
@@ -276,6 +286,7 @@ class StepChannel:
             ready = self._pool.take_ready(self, self.words)
             acc, blind = ready if ready is not None else (self._pool.take(self.words), None)
             current = self._open[step] = _Open(step, acc, time.monotonic() + self._timeout, blind)
+            current.opener = self._payer(participant)
         if current.filled:
             ring.add_into(current.acc, addend, self.ring_bits)
         else:
@@ -339,7 +350,7 @@ class StepChannel:
         A failed step (server0 could not forward it) leaves the window: the owners may put it again. The
         step's accumulator goes back to the pool: `reply` must not be a view of it (`wire.encode` copies).
         """
-        self._pool.give(released.acc)
+        self._pool.give(released.acc)  # the server's own spare: every participant's put released it
         with self._cond:
             result = released.result
             result.reply, result.error = reply, error
@@ -411,17 +422,17 @@ class StepChannel:
                 result = ticket.replay if ticket.replay is not None else ticket.open.result
                 if result is not None and result.done:
                     if result.error is not None:
-                        raise result.error
+                        raise _fresh(result.error)
                     return result.reply
                 current = ticket.open
                 if current is not None and result is None:
                     if participant in current.dropped:
-                        raise current.dropped[participant]
+                        raise _fresh(current.dropped[participant])
                     if current.aborted is not None:
-                        raise current.aborted
+                        raise _fresh(current.aborted)
                     if time.monotonic() >= current.deadline:
-                        raise self._abort(current, f"it was not complete {self._timeout:g} s after it was opened "
-                                                   f"({TIMEOUT_FLAG})")
+                        raise _fresh(self._abort(current, f"it was not complete {self._timeout:g} s after it was "
+                                                          f"opened ({TIMEOUT_FLAG})"))
                     if not alive():
                         self._abort(current, f"{self._names[participant]}'s call ended (its process stopped or "
                                              "its client gave up) before the step was complete")
@@ -453,12 +464,12 @@ class StepChannel:
                        "owners put the step again. Check that the missing tasks run and reach this server.")
         current.aborted = error
         self._open.pop(current.step, None)
-        self._recycle(current)
         for participant, charge in current.charges.items():
             self._budget.free(self._payer(participant), charge)
             if self._pending.get(participant) == current.step:
                 del self._pending[participant]
         current.charges.clear()
+        self._recycle(current)  # after the charges: the spare is charged to the step's opener again
         self._cond.notify_all()
         return error
 
@@ -478,8 +489,7 @@ class StepChannel:
 
     def _drop(self, current: _Open, participant: int, error: StepRefused) -> None:
         """Subtracts one participant's part from an open step (the caller holds the lock); its call gets `error`."""
-        part = self._addend_of(current.parts.pop(participant), self.words)
-        ring.sub_into(current.acc, part, self.ring_bits)
+        self._remove_part(current.acc, current.parts.pop(participant), self.ring_bits)
         self._budget.free(self._payer(participant), current.charges.pop(participant, 0))
         current.digests.pop(participant, None)
         if self._pending.get(participant) == current.step:
@@ -491,9 +501,11 @@ class StepChannel:
         self._cond.notify_all()
 
     def _recycle(self, current: _Open) -> None:
-        """An abandoned open step's accumulator back to the pool (its prepared blind key, if any, forgotten)."""
+        """An abandoned open step's accumulator back to the pool, charged to the owner that opened the step (its
+        prepared blind key, if any, forgotten): an owner opening steps that are never released pays for the
+        spares they leave."""
         if current.acc is not None:
-            self._pool.give(current.acc)
+            self._pool.give(current.acc, current.opener)
         current.acc, current.blind = None, None
 
     def wake(self) -> None:

@@ -16,6 +16,7 @@ Example::
     channel = grpc.secure_channel("tfe0.example:7000", tls.channel_credentials(0),
                                   options=[server_name_option(tls, 0)])
 """
+import datetime
 import functools
 import logging
 import os
@@ -29,7 +30,7 @@ from tfe_estimator.identity.certs import identity_of_common_name
 from tfe_estimator.identity.federation import FEDERATION_FILE, Federation
 
 __all__ = ["TlsFiles", "peer_identity", "peer_certificate", "check_peer", "server_name", "server_name_option",
-           "server_mismatch", "identity_of_common_name", "FEDERATION_FILE", "ssl_peer"]
+           "server_mismatch", "identity_of_common_name", "FEDERATION_FILE", "ssl_peer", "SslPeer"]
 
 _LOG = logging.getLogger("tfe_estimator")
 #: TLS 1.2 suites the data plane accepts: forward-secret AEAD only, as gRPC's port (TLS 1.3's are all AEAD).
@@ -223,18 +224,56 @@ def peer_certificate(context: grpc.ServicerContext) -> Optional[bytes]:
     return _first(context, "x509_pem_cert")
 
 
-def ssl_peer(tls: TlsFiles, connection: ssl.SSLSocket) -> Tuple[Optional[str], Optional[str]]:
-    """A Python `ssl` connection's caller: ``(identity, None)`` if its verified certificate proves it in
-    `tls`'s federation (issued by the CA of that identity's own organisation, the check `check_peer` makes
-    for gRPC), else ``(identity or None, why not)``."""
+class SslPeer:
+    """The caller of one open Python `ssl` connection (the data plane), proved again on every call.
+
+    `problem` checks the connection's certificate against `tls`'s CURRENT trust (the federation file or
+    ``ca.crt``, re-read when it changes) and the certificate's validity period, as gRPC's port does on every
+    call (`check_peer`): an organisation removed from the federation, or a certificate that expired, is
+    refused on the next call of a connection opened before. The answer is kept while the trust is the same
+    (`TlsFiles.trust` gives one object per version of the file) and the certificate is within its validity,
+    so a call costs a ``stat`` and a comparison.
+
+    Example::
+
+        peer = ssl_peer(tls, connection)
+        problem = peer.problem()      # None: peer.identity is proved now
+    """
+
+    def __init__(self, tls: "TlsFiles", identity: Optional[str], pem: Optional[bytes],
+                 problem: Optional[str] = None):
+        self._tls, self.identity, self._pem, self._fixed = tls, identity, pem, problem
+        self._trust, self._answer = None, None
+        if pem is not None:
+            cert = certs.load_certificate(pem, "the caller's certificate")
+            self._valid = (cert.not_valid_before_utc, cert.not_valid_after_utc)
+
+    def problem(self, now: Optional[datetime.datetime] = None) -> Optional[str]:
+        """Why the certificate does not prove `identity` now, or None if it does (see the class docstring)."""
+        if self._fixed is not None:
+            return self._fixed
+        try:
+            trust = self._tls.trust()
+        except (OSError, ValueError) as e:  # a half-written file: refuse, never fall back to the old trust
+            return f"this server's trust file {self._tls.ca} cannot be read now ({e}); try again."
+        now = now or datetime.datetime.now(datetime.timezone.utc)
+        if trust is not self._trust or not self._valid[0] <= now <= self._valid[1]:
+            self._trust, self._answer = trust, trust.check_peer(self.identity, self._pem, now)
+        return self._answer
+
+
+def ssl_peer(tls: TlsFiles, connection: ssl.SSLSocket) -> SslPeer:
+    """A Python `ssl` connection's caller (`SslPeer`): its identity from its verified certificate's CN, and
+    ``problem()``: None while that certificate proves it in `tls`'s federation (issued by the CA of that
+    identity's own organisation and valid now, the check `check_peer` makes for gRPC), else why not."""
     der = connection.getpeercert(binary_form=True)
     if not der:
-        return None, "the caller presented no certificate."
+        return SslPeer(tls, None, None, "the caller presented no certificate.")
     pem = ssl.DER_cert_to_PEM_cert(der).encode("ascii")
     identity = certs.certificate_identity(certs.load_certificate(pem, "the caller's certificate"))
     if identity is None:
-        return None, "the caller's certificate names no task (CN <job>-<index>)."
-    return identity, tls.trust().check_peer(identity, pem)
+        return SslPeer(tls, None, None, "the caller's certificate names no task (CN <job>-<index>).")
+    return SslPeer(tls, identity, pem)
 
 
 def check_peer(tls: TlsFiles, identity: str, context: grpc.ServicerContext) -> Optional[str]:

@@ -67,7 +67,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                             help="an aggregation server's address (repeat for tfe:0 and tfe:1)")
     federation.add_argument("--out", required=True, help="the federation file to write (e.g. federation.json)")
 
-    verify = steps.add_parser("verify", help="check a federation file (and a party's files against it)")
+    verify = steps.add_parser("verify", help="check a federation file (and a party's files against it); prints the "
+                                             "SHA-256 of the file and of each certificate, to compare out of band")
     verify.add_argument("--federation", required=True, help="the federation file")
     verify.add_argument("--dir", default=None, help="a party's TLS directory to check too")
     verify.add_argument("--identity", default=None, help="with --dir: the party, job:index")
@@ -115,6 +116,17 @@ def _split_identity(identity: str):
     return job, int(index)
 
 
+def _print_fingerprints(path: str, federation, certs) -> None:
+    """Prints the SHA-256 of the federation file and of each organisation's CA certificate: what the sites
+    compare out of band (by phone, on paper) before they install the file (docs/security.md)."""
+    import hashlib  # pylint: disable=import-outside-toplevel
+
+    print(f"{path}: file SHA-256 {hashlib.sha256(_read(path)).hexdigest()}")
+    for org in sorted(federation.organisations.values(), key=lambda o: o.id):
+        print(f"organisation {org.id} ({org.display_name}): CA certificate SHA-256 "
+              f"{certs.fingerprint(org.ca_pem, f'the CA of {org.id}')}")
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``tfe-estimator certs ...``; returns the exit status."""
     from tfe_estimator.identity import certs, expiry, keyfiles  # pylint: disable=import-outside-toplevel
@@ -150,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.identity}: wrote {stem}.key (stays here) and {stem}.csr (send it to {args.org}'s CA)")
         return 0
     if command == "sign":
-        cert = certs.sign_csr(_read(args.csr), _read(os.path.join(args.ca_dir, certs.CA_CERT)),
-                              _read(os.path.join(args.ca_dir, certs.CA_KEY)), args.cluster, args.validity_days)
+        ca_key = keyfiles.read_private(os.path.join(args.ca_dir, certs.CA_KEY))  # the caller's own private file
+        cert = certs.sign_csr(_read(args.csr), _read(os.path.join(args.ca_dir, certs.CA_CERT)), ca_key,
+                              args.cluster, args.validity_days)
         out = args.out or os.path.splitext(args.csr)[0] + ".crt"
         keyfiles.write_public(out, cert)
         print(f"wrote {out}")
@@ -172,12 +185,14 @@ def run(args: argparse.Namespace) -> int:
     if command == "verify":
         federation = Federation.load(args.federation)
         problems = federation.verify()
+        _print_fingerprints(args.federation, federation, certs)
         if args.dir:
             if not args.identity:
                 raise ValueError("certs verify --dir needs --identity job:index (whose files they are).")
             job, index = _split_identity(args.identity)
             stem = os.path.join(args.dir, certs.task_name(job, index))
             cert = _read(stem + ".crt")
+            print(f"{args.identity}: certificate {stem}.crt SHA-256 {certs.fingerprint(cert, stem + '.crt')}")
             problem = federation.check_peer(args.identity, cert)
             if problem:
                 problems.append(problem)
