@@ -404,7 +404,8 @@ def _handler_keeping_the_refusal(self, method):
     """The leak: the handler keeps the refusal in its frame (its traceback holds the call's frames, a refused key's
     expansion among them, in a reference cycle until the garbage collector runs)."""
     work = {"Contribute": self._contribute, "Handshake": self._handshake, "Rewind": self._rewind,
-            "ForwardBlinded": self._forwarded, "DataPlane": self._data_port}[method.name]
+            "ForwardBlinded": self._forwarded, "DataPlane": self._data_port,
+            "Status": self._status}[method.name]
     reply = wire.messages()[method.reply]
 
     def handle(request, context):
