@@ -95,7 +95,11 @@ def _model_of(graph: tf.Graph) -> dict:
     state = _CHANNELS.get(graph)
     if state is None:
         global_step = step_sum.graph_global_step(graph, "ServiceAggregation")
-        step = step_sum.read_step(global_step, name="service_step")
+        # Made at the graph's first sum, and shared by every later one (the checkpoint saver's reads too): never
+        # under that first sum's control dependencies (a model_fn's UPDATE_OPS around `minimize`), which would
+        # run, with every later sum, the batch-norm updates and the input pipeline they read.
+        with graph.control_dependencies(None):
+            step = step_sum.read_step(global_step, name="service_step")
         state = _CHANNELS[graph] = [0, step, {"model": None}]
     return state[2]
 
