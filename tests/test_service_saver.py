@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from test_tutorials import batch_norm_input_fn, batch_norm_model_fn
 from tfe_estimator.distribute.service_aggregation import ServiceBinding, ServiceStrategy
-from tfe_estimator.distribute.service_sum import ANSWER_OP_NAME, CONTRIBUTE_OP_NAME
+from tfe_estimator.distribute.service_sum import ANSWER_OP_NAME, CONTRIBUTE_OP_NAME, ancestors
 
 pytestmark = pytest.mark.slow
 
@@ -25,18 +25,6 @@ BINDING = ServiceBinding(addresses=("127.0.0.1:1", "127.0.0.1:2"), tls_dir="/non
 
 class _Built(Exception):
     """Stops training once the graph is built (no session, no server)."""
-
-
-def _ancestors(op):
-    """Every op `op` runs after (data and control inputs)."""
-    seen, todo = set(), [op]
-    while todo:
-        current = todo.pop()
-        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return seen
 
 
 class _SaverGraph(tf.estimator.SessionRunHook):
@@ -52,7 +40,7 @@ class _SaverGraph(tf.estimator.SessionRunHook):
         training_ops = set(graph.get_operations())
         saver.build()
         save = graph.get_tensor_by_name(saver.saver_def.save_tensor_name).op
-        self.save_runs = _ancestors(save)
+        self.save_runs = ancestors(save)
         self.step_contributions = {op for op in training_ops if CONTRIBUTE_OP_NAME in op.name}
         raise _Built()
 

@@ -64,7 +64,8 @@ from tfe_estimator.distribute import in_flight, sum_check
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import check_pass, ops
 
-__all__ = ["service_sum", "chain", "tf_errors", "CONTRIBUTE_OP_NAME", "ANSWER_OP_NAME", "STEP_CHAIN", "READS_CHAIN"]
+__all__ = ["service_sum", "chain", "tf_errors", "CONTRIBUTE_OP_NAME", "ANSWER_OP_NAME", "STEP_CHAIN", "READS_CHAIN",
+           "ancestors"]
 
 #: The name (scope) of the op through which a contribution leaves the graph: what the audit looks for.
 CONTRIBUTE_OP_NAME = "service_contribute"
@@ -181,14 +182,14 @@ def _before_earlier_answers(answers: List[tf.Operation], contribution: tf.Operat
     """
     if not answers:
         return
-    needed = _ancestors(contribution)
+    needed = ancestors(contribution)
     context = getattr(contribution, "_control_flow_context", None)  # TF1 cond/while: edges stay in one frame
     for answer in answers:
         if answer not in needed and getattr(answer, "_control_flow_context", None) is context:
             answer._add_control_input(contribution)  # pylint: disable=protected-access
 
 
-def _ancestors(op: tf.Operation) -> set:
+def ancestors(op: tf.Operation) -> set:
     """Every op `op` depends on, through data and control edges."""
     seen, todo = set(), [op]
     while todo:
