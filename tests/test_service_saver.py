@@ -23,6 +23,19 @@ BINDING = ServiceBinding(addresses=("127.0.0.1:1", "127.0.0.1:2"), tls_dir="/non
                          owners=("chief:0", "worker:0"))
 
 
+def keras_batch_norm_model_fn(features, labels, mode):
+    """`batch_norm_model_fn` with Keras layers (their moving-statistics updates in the layer's ``updates``)."""
+    inputs = tf.stack([features["age"] / 80.0, features["fare"] / 50.0], axis=1)
+    norm = tf.keras.layers.BatchNormalization()
+    hidden = norm(tf.keras.layers.Dense(4)(inputs), training=mode == tf.estimator.ModeKeys.TRAIN)
+    prediction = tf.keras.layers.Dense(1)(tf.nn.relu(hidden))
+    loss = tf.compat.v1.losses.mean_squared_error(tf.cast(tf.reshape(labels, [-1, 1]), tf.float32), prediction)
+    with tf.control_dependencies(norm.updates):
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.2).minimize(
+            loss, global_step=tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
 class _Built(Exception):
     """Stops training once the graph is built (no session, no server)."""
 
@@ -45,20 +58,21 @@ class _SaverGraph(tf.estimator.SessionRunHook):
         raise _Built()
 
 
-def _train(tmp_path, hooks, listeners=(), **config):
+def _train(tmp_path, hooks, listeners=(), model_fn=batch_norm_model_fn, **config):
     rng = np.random.RandomState(0)
     frame = ({"age": rng.uniform(1, 80, 64).astype(np.float32), "fare": rng.uniform(1, 90, 64).astype(np.float32)},
              rng.randint(0, 2, 64))
     run_config = tf.estimator.RunConfig(model_dir=str(tmp_path), train_distribute=ServiceStrategy(BINDING),
                                         tf_random_seed=7, **config)
-    estimator = tf.estimator.Estimator(batch_norm_model_fn, config=run_config)
+    estimator = tf.estimator.Estimator(model_fn, config=run_config)
     estimator.train(lambda: batch_norm_input_fn(frame), max_steps=2, hooks=hooks, saving_listeners=list(listeners))
 
 
-def test_a_checkpoint_save_sums_the_moving_statistics_and_runs_nothing_of_the_training_step(tmp_path):
+@pytest.mark.parametrize("model_fn", [batch_norm_model_fn, keras_batch_norm_model_fn], ids=["v1_layers", "keras"])
+def test_a_checkpoint_save_sums_the_moving_statistics_and_runs_nothing_of_the_training_step(model_fn, tmp_path):
     hook = _SaverGraph()
     with pytest.raises(_Built):
-        _train(tmp_path, [hook], save_checkpoints_steps=1, save_checkpoints_secs=None)
+        _train(tmp_path, [hook], model_fn=model_fn, save_checkpoints_steps=1, save_checkpoints_secs=None)
     types = {op.type for op in hook.save_runs}
     # The moving statistics go through the service (their checkpointed value is the mean over every owner).
     assert any(CONTRIBUTE_OP_NAME in op.name for op in hook.save_runs)
