@@ -26,7 +26,12 @@ In service mode (one multi-process test) two owners run the linear tutorial
 under `tfe-estimator launch --cluster-mode service`
 (tests/scripts/service_tutorial.py), each on its own rows; the twin's replica
 r reads owner r's batches and evaluates the union of the owners' evaluation
-rows, which is what federated evaluation reports to every owner.
+rows, which is what federated evaluation reports to every owner. The same launch
+then trains a newcomer's custom model_fn with batch normalization
+(`batch_norm_custom`, under `train_and_evaluate`, checkpoints every 10 steps):
+the owners' checkpoints, moving statistics included, are bit-identical and
+equal to the twin's, and so are the metrics (issue 41: it crashed at the first
+checkpoint save).
 """
 import io
 import json
@@ -120,6 +125,52 @@ def guide_premade(config, data, eval_steps=3):
     return model.evaluate(train_input_fn, steps=eval_steps)
 
 
+BATCH_NORM_STEPS, BATCH_NORM_SAVE_STEPS = 20, 10
+#: The batch-norm model's tolerance against the plaintext twin: the service's sums are exact to 2**-32 per
+#: summand (precision "low"), below float32's rounding, so the runs differ only where float32 rounds a sum
+#: differently (measured: every weight equal but dense/bias, 7.7e-11 off weights of ~3e-8 that BN cancels).
+BN_RTOL, BN_ATOL = RTOL, 1e-7
+
+
+def batch_norm_model_fn(features, labels, mode):
+    """A newcomer's custom model_fn: Dense -> `tf.compat.v1.layers.batch_normalization` -> Dense, MSE, its own
+    ``eval_metric_ops``, the moving statistics' updates (UPDATE_OPS) run with the train op as TensorFlow's docs
+    write it."""
+    inputs = tf.stack([features["age"] / 80.0, features["fare"] / 50.0], axis=1)
+    hidden = tf.compat.v1.layers.dense(inputs, 4, kernel_initializer=tf.compat.v1.glorot_uniform_initializer(1))
+    hidden = tf.compat.v1.layers.batch_normalization(hidden, training=mode == tf.estimator.ModeKeys.TRAIN)
+    prediction = tf.compat.v1.layers.dense(tf.nn.relu(hidden), 1,
+                                           kernel_initializer=tf.compat.v1.glorot_uniform_initializer(2))
+    target = tf.cast(tf.reshape(labels, [-1, 1]), tf.float32)
+    loss = tf.compat.v1.losses.mean_squared_error(target, prediction)
+    if mode == tf.estimator.ModeKeys.EVAL:
+        return tf.estimator.EstimatorSpec(mode, loss=loss, eval_metric_ops={
+            "mae": tf.compat.v1.metrics.mean_absolute_error(target, prediction)})
+    optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.2)
+    with tf.control_dependencies(tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)):
+        train_op = optimizer.minimize(loss, global_step=tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def batch_norm_input_fn(frame, training=True):
+    """The `batch_norm_model_fn`'s input: the titanic frame's age and fare, batches of 32 (repeated to train)."""
+    columns, labels = frame
+    dataset = tf.data.Dataset.from_tensor_slices(({"age": columns["age"], "fare": columns["fare"]}, labels))
+    return dataset.batch(32).repeat() if training else dataset.batch(32)
+
+
+def batch_norm_custom(config, data, steps=BATCH_NORM_STEPS):
+    """`batch_norm_model_fn` trained with `tf.estimator.train_and_evaluate` (an evaluation after every
+    checkpoint)."""
+    train, evaluation = data
+    estimator = tf.estimator.Estimator(batch_norm_model_fn, config=config)
+    metrics, _ = tf.estimator.train_and_evaluate(
+        estimator, tf.estimator.TrainSpec(lambda: batch_norm_input_fn(train), max_steps=steps),
+        tf.estimator.EvalSpec(lambda: batch_norm_input_fn(evaluation, training=False), steps=None, throttle_secs=0,
+                              start_delay_secs=0))
+    return metrics
+
+
 # ---- data the tests make ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -199,6 +250,9 @@ def test_two_owners_in_service_mode_report_the_plaintext_metrics_of_the_linear_t
     chunks = [_rows(owners[o][0], i, i + 32) for i in range(0, 96, 32) for o in owners]
     union = _concatenate([owners[o][1] for o in owners])
     plain = linear_titanic(_plaintext(str(tmp_path / "plain")), (_concatenate(chunks), union))
+    bn_config = tfe_estimator.plaintext_twin_config(DEVICES, model_dir=str(tmp_path / "bn_plain"), tf_random_seed=SEED,
+                                                    save_checkpoints_steps=BATCH_NORM_SAVE_STEPS)
+    bn_plain = batch_norm_custom(bn_config.replace(eval_distribute=None), (_concatenate(chunks), union))
     # Execute: `tfe-estimator launch --cluster-mode service` of the tutorial with TfeRunConfig.
     out = io.StringIO()
     script = os.path.join(os.path.dirname(__file__), "scripts", "service_tutorial.py")
@@ -210,3 +264,25 @@ def test_two_owners_in_service_mode_report_the_plaintext_metrics_of_the_linear_t
     for owner in owners:
         with open(tmp_path / owner / "metrics.json") as f:
             _assert_same_metrics(json.load(f), plain)
+    # The custom model_fn with batch normalization trained in the same launch (issue 41): the owners' checkpoints
+    # are bit-identical, moving statistics included (the saver's on-read sums), and equal to the twin's.
+    bn_weights = {owner: _checkpoint(tmp_path / owner / "bn_model") for owner in owners}
+    twin = _checkpoint(tmp_path / "bn_plain")
+    assert bn_weights["chief-0"].keys() == twin.keys()
+    assert {"batch_normalization/moving_mean", "batch_normalization/moving_variance"} <= twin.keys()
+    assert twin["global_step"] == BATCH_NORM_STEPS
+    for name, value in twin.items():
+        np.testing.assert_array_equal(bn_weights["chief-0"][name], bn_weights["worker-0"][name], err_msg=name)
+        np.testing.assert_allclose(bn_weights["chief-0"][name], value, rtol=BN_RTOL, atol=BN_ATOL, err_msg=name)
+    assert not np.allclose(twin["batch_normalization/moving_mean"], 0.0)  # the statistics moved
+    for owner in owners:
+        with open(tmp_path / owner / "bn_metrics.json") as f:
+            secure = json.load(f)
+        assert secure.keys() == bn_plain.keys() == {"loss", "mae", "global_step"}
+        for key in bn_plain:
+            assert secure[key] == pytest.approx(bn_plain[key], rel=BN_RTOL, abs=BN_ATOL), (key, secure, bn_plain)
+
+
+def _checkpoint(model_dir):
+    """Every variable of the latest checkpoint in `model_dir`, by name."""
+    return {name: tf.train.load_variable(str(model_dir), name) for name, _ in tf.train.list_variables(str(model_dir))}

@@ -46,6 +46,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import values as value_lib
 
 from tfe_estimator.cluster import spec as cluster_lib
+from tfe_estimator.distribute import service_saver
 from tfe_estimator.distribute import service_sum as service_sum_lib
 from tfe_estimator.distribute import step_sum
 from tfe_estimator.distribute import training_run
@@ -96,7 +97,11 @@ def _model_of(graph: tf.Graph) -> dict:
     state = _CHANNELS.get(graph)
     if state is None:
         global_step = step_sum.graph_global_step(graph, "ServiceAggregation")
-        step = step_sum.read_step(global_step, name="service_step")
+        # Made at the graph's first sum, and shared by every later one (the checkpoint saver's reads too): never
+        # under that first sum's control dependencies (a model_fn's UPDATE_OPS around `minimize`), which would
+        # run, with every later sum, the batch-norm updates and the input pipeline they read.
+        with graph.control_dependencies(None):
+            step = step_sum.read_step(global_step, name="service_step")
         state = _CHANNELS[graph] = [0, step, {"model": None}]
     return state[2]
 
@@ -284,6 +289,12 @@ class _ServiceExtended(_TfeExtended):
                     v, value_lib.DistributedValues) else v, value)
         if isinstance(destinations, str):  # Estimator's "/replica:0/task:0/device:CPU:0": this process's device
             destinations = device_util.canonicalize(destinations, self.worker_devices[0])
+        if any(isinstance(v, value_lib.SyncOnReadVariable) for v in tf.nest.flatten(value)):
+            # The value of an on-read variable (a batch normalization's moving statistics) read across
+            # replicas, e.g. by the checkpoint saver: its sum runs in the saver's session run, so it must not
+            # wait for the training step's sums (service_sum's chains).
+            with service_sum_lib.chain(service_sum_lib.READS_CHAIN):
+                return super()._reduce_to(reduce_op, value, destinations, options)
         return super()._reduce_to(reduce_op, value, destinations, options)
 
     def _settings(self) -> dict:
@@ -331,6 +342,10 @@ class _ServiceExtended(_TfeExtended):
                     every = getattr(config, "save_checkpoints_steps", None)
                     hooks = (service_handshake.ServiceHandshakeHook(agg.binding, settings, service_client, on_model),
                              WeightCheckHook(agg.binding, service_client, model, every))
+                    # The checkpoints after the handshake: a save may sum on-read variables across owners.
+                    service_saver.check_saving(config, agg.dp)
+                    saver = service_saver.saver_hook(config, result)
+                    hooks += (saver,) if saver is not None else ()
                     result = result._replace(training_hooks=(*result.training_hooks, *hooks))
                 else:
                     settings["training run"] = training_run.for_evaluation(model_dir)  # the evaluated training's

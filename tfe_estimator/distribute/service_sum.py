@@ -34,6 +34,16 @@ all of a step's sums travel together (one round trip per step), and a
 session's few inter-op threads can never all wait on sums that the other
 owners have not reached.
 
+A chain holds the sums of one kind of session run. The training step's sums
+are the ``"step"`` chain. Cross-replica reads of on-read variables (a batch
+normalization's moving statistics, whose checkpointed value is the mean over
+every replica of every owner) are sums too, built when the checkpoint saver is
+and run by the saver's own session run: they are the ``"reads"`` chain
+(`chain`), never chained to the step's sums. Chained to them, a save ran the
+step's contributions again and read the input pipeline (before the iterator's
+initializer: ``GetNext() failed because the iterator has not been
+initialized``).
+
 Example::
 
     totals = service_sum([[grad_w, grad_b]], sources=["/cpu:0"], targets=["/cpu:0"],
@@ -44,7 +54,7 @@ Example::
 import contextlib
 import functools
 import weakref
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -55,17 +65,40 @@ from tfe_estimator.distribute import in_flight, sum_check
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import check_pass, ops
 
-__all__ = ["service_sum", "tf_errors", "CONTRIBUTE_OP_NAME", "ANSWER_OP_NAME"]
+__all__ = ["service_sum", "chain", "tf_errors", "CONTRIBUTE_OP_NAME", "ANSWER_OP_NAME", "STEP_CHAIN", "READS_CHAIN",
+           "ancestors"]
 
 #: The name (scope) of the op through which a contribution leaves the graph: what the audit looks for.
 CONTRIBUTE_OP_NAME = "service_contribute"
 #: The name of the op that waits for a contribution's answer (its only input: the contribution's ticket).
 ANSWER_OP_NAME = "service_answer"
 
-#: Per graph, the ticket of the last contribution built (the next contribution waits for it).
-_LAST: "weakref.WeakKeyDictionary[tf.Graph, tf.Tensor]" = weakref.WeakKeyDictionary()
-#: Per graph, the answer ops built (each later contribution runs before them: `_before_earlier_answers`).
-_ANSWERS: "weakref.WeakKeyDictionary[tf.Graph, List[tf.Operation]]" = weakref.WeakKeyDictionary()
+#: The chain of the training step's sums, and of the cross-replica reads of on-read variables (the saver's).
+STEP_CHAIN, READS_CHAIN = "step", "reads"
+#: Per graph and chain, the ticket of the last contribution built (the chain's next contribution waits for it).
+_LAST: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, tf.Tensor]]" = weakref.WeakKeyDictionary()
+#: Per graph and chain, the answer ops built (each later contribution of the chain runs before them:
+#: `_before_earlier_answers`).
+_ANSWERS: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, List[tf.Operation]]]" = weakref.WeakKeyDictionary()
+#: The chain the sums built now belong to (`chain`): set around a cross-replica read, in cross-replica context
+#: (no replica thread builds a sum meanwhile).
+_CHAIN = [STEP_CHAIN]
+
+
+@contextlib.contextmanager
+def chain(name: str):
+    """Sums built inside belong to chain `name` (module docstring), not to the training step's.
+
+    Example::
+
+        with chain(READS_CHAIN):
+            total = strategy.reduce(tf.distribute.ReduceOp.MEAN, on_read_variable, axis=None)
+    """
+    previous, _CHAIN[0] = _CHAIN[0], name
+    try:
+        yield
+    finally:
+        _CHAIN[0] = previous
 
 
 def service_sum(
@@ -116,7 +149,8 @@ def service_sum(
         check_pass.load()
     graph = tf.compat.v1.get_default_graph()
     eager = tf.executing_eagerly()  # Keras reading a metric across owners: each op runs as it is called
-    after = [_LAST[graph]] if graph in _LAST and not eager else []
+    last, answers = _LAST.setdefault(graph, {}), _ANSWERS.setdefault(graph, {}).setdefault(_CHAIN[0], [])
+    after = [last[_CHAIN[0]]] if _CHAIN[0] in last and not eager else []
     begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks)
     # In a tf.function (Keras) automatic control dependencies chain every stateful op without a resource input
     # in program order (mask, contribution, answer, next mask, ...): one round trip per sum, and a cycle with
@@ -127,13 +161,13 @@ def service_sum(
         ticket = tf.numpy_function(begin, [step, key, share], tf.int64, stateful=stateful, name=CONTRIBUTE_OP_NAME)
     ticket.set_shape([])
     if not eager:
-        _LAST[graph] = ticket
-        _before_earlier_answers(graph, ticket.op)
+        last[_CHAIN[0]] = ticket
+        _before_earlier_answers(answers, ticket.op)
     with tf.device(sources[0]):
         revealed = tf.numpy_function(functools.partial(_finish, tuple(share.shape.as_list())), [ticket], tf.int64,
                                      stateful=stateful, name=ANSWER_OP_NAME)
     if not eager:
-        _ANSWERS.setdefault(graph, []).append(revealed.op)
+        answers.append(revealed.op)
     revealed.set_shape(share.shape)
     with tf.device(sources[0]), tf.name_scope("service_reveal"):
         # The sum's ring words are unmasked in the call (its checks need them): decode them.
@@ -146,8 +180,8 @@ def service_sum(
     return results
 
 
-def _before_earlier_answers(graph: tf.Graph, contribution: tf.Operation) -> None:
-    """Makes every earlier answer op of `graph` that `contribution` does not need run after it.
+def _before_earlier_answers(answers: List[tf.Operation], contribution: tf.Operation) -> None:
+    """Makes every earlier answer op of the chain (`answers`) that `contribution` does not need run after it.
 
     TensorFlow's executor may run a ready answer op (which blocks until the call's answer) before a
     contribution that became ready at the same time, on the same thread: the step's next sum would start
@@ -155,17 +189,16 @@ def _before_earlier_answers(graph: tf.Graph, contribution: tf.Operation) -> None
     any answer is awaited. An answer the contribution depends on (a sum computed from another's result)
     keeps its order: no cycle.
     """
-    answers = _ANSWERS.get(graph, [])
     if not answers:
         return
-    needed = _ancestors(contribution)
+    needed = ancestors(contribution)
     context = getattr(contribution, "_control_flow_context", None)  # TF1 cond/while: edges stay in one frame
     for answer in answers:
         if answer not in needed and getattr(answer, "_control_flow_context", None) is context:
             answer._add_control_input(contribution)  # pylint: disable=protected-access
 
 
-def _ancestors(op: tf.Operation) -> set:
+def ancestors(op: tf.Operation) -> set:
     """Every op `op` depends on, through data and control edges."""
     seen, todo = set(), [op]
     while todo:
