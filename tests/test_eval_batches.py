@@ -255,3 +255,37 @@ def test_a_binary_classifier_evaluates_to_numpy_and_to_one_replica_every_metric(
         assert got.keys() == want.keys()
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (kind, size, key, got[key], want[key])
+
+
+def _strategy(kind):
+    from tfe_estimator.distribute.service_aggregation import ServiceBinding, ServiceStrategy  # pylint: disable=import-outside-toplevel
+
+    if kind == "tfe":
+        return TfeRunConfig(num_replicas=2).eval_distribute, 2
+    if kind == "twin":
+        return tfe_estimator.plaintext_twin_config(TWIN_DEVICES).eval_distribute, 2
+    binding = ServiceBinding(addresses=("localhost:1", "localhost:2"), tls_dir="/nonexistent", owner="chief:0",
+                             owners=("chief:0", "worker:0", "worker:1"))
+    return ServiceStrategy(binding, num_replicas=2, evaluation=True), 6  # 2 local replicas x 3 owners
+
+
+@pytest.mark.parametrize("kind", ["tfe", "twin", "service"])
+def test_a_replica_building_an_evaluation_model_fn_sees_one_replica_and_everything_else_all(kind):
+    # Prepare: what a model_fn reads to scale its loss for a sum over replicas (Keras, tf.nn.compute_average_loss).
+    seen = {}
+
+    def model_fn(features, labels, mode, config):
+        del labels, config
+        seen.setdefault(mode, set()).add((tf.distribute.get_strategy().num_replicas_in_sync,
+                                          tf.distribute.get_replica_context().num_replicas_in_sync))
+        return tf.reduce_sum(features)
+
+    with tf.Graph().as_default():
+        strategy, replicas = _strategy(kind)
+        with strategy.scope():
+            # Execute: the calls Estimator makes, in training and evaluation.
+            for mode in (tf.estimator.ModeKeys.TRAIN, tf.estimator.ModeKeys.EVAL, tf.estimator.ModeKeys.PREDICT):
+                strategy.extended.call_for_each_replica(model_fn, args=(tf.ones([2, 1]), None, mode, None))
+        # Assert: alone only while building an evaluation; the strategy itself (merge calls, reductions) unchanged.
+        assert seen == {"train": {(replicas, replicas)}, "eval": {(1, 1)}, "infer": {(replicas, replicas)}}
+        assert strategy.num_replicas_in_sync == replicas
