@@ -1,17 +1,31 @@
-"""Evaluation over replicas whose batches differ or are empty: the plaintext metrics, no crash.
+"""Evaluation over replicas: every metric is that of one replica evaluating all the data.
 
-`TfeStrategy(partial_batches=True)` (`TfeRunConfig`'s `eval_distribute`) gives
-a replica that finds no batch left in a step an empty batch. Three things in
-TensorFlow and Estimator assume replicas' batches are never empty or uneven;
-this module mends them while the strategy builds the replicas' graphs (see
-`TfeStrategy._call_for_each_replica`):
+`ReplicaEvaluation` is the part of `TfeStrategy`'s (and the plaintext twin's)
+`MirroredExtended` that builds an evaluation: each replica's ``model_fn`` sees
+the batch it gets as a single-replica evaluation would, and the metrics'
+totals and counts combine to the single-replica evaluation of all the data.
+Four things in TensorFlow, Keras and Estimator break that under a plain
+`MirroredStrategy`; this module mends them while the strategy builds the
+replicas' graphs (`ReplicaEvaluation._call_for_each_replica`):
 
-- Estimator's ``loss`` metric is ``tf.compat.v1.metrics.mean(loss)`` run on
+- A model_fn that follows TensorFlow 2's convention scales its loss by
+  ``1 / num_replicas_in_sync`` for a cross-replica SUM: Keras does
+  (``losses_utils.scale_loss_for_distribution`` in the model that
+  `model_to_estimator` compiles inside its model_fn), as does
+  ``tf.nn.compute_average_loss``. Estimator's evaluation ``loss`` is the
+  MEAN of the replicas' losses (below), so ``model_to_estimator`` reported
+  half the true loss on 2 replicas. Canned heads scale only inside their
+  train op, so their loss must not be summed either. While a replica builds
+  an evaluation model_fn it therefore sees ``num_replicas_in_sync == 1``
+  (`replicas_seen`), as it would evaluating alone; training is unchanged.
+- `TfeStrategy(partial_batches=True)` (`TfeRunConfig`'s `eval_distribute`)
+  gives a replica that finds no batch left in a step an empty batch.
+  Estimator's ``loss`` metric is ``tf.compat.v1.metrics.mean(loss)`` run on
   every replica (estimator.py `_verify_and_create_loss_metric`): each replica
   adds its batch's loss and a count of 1, and the totals are summed across
   replicas. An empty replica adds loss 0 (or NaN) with count 1, so one batch on
   two replicas reported half the loss, three batches 3/4 of it. The plaintext
-  twin's ``loss`` is the mean of the batch losses; `loss_mean_args` gives the
+  ``loss`` is the mean of the batch losses; `masked_loss_mean` gives the
   mean a weight of 1 for a replica with rows and 0 (and its loss 0) for an
   empty one, which is exactly that mean.
 - Feature columns reshape sparse ids to ``[batch, -1]``
@@ -23,16 +37,18 @@ this module mends them while the strategy builds the replicas' graphs (see
   and is the same op otherwise.
 - The binary head's ``accuracy_baseline`` (head/binary_class_head.py
   `_update_accuracy_baseline`) is ``max(total, count - total)`` of the label
-  mean computed from each replica's local total, and Keras' `result()` reads
-  replica 0's (``max(t0, c0 - t0) / count``): 0.286 for 0.5 on three uneven
-  batches. `mend_accuracy_baseline` makes it ``max(m, 1 - m)`` of the label
-  mean ``m`` summed over all replicas, its definition.
+  mean's state, read on each replica (its own partial total), and Keras'
+  `result()` reads replica 0's (``max(t0, c0 - t0) / count``): 0.257 for 0.6
+  on two even batches, under any `MirroredStrategy`. `mend_accuracy_baseline`
+  makes it ``max(m, 1 - m)`` of the label mean ``m`` over all replicas, its
+  definition.
 
 Example::
 
-    has_rows = batch_has_rows((features, labels))   # in a replica's function
-    with empty_safe_sparse_reshape():
-        spec = model_fn(features, labels, "eval", config)
+    class _Extended(distributed_eval.ReplicaEvaluation, mirrored_strategy.MirroredExtended):
+        pass
+
+    extended = _Extended(strategy, devices=devices, cross_device_ops=ops, partial_batches=True)
 """
 import contextlib
 import threading
@@ -41,11 +57,33 @@ from typing import Iterator, Optional
 import tensorflow as tf
 from tensorflow.python.ops import sparse_ops
 
-__all__ = ["LossRows", "batch_has_rows", "masked_loss_mean", "empty_safe_sparse_reshape", "mend_accuracy_baseline"]
+__all__ = ["ReplicaEvaluation", "LossRows", "batch_has_rows", "masked_loss_mean", "empty_safe_sparse_reshape",
+           "mend_accuracy_baseline", "replicas_seen"]
 
 _PATCH_LOCK = threading.Lock()
 _PATCH_DEPTH = [0]
 _ORIGINAL_SPARSE_RESHAPE = sparse_ops.sparse_reshape
+_BUILDING = threading.local()  # .evaluation: this (replica) thread is building an evaluation model_fn
+
+
+def replicas_seen(num_replicas: int) -> int:
+    """The ``num_replicas_in_sync`` a strategy reports: 1 to a replica building an evaluation model_fn.
+
+    Such a replica evaluates its batch as one replica alone would (module
+    docstring); everywhere else, including the merge functions run between
+    the replicas' steps (another thread), it is `num_replicas`.
+    """
+    return 1 if getattr(_BUILDING, "evaluation", False) else num_replicas
+
+
+@contextlib.contextmanager
+def _building_evaluation() -> Iterator[None]:
+    before = getattr(_BUILDING, "evaluation", False)
+    _BUILDING.evaluation = True
+    try:
+        yield
+    finally:
+        _BUILDING.evaluation = before
 
 
 def _rows(leaf) -> Optional[tf.Tensor]:
@@ -189,3 +227,60 @@ def _one_value(value) -> Optional[tf.Tensor]:
     if isinstance(values, tuple) and values and all(isinstance(v, tf.Tensor) for v in values):
         return values[0]
     return None
+
+
+def _is_eval_model_fn_call(args) -> bool:
+    # Estimator calls model_fn through call_for_each_replica with (features, labels, mode, config).
+    return len(args) >= 3 and isinstance(args[2], str) and args[2] == tf.estimator.ModeKeys.EVAL
+
+
+class ReplicaEvaluation:
+    """A `MirroredExtended` mixin: evaluation metrics equal to one replica's evaluation of all the data.
+
+    Put it before `MirroredExtended` in the bases; ``partial_batches`` is
+    `TfeStrategy`'s argument (give a replica without data an empty batch).
+    What it mends, and why, is in the module docstring.
+    """
+
+    def __init__(self, *args, partial_batches: bool = False, **kwargs):
+        self._tfe_partial_batches = bool(partial_batches)
+        self._tfe_eval_loss = LossRows()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def _num_replicas_in_sync(self):
+        return replicas_seen(super()._num_replicas_in_sync)
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        evaluation = _is_eval_model_fn_call(args)
+        has_rows = self._tfe_eval_loss.take(args[0]) if len(args) == 1 and not kwargs else None
+        if has_rows is not None:
+            # Estimator's `loss` metric: metrics.mean(spec.loss) on each replica.
+            fn, args = masked_loss_mean(fn), (args[0], has_rows)
+        if not evaluation:
+            return super()._call_for_each_replica(fn, args, kwargs)
+
+        def replica_fn(*a, **k):
+            with _building_evaluation():
+                result = fn(*a, **k)
+            rows = batch_has_rows(a[:2])  # a: features, labels, mode, config
+            return result, (tf.constant(True) if rows is None else rows)
+
+        with empty_safe_sparse_reshape() if self._tfe_partial_batches else contextlib.nullcontext():
+            spec, has_rows = super()._call_for_each_replica(replica_fn, args, kwargs)
+        if getattr(spec, "loss", None) is not None:
+            self._tfe_eval_loss.record(spec.loss, has_rows)
+        if isinstance(getattr(spec, "eval_metric_ops", None), dict):
+            mend_accuracy_baseline(spec.eval_metric_ops)
+        return spec
+
+    def _make_input_fn_iterator(self, input_fn,
+                                replication_mode=tf.distribute.InputReplicationMode.PER_WORKER):
+        # Graph-mode MirroredStrategy has partial batches off: a step where one
+        # replica gets end-of-input fails after some metric updates ran, and
+        # evaluate() returned right values or 0.0 by a race (issue 12). With
+        # get_next_as_optional, a replica without data contributes nothing.
+        iterator = super()._make_input_fn_iterator(input_fn, replication_mode)
+        if self._tfe_partial_batches:
+            iterator._enable_get_next_as_optional = True  # pylint: disable=protected-access
+        return iterator

@@ -30,6 +30,7 @@ from tensorflow_estimator.python.estimator import run_config as run_config_lib
 from tfe_estimator.cluster import model_dir_claim, peers
 from tfe_estimator.cluster.quiet import hide_deprecation_warnings
 from tfe_estimator.cluster import spec as cluster_lib
+from tfe_estimator.distribute import distributed_eval
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 from tfe_estimator.distribute.aggregation import validate_clip_norm
 from tfe_estimator.distribute.service_aggregation import ServiceStrategy, cluster_seed, service_binding
@@ -67,21 +68,26 @@ def plaintext_twin_config(devices: Sequence[str], session_config=None, **run_con
                                       model_dir="/tmp/plain")
     """
     with tf.Graph().as_default():  # in-graph multi-worker MirroredStrategy is graph-only
-        strategies = [_PlaintextTwinStrategy(list(devices)) for _ in range(2)]
+        # Evaluation with partial batches and the evaluation mends, as TfeRunConfig's (distributed_eval).
+        strategies = [_PlaintextTwinStrategy(list(devices), partial_batches=evaluation) for evaluation in (False, True)]
     session_config = session_config or default_session_config()
     session_config.device_count["CPU"] = max(session_config.device_count.get("CPU", 1), cpus_needed(devices))
     return tf.estimator.RunConfig(train_distribute=strategies[0], eval_distribute=strategies[1],
                                   session_config=session_config, **run_config_kwargs)
 
 
-class _PlaintextTwinExtended(mirrored_strategy.MirroredExtended):
-    """`MirroredExtended` without the unused collective all-reduce.
+class _PlaintextTwinExtended(distributed_eval.ReplicaEvaluation, mirrored_strategy.MirroredExtended):
+    """`MirroredExtended` without the unused collective all-reduce, evaluating as `TfeStrategy` does.
 
     MirroredStrategy also builds a `CollectiveAllReduce` (for XLA on GPUs),
     which Estimator deep-copies with the config; on TF 2.9 the copy creates a
     variable on the replicas' devices eagerly and fails once the process's
     eager runtime has fewer CPU devices than the twin. The twin's reductions
     are all `ReductionToOneDevice`, as `TfeStrategy`'s are `SecureAggregation`.
+    Its evaluation metrics are a single replica's evaluation of all the data
+    (`distributed_eval.ReplicaEvaluation`), as `TfeStrategy`'s: a plain
+    `MirroredStrategy` reports half of `model_to_estimator`'s loss on 2
+    replicas and a wrong `accuracy_baseline`.
     """
 
     def _make_collective_ops(self, devices):  # TF 2.9
@@ -95,9 +101,9 @@ class _PlaintextTwinExtended(mirrored_strategy.MirroredExtended):
 class _PlaintextTwinStrategy(tf.compat.v1.distribute.MirroredStrategy):
     """`MirroredStrategy` with `ReductionToOneDevice` on `devices`: the plaintext twin."""
 
-    def __init__(self, devices):  # pylint: disable=super-init-not-called
-        extended = _PlaintextTwinExtended(self, devices=devices,
-                                          cross_device_ops=tf.distribute.ReductionToOneDevice())
+    def __init__(self, devices, partial_batches=False):  # pylint: disable=super-init-not-called
+        extended = _PlaintextTwinExtended(self, devices=devices, cross_device_ops=tf.distribute.ReductionToOneDevice(),
+                                          partial_batches=partial_batches)
         distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
 
 

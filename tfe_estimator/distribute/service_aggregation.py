@@ -46,6 +46,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import values as value_lib
 
 from tfe_estimator.cluster import spec as cluster_lib
+from tfe_estimator.distribute import distributed_eval
 from tfe_estimator.distribute import service_saver
 from tfe_estimator.distribute import service_sum as service_sum_lib
 from tfe_estimator.distribute import step_sum
@@ -275,8 +276,9 @@ class _ServiceExtended(_TfeExtended):
 
     @property
     def _num_replicas_in_sync(self):
-        # Every owner's replicas take part in each sum: optimizers scale a MEAN loss by this.
-        return len(self.worker_devices) * len(self._cross_device_ops.binding.owners)
+        # Every owner's replicas take part in each sum: optimizers scale a MEAN loss by this. A replica building
+        # an evaluation sees 1, as `ReplicaEvaluation`'s (distributed_eval.replicas_seen).
+        return distributed_eval.replicas_seen(len(self.worker_devices) * len(self._cross_device_ops.binding.owners))
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         # With one local replica MirroredStrategy hands a replica function's result back unwrapped (its

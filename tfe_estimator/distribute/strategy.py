@@ -8,7 +8,6 @@ Example::
         model.compile(loss="mse", optimizer="sgd")
     model.fit(dataset, epochs=2)
 """
-import contextlib
 import logging
 from typing import Optional, Sequence
 
@@ -42,7 +41,7 @@ def _log_once(message: str, *args) -> None:
         logging.getLogger("tfe_estimator").info(line)
 
 
-class _TfeExtended(mirrored_strategy.MirroredExtended):
+class _TfeExtended(distributed_eval.ReplicaEvaluation, mirrored_strategy.MirroredExtended):
     """`MirroredExtended` whose every cross-replica path is `SecureAggregation`.
 
     `MirroredExtended` does not always use the `cross_device_ops` it is given
@@ -60,19 +59,19 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
 
     Every one of those paths would sum replicas' values in the clear, so each
     is overridden here to go through the strategy's `SecureAggregation`;
-    `tests/test_strategy_routing.py` spies on it on both stacks.
+    `tests/test_strategy_routing.py` spies on it on both stacks. Evaluation
+    (partial batches, the metrics) is `distributed_eval.ReplicaEvaluation`'s.
     """
 
     def __init__(self, container_strategy, devices, cross_device_ops, num_cpus, partial_batches=False):
-        self._tfe_partial_batches = partial_batches
-        self._tfe_eval_loss = distributed_eval.LossRows()
         if not isinstance(cross_device_ops, SecureAggregation):
             raise TypeError(
                 "TfeStrategy's cross-device ops must be a SecureAggregation, got "
                 f"{type(cross_device_ops).__name__}."
             )
         self._tfe_num_cpus = num_cpus
-        super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops)
+        super().__init__(container_strategy, devices=devices, cross_device_ops=cross_device_ops,
+                         partial_batches=partial_batches)
 
     # Where MirroredExtended would build plaintext collective ops: ours instead,
     # so even a path that reaches `self._collective_ops` sums securely.
@@ -146,51 +145,18 @@ class _TfeExtended(mirrored_strategy.MirroredExtended):
         # which it flips the same way for XLA); with no `loss` summary, Estimator
         # writes the reduced loss, i.e. the secure sum, under that name.
         # A training EstimatorSpec also gets the progress line (`progress.ProgressHook`).
-        # With partial batches (evaluation) a replica may get an empty batch: see
-        # `distributed_eval` for the `loss` metric, the sparse reshapes and the
-        # accuracy baseline it mends.
-        eval_model_fn = self._tfe_partial_batches and len(args) >= 3 and isinstance(args[2], str) \
-            and args[2] == tf.estimator.ModeKeys.EVAL
-        has_rows = self._tfe_eval_loss.take(args[0]) if len(args) == 1 and not kwargs else None
-        if has_rows is not None:
-            # Estimator's `loss` metric: metrics.mean(spec.loss) on each replica.
-            fn, args = distributed_eval.masked_loss_mean(fn), (args[0], has_rows)
-
+        # Evaluation (empty batches, the `loss` metric, the accuracy baseline) is
+        # `distributed_eval.ReplicaEvaluation`'s, which this calls.
         def replica_fn(*a, **k):
-            result = progress.with_progress(fn(*a, **k), a)
-            if not eval_model_fn:
-                return result
-            rows = distributed_eval.batch_has_rows(a[:2])  # a: features, labels, mode, config
-            return result, (tf.constant(True) if rows is None else rows)
+            return progress.with_progress(fn(*a, **k), a)
 
         original = summary_op_util.skip_summary
         summary_op_util.skip_summary = lambda: tf.distribute.get_replica_context() is not None \
             and not tf.distribute.in_cross_replica_context() or original()
         try:
-            with distributed_eval.empty_safe_sparse_reshape() if self._tfe_partial_batches \
-                    else contextlib.nullcontext():
-                result = super()._call_for_each_replica(replica_fn, args, kwargs)
+            return super()._call_for_each_replica(replica_fn, args, kwargs)
         finally:
             summary_op_util.skip_summary = original
-        if not eval_model_fn:
-            return result
-        spec, has_rows = result
-        if getattr(spec, "loss", None) is not None:
-            self._tfe_eval_loss.record(spec.loss, has_rows)
-        if isinstance(getattr(spec, "eval_metric_ops", None), dict):
-            distributed_eval.mend_accuracy_baseline(spec.eval_metric_ops)
-        return spec
-
-    def _make_input_fn_iterator(self, input_fn,
-                                replication_mode=tf.distribute.InputReplicationMode.PER_WORKER):
-        # Graph-mode MirroredStrategy has partial batches off: a step where one
-        # replica gets end-of-input fails after some metric updates ran, and
-        # evaluate() returned right values or 0.0 by a race (issue 12). With
-        # get_next_as_optional, a replica without data contributes nothing.
-        iterator = super()._make_input_fn_iterator(input_fn, replication_mode)
-        if self._tfe_partial_batches:
-            iterator._enable_get_next_as_optional = True  # pylint: disable=protected-access
-        return iterator
 
     def _update_config_proto(self, config_proto):
         updated = super()._update_config_proto(config_proto)
