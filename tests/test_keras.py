@@ -7,6 +7,7 @@ evaluate, predict) and a custom training loop each train exactly like a plain
 through `SecureAggregation` (a spy, and two planted leaks it catches). Eager
 logical devices are per process, so each case runs in a fresh interpreter.
 """
+import copy
 import json
 import pathlib
 import subprocess
@@ -179,3 +180,15 @@ def test_a_service_cluster_is_service_mode_and_other_clusters_are_refused_naming
     evaluator = {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "evaluator", "index": 0}})}
     with pytest.raises(NotImplementedError, match=r"evaluator:0.*unset TF_CONFIG"):
         strategy_mode.pick_mode(environ=evaluator)
+
+
+def test_a_deep_copy_under_a_cluster_copies_the_strategy_without_picking_a_mode_again(monkeypatch):
+    # Estimator deep-copies its config, and so its strategies, with ``cls.__new__(cls)`` (an in-graph chief's
+    # TfeStrategy under its cluster's TF_CONFIG): only a call of TfeStrategy picks the mode.
+    with tf.Graph().as_default():
+        strategy = tfe_estimator.TfeStrategy()
+        monkeypatch.setenv("TF_CONFIG", json.dumps(_CLUSTER))
+        monkeypatch.setenv("TFE_ESTIMATOR_CLUSTER_MODE", "in-graph")
+        copied = copy.deepcopy(strategy)
+    assert type(copied) is tfe_estimator.TfeStrategy and copied is not strategy
+    assert copied.num_replicas_in_sync == strategy.num_replicas_in_sync == 2

@@ -62,8 +62,8 @@ _LATEST = {"state": None, "optimizer": None, "step": None, "count": 0}
 class OwnerStrategy(service_lib.ServiceStrategy, tf.distribute.MirroredStrategy):
     """The `ServiceStrategy` that ``TfeStrategy()`` returns to a data owner under a service-mode cluster.
 
-    Built by `owner_strategy_from_environment` (from ``TfeStrategy.__new__``); Python then calls
-    ``__init__`` again with ``TfeStrategy``'s arguments, which has nothing left to do. It is also a
+    Built by `owner_strategy_from_environment` (from ``TfeStrategy()``, its metaclass), which initialises it as a
+    `ServiceStrategy`; its own ``__init__`` has nothing to do. It is also a
     ``tf.distribute.MirroredStrategy`` (TensorFlow 2's, after the V1 one `TfeStrategy` is: every method
     still resolves to the V1 class first) because Keras' ``BackupAndRestore`` accepts only TensorFlow 2's
     MirroredStrategy, MultiWorkerMirroredStrategy, TPUStrategy and ParameterServerStrategy (an instance

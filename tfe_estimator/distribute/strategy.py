@@ -165,7 +165,22 @@ class _TfeExtended(distributed_eval.ReplicaEvaluation, mirrored_strategy.Mirrore
         return updated
 
 
-class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
+class _PicksMode(type):
+    """`TfeStrategy`'s metaclass: ``TfeStrategy()`` with no devices is local replicas or, under a service-mode
+    TF_CONFIG cluster, this data owner's part (Keras across organisations, `keras_service`);
+    `strategy_mode.pick_mode` is the one place that decides. Only a call of the class decides: a deep copy
+    (Estimator copies its config, ``cls.__new__(cls)``) and `TfeRunConfig` (explicit devices) never get here."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls is TfeStrategy and not args and kwargs.get("devices") is None \
+                and kwargs.get("server_devices") is None and pick_mode() == SERVICE:
+            from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
+
+            return keras_service.owner_strategy_from_environment(**kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy, metaclass=_PicksMode):
     """Data-parallel training whose cross-replica sums are TF Encrypted secure sums.
 
     `TfeStrategy()` replaces `tf.distribute.MirroredStrategy()` in a Keras
@@ -231,17 +246,6 @@ class TfeStrategy(tf.compat.v1.distribute.MirroredStrategy):
             session_config=strategy.update_config_proto(
                 tfe_estimator.default_session_config()))
     """
-
-    def __new__(cls, *args, **kwargs):
-        # TfeStrategy() with no devices: local replicas, or, under a service-mode TF_CONFIG cluster, this data
-        # owner's part (Keras across organisations, `keras_service`); `pick_mode` is the one place that decides.
-        # TfeRunConfig and explicit devices never get here.
-        if cls is TfeStrategy and not args and kwargs.get("devices") is None \
-                and kwargs.get("server_devices") is None and pick_mode() == SERVICE:
-            from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
-
-            return keras_service.owner_strategy_from_environment(**kwargs)
-        return super().__new__(cls)
 
     def __init__(
         self,
