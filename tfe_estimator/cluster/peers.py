@@ -26,12 +26,13 @@ Example::
     >>> allowed_callers("in-graph", "tfe")
     ('chief', 'worker', 'tfe')
 """
-from typing import Dict, Tuple
+import os
+from typing import Dict, Mapping, Optional, Tuple
 
-from tfe_estimator.cluster.spec import DATA_OWNER_JOBS, TFE_JOB
+from tfe_estimator.cluster.spec import DATA_OWNER_JOBS, LAUNCH_CLUSTER_MODE_ENV, TFE_JOB
 
 __all__ = ["CLUSTER_MODES", "DEFAULT_MODE", "SERVICE", "IN_GRAPH", "RETIRED_MODES", "allowed_callers",
-           "allowed_callees", "validate_mode"]
+           "allowed_callees", "cluster_mode", "validate_mode"]
 
 IN_GRAPH = "in-graph"
 SERVICE = "service"
@@ -78,6 +79,39 @@ def validate_mode(mode: str, source: str = "cluster_mode") -> str:
             "organisation on a trusted network: the chief runs ops on every task)."
         )
     return mode
+
+
+def cluster_mode(requested: Optional[str] = None, environ: Optional[Mapping[str, str]] = None,
+                 requester: str = "TfeRunConfig") -> str:
+    """The mode of this task's cluster: `requested`, else the one it was launched for, else `DEFAULT_MODE`.
+
+    `tfe-estimator launch`, the Kubernetes renderers and the deployment page set ``$TFE_ESTIMATOR_CLUSTER_MODE``
+    for every task; this is the one place that reads it (a server, `TfeRunConfig`, `TfeStrategy`).
+
+    Args:
+      requested: the mode the program asks for (``TfeRunConfig(cluster_mode=...)``), or None.
+      environ: where to read the launched mode (default `os.environ`).
+      requester: named in the error, e.g. ``"TfeRunConfig"``.
+
+    Raises:
+      ValueError: `requested` differs from the launched mode, or either is not a mode (naming the fix).
+
+    Example::
+
+        >>> cluster_mode(environ={})
+        'service'
+        >>> cluster_mode(environ={"TFE_ESTIMATOR_CLUSTER_MODE": "in-graph"})
+        'in-graph'
+    """
+    environ = os.environ if environ is None else environ
+    launched = environ.get(LAUNCH_CLUSTER_MODE_ENV)
+    if launched and requested and launched != requested:
+        raise ValueError(
+            f"{requester}(cluster_mode={requested!r}) but this task was launched for {launched!r} "
+            f"({LAUNCH_CLUSTER_MODE_ENV}={launched}): every task of a cluster must run the same "
+            f"mode. Drop cluster_mode (the launched one applies) or launch with --cluster-mode {requested}.")
+    source = "cluster_mode" if requested else LAUNCH_CLUSTER_MODE_ENV
+    return validate_mode(requested or launched or DEFAULT_MODE, source)
 
 
 def allowed_callers(mode: str, job: str) -> Tuple[str, ...]:

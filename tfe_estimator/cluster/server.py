@@ -30,8 +30,8 @@ import signal
 import threading
 from typing import Mapping, Optional, Tuple
 
-from tfe_estimator.cluster.peers import DEFAULT_MODE, SERVICE, validate_mode
-from tfe_estimator.cluster.spec import LAUNCH_CLUSTER_MODE_ENV, STATE_DIR_ENV, TFE_JOB, TLS_DIR_ENV, TfeCluster
+from tfe_estimator.cluster.peers import SERVICE, cluster_mode
+from tfe_estimator.cluster.spec import STATE_DIR_ENV, TFE_JOB, TLS_DIR_ENV, TfeCluster
 from tfe_estimator.secure.protocols import load_backend
 from tfe_estimator.validation import is_int
 
@@ -86,12 +86,6 @@ def start_server(cluster: TfeCluster):
         protocol="grpc",
         start=True,
     )
-
-
-def _cluster_mode(environ: Optional[Mapping[str, str]]) -> str:
-    """The cluster mode this server was started for (`tfe-estimator launch` and the renderers set it)."""
-    environ = os.environ if environ is None else environ
-    return validate_mode(environ.get(LAUNCH_CLUSTER_MODE_ENV) or DEFAULT_MODE, LAUNCH_CLUSTER_MODE_ENV)
 
 
 def _bind_address(address: str) -> str:
@@ -225,14 +219,15 @@ def run_server(environ: Optional[Mapping[str, str]] = None, stop: Optional[threa
     _check_tfe_task(cluster)
     stop = stop or threading.Event()
     limits = dict(limits or {})
-    if _cluster_mode(environ) == SERVICE:
+    mode = cluster_mode(environ=environ)
+    if mode == SERVICE:
         return _serve_aggregation(cluster, environ, stop, limits, data_port, metrics_port)
     if limits or data_port is not None or metrics_port is not None:
         flags = ", ".join("--" + name.replace("_", "-") for name in sorted(limits) +
                           (["data_port"] if data_port is not None else []) +
                           (["metrics_port"] if metrics_port is not None else []))
         raise ValueError(f"{flags} configure the aggregation service; this task runs in "
-                         f"{_cluster_mode(environ)} mode, where the servers are TensorFlow servers. Drop {flags}.")
+                         f"{mode} mode, where the servers are TensorFlow servers. Drop {flags}.")
     server = start_server(cluster)
     _stop_on_signals(stop)
     address = cluster.jobs[TFE_JOB][cluster.task_index]

@@ -307,7 +307,7 @@ def _require_owner_model_dir(settings: TfeSettings, model_dir: Optional[str]) ->
     spec = cluster_lib.TfeCluster.from_environment()
     if spec is None or spec.task_type not in cluster_lib.DATA_OWNER_JOBS:
         return
-    if _cluster_mode(settings.cluster_mode) == peers.SERVICE:
+    if peers.cluster_mode(settings.cluster_mode) == peers.SERVICE:
         model_dir_claim.require_owner_model_dir(model_dir, f"{spec.task_type}:{spec.task_index}")
 
 
@@ -364,17 +364,6 @@ def _check_launch_protocol(protocol: str) -> None:
         )
 
 
-def _cluster_mode(mode: Optional[str]) -> str:
-    """`mode`, else the one `tfe-estimator launch` started the cluster for, else service mode."""
-    launched = os.environ.get(cluster_lib.LAUNCH_CLUSTER_MODE_ENV)
-    if launched and mode and launched != mode:
-        raise ValueError(
-            f"TfeRunConfig(cluster_mode={mode!r}) but this task was launched for {launched!r} "
-            f"({cluster_lib.LAUNCH_CLUSTER_MODE_ENV}={launched}): every task of a cluster must run the same "
-            f"mode. Drop cluster_mode (the launched one applies) or launch with --cluster-mode {mode}.")
-    return peers.validate_mode(mode or launched or peers.DEFAULT_MODE, "cluster_mode")
-
-
 def _service_kwargs(spec: cluster_lib.TfeCluster, settings: TfeSettings, session_config) -> dict:
     """Service mode: this owner trains alone (a local Estimator) and sums through the aggregation service."""
     if settings.protocol != "pond":
@@ -414,7 +403,7 @@ def _distribute_kwargs(settings: TfeSettings, session_config) -> dict:
         _warn_many_local_replicas(validate_num_replicas(settings.num_replicas))
         replicas, servers = local_layout(validate_num_replicas(settings.num_replicas), settings.protocol)
     else:
-        mode = _cluster_mode(settings.cluster_mode)
+        mode = peers.cluster_mode(settings.cluster_mode)
         if mode == peers.SERVICE:
             return _service_kwargs(spec, settings, session_config)
         spec.check_protocol(settings.protocol)

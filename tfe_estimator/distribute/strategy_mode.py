@@ -38,7 +38,7 @@ def pick_mode(environ: Optional[Mapping[str, str]] = None) -> str:
     spec = cluster_lib.TfeCluster.from_environment(environ)
     if spec is None:
         return LOCAL
-    mode = environ.get(cluster_lib.LAUNCH_CLUSTER_MODE_ENV) or peers.DEFAULT_MODE
+    mode = peers.cluster_mode(environ=environ)
     if spec.is_evaluator or mode != peers.SERVICE:
         task = f"{spec.task_type}:{spec.task_index}"
         raise NotImplementedError(
