@@ -109,6 +109,47 @@ def test_mutation_a_rewind_that_leaves_its_part_in_the_sum_is_detected():
     assert not _open_sum_after_a_rewind(lambda acc, payload, ring_bits: None, 128)
 
 
+def test_an_owner_contributing_again_after_its_rewind_is_counted_once_and_its_dropped_call_gets_no_answer():
+    """Server1's rules, 3 owners, step 0: chief:0 and worker:0 put, worker:0's new session rewinds (its part is
+    dropped while chief:0's keeps the step open) and puts the step again. The new contribution is answered with
+    the sum of the three owners' parts; the dropped one is never counted and its call still gets the drop's error.
+    (The dropped entry was once kept per participant and refused the new call too.)"""
+    # Prepare: ring words as payloads (server1's), summed and subtracted as server1 does.
+    channel = steps.StepChannel("c", 64, 8, owner_names(3), None, lambda acc, payload, bits: ring.sub_into(
+        acc, np.frombuffer(payload, "<u8"), bits), steps.ReplayLimits(), budget_module.MemoryBudget(1 << 30, 1 << 30))
+
+    def put(owner, value):
+        payload = np.full(8, value, np.uint64).tobytes()
+        return channel.put(owner, 0, payload, np.frombuffer(payload, "<u8"))
+
+    put(0, 1)
+    dropped = put(1, 100)
+    assert channel.rewind(1) == 1
+    again = put(1, 10)
+    waiting, answers = threading.Event(), {}
+
+    def wait_again():
+        try:
+            answers["again"] = channel.wait(1, again, alive=lambda: waiting.set() or True)
+        except steps.StepRefused as e:
+            answers["again"] = e
+
+    # Execute: the new contribution's call waits on the open step (or returns at once, refused); the third owner
+    # completes it.
+    waiter = threading.Thread(target=wait_again)
+    waiter.start()
+    while waiter.is_alive() and not waiting.is_set():
+        time.sleep(0.01)
+    released = put(2, 1000).released
+    channel.finish(released, released.acc.copy().tobytes())
+    waiter.join(10)
+    # Assert: the sum holds worker:0's new part only; its dropped call is refused, naming the rewind.
+    assert not isinstance(answers["again"], Exception), answers["again"]
+    np.testing.assert_array_equal(np.frombuffer(answers["again"], "<u8"), np.full(8, 1011, np.uint64))
+    with pytest.raises(steps.StepRefused, match="worker:0's contribution to step 0 was dropped by its own rewind"):
+        channel.wait(1, dropped, alive=lambda: True)
+
+
 def test_one_unreleased_contribution_per_owner_and_channel(make_service):
     service = make_service(owner_names(2), step_timeout_secs=3.0)
     chief, worker = service.clients_of(2)

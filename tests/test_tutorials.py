@@ -31,7 +31,11 @@ then trains a newcomer's custom model_fn with batch normalization
 (`batch_norm_custom`, under `train_and_evaluate`, checkpoints every 10 steps):
 the owners' checkpoints, moving statistics included, are bit-identical and
 equal to the twin's, and so are the metrics (issue 41: it crashed at the first
-checkpoint save).
+checkpoint save). Then a Keras model through `model_to_estimator`
+(`keras_to_estimator`): the owners' checkpoints are bit-identical and equal to
+the twin's, and the evaluation ``loss`` equals the mean squared error NumPy
+computes from the final weights over the union of the evaluation rows (issue 41:
+it was half of it on 2 replicas, the twin's too).
 """
 import io
 import json
@@ -41,6 +45,8 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from model_fns import keras_optimizers  # tf.keras.optimizers.legacy where Estimator needs it (TF >= 2.11)
 
 import tfe_estimator
 
@@ -171,6 +177,31 @@ def batch_norm_custom(config, data, steps=BATCH_NORM_STEPS):
     return metrics
 
 
+KERAS_STEPS = 4
+#: The Keras model's variables in its Estimator's checkpoint (object-based names), kernel first.
+KERAS_WEIGHTS = ("layer_with_weights-0/kernel/.ATTRIBUTES/VARIABLE_VALUE",
+                 "layer_with_weights-0/bias/.ATTRIBUTES/VARIABLE_VALUE")
+
+
+def keras_inputs(frame):
+    """The Keras model's rows of a titanic frame: (age / 80, fare / 50) and the label as float32 [rows, 1]."""
+    columns, labels = frame
+    x = np.stack([columns["age"] / 80.0, columns["fare"] / 50.0], axis=1).astype(np.float32)
+    return x, labels.astype(np.float32).reshape(-1, 1)
+
+
+def keras_to_estimator(config, data, steps=KERAS_STEPS):
+    """A newcomer's Keras model as an Estimator: `Sequential` Dense(1), SGD and MSE, `model_to_estimator`,
+    trained `steps` steps on batches of 32 and evaluated in batches of 32."""
+    train, evaluation = (keras_inputs(frame) for frame in data)
+    tf.keras.utils.set_random_seed(SEED)  # Keras initialises from its own seed, not tf_random_seed
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
+    model.compile(optimizer=keras_optimizers().SGD(0.1), loss="mse")  # model_to_estimator needs the legacy one
+    estimator = tf.keras.estimator.model_to_estimator(keras_model=model, config=config)
+    estimator.train(lambda: tf.data.Dataset.from_tensor_slices(train).batch(32).repeat(), steps=steps)
+    return estimator.evaluate(lambda: tf.data.Dataset.from_tensor_slices(evaluation).batch(32))
+
+
 # ---- data the tests make ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -253,6 +284,7 @@ def test_two_owners_in_service_mode_report_the_plaintext_metrics_of_the_linear_t
     bn_config = tfe_estimator.plaintext_twin_config(DEVICES, model_dir=str(tmp_path / "bn_plain"), tf_random_seed=SEED,
                                                     save_checkpoints_steps=BATCH_NORM_SAVE_STEPS)
     bn_plain = batch_norm_custom(bn_config.replace(eval_distribute=None), (_concatenate(chunks), union))
+    keras_plain = keras_to_estimator(_plaintext(str(tmp_path / "keras_plain")), (_concatenate(chunks), union))
     # Execute: `tfe-estimator launch --cluster-mode service` of the tutorial with TfeRunConfig.
     out = io.StringIO()
     script = os.path.join(os.path.dirname(__file__), "scripts", "service_tutorial.py")
@@ -266,21 +298,42 @@ def test_two_owners_in_service_mode_report_the_plaintext_metrics_of_the_linear_t
             _assert_same_metrics(json.load(f), plain)
     # The custom model_fn with batch normalization trained in the same launch (issue 41): the owners' checkpoints
     # are bit-identical, moving statistics included (the saver's on-read sums), and equal to the twin's.
-    bn_weights = {owner: _checkpoint(tmp_path / owner / "bn_model") for owner in owners}
-    twin = _checkpoint(tmp_path / "bn_plain")
-    assert bn_weights["chief-0"].keys() == twin.keys()
+    twin = _assert_owners_equal_the_twin(tmp_path, "bn", bn_plain, {"loss", "mae", "global_step"})
     assert {"batch_normalization/moving_mean", "batch_normalization/moving_variance"} <= twin.keys()
     assert twin["global_step"] == BATCH_NORM_STEPS
-    for name, value in twin.items():
-        np.testing.assert_array_equal(bn_weights["chief-0"][name], bn_weights["worker-0"][name], err_msg=name)
-        np.testing.assert_allclose(bn_weights["chief-0"][name], value, rtol=BN_RTOL, atol=BN_ATOL, err_msg=name)
     assert not np.allclose(twin["batch_normalization/moving_mean"], 0.0)  # the statistics moved
+    # model_to_estimator in the same launch (issue 41): owners equal to the twin, and the evaluation `loss` is the
+    # true mean loss over the union's 96 evaluation rows (3 batches of 32: the mean of the batches' losses is it).
+    _assert_owners_equal_the_twin(tmp_path, "keras", keras_plain, {"loss", "global_step"})
+    kernel, bias = (_checkpoint(tmp_path / "chief-0" / "keras_model")[name] for name in KERAS_WEIGHTS)
+    x, y = keras_inputs(union)
+    true_loss = float(np.mean((x.astype(np.float64) @ kernel + bias - y) ** 2))
     for owner in owners:
-        with open(tmp_path / owner / "bn_metrics.json") as f:
+        with open(tmp_path / owner / "keras_metrics.json") as f:
             secure = json.load(f)
-        assert secure.keys() == bn_plain.keys() == {"loss", "mae", "global_step"}
-        for key in bn_plain:
-            assert secure[key] == pytest.approx(bn_plain[key], rel=BN_RTOL, abs=BN_ATOL), (key, secure, bn_plain)
+        assert secure["global_step"] == KERAS_STEPS
+        assert secure["loss"] == pytest.approx(true_loss, rel=1e-5), (owner, secure, true_loss)
+
+
+def _assert_owners_equal_the_twin(tmp_path, model, twin_metrics, keys):
+    """The owners' checkpoints in ``{model}_model`` are bit-identical and equal to the twin's (``{model}_plain``)
+    within the batch-norm model's tolerance, and so are their metrics (``{model}_metrics.json``, `keys`). Returns
+    the twin's checkpoint."""
+    weights = {owner: _checkpoint(tmp_path / owner / f"{model}_model") for owner in ("chief-0", "worker-0")}
+    twin = _checkpoint(tmp_path / f"{model}_plain")
+    assert weights["chief-0"].keys() == twin.keys()
+    for name, value in twin.items():
+        np.testing.assert_array_equal(weights["chief-0"][name], weights["worker-0"][name], err_msg=name)
+        if np.asarray(value).dtype.kind in "fiu":  # not a Keras checkpoint's object graph (bytes)
+            np.testing.assert_allclose(weights["chief-0"][name], value, rtol=BN_RTOL, atol=BN_ATOL, err_msg=name)
+    for owner in weights:
+        with open(tmp_path / owner / f"{model}_metrics.json") as f:
+            secure = json.load(f)
+        assert secure.keys() == twin_metrics.keys() == keys
+        for key in twin_metrics:
+            assert secure[key] == pytest.approx(twin_metrics[key], rel=BN_RTOL, abs=BN_ATOL), (key, secure,
+                                                                                              twin_metrics)
+    return twin
 
 
 def _checkpoint(model_dir):

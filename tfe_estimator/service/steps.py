@@ -33,7 +33,11 @@ tells them to users):
   step's accumulator comes from the server's `buffers.BufferPool` and goes back
   there when the step's answer is built or the step is aborted (answers are
   copies: a stored answer never changes when its buffer is reused);
-- a rewind drops only its owner's unreleased contributions (on every step).
+- a rewind drops only its owner's unreleased contributions (on every step);
+  a dropped contribution is never counted and its call never gets the step's
+  answer (it gets the drop's error), while the same owner's later contribution
+  to that step (its new session's) is counted and answered like any other:
+  each put is its own contribution (`Ticket.token`).
 
 Participants are numbered in the configured owner order; server1 has one more,
 server0's forwarded part. Every refusal is a `StepRefused` carrying a gRPC
@@ -128,10 +132,15 @@ class _Open:
         self.blind, self.filled = blind, blind is not None
         self.opener: Optional[str] = None  # the owner charged for the accumulator (None: server0's forward)
         self.parts: Dict[int, bytes] = {}  # participant -> its payload (a key or ring words)
+        self.tokens: Dict[int, int] = {}  # participant -> the token of its contribution in parts (Ticket.token)
         self.charges: Dict[int, int] = {}  # participant -> bytes reserved for it (its payload, the accumulator)
         self.result: Optional[_Result] = None  # set when released
         self.aborted: Optional[StepRefused] = None  # set when aborted
-        self.dropped: Dict[int, StepRefused] = {}  # participants whose contribution a rewind dropped
+        # participant -> why its latest dropped contribution was dropped (a rewind, a mismatched key): the error
+        # that contribution's call gets. Kept after the participant contributes again, for a dropped call still
+        # waiting (whether a call's contribution was dropped is its token's business, not this entry's); bounded
+        # by the participants, gone with the step.
+        self.dropped: Dict[int, StepRefused] = {}
         self.digests: Dict[int, bytes] = {}  # server1: owner -> the digest of the key its share was masked with
         self.expected: Optional[Sequence[bytes]] = None  # server1: per owner, the digest of the key server0 summed
         self.blind_digest: Optional[bytes] = None  # server1: the digest of server0's blind key (its forward says)
@@ -149,11 +158,17 @@ class Released(NamedTuple):
 
 
 class Ticket(NamedTuple):
-    """What a put gives its caller to wait on: the step it joined, or a stored answer (a replay)."""
+    """What a put gives its caller to wait on: the step it joined, or a stored answer (a replay).
+
+    ``token`` names this put's contribution to the open step (unique per channel): the call is answered only
+    while that contribution is the one counted for its participant (a rewind may drop it, and the same
+    participant may contribute again to the same step).
+    """
     step: int
     open: Optional[_Open]
     replay: Optional[_Result]
     released: Optional[Released]
+    token: Optional[int] = None
 
 
 class StepChannel:
@@ -192,6 +207,7 @@ class StepChannel:
         self._evicted_through: Optional[int] = None  # the newest step that left the window
         self._evicted_for_bytes = False
         self._last_step: List[Optional[int]] = [None] * len(self._names)
+        self._tokens = 0  # contributions counted so far (the last Ticket.token)
         self.ever_released = False
 
     @property
@@ -293,6 +309,8 @@ class StepChannel:
             ring.copy_into(current.acc, addend)
             current.filled = True
         current.parts[participant] = payload
+        self._tokens += 1
+        current.tokens[participant] = token = self._tokens
         current.charges[participant] = charge
         self._pending[participant] = step
         self._last_step[participant] = step
@@ -307,8 +325,8 @@ class StepChannel:
                 if wrong:
                     self._drop(current, owner, self._refuse("FAILED_PRECONDITION", wrong))
         if len(current.parts) < len(self._names):
-            return Ticket(step, current, None, None)
-        return Ticket(step, current, None, self._release(current))
+            return Ticket(step, current, None, None, token)
+        return Ticket(step, current, None, self._release(current), token)
 
     def _stale(self, me: str, step: int) -> str:
         kept = sorted(self._window)
@@ -419,15 +437,17 @@ class StepChannel:
         """Blocks until `ticket`'s answer is there; the step is aborted at its deadline or when `alive()` fails."""
         with self._cond:
             while True:
-                result = ticket.replay if ticket.replay is not None else ticket.open.result
+                current = ticket.open
+                if current is not None and current.tokens.get(participant) != ticket.token:
+                    # this call's contribution was dropped (and maybe the participant contributed again since):
+                    # it was never counted in the step's answer, which is not this call's to get
+                    raise _fresh(current.dropped[participant])
+                result = ticket.replay if ticket.replay is not None else current.result
                 if result is not None and result.done:
                     if result.error is not None:
                         raise _fresh(result.error)
                     return result.reply
-                current = ticket.open
                 if current is not None and result is None:
-                    if participant in current.dropped:
-                        raise _fresh(current.dropped[participant])
                     if current.aborted is not None:
                         raise _fresh(current.aborted)
                     if time.monotonic() >= current.deadline:
@@ -490,6 +510,7 @@ class StepChannel:
     def _drop(self, current: _Open, participant: int, error: StepRefused) -> None:
         """Subtracts one participant's part from an open step (the caller holds the lock); its call gets `error`."""
         self._remove_part(current.acc, current.parts.pop(participant), self.ring_bits)
+        del current.tokens[participant]
         self._budget.free(self._payer(participant), current.charges.pop(participant, 0))
         current.digests.pop(participant, None)
         if self._pending.get(participant) == current.step:
