@@ -8,7 +8,6 @@ plaintext Keras model trained with SGD on, per step, the concatenation of each o
 import io
 import json
 import os
-import re
 import sys
 
 import numpy as np
@@ -51,6 +50,36 @@ def _plaintext_keras(data, initial, worker_batch=lambda step: step):
     return model.get_weights()
 
 
+def _check_evaluation(workdir, data, trained, log):
+    """model.evaluate across owners (tests/scripts/keras_owner.py --then-evaluate): the union's metrics, equal to
+    NumPy's on the trained weights; each owner's own; fit's validation alike; predict local and whole."""
+    weights = np.append(np.array(trained[0]).ravel(), trained[1]).astype(np.float64)
+
+    def metrics(rows):
+        error = np.column_stack([rows[:, :2], np.ones(len(rows))]) @ weights - rows[:, 2]
+        return {"loss": float(np.mean(error ** 2)), "mae": float(np.mean(np.abs(error)))}
+
+    evaluated = {"chief-0": data["chief-0"][:64], "worker-0": data["worker-0"][:40]}
+    union = metrics(np.concatenate(list(evaluated.values())))
+    results = {}
+    for owner in OWNERS:
+        with open(os.path.join(workdir, owner, "keras_evaluation.json")) as f:
+            results[owner] = got = json.load(f)
+        for name, want in union.items():
+            assert got["union"][name] == pytest.approx(want, rel=1e-5), (owner, name, got["union"], union)
+        own = metrics(evaluated[owner])
+        for name, want in own.items():
+            assert got["own"][name] == pytest.approx(want, rel=1e-5), (owner, name, got["own"], own)
+        assert got["all_owners"] == got["union"] and got["again"] == got["union"], got
+        assert got["val"] == {"val_loss": [got["union"]["loss"]], "val_mae": [got["union"]["mae"]]}, got
+        x = np.column_stack([data[owner][:20, :2], np.ones(20)])
+        np.testing.assert_allclose(np.array(got["predictions"]).ravel(), x @ weights, rtol=1e-5, atol=1e-6)
+    assert results["chief-0"]["union"] == results["worker-0"]["union"]  # every owner reads the same numbers
+    for whose in ("all owners' data", "this owner's data only"):  # OwnerMetrics' lines, once on each owner
+        assert log.count(f"tfe_estimator: evaluation at step {STEPS}, {whose}: loss ") == 2, log[-5000:]
+    assert results["chief-0"]["own"] != results["worker-0"]["own"]
+
+
 def test_keras_fit_trains_every_owner_to_the_plaintext_model_of_their_rows(tmp_path):
     workdir = str(tmp_path)
     data = _owner_data(workdir, OWNERS)
@@ -75,18 +104,7 @@ def test_keras_fit_trains_every_owner_to_the_plaintext_model_of_their_rows(tmp_p
     for name in ("chief:0", "worker:0"):
         assert log.count(f"{name} rewound to step 0") == 2, log[-5000:]
     assert log.count("sums checked (check seed") == 2, log[-5000:]
-    # evaluate and predict across owners are refused with the recipe (not half the rows, not replayed sums);
-    # the recipe's plain copy evaluates each owner's own rows.
-    for name in ("predict", "evaluate"):
-        assert log.count(f"keras owner: {name} refused") == 2, log[-5000:]
-    assert log.count("copy = tf.keras.models.clone_model(model); copy.set_weights(model.get_weights())") >= 4
-    weights = np.append(np.array(chief["trained"][0]).ravel(), chief["trained"][1]).astype(np.float64)
-    for owner in OWNERS:
-        x = np.column_stack([data[owner][:, :2], np.ones(len(data[owner]))])
-        mse = float(np.mean((x @ weights - data[owner][:, 2]) ** 2))
-        printed = re.findall(rf"\[{owner.replace('-', ':')}\] keras owner: own mse ([0-9.]+)", log)
-        assert printed and float(printed[0]) == pytest.approx(mse, rel=1e-5), (owner, mse, printed)
-
+    _check_evaluation(workdir, data, chief["trained"], log)
 
 def test_keras_owners_with_different_learning_rates_are_refused_before_the_first_step(tmp_path):
     workdir = str(tmp_path)
