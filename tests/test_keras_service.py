@@ -1,5 +1,5 @@
-"""Keras `model.fit` across organisations: `tfe-estimator launch --workers 1 -- python train.py` where
-train.py builds `tfe_estimator.TfeStrategy()` with no arguments (tests/scripts/keras_owner.py).
+"""Keras `model.fit` and `model.evaluate` across organisations: `tfe-estimator launch --workers 1 -- python
+train.py` where train.py builds `tfe_estimator.TfeStrategy()` with no arguments (tests/scripts/keras_owner.py).
 
 Each owner reads only its own rows (`owner_data`, 64 per owner) with `repeat().batch(16)`: the global batch,
 so each owner feeds 8 of its rows per step, in order; both owners must end bit-identical and equal to one
@@ -80,31 +80,40 @@ def _check_evaluation(workdir, data, trained, log):
     assert results["chief-0"]["own"] != results["worker-0"]["own"]
 
 
-def test_keras_fit_trains_every_owner_to_the_plaintext_model_of_their_rows(tmp_path):
+def test_keras_fit_trains_every_owner_to_the_plaintext_model_and_evaluates_the_union_through_a_restart(tmp_path):
+    # One launch for fit, a restart and evaluate (CI time). worker-0 backs up every 3 steps and dies after step 4;
+    # restarted, it restores step 3 (weights and optimizer.iterations), takes step 3's sums from the servers'
+    # replay window (the chief is already waiting in step 4) and goes on. Keras does not restore the dataset's
+    # position: the restarted worker reads its rows from the start again, one batch of them consumed by the
+    # replayed step. Then both owners evaluate (fit's validation_data, evaluate, predict: _check_evaluation).
     workdir = str(tmp_path)
     data = _owner_data(workdir, OWNERS)
-    status, log = _launch(workdir, "--then-evaluate")
+    status, log = _launch(workdir, "--crash-in", "worker-0", "4", "3", "--then-evaluate", max_restarts=1)
     assert status == 0, log[-5000:]
-    assert log.count(f"keras owner finished at step {STEPS}; 0 answers replayed") == 2, log[-5000:]
+    assert "keras owner crashing after step 4" in log and "worker:0 died with status 3; restarting" in log
+    assert "[worker:0] tfe_estimator: service handshake at step 3: every owner trains model" in log, log[-5000:]
+    assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, log[-5000:]
+    assert f"[worker:0] keras owner finished at step {STEPS}; 5 answers replayed" in log, log[-5000:]  # 1 step: 5 sums
     results = {}
     for owner in OWNERS:
         with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
             results[owner] = json.load(f)
     chief, worker = results["chief-0"], results["worker-0"]
-    # Bit-identical owners (weights and the epoch's loss, read across owners).
+    # Bit-identical owners (weights and the epoch's loss, read across owners), the restarted one too.
     assert chief["trained"] == worker["trained"] and chief["initial"] == worker["initial"]
     assert chief["loss"] == worker["loss"]
     # Equal to one plaintext Keras model on each step's concatenated 8 + 8 rows, and it learned.
-    expected = _plaintext_keras(data, chief["initial"])
+    expected = _plaintext_keras(data, chief["initial"], lambda step: step if step < 4 else step - 3)
     for got, want in zip(chief["trained"], expected):
         np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)
     assert not np.allclose(np.array(chief["trained"][0]), np.array(chief["initial"][0]), atol=0.5)
-    # The owners agreed once (one rewind each on both servers, although tf.function traces fit's step twice),
-    # and their sums are checked under the handshake's check seed.
+    # The owners agreed once at step 0 (one rewind each on both servers, although tf.function traces fit's step
+    # twice), the restarted worker once more at step 3; their sums are checked under the handshake's check seed.
     for name in ("chief:0", "worker:0"):
         assert log.count(f"{name} rewound to step 0") == 2, log[-5000:]
-    assert log.count("sums checked (check seed") == 2, log[-5000:]
+    assert log.count("sums checked (check seed") == 3, log[-5000:]
     _check_evaluation(workdir, data, chief["trained"], log)
+
 
 def test_keras_owners_with_different_learning_rates_are_refused_before_the_first_step(tmp_path):
     workdir = str(tmp_path)
@@ -115,26 +124,3 @@ def test_keras_owners_with_different_learning_rates_are_refused_before_the_first
     assert "refused before the first step" in log, log[-5000:]
     assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
     assert "keras owner finished" not in log and "sums checked" not in log, log[-5000:]
-
-
-def test_a_keras_owner_restarted_with_backup_and_restore_replays_from_the_window_and_the_owners_stay_equal(tmp_path):
-    # worker-0 backs up every 3 steps and dies after step 4; restarted, it restores step 3 (weights and
-    # optimizer.iterations), takes step 3's sums from the servers' replay window (the chief is already waiting
-    # in step 4) and goes on. Keras does not restore the dataset's position: the restarted worker reads its rows
-    # from the start again, one batch of them consumed by the replayed step.
-    workdir = str(tmp_path)
-    data = _owner_data(workdir, OWNERS)
-    status, log = _launch(workdir, "--crash-in", "worker-0", "4", "3", max_restarts=1)
-    assert status == 0, log[-5000:]
-    assert "keras owner crashing after step 4" in log and "worker:0 died with status 3; restarting" in log
-    assert "[worker:0] tfe_estimator: service handshake at step 3: every owner trains model" in log, log[-5000:]
-    assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, log[-5000:]
-    assert f"[worker:0] keras owner finished at step {STEPS}; 3 answers replayed" in log, log[-5000:]  # 1 step
-    results = {}
-    for owner in OWNERS:
-        with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
-            results[owner] = json.load(f)
-    assert results["chief-0"]["trained"] == results["worker-0"]["trained"]
-    expected = _plaintext_keras(data, results["chief-0"]["initial"], lambda step: step if step < 4 else step - 3)
-    for got, want in zip(results["chief-0"]["trained"], expected):
-        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)
