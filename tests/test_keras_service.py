@@ -80,16 +80,25 @@ def _check_evaluation(workdir, data, trained, log):
     assert results["chief-0"]["own"] != results["worker-0"]["own"]
 
 
-def test_keras_fit_trains_every_owner_to_the_plaintext_model_and_evaluates_the_union_through_a_restart(tmp_path):
-    # One launch for fit, a restart and evaluate (CI time). worker-0 backs up every 3 steps and dies after step 4;
-    # restarted, it restores step 3 (weights and optimizer.iterations), takes step 3's sums from the servers'
-    # replay window (the chief is already waiting in step 4) and goes on. Keras does not restore the dataset's
-    # position: the restarted worker reads its rows from the start again, one batch of them consumed by the
+def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_and_evaluate_the_union_through_a_restart(
+        tmp_path):
+    # One launch (CI time) for the handshake's refusal, fit, a restart and evaluate. worker-0 backs up every 3 steps
+    # and dies after step 4; restarted, it restores step 3 (weights and optimizer.iterations), takes step 3's sums
+    # from the servers' replay window (the chief is already waiting in step 4) and goes on. Keras does not restore the
+    # dataset's position: the restarted worker reads its rows from the start again, one batch of them consumed by the
     # replayed step. Then both owners evaluate (fit's validation_data, evaluate, predict: _check_evaluation).
     workdir = str(tmp_path)
     data = _owner_data(workdir, OWNERS)
-    status, log = _launch(workdir, "--crash-in", "worker-0", "4", "3", "--then-evaluate", max_restarts=1)
+    status, log = _launch(workdir, "--refused-first", "worker-0", "0.5", "--crash-in", "worker-0", "4", "3",
+                          "--then-evaluate", max_restarts=1)
     assert status == 0, log[-5000:]
+    # First each owner fits a model whose learning rates differ (plain MultiWorkerMirroredStrategy would train with
+    # the chief's): both are refused before its first step, naming the rate, with the handshake's own error.
+    assert log.count("keras owner: first model refused: OwnersDisagreeError: Service handshake at step 0") == 2, \
+        log[-5000:]
+    assert "StagingError" not in log and "keras owner: first model trained" not in log, log[-5000:]
+    assert log.count("refused before the first step") >= 2, log[-5000:]
+    assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
     assert "keras owner crashing after step 4" in log and "worker:0 died with status 3; restarting" in log
     assert "[worker:0] tfe_estimator: service handshake at step 3: every owner trains model" in log, log[-5000:]
     assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, log[-5000:]
@@ -107,20 +116,10 @@ def test_keras_fit_trains_every_owner_to_the_plaintext_model_and_evaluates_the_u
     for got, want in zip(chief["trained"], expected):
         np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)
     assert not np.allclose(np.array(chief["trained"][0]), np.array(chief["initial"][0]), atol=0.5)
-    # The owners agreed once at step 0 (one rewind each on both servers, although tf.function traces fit's step
-    # twice), the restarted worker once more at step 3; their sums are checked under the handshake's check seed.
+    # The owners agreed once at step 0 on the second model (one rewind each on both servers, although tf.function
+    # traces fit's step twice), the restarted worker once more at step 3; their sums are checked under the handshake's
+    # check seed.
     for name in ("chief:0", "worker:0"):
         assert log.count(f"{name} rewound to step 0") == 2, log[-5000:]
     assert log.count("sums checked (check seed") == 3, log[-5000:]
     _check_evaluation(workdir, data, chief["trained"], log)
-
-
-def test_keras_owners_with_different_learning_rates_are_refused_before_the_first_step(tmp_path):
-    workdir = str(tmp_path)
-    _owner_data(workdir, OWNERS)
-    status, log = _launch(workdir, "--learning-rate-in", "worker-0", "0.5")
-    assert status != 0, log[-5000:]
-    assert "OwnersDisagreeError: Service handshake at step 0" in log and "StagingError" not in log, log[-5000:]
-    assert "refused before the first step" in log, log[-5000:]
-    assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
-    assert "keras owner finished" not in log and "sums checked" not in log, log[-5000:]

@@ -200,6 +200,8 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         service_handshake.agree(binding, service_lib.service_client, record, on_model, seed_hint=SEED_HINT)
     except ValueError as e:  # OwnersDisagreeError, CheckSeedError: raised as they are, not as AutoGraph's
         e.ag_pass_through = True  # StagingError ("in user code: ...") that fit's tracing would make of them
+        if "agreed" not in state:  # refused before its first step: a corrected model takes its run's number
+            training_run.refused(state.pop("run"))
         raise
     state["agreed"] = agreed
     _LATEST.update(state=state, optimizer=weakref.ref(optimizer), step=None, count=0)
