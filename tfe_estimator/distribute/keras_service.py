@@ -168,10 +168,10 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
 
 def keras_function(graph) -> str:
     """Which of Keras' functions `graph` belongs to ("train_function", "test_function", ...; "" if none)."""
-    while graph is not None:
+    while isinstance(graph, func_graph.FuncGraph):
         if graph.name.split("_function")[0] in ("train", "test", "predict"):
             return graph.name.split("_function")[0] + "_function"
-        graph = getattr(graph, "outer_graph", None)
+        graph = graph.outer_graph
     return ""
 
 
