@@ -31,6 +31,18 @@ for name, env in json.loads(sys.argv[1]).items():
             step()
         except Exception as e:  # noqa: BLE001
             cases["custom loop"] = [type(e).__name__, str(e)]
+        # evaluate before fit: refused when traced, before anything is sent; predict: local, every row.
+        import numpy as np
+        with s.scope():
+            model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
+            model.compile(tf.keras.optimizers.SGD(0.1), "mse")
+        x = np.arange(40, dtype=np.float32).reshape(20, 2)
+        try:
+            model.evaluate(x, x[:, :1], batch_size=16, verbose=0)
+        except Exception as e:  # noqa: BLE001
+            cases["evaluate first"] = [type(e).__name__, str(e)]
+        w, b = model.get_weights()
+        cases["predict"] = float(np.max(np.abs(model.predict(x, batch_size=16, verbose=0) - (x @ w + b))))
 print(json.dumps(cases))
 """
 
@@ -55,6 +67,9 @@ def test_tfe_strategy_is_the_owners_service_strategy_under_a_service_cluster_and
     assert got["in-graph"][0] == "NotImplementedError" and "--cluster-mode service" in got["in-graph"][1]
     assert got["custom loop"][0] == "NotImplementedError", got["custom loop"]
     assert "(a custom training loop) is not supported across owners yet" in got["custom loop"][1]
+    assert got["evaluate first"][0] == "NotImplementedError", got["evaluate first"]
+    assert "call model.fit on this model first (on every owner), then evaluate" in got["evaluate first"][1]
+    assert got["predict"] < 1e-5  # all 20 rows (not the half a split over both owners' replicas would give)
 
 
 def _compiled(learning_rate, units=1):

@@ -1,5 +1,5 @@
-"""Keras `model.fit` across organisations: `tfe-estimator launch --workers 1 -- python train.py` where
-train.py builds `tfe_estimator.TfeStrategy()` with no arguments (tests/scripts/keras_owner.py).
+"""Keras `model.fit` and `model.evaluate` across organisations: `tfe-estimator launch --workers 1 -- python
+train.py` where train.py builds `tfe_estimator.TfeStrategy()` with no arguments (tests/scripts/keras_owner.py).
 
 Each owner reads only its own rows (`owner_data`, 64 per owner) with `repeat().batch(16)`: the global batch,
 so each owner feeds 8 of its rows per step, in order; both owners must end bit-identical and equal to one
@@ -8,7 +8,6 @@ plaintext Keras model trained with SGD on, per step, the concatenation of each o
 import io
 import json
 import os
-import re
 import sys
 
 import numpy as np
@@ -51,72 +50,76 @@ def _plaintext_keras(data, initial, worker_batch=lambda step: step):
     return model.get_weights()
 
 
-def test_keras_fit_trains_every_owner_to_the_plaintext_model_of_their_rows(tmp_path):
+def _check_evaluation(workdir, data, trained, log):
+    """model.evaluate across owners (tests/scripts/keras_owner.py --then-evaluate): the union's metrics, equal to
+    NumPy's on the trained weights; each owner's own; fit's validation alike; predict local and whole."""
+    weights = np.append(np.array(trained[0]).ravel(), trained[1]).astype(np.float64)
+
+    def metrics(rows):
+        error = np.column_stack([rows[:, :2], np.ones(len(rows))]) @ weights - rows[:, 2]
+        return {"loss": float(np.mean(error ** 2)), "mae": float(np.mean(np.abs(error)))}
+
+    evaluated = {"chief-0": data["chief-0"][:64], "worker-0": data["worker-0"][:40]}
+    union = metrics(np.concatenate(list(evaluated.values())))
+    results = {}
+    for owner in OWNERS:
+        with open(os.path.join(workdir, owner, "keras_evaluation.json")) as f:
+            results[owner] = got = json.load(f)
+        for name, want in union.items():
+            assert got["union"][name] == pytest.approx(want, rel=1e-5), (owner, name, got["union"], union)
+        own = metrics(evaluated[owner])
+        for name, want in own.items():
+            assert got["own"][name] == pytest.approx(want, rel=1e-5), (owner, name, got["own"], own)
+        assert got["all_owners"] == got["union"] and got["again"] == got["union"], got
+        assert got["val"] == {"val_loss": [got["union"]["loss"]], "val_mae": [got["union"]["mae"]]}, got
+        x = np.column_stack([data[owner][:20, :2], np.ones(20)])
+        np.testing.assert_allclose(np.array(got["predictions"]).ravel(), x @ weights, rtol=1e-5, atol=1e-6)
+    assert results["chief-0"]["union"] == results["worker-0"]["union"]  # every owner reads the same numbers
+    for whose in ("all owners' data", "this owner's data only"):  # OwnerMetrics' lines, once on each owner
+        assert log.count(f"tfe_estimator: evaluation at step {STEPS}, {whose}: loss ") == 2, log[-5000:]
+    assert results["chief-0"]["own"] != results["worker-0"]["own"]
+
+
+def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_and_evaluate_the_union_through_a_restart(
+        tmp_path):
+    # One launch (CI time) for the handshake's refusal, fit, a restart and evaluate. worker-0 backs up every 3 steps
+    # and dies after step 4; restarted, it restores step 3 (weights and optimizer.iterations), takes step 3's sums
+    # from the servers' replay window (the chief is already waiting in step 4) and goes on. Keras does not restore the
+    # dataset's position: the restarted worker reads its rows from the start again, one batch of them consumed by the
+    # replayed step. Then both owners evaluate (fit's validation_data, evaluate, predict: _check_evaluation).
     workdir = str(tmp_path)
     data = _owner_data(workdir, OWNERS)
-    status, log = _launch(workdir, "--then-evaluate")
+    status, log = _launch(workdir, "--refused-first", "worker-0", "0.5", "--crash-in", "worker-0", "4", "3",
+                          "--then-evaluate", max_restarts=1)
     assert status == 0, log[-5000:]
-    assert log.count(f"keras owner finished at step {STEPS}; 0 answers replayed") == 2, log[-5000:]
+    # First each owner fits a model whose learning rates differ (plain MultiWorkerMirroredStrategy would train with
+    # the chief's): both are refused before its first step, naming the rate, with the handshake's own error.
+    assert log.count("keras owner: first model refused: OwnersDisagreeError: Service handshake at step 0") == 2, \
+        log[-5000:]
+    assert "StagingError" not in log and "keras owner: first model trained" not in log, log[-5000:]
+    assert log.count("refused before the first step") >= 2, log[-5000:]
+    assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
+    assert "keras owner crashing after step 4" in log and "worker:0 died with status 3; restarting" in log
+    assert "[worker:0] tfe_estimator: service handshake at step 3: every owner trains model" in log, log[-5000:]
+    assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, log[-5000:]
+    assert f"[worker:0] keras owner finished at step {STEPS}; 5 answers replayed" in log, log[-5000:]  # 1 step: 5 sums
     results = {}
     for owner in OWNERS:
         with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
             results[owner] = json.load(f)
     chief, worker = results["chief-0"], results["worker-0"]
-    # Bit-identical owners (weights and the epoch's loss, read across owners).
+    # Bit-identical owners (weights and the epoch's loss, read across owners), the restarted one too.
     assert chief["trained"] == worker["trained"] and chief["initial"] == worker["initial"]
     assert chief["loss"] == worker["loss"]
     # Equal to one plaintext Keras model on each step's concatenated 8 + 8 rows, and it learned.
-    expected = _plaintext_keras(data, chief["initial"])
+    expected = _plaintext_keras(data, chief["initial"], lambda step: step if step < 4 else step - 3)
     for got, want in zip(chief["trained"], expected):
         np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)
     assert not np.allclose(np.array(chief["trained"][0]), np.array(chief["initial"][0]), atol=0.5)
-    # The owners agreed once (one rewind each on both servers, although tf.function traces fit's step twice),
-    # and their sums are checked under the handshake's check seed.
+    # The owners agreed once at step 0 on the second model (one rewind each on both servers, although tf.function
+    # traces fit's step twice), the restarted worker once more at step 3; their sums are checked under the handshake's
+    # check seed.
     for name in ("chief:0", "worker:0"):
         assert log.count(f"{name} rewound to step 0") == 2, log[-5000:]
-    assert log.count("sums checked (check seed") == 2, log[-5000:]
-    # evaluate and predict across owners are refused with the recipe (not half the rows, not replayed sums);
-    # the recipe's plain copy evaluates each owner's own rows.
-    for name in ("predict", "evaluate"):
-        assert log.count(f"keras owner: {name} refused") == 2, log[-5000:]
-    assert log.count("copy = tf.keras.models.clone_model(model); copy.set_weights(model.get_weights())") >= 4
-    weights = np.append(np.array(chief["trained"][0]).ravel(), chief["trained"][1]).astype(np.float64)
-    for owner in OWNERS:
-        x = np.column_stack([data[owner][:, :2], np.ones(len(data[owner]))])
-        mse = float(np.mean((x @ weights - data[owner][:, 2]) ** 2))
-        printed = re.findall(rf"\[{owner.replace('-', ':')}\] keras owner: own mse ([0-9.]+)", log)
-        assert printed and float(printed[0]) == pytest.approx(mse, rel=1e-5), (owner, mse, printed)
-
-
-def test_keras_owners_with_different_learning_rates_are_refused_before_the_first_step(tmp_path):
-    workdir = str(tmp_path)
-    _owner_data(workdir, OWNERS)
-    status, log = _launch(workdir, "--learning-rate-in", "worker-0", "0.5")
-    assert status != 0, log[-5000:]
-    assert "OwnersDisagreeError: Service handshake at step 0" in log and "StagingError" not in log, log[-5000:]
-    assert "refused before the first step" in log, log[-5000:]
-    assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
-    assert "keras owner finished" not in log and "sums checked" not in log, log[-5000:]
-
-
-def test_a_keras_owner_restarted_with_backup_and_restore_replays_from_the_window_and_the_owners_stay_equal(tmp_path):
-    # worker-0 backs up every 3 steps and dies after step 4; restarted, it restores step 3 (weights and
-    # optimizer.iterations), takes step 3's sums from the servers' replay window (the chief is already waiting
-    # in step 4) and goes on. Keras does not restore the dataset's position: the restarted worker reads its rows
-    # from the start again, one batch of them consumed by the replayed step.
-    workdir = str(tmp_path)
-    data = _owner_data(workdir, OWNERS)
-    status, log = _launch(workdir, "--crash-in", "worker-0", "4", "3", max_restarts=1)
-    assert status == 0, log[-5000:]
-    assert "keras owner crashing after step 4" in log and "worker:0 died with status 3; restarting" in log
-    assert "[worker:0] tfe_estimator: service handshake at step 3: every owner trains model" in log, log[-5000:]
-    assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, log[-5000:]
-    assert f"[worker:0] keras owner finished at step {STEPS}; 3 answers replayed" in log, log[-5000:]  # 1 step
-    results = {}
-    for owner in OWNERS:
-        with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
-            results[owner] = json.load(f)
-    assert results["chief-0"]["trained"] == results["worker-0"]["trained"]
-    expected = _plaintext_keras(data, results["chief-0"]["initial"], lambda step: step if step < 4 else step - 3)
-    for got, want in zip(results["chief-0"]["trained"], expected):
-        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)
+    assert log.count("sums checked (check seed") == 3, log[-5000:]
+    _check_evaluation(workdir, data, chief["trained"], log)

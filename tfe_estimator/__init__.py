@@ -50,6 +50,7 @@ _EXPORTS = {
     "TfeStrategy": "tfe_estimator.distribute.strategy",
     "LocalMetricsExporter": "tfe_estimator.distribute.local_metrics",
     "evaluate_locally": "tfe_estimator.distribute.local_metrics",
+    "OwnerMetrics": "tfe_estimator.distribute.keras_evaluation",
 }
 _SUBPACKAGES = ("audit", "cluster", "distribute", "privacy", "secure", "tools")
 
@@ -91,4 +92,5 @@ __all__ = [
     "plaintext_twin_config",
     "LocalMetricsExporter",
     "evaluate_locally",
+    "OwnerMetrics",
 ]

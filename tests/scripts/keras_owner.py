@@ -4,19 +4,22 @@ Run by `tfe-estimator launch --workers 1 -- python keras_owner.py ...` in each o
 (tests/test_keras_service.py): reads only ./data.csv (two features, a label), builds the strategy with no
 arguments, fits a Dense layer with SGD on `repeat().batch(16)` for STEPS steps, and writes ./keras_weights.json
 (the initial and the trained weights).
-Usage: keras_owner.py STEPS LEARNING_RATE [--learning-rate-in TASK_DIR LR] [--crash-in TASK_DIR STEP EVERY]
+Usage: keras_owner.py STEPS LEARNING_RATE [--refused-first TASK_DIR LR] [--crash-in TASK_DIR STEP EVERY]
                       [--then-evaluate]
---learning-rate-in: the owner running in directory TASK_DIR (e.g. worker-0) uses LR instead.
+--refused-first TASK_DIR LR: in its first run, each owner first fits a model whose learning rate is LR on the
+  owner in directory TASK_DIR (e.g. worker-0): refused by the handshake (prints the error), then the real one.
 --crash-in TASK_DIR STEP EVERY: with tf.keras.callbacks.BackupAndRestore(./backup, save_freq=EVERY), the owner
   in TASK_DIR exits (status 3) after STEP steps in its first run (no ./crashed yet); its restart resumes from
   its latest backup and replays the steps after it from the servers' window.
---then-evaluate: then tries model.predict and model.evaluate (refused in service mode for now: prints the errors)
-  and evaluates a plain copy of the trained model on its own rows (the recipe the refusal gives).
+--then-evaluate: fit with validation_data, then model.evaluate twice (the chief on its 64 rows, the worker on its
+  first 40) with tfe_estimator.OwnerMetrics, and model.predict on its first 20 rows; writes
+  ./keras_evaluation.json.
 """
 import json
 import logging
 import os
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -38,29 +41,65 @@ class _CrashAt(tf.keras.callbacks.Callback):
             os._exit(3)
 
 
+def _here(task_dir):
+    return os.path.basename(os.getcwd()) == task_dir
+
+
+def _refused_first(strategy, dataset, learning_rate):
+    """Fits a first model with `learning_rate`: the owners' handshake must refuse it before its first step (the
+    owners' rates differ). Then waits until every owner was refused (their directories' ./refused) and starts
+    afresh as a restarted process would: the same layer names, Keras seeded alike again."""
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
+        model.compile(tf.keras.optimizers.SGD(learning_rate), "mse", metrics=["mae"])
+    try:
+        model.fit(dataset, steps_per_epoch=1, epochs=1, verbose=0)
+        print("keras owner: first model trained", flush=True)
+    except Exception as e:  # noqa: BLE001 (its type is what the test checks)
+        print(f"keras owner: first model refused: {type(e).__name__}: {e}", flush=True)
+    open("refused", "w").close()
+    parent = os.path.dirname(os.getcwd())
+    owners = [d for d in os.listdir(parent) if os.path.exists(os.path.join(parent, d, "data.csv"))]
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(os.path.join(parent, d, "refused")) for d in owners):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"keras owner: not every owner of {owners} was refused within 120 s")
+        time.sleep(0.2)
+    from tfe_estimator.distribute.service_aggregation import cluster_seed  # pylint: disable=import-outside-toplevel
+
+    tf.keras.backend.clear_session()
+    tf.keras.utils.set_random_seed(cluster_seed(tfe_estimator.TfeCluster.from_environment()))
+
+
+def _eval_rows(rows):
+    """This owner's evaluation rows: the chief's 64, the worker's first 40 (two full batches and a partial)."""
+    count = 64 if os.path.basename(os.getcwd()) == "chief-0" else 40
+    return tf.data.Dataset.from_tensor_slices((rows[:count, :2], rows[:count, 2:])).batch(16)
+
+
 def main(argv):
     steps, learning_rate = int(argv[1]), float(argv[2])
-    if "--learning-rate-in" in argv:
-        at = argv.index("--learning-rate-in")
-        if os.path.basename(os.getcwd()) == argv[at + 1]:
-            learning_rate = float(argv[at + 2])
     rows = np.loadtxt("data.csv", delimiter=",", dtype=np.float32)
     dataset = tf.data.Dataset.from_tensor_slices((rows[:, :2], rows[:, 2:])).repeat().batch(16)
 
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("tfe_estimator").setLevel(logging.INFO)  # the handshake's line: the sums are checked
     strategy = tfe_estimator.TfeStrategy()
+    if "--refused-first" in argv and not os.path.exists("crashed"):
+        at = argv.index("--refused-first")
+        _refused_first(strategy, dataset, float(argv[at + 2]) if _here(argv[at + 1]) else learning_rate)
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
-        model.compile(tf.keras.optimizers.SGD(learning_rate), "mse")
+        model.compile(tf.keras.optimizers.SGD(learning_rate), "mse", metrics=["mae"])
     initial = [w.tolist() for w in model.get_weights()]
     callbacks = []
     if "--crash-in" in argv:
         at = argv.index("--crash-in")
         callbacks.append(tf.keras.callbacks.BackupAndRestore("backup", save_freq=int(argv[at + 3])))
-        if os.path.basename(os.getcwd()) == argv[at + 1] and not os.path.exists("crashed"):
+        if _here(argv[at + 1]) and not os.path.exists("crashed"):
             callbacks.append(_CrashAt(int(argv[at + 2])))
-    history = model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks)
+    validation = {"validation_data": _eval_rows(rows)} if "--then-evaluate" in argv else {}
+    history = model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks, **validation)
     with open("keras_weights.json", "w") as f:
         json.dump({"initial": initial, "trained": [w.tolist() for w in model.get_weights()],
                    "iterations": int(model.optimizer.iterations.numpy()),
@@ -71,18 +110,17 @@ def main(argv):
     print(f"keras owner finished at step {int(model.optimizer.iterations.numpy())}; {replays} answers replayed",
           flush=True)
     if "--then-evaluate" in argv:
-        for name, call in (("predict", lambda: model.predict(rows[:16, :2], batch_size=16, verbose=0)),
-                           ("evaluate", lambda: model.evaluate(dataset, steps=4, verbose=0))):
-            try:
-                call()
-                print(f"keras owner: {name} ran", flush=True)
-            except NotImplementedError as e:
-                print(f"keras owner: {name} refused: {e}", flush=True)
-        copy = tf.keras.models.clone_model(model)
-        copy.set_weights(model.get_weights())
-        copy.compile(loss="mse")
-        print(f"keras owner: own mse {copy.evaluate(rows[:, :2], rows[:, 2:], verbose=0):.6f}", flush=True)
-
+        # Every owner evaluates all its own rows (a different number each, the last batch partial), across
+        # owners: the union's metrics returned, its own in OwnerMetrics; predict is local.
+        own = tfe_estimator.OwnerMetrics()
+        union = model.evaluate(_eval_rows(rows), callbacks=[own], verbose=0, return_dict=True)
+        again = model.evaluate(_eval_rows(rows), verbose=0, return_dict=True)  # a second evaluation, same step
+        predictions = model.predict(rows[:20, :2], batch_size=16, verbose=0)
+        with open("keras_evaluation.json", "w") as f:
+            json.dump({"union": union, "again": again, "own": own.own, "all_owners": own.all_owners,
+                       "val": {k: v for k, v in history.history.items() if k.startswith("val_")},
+                       "predictions": predictions.tolist()}, f)
+        print(f"keras owner evaluated {int(model.optimizer.iterations.numpy())}", flush=True)
 
 if __name__ == "__main__":
     main(sys.argv)

@@ -21,6 +21,8 @@ exactly as `TfeRunConfig` builds it for Estimator. Keras then trains as under Mu
 
 What Keras runs here is found in ``fit``'s replica function (Keras' ``run_step`` closes over its model);
 ``strategy.run`` of another function (a custom training loop) is refused with a clear error for now.
+``model.evaluate`` (metrics of every owner's data, secure sums of the metrics' states) and ``model.predict``
+(local) run as `keras_evaluation` describes.
 
 Example (``train.py``, run by ``tfe-estimator launch --workers 1 -- python train.py``)::
 
@@ -40,12 +42,12 @@ from tensorflow.python.framework import func_graph
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
 from tfe_estimator.cluster import spec as cluster_lib
-from tfe_estimator.distribute import model_record, service_handshake, step_sum, training_run
+from tfe_estimator.distribute import keras_evaluation, model_record, service_handshake, step_sum, training_run
 from tfe_estimator.distribute import service_aggregation as service_lib
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
-__all__ = ["OwnerStrategy", "owner_strategy_from_environment", "in_function", "call_for_each_replica",
-           "eager_sum", "SEED_HINT"]
+__all__ = ["OwnerStrategy", "owner_strategy_from_environment", "in_function", "keras_function",
+           "call_for_each_replica", "eager_sum", "SEED_HINT"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -134,25 +136,26 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
     """Builds one step of a Keras function under `extended` (a `_ServiceExtended`): its sums keyed by the
     optimizer's ``iterations``, and, when it trained, the owners' handshake before its first step runs."""
     model = _keras_model(fn)
+    graph = tf.compat.v1.get_default_graph()
+    function = keras_function(graph)
+    if model is not None and function == "predict_function":
+        return call(fn, args, kwargs)  # local: each owner predicts its own rows, nothing is summed
     optimizer = getattr(model, "optimizer", None)
     if model is None or optimizer is None:
         raise NotImplementedError(
             "TfeStrategy in service mode trains compiled Keras models through model.fit (each step's sums are "
             "keyed by the model's optimizer.iterations and the owners agree on the model first); strategy.run "
             f"of {getattr(fn, '__name__', fn)!r} (a custom training loop) is not supported across owners yet.")
-    graph = tf.compat.v1.get_default_graph()
-    function = _keras_function(graph)
+    if function == "test_function":
+        # evaluate: the metrics' running reads stay inside the owner (keras_evaluation.local_reads); only
+        # Keras' final eager read of them is summed across owners (eager_sum), under the agreed model.
+        latest = _LATEST["optimizer"]() if _LATEST["optimizer"] is not None else None
+        keras_evaluation.check_evaluation(model, latest, extended._cross_device_ops.dp)  # pylint: disable=protected-access
+        return call(fn, args, kwargs)
     if function != "train_function":
-        # evaluate: Keras' test_function reads the metrics across owners at every batch, all at the optimizer's
-        # step (unchanged while it evaluates): those sums need keys of their own (not the replay window's
-        # answers of another batch). predict: Keras splits each batch over every owner's replicas, so an owner
-        # would predict half of its rows.
         raise NotImplementedError(
-            f"Keras' {function or graph.name} under TfeStrategy in service mode: model.evaluate, "
-            "fit(validation_data=...) and model.predict across owners are not supported yet; model.fit is. "
-            "Evaluate or predict each owner's own data with a plain copy of the trained model: "
-            "copy = tf.keras.models.clone_model(model); copy.set_weights(model.get_weights()); "
-            "copy.compile(loss=..., metrics=...); copy.evaluate(own_data).")
+            f"Keras' {function or graph.name} under TfeStrategy in service mode: only model.fit, "
+            f"model.evaluate and model.predict run across owners. {keras_evaluation.PLAIN_COPY_RECIPE}")
     state = _MODELS.setdefault(model, {"model": None, "sessions": 0})
     service_lib.register_graph(graph, step_sum.read_step(optimizer.iterations, name="service_step"), state)
     result = call(fn, args, kwargs)
@@ -163,12 +166,12 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
     return result
 
 
-def _keras_function(graph) -> str:
+def keras_function(graph) -> str:
     """Which of Keras' functions `graph` belongs to ("train_function", "test_function", ...; "" if none)."""
-    while graph is not None:
+    while isinstance(graph, func_graph.FuncGraph):
         if graph.name.split("_function")[0] in ("train", "test", "predict"):
             return graph.name.split("_function")[0] + "_function"
-        graph = getattr(graph, "outer_graph", None)
+        graph = graph.outer_graph
     return ""
 
 
@@ -197,6 +200,8 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         service_handshake.agree(binding, service_lib.service_client, record, on_model, seed_hint=SEED_HINT)
     except ValueError as e:  # OwnersDisagreeError, CheckSeedError: raised as they are, not as AutoGraph's
         e.ag_pass_through = True  # StagingError ("in user code: ...") that fit's tracing would make of them
+        if "agreed" not in state:  # refused before its first step: a corrected model takes its run's number
+            training_run.refused(state.pop("run"))
         raise
     state["agreed"] = agreed
     _LATEST.update(state=state, optimizer=weakref.ref(optimizer), step=None, count=0)

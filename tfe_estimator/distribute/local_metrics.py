@@ -26,7 +26,7 @@ import tensorflow as tf
 from tfe_estimator.cluster.spec import tf_config_hidden
 from tfe_estimator.privacy.dp import EPSILON_METRICS
 
-__all__ = ["LocalMetricsExporter", "evaluate_locally"]
+__all__ = ["LocalMetricsExporter", "evaluate_locally", "metrics_line"]
 
 
 def evaluate_locally(estimator: tf.estimator.Estimator, input_fn: Callable, steps: Optional[int] = None,
@@ -99,20 +99,22 @@ class LocalMetricsExporter(tf.estimator.Exporter):
                                              checkpoint_path=checkpoint_path, name=self._name)
         stream = self._stream or sys.stderr
         if getattr(estimator.config.eval_distribute, "federated_metrics", False):
-            stream.write(_metrics_line("all owners' data", eval_result))
+            stream.write("tfe_estimator: " + metrics_line("all owners' data", eval_result) + "\n")
         # Under DP the checkpoint's epsilon (of its training, not of any data) comes from the evaluation: the
         # local one runs without the DP settings.
         own = {**{k: v for k, v in eval_result.items() if k in EPSILON_METRICS}, **self.last_metrics}
-        stream.write(_metrics_line("this owner's data only", own))
+        stream.write("tfe_estimator: " + metrics_line("this owner's data only", own) + "\n")
         stream.flush()
         return None
 
 
-def _metrics_line(whose: str, metrics: Dict) -> str:
+def metrics_line(whose: str, metrics: Dict) -> str:
+    """``"evaluation at step <global_step>, <whose>: <name> <value>, ..."``: one line of an evaluation's metrics
+    (Estimator's `LocalMetricsExporter`, Keras' `keras_evaluation.OwnerMetrics`)."""
     step = tf.compat.v1.GraphKeys.GLOBAL_STEP
     values = ", ".join(f"{k} {v:.6g}" if isinstance(v, (float, np.floating)) else f"{k} {v}"
                        for k, v in sorted(metrics.items()) if k != step)
-    return f"tfe_estimator: evaluation at step {metrics.get(step)}, {whose}: {values}\n"
+    return f"evaluation at step {metrics.get(step)}, {whose}: {values}"
 
 
 def _check_name(name) -> None:

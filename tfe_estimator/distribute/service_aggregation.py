@@ -43,6 +43,7 @@ from typing import Optional, Sequence, Tuple
 import tensorflow as tf
 from tensorflow.python.distribute import device_util
 from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import values as value_lib
 
 from tfe_estimator.cluster import spec as cluster_lib
@@ -291,6 +292,10 @@ class _ServiceExtended(_TfeExtended):
                     v, value_lib.DistributedValues) else v, value)
         if isinstance(destinations, str):  # Estimator's "/replica:0/task:0/device:CPU:0": this process's device
             destinations = device_util.canonicalize(destinations, self.worker_devices[0])
+        from tfe_estimator.distribute import keras_evaluation  # pylint: disable=import-outside-toplevel
+
+        if keras_evaluation.local_reads():  # a Keras evaluation's running metrics: this owner's replicas only
+            return keras_evaluation.local_reduce(reduce_op, value, destinations, len(self.worker_devices))
         if any(isinstance(v, value_lib.SyncOnReadVariable) for v in tf.nest.flatten(value)):
             # The value of an on-read variable (a batch normalization's moving statistics) read across
             # replicas, e.g. by the checkpoint saver: its sum runs in the saver's session run, so it must not
@@ -298,6 +303,17 @@ class _ServiceExtended(_TfeExtended):
             with service_sum_lib.chain(service_sum_lib.READS_CHAIN):
                 return super()._reduce_to(reduce_op, value, destinations, options)
         return super()._reduce_to(reduce_op, value, destinations, options)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        from tfe_estimator.distribute import keras_evaluation  # pylint: disable=import-outside-toplevel
+
+        if keras_evaluation.evaluating_inputs():
+            # Keras' evaluate / predict / validation data: each owner's batches whole, over its own replicas (an
+            # evaluation is not split over the owners' replicas as a training step is).
+            return input_util.get_distributed_dataset(dataset, self._input_workers_with_options(options),
+                                                      self._container_strategy(),
+                                                      num_replicas_in_sync=len(self.worker_devices), options=options)
+        return super()._experimental_distribute_dataset(dataset, options)
 
     def _settings(self) -> dict:
         """The secure and DP settings every owner must share (compared by the handshake)."""

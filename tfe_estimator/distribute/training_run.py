@@ -53,8 +53,8 @@ from typing import Optional
 
 import tensorflow as tf
 
-__all__ = ["TrainingRun", "ReleaseLedger", "for_training", "for_evaluation", "check_answer", "fresh_replay_error",
-           "recorded_repeated_releases", "RUN_FILE", "RELEASED_FILE", "reset"]
+__all__ = ["TrainingRun", "ReleaseLedger", "for_training", "refused", "for_evaluation", "check_answer",
+           "fresh_replay_error", "recorded_repeated_releases", "RUN_FILE", "RELEASED_FILE", "reset"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -204,6 +204,15 @@ def for_training(model_dir: Optional[str]) -> TrainingRun:
     log.debug("service mode: training run %d of this process's models (%s)", number,
              "afresh" if fresh else f"resumed from {model_dir}")
     return TrainingRun(number, fresh)
+
+
+def refused(run: TrainingRun) -> None:
+    """Gives back the number of a fresh training without a model_dir (Keras) whose handshake was refused before
+    its first step, if no training was numbered since: it never trained, so the corrected training that follows
+    in this process takes its number, as it would in a fresh process (what an owner that did not retry has)."""
+    with _LOCK:
+        if run.fresh and _NEXT[0] == run.number + 1:
+            _NEXT[0] = run.number
 
 
 def for_evaluation(model_dir: Optional[str]) -> int:
