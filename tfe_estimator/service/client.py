@@ -166,7 +166,7 @@ class _Put:
         try:
             self._reply = self._grpc.result()
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (e.details() or "").startswith(_TOO_LARGE):
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in (e.details() or ""):
                 raise _CallError(e.code(), (
                     f"{server} read none of this {size}-byte Contribute: its gRPC port refused it ({e.details()}). "
                     "A server with a data port reads shares there only (OwnerClient(data_plane=True), the default); "

@@ -39,8 +39,8 @@ PROTO_FILE = "tfe_estimator/service/aggregation.proto"
 #: Contribute is a 16-byte key, its other calls are small), server1 when it has a data plane (shares and
 #: server0's part come there). gRPC reads a whole message, up to its receive limit, before the server sees who
 #: sent it, so only this small limit keeps one owner's concurrent calls from making a server hold more than its
-#: memory budget (gRPC's own default, 4 MiB: a handshake row, a step's loss, a key).
-CONTROL_MESSAGE_BYTES = 4 << 20
+#: memory budget (1 MiB: a handshake row of ~35,000 fields, a sum of ~130,000 elements at ring 64, a key).
+CONTROL_MESSAGE_BYTES = 1 << 20
 
 #: Who may call a method: every configured data owner, server0 (task tfe:0) only, or both; or any party of the
 #: federation (a certificate the CA of its own organisation issued: owners, servers, evaluators).
