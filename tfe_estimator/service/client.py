@@ -212,7 +212,8 @@ class OwnerClient:
       timeout_secs: deadline of each call (longer than the servers' step timeout).
       wait_for_ready: calls wait for a server that is not up yet (owners may start first).
       data_plane: put contributions on a server's data plane when it has one (`data_plane`: the same
-        rules and certificates without gRPC's copies); False: always gRPC.
+        rules and certificates without gRPC's copies); False: always gRPC (a server with a data plane reads no
+        gRPC message above `wire.CONTROL_MESSAGE_BYTES`: larger shares are refused RESOURCE_EXHAUSTED unread).
 
     Example::
 

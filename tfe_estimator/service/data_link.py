@@ -244,11 +244,13 @@ class PlaneLink:
     def grpc_refusal(self, what: str, nbytes: int, server: str) -> Optional[str]:
         """None if a message of `nbytes` may go on the server's gRPC port now that its data plane is not used;
         else why not, naming the fix (a server that announced a data plane reads no message larger than
-        `wire.CONTROL_MESSAGE_BYTES` on gRPC). `what`: the call's content; `server`: e.g. "aggregation server1"."""
+        `wire.CONTROL_MESSAGE_BYTES` on gRPC), and the server is asked for its port again at the next call (a
+        restarted server may have another). `what`: the call's content; `server`: e.g. "aggregation server1"."""
         with self._lock:
             port, cause = self._port, self._cause or "not tried"
-        if not port or nbytes <= wire.CONTROL_MESSAGE_BYTES:
-            return None
+            if not port or nbytes <= wire.CONTROL_MESSAGE_BYTES:
+                return None
+            self._asked = None
         return (f"{server}'s data plane (port {port}) cannot be reached ({cause}), and {what} ({nbytes} bytes) "
                 f"travels only there: its gRPC port reads messages up to {wire.CONTROL_MESSAGE_BYTES} bytes, so that "
                 "one owner's calls cannot make it read more than its memory budget before it knows who sent them. "
