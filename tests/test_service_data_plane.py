@@ -1096,6 +1096,52 @@ def test_calls_that_start_together_wait_for_the_one_asking_for_the_port_and_all_
     plane.close()
 
 
+def _sum_of_two(service, n, **client_args):
+    """chief:0 and worker:0 put x and 2x of `n` elements (ring 64, NumPy masks); each one's answer or error."""
+    clients = [service.client(job, index, **client_args) for job, index in (("chief", 0), ("worker", 0))]
+
+    def put(client, x):
+        key = np.frombuffer(os.urandom(16), np.int32)
+        share = (x.view(np.uint64) - ring.keystream_words(key, n)).view(np.int64)
+        blind, w = client.contribute("s", 0, 64, n, key, share)
+        return (w.view(np.uint64) + ring.keystream_words(blind, n)).view(np.int64)
+
+    x = np.arange(n, dtype=np.int64)
+    return in_threads([lambda c=c, k=k: put(c, k * x) for k, c in enumerate(clients, 1)])
+
+
+def test_a_share_above_the_grpc_limit_waits_for_the_data_plane_and_says_so(make_service):
+    """A server with a data plane reads at most `wire.CONTROL_MESSAGE_BYTES` per gRPC message (one owner's
+    concurrent large calls cannot make it read more than its budget before it knows who sent them,
+    test_service_limits): a share larger than that never goes to gRPC when the data port cannot be reached
+    (UNAVAILABLE, retried within the owner's patience, naming the fix), a small sum still does, and a client that
+    keeps shares off the data plane is told why gRPC refused it unread."""
+    small = make_service(owner_names(2))
+    _plane(small, 1).stop()
+    for result in _sum_of_two(small, 8):  # ring words of 8 elements: gRPC takes them as before
+        np.testing.assert_array_equal(result, 3 * np.arange(8))
+    large = make_service(owner_names(2))
+    _plane(large, 1).stop()
+    n = wire.CONTROL_MESSAGE_BYTES // 8 + 1
+    for result in _sum_of_two(large, n):
+        assert getattr(result, "code", None) == grpc.StatusCode.UNAVAILABLE, result
+        assert f"aggregation server1's data plane (port {_ports(large)[1]}) cannot be reached" in result.details
+        assert f"its gRPC port reads messages up to {wire.CONTROL_MESSAGE_BYTES} bytes" in result.details
+        assert "Open the data port like the service port, or restart the server without --data-port" in \
+            result.details
+    forward = make_service(owner_names(2))  # server0 alone finds nothing at server1's data port
+    dead = portpicker.pick_unused_port()
+    forward.servers[1]._peer_plane._ask = lambda timeout: dead  # pylint: disable=protected-access
+    for result in _sum_of_two(forward, n):
+        assert getattr(result, "code", None) == grpc.StatusCode.UNAVAILABLE, result
+        assert "server0 could not forward its blinded part" in result.details
+        assert f"aggregation server1's data plane (port {dead}) cannot be reached" in result.details
+    unplanned = make_service(owner_names(2))
+    for result in _sum_of_two(unplanned, n, data_plane=False):
+        assert getattr(result, "code", None) == grpc.StatusCode.RESOURCE_EXHAUSTED, result
+        assert "aggregation server1 read none of this" in result.details and "data_plane=True" in result.details
+
+
 # ------------------------------------------------------------ identity on every call --
 # An owner's organisation removed from the servers' federation file, or its certificate expiring, ends its calls
 # on connections it already holds: the next call on either port is refused (gRPC and the data plane alike).

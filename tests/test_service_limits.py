@@ -474,6 +474,80 @@ def test_mutation_spares_charged_to_the_server_let_one_owner_grow_rss_past_its_b
     assert after > _FRESH_BUDGET + (32 << 20), f"RSS grew by {after / 2**20:.0f} MiB only"
 
 
+#: One owner's attack on the gRPC ports, from a process of its own (its messages' copies are not in this process's
+#: RSS): `calls` concurrent Contributes of `nbytes` bytes each with its valid certificate, to server1 then server0.
+_GRPC_FLOOD = """
+import json, sys
+import grpc
+from tfe_estimator.service import TlsFiles, wire
+from tfe_estimator.service.tls import server_name_option
+certs, calls, nbytes, addresses = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+tls = TlsFiles.from_dir(certs, "chief", 0)
+message = wire.encode("ContributeRequest", bytes(nbytes), channel="flood", step=0, ring_bits=64,
+                      num_elements=nbytes // 8)
+refusals = []
+for server in (1, 0):
+    options = [("grpc.max_send_message_length", -1), server_name_option(tls, server)]
+    with grpc.secure_channel(addresses[server], tls.channel_credentials(server), options=options) as channel:
+        stub = channel.unary_unary(wire.method_path("Contribute"))
+        for call in [stub.future(message, timeout=60) for _ in range(calls)]:
+            try:
+                call.result()
+                refusals.append(["OK", ""])
+            except grpc.RpcError as e:
+                refusals.append([e.code().name, e.details()])
+print(json.dumps(refusals))
+"""
+
+
+def check_grpc_flood_stays_within_the_owner_budget(service, cert_dir, calls=5, nbytes=64 << 20):
+    """chief:0 sends `calls` concurrent `nbytes` shares on each server's gRPC port (`_GRPC_FLOOD`): this process's
+    RSS (both servers) stays within the owner's budget, and every call is refused RESOURCE_EXHAUSTED by the
+    receive limit (`wire.CONTROL_MESSAGE_BYTES`: the server read none of it)."""
+    import json  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    gc.collect()
+    before, peak, stop = _rss(), [0], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        out = subprocess.run([sys.executable, "-c", _GRPC_FLOOD, cert_dir, str(calls), str(nbytes),
+                              *service.addresses], capture_output=True, text=True, timeout=120, check=True).stdout
+    finally:
+        stop.set()
+        watcher.join()
+    refusals = json.loads(out)
+    assert len(refusals) == 2 * calls
+    grown = peak[0] - before
+    assert grown <= _FRESH_BUDGET + (32 << 20), f"RSS grew by {grown / 2**20:.0f} MiB at its peak"
+    for code, details in refusals:
+        assert code == "RESOURCE_EXHAUSTED" and str(wire.CONTROL_MESSAGE_BYTES) in details, (code, details)
+
+
+def test_one_owners_concurrent_large_grpc_calls_are_refused_unread(make_service, cert_dirs):
+    """gRPC reads a whole message before any handler knows its sender: the old receive limit (the owner's budget
+    + 1 MiB) let 6 concurrent 256 MiB shares of one owner grow server1 by 1.8 GiB at the default budgets. Servers
+    with a data plane (and server0 always) now read at most `wire.CONTROL_MESSAGE_BYTES` per gRPC message."""
+    service = make_service(owner_names(2), owner_memory_budget_bytes=_FRESH_BUDGET, step_timeout_secs=2.0)
+    check_grpc_flood_stays_within_the_owner_budget(service, cert_dirs[0])
+
+
+def test_mutation_the_old_grpc_receive_limit_lets_one_owner_grow_rss_past_its_budget(make_service, cert_dirs,
+                                                                                      monkeypatch):
+    monkeypatch.setattr(wire, "CONTROL_MESSAGE_BYTES", _FRESH_BUDGET + (1 << 20))
+    service = make_service(owner_names(2), owner_memory_budget_bytes=_FRESH_BUDGET, step_timeout_secs=2.0)
+    with pytest.raises(AssertionError, match="at its peak"):
+        check_grpc_flood_stays_within_the_owner_budget(service, cert_dirs[0])
+
+
 def _steps_with_reused_buffers(service, ring_bits):
     """Five steps of two owners at `ring_bits`, then step 1 again (a replay); returns (answers right, replay
     bit-identical). The servers reuse accumulators and key expansions across the steps (`buffers.BufferPool`)."""

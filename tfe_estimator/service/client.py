@@ -48,6 +48,8 @@ _RETRY = (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
 _CAUSES = (("Connection refused", "connection refused"), ("DNS resolution failed", "its host name does not resolve"),
            ("No route to host", "no route to host"), ("Connection timed out", "connection timed out"))
 _CONNECTION_CAUSES = tuple(said for _, said in _CAUSES)
+#: How gRPC's refusal of a message above the receiver's limit begins (the receiver read none of it).
+_TOO_LARGE = "Received message larger than max"
 
 
 def _reason(details: str) -> str:
@@ -108,8 +110,9 @@ class _Put:
     def _run(self) -> None:
         try:
             link = self._client._plane(self._server, self._timeout)  # pylint: disable=protected-access
-            if link is None or not self._on_plane(link):
-                self._on_grpc()
+            unreachable = None if link is None else self._on_plane(link)
+            if link is None or unreachable is not None:
+                self._on_grpc(unreachable)
         except grpc.RpcError as e:
             self._error = e
         except Exception as e:  # pylint: disable=broad-except  # reported by result(), never lost in a thread
@@ -121,8 +124,9 @@ class _Put:
             for callback in callbacks:
                 callback(self)
 
-    def _on_plane(self, link: DataLink) -> bool:
-        """The put on the data plane; False if it cannot be reached (the server saw nothing: put on gRPC)."""
+    def _on_plane(self, link: DataLink) -> Optional[str]:
+        """The put on the data plane; None if done, else why it cannot be reached (the server saw nothing: put on
+        gRPC if the message is small enough for its gRPC port)."""
         head = self._client._messages["ContributeRequest"](**self._fields).SerializeToString()
         try:
             code, replayed, message = link.call("Contribute", head, frames.encode_meta(self._meta), self._payload,
@@ -132,17 +136,25 @@ class _Put:
             if self._cancelled:
                 raise _CallError(grpc.StatusCode.CANCELLED, e.details) from None
             if not e.sent:  # connecting or its TLS handshake failed: the same mutual TLS on the gRPC port
-                _LOG.warning("service mode: aggregation server%d's data plane cannot be reached (%s); putting on "
-                             "its gRPC port", self._server, e.details)
-                return False
+                return e.details
             raise _CallError(e.code, e.details) from None
         if code != grpc.StatusCode.OK:
             raise _CallError(code, bytes(message).decode("utf-8", "replace"))
         self._reply = wire.decode("ContributeReply", message)
         self._trailing = ((ring.REPLAYED_METADATA, "1"),) if replayed else ()
-        return True
+        return None
 
-    def _on_grpc(self) -> None:
+    def _on_grpc(self, unreachable: Optional[str]) -> None:
+        """The put on gRPC (`unreachable`: why the server's data plane could not be reached, if it has one)."""
+        server = f"aggregation server{self._server}"
+        size = wire.encoded_size("ContributeRequest", memoryview(self._payload).nbytes, **self._fields)
+        refusal = self._client._links[self._server].grpc_refusal(  # pylint: disable=protected-access
+            f"this owner's share for step {self._fields['step']} of {self._fields['channel']!r}", size, server)
+        if refusal is not None:  # its gRPC port would refuse the message unread (the owner retries UNAVAILABLE)
+            raise _CallError(grpc.StatusCode.UNAVAILABLE, refusal)
+        if unreachable is not None:
+            _LOG.warning("service mode: %s's data plane cannot be reached (%s); putting on its gRPC port", server,
+                         unreachable)
         # The share's bytes are copied once, from the array into the message's wire bytes.
         message = wire.encode("ContributeRequest", self._payload, **self._fields)
         with self._lock:
@@ -151,7 +163,15 @@ class _Put:
             self._grpc = self._client._stubs[self._server]["Contribute"].future(  # pylint: disable=protected-access
                 message, timeout=self._timeout, wait_for_ready=self._client._wait,  # pylint: disable=protected-access
                 metadata=self._meta)
-        self._reply = self._grpc.result()
+        try:
+            self._reply = self._grpc.result()
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in (e.details() or ""):
+                raise _CallError(e.code(), (
+                    f"{server} read none of this {size}-byte Contribute: its gRPC port refused it ({e.details()}). "
+                    "A server with a data port reads shares there only (OwnerClient(data_plane=True), the default); "
+                    "one without takes them on gRPC up to its --owner-memory-budget-bytes.")) from None
+            raise
         self._trailing = tuple(self._grpc.trailing_metadata() or ())
 
     def done(self) -> bool:
@@ -192,7 +212,8 @@ class OwnerClient:
       timeout_secs: deadline of each call (longer than the servers' step timeout).
       wait_for_ready: calls wait for a server that is not up yet (owners may start first).
       data_plane: put contributions on a server's data plane when it has one (`data_plane`: the same
-        rules and certificates without gRPC's copies); False: always gRPC.
+        rules and certificates without gRPC's copies); False: always gRPC (a server with a data plane reads no
+        gRPC message above `wire.CONTROL_MESSAGE_BYTES`: larger shares are refused RESOURCE_EXHAUSTED unread).
 
     Example::
 

@@ -23,7 +23,7 @@ from typing import Callable, List, Optional, Tuple
 
 import grpc
 
-from tfe_estimator.service import frames
+from tfe_estimator.service import frames, wire
 
 __all__ = ["DataLink", "LinkError", "PlaneLink", "RETRY_SECS"]
 
@@ -178,7 +178,8 @@ class PlaneLink:
 
     Asked for once; asked again at once after a call that reached the server failed (it may have restarted
     on another port), but only `RETRY_SECS` after its port could not be reached (a firewall: the caller stays
-    on gRPC meanwhile instead of a connection attempt per call).
+    on gRPC meanwhile instead of a connection attempt per call). Only calls up to `wire.CONTROL_MESSAGE_BYTES`
+    go on gRPC instead (`grpc_refusal`): a server with a data plane reads no larger message on its gRPC port.
 
     Args:
       ask: ``ask(timeout) -> port`` (0: the server has no data plane); raises ``grpc.RpcError``.
@@ -199,6 +200,7 @@ class PlaneLink:
         self._asking = False
         self.link: Optional[DataLink] = None
         self._asked: Optional[float] = None  # when the server was last asked for its port
+        self._port, self._cause = 0, ""  # the port it announced last (0: none); why it could not be reached
 
     def get(self, timeout: float) -> Optional[DataLink]:
         """The link, asking the server for its port if due; None: use gRPC. A failed ask raises
@@ -213,7 +215,7 @@ class PlaneLink:
             self._asked, self._asking = time.monotonic(), True
         link = None
         try:
-            port = self._ask(timeout)
+            port = self._port = self._ask(timeout)
             if port:
                 link = DataLink(self._host, port, self._context(), self._hostname)
         except grpc.RpcError:
@@ -236,7 +238,23 @@ class PlaneLink:
             if self.link is link:
                 self.link = None
                 self._asked = None if error.sent else time.monotonic()
+            self._cause = error.details
         link.retire()
+
+    def grpc_refusal(self, what: str, nbytes: int, server: str) -> Optional[str]:
+        """None if a message of `nbytes` may go on the server's gRPC port now that its data plane is not used;
+        else why not, naming the fix (a server that announced a data plane reads no message larger than
+        `wire.CONTROL_MESSAGE_BYTES` on gRPC), and the server is asked for its port again at the next call (a
+        restarted server may have another). `what`: the call's content; `server`: e.g. "aggregation server1"."""
+        with self._lock:
+            port, cause = self._port, self._cause or "not tried"
+            if not port or nbytes <= wire.CONTROL_MESSAGE_BYTES:
+                return None
+            self._asked = None
+        return (f"{server}'s data plane (port {port}) cannot be reached ({cause}), and {what} ({nbytes} bytes) "
+                f"travels only there: its gRPC port reads messages up to {wire.CONTROL_MESSAGE_BYTES} bytes, so that "
+                "one owner's calls cannot make it read more than its memory budget before it knows who sent them. "
+                "Open the data port like the service port, or restart the server without --data-port.")
 
     def close(self) -> None:
         """Closes the link; calls still running end with LinkError."""

@@ -207,7 +207,10 @@ class AggregationServer:
         self._budget.reclaim = self._pool.reclaim
         self._ahead = None  # server0: prepares each channel's next blinded accumulator (masks ahead of data)
         self._replay = ReplayLimits(replay_window_steps, replay_window_bytes)
-        self._receive_limit = min(owner_memory_budget_bytes + (1 << 20), 2**31 - 1)
+        # gRPC reads a whole message before any handler knows its sender: only a server1 without a data plane
+        # takes shares (and server0's part) there; everyone else's gRPC port reads control messages only.
+        self._receive_limit = min(owner_memory_budget_bytes + (1 << 20), 2**31 - 1) \
+            if role == 1 and data_address is None else wire.CONTROL_MESSAGE_BYTES
         self._lock = threading.Lock()  # the channel table and the waiting calls
         self._channels: Dict[Tuple[str, int, int], StepChannel] = {}
         self._created_by: Dict[Tuple[str, int, int], str] = {}  # channels with no release yet -> their creator
@@ -250,7 +253,7 @@ class AggregationServer:
         server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=self._max_workers,
                                                                    thread_name_prefix=f"tfe-agg{self._role}"),
                              options=list(SERVER_OPTIONS[:-1]) + [
-                                 # a message larger than an owner's memory budget is refused before it is read
+                                 # a larger message is refused before it is read (`wire.CONTROL_MESSAGE_BYTES`)
                                  ("grpc.max_receive_message_length", self._receive_limit)])
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE_NAME, handlers),))
         self._health = TrustedHealth(self._health_refusal)
@@ -301,6 +304,12 @@ class AggregationServer:
         self._server = server
         if self._data_plane is not None:
             _LOG.info("aggregation server%d: data plane on port %d", self._role, self._data_plane.port)
+        elif self._role == 1:
+            _LOG.warning("aggregation server1 has no data port: the owners' shares come on its gRPC port, which reads "
+                         "each message whole (up to %d bytes) before the server knows who sent it, so one owner's "
+                         "concurrent calls can make it hold more than its memory budget. Start it with --data-port "
+                         "(its gRPC port then reads messages up to %d bytes).", self._receive_limit,
+                         wire.CONTROL_MESSAGE_BYTES)
         if self._metrics is not None:
             _LOG.info("aggregation server%d: Prometheus metrics at http://%s:%d/metrics", self._role,
                       self._metrics_address.rpartition(":")[0], self._metrics.port)
@@ -753,10 +762,17 @@ class AggregationServer:
         fields = dict(channel=channel.name, step=released.step, ring_bits=released.ring_bits,
                       num_elements=released.num_elements)
         meta = ((DIGESTS_METADATA, digests), (_BLIND_METADATA, blind_digest))
+        size = wire.encoded_size("ForwardRequest", released.acc.nbytes, **fields)
         try:
             link = self._peer_plane.get(timeout=5.0)
         except grpc.RpcError:
             link = None  # server1 unreachable now, or without the call: the gRPC forward waits for it
+            if size > wire.CONTROL_MESSAGE_BYTES:  # a part only its data plane reads, if it has one: wait as gRPC would
+                try:
+                    link = self._peer_plane.get(timeout=self._timeout)
+                except grpc.RpcError:
+                    pass
+        unreachable = None
         if link is not None:
             head = wire.messages()["ForwardRequest"](**fields).SerializeToString()
             try:
@@ -766,12 +782,17 @@ class AggregationServer:
                 self._peer_plane.failed(link, e)
                 if e.sent:  # it may sit in server1's step: forwarding it again would be a second contribution
                     raise _Forwarded(e.code, e.details) from None
-                _LOG.info("aggregation server0: server1's data plane cannot be reached (%s); forwarding on gRPC",
-                          e.details)
+                unreachable = e.details
             else:
                 if code != grpc.StatusCode.OK:
                     raise _Forwarded(code, bytes(message).decode("utf-8", "replace"))
                 return
+        refusal = self._peer_plane.grpc_refusal("server0's blinded part", size, "aggregation server1")
+        if refusal is not None:  # server1's gRPC port would refuse it unread
+            raise _Forwarded(grpc.StatusCode.UNAVAILABLE, refusal)
+        if unreachable is not None:
+            _LOG.info("aggregation server0: server1's data plane cannot be reached (%s); forwarding on gRPC",
+                      unreachable)
         forward = wire.encode("ForwardRequest", released.acc, **fields)
         try:
             self._forward(forward, timeout=self._timeout, wait_for_ready=True, metadata=meta)

@@ -26,14 +26,21 @@ the payload on as a view of the received bytes.
 import functools
 from typing import Dict, NamedTuple, Tuple
 
-__all__ = ["encode", "encoded_size", "serialize", "decode", "decoder", "Decoded", "PACKAGE", "SERVICE",
-           "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0", "OWNERS_AND_SERVER0",
-           "PARTIES", "file_descriptor", "messages", "method", "method_path"]
+__all__ = ["CONTROL_MESSAGE_BYTES", "encode", "encoded_size", "serialize", "decode", "decoder", "Decoded", "PACKAGE",
+           "SERVICE", "SERVICE_NAME", "PROTO_FILE", "MESSAGES", "METHODS", "Method", "OWNERS", "SERVER0",
+           "OWNERS_AND_SERVER0", "PARTIES", "file_descriptor", "messages", "method", "method_path"]
 
 PACKAGE = "tfe_estimator.aggregation.v1"
 SERVICE = "Aggregation"
 SERVICE_NAME = f"{PACKAGE}.{SERVICE}"
 PROTO_FILE = "tfe_estimator/service/aggregation.proto"
+
+#: The largest message a server's gRPC port reads when nothing large needs to come there: server0 always (its
+#: Contribute is a 16-byte key, its other calls are small), server1 when it has a data plane (shares and
+#: server0's part come there). gRPC reads a whole message, up to its receive limit, before the server sees who
+#: sent it, so only this small limit keeps one owner's concurrent calls from making a server hold more than its
+#: memory budget (1 MiB: a handshake row of ~35,000 fields, a sum of ~130,000 elements at ring 64, a key).
+CONTROL_MESSAGE_BYTES = 1 << 20
 
 #: Who may call a method: every configured data owner, server0 (task tfe:0) only, or both; or any party of the
 #: federation (a certificate the CA of its own organisation issued: owners, servers, evaluators).
