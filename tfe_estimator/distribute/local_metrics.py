@@ -24,7 +24,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfe_estimator.cluster.spec import tf_config_hidden
+from tfe_estimator.compat import require_estimator
 from tfe_estimator.privacy.dp import EPSILON_METRICS
+
+require_estimator("tfe_estimator.LocalMetricsExporter")  # it subclasses tf.estimator.Exporter
 
 __all__ = ["LocalMetricsExporter", "evaluate_locally"]
 

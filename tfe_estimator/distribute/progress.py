@@ -30,6 +30,7 @@ from typing import Optional, TextIO
 
 import tensorflow as tf
 
+from tfe_estimator import compat
 from tfe_estimator.validation import check_int
 
 __all__ = ["ProgressHook", "with_progress"]
@@ -101,8 +102,7 @@ def with_progress(estimator_spec, args) -> "tf.estimator.EstimatorSpec":
     `args` are the model_fn's positional arguments as Estimator passes them to
     ``call_for_each_replica`` (features, labels, mode, config).
     """
-    if not isinstance(estimator_spec, tf.estimator.EstimatorSpec) or \
-            estimator_spec.mode != tf.estimator.ModeKeys.TRAIN or estimator_spec.loss is None:
+    if compat.estimator_spec_mode(estimator_spec) != "train" or estimator_spec.loss is None:
         return estimator_spec
     config = next((a for a in args if isinstance(a, tf.estimator.RunConfig)), None)
     every = getattr(config, "log_step_count_steps", None)
