@@ -20,7 +20,13 @@ TESTS_tf29 := tests/test_compat.py tests/test_tfe_backend.py tests/test_kernels.
 	tests/test_estimator_training.py tests/test_run_config.py \
 	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_launch.py tests/test_service_data_plane.py tests/test_sum_check.py
 # Keras 3 on current TensorFlow (no Estimator): versions, kernels, secure aggregation, and Keras on one machine.
-TESTS_tf221 := TESTS_TF221_PLACEHOLDER
+TESTS_tf221 := tests/test_compat.py tests/test_kernels.py \
+	tests/test_aggregation.py::test_an_only_first_replica_update_is_refused_with_the_fix \
+	tests/test_aggregation.py::test_only_a_value_every_replica_already_has_is_broadcast_from_replica_0 \
+	tests/test_keras.py::test_rfc_example_with_tfe_strategy_trains_like_mirrored_strategy \
+	tests/test_keras.py::test_custom_training_loop_sums_securely_and_trains_like_mirrored_strategy \
+	tests/test_keras.py::test_num_replicas_picks_the_local_replicas_and_the_parties_after_them \
+	tests/test_keras.py::test_without_a_cluster_in_tf_config_the_strategy_is_local
 
 VENV := $(VENV_$(STACK))
 VENV_PY := $(VENV)/bin/python

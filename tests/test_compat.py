@@ -75,7 +75,8 @@ def test_supported_combinations_follow_the_installed_tensorflow():
 @pytest.mark.skipif(ON_TF29, reason="tf-encrypted's int128 ops exist on TF 2.9.1")
 @pytest.mark.parametrize("build", [
     lambda: tfe_estimator.TfeStrategy(protocol="aby3", precision="high"),
-    lambda: tfe_estimator.TfeRunConfig(protocol="aby3", precision="high"),
+    pytest.param(lambda: tfe_estimator.TfeRunConfig(protocol="aby3", precision="high"),
+                 marks=pytest.mark.skipif(not compat.has_estimator(), reason="no Estimator on this TensorFlow")),
 ], ids=["TfeStrategy", "TfeRunConfig"])
 def test_unsupported_combination_is_refused_at_construction(build):
     with pytest.raises(NotImplementedError, match="protocol='aby3' with precision='high' is not available"):
