@@ -30,6 +30,7 @@ Example::
     ...
     ImportError: tfe_estimator supports TensorFlow >=2.9,<2.16 (Estimator and Keras) or 2.21 (Keras only); ...
 """
+import importlib.util
 import re
 from typing import Optional, Tuple
 
@@ -97,10 +98,8 @@ def has_estimator() -> bool:
 
     if tensorflow_version(tf.__version__) >= SUPPORTED_TENSORFLOW[1]:
         return False  # 2.16+: no tf.estimator at all
-    try:
-        return tf.estimator is not None
-    except (AttributeError, ImportError):  # 2.9-2.15 without tensorflow-estimator installed
-        return False
+    # 2.9-2.15: tf.estimator is a lazy loader of tensorflow_estimator, which may not be installed
+    return importlib.util.find_spec("tensorflow_estimator") is not None
 
 
 def require_estimator(what: str) -> None:
