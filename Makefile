@@ -4,24 +4,35 @@
 # STACK selects the supported stack (README, "Versions"):
 #   tf215 (default)  .venv       Python 3.11, TensorFlow 2.15.1, estimator 2.15.0
 #   tf29             .venv-tf29  Python 3.10, TensorFlow 2.9.1,  estimator 2.9.0
-# e.g. `make test STACK=tf29`. On tf29, `make test` runs TESTS_tf29.
+#   tf221            .venv-tf221 Python 3.11, TensorFlow 2.21.0, Keras 3, no Estimator (Keras only)
+# e.g. `make test STACK=tf29`. On tf29 and tf221, `make test` runs TESTS_<stack>.
 STACK ?= tf215
 VENV_tf215 := .venv
 VENV_tf29 := .venv-tf29
-EXTRAS_tf215 := test,bench,dp
-EXTRAS_tf29 := test,bench
+VENV_tf221 := .venv-tf221
+EXTRAS_tf215 := estimator,test,bench,dp
+EXTRAS_tf29 := estimator,test,bench
+EXTRAS_tf221 := test
 # What must hold on the old stack: versions, tfe_backend, kernels, secure aggregation, routing, a small
 # Estimator training check, run config, security, and the in-graph loopback cluster (TF_CONFIG, launch).
 TESTS_tf215 := tests
 TESTS_tf29 := tests/test_compat.py tests/test_tfe_backend.py tests/test_kernels.py tests/test_aggregation.py tests/test_strategy_routing.py \
 	tests/test_estimator_training.py tests/test_run_config.py \
 	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_launch.py tests/test_service_data_plane.py tests/test_sum_check.py
+# Keras 3 on current TensorFlow (no Estimator): versions, kernels, secure aggregation, and Keras on one machine.
+TESTS_tf221 := tests/test_compat.py tests/test_kernels.py \
+	tests/test_aggregation.py::test_an_only_first_replica_update_is_refused_with_the_fix \
+	tests/test_aggregation.py::test_only_a_value_every_replica_already_has_is_broadcast_from_replica_0 \
+	tests/test_keras.py::test_rfc_example_with_tfe_strategy_trains_like_mirrored_strategy \
+	tests/test_keras.py::test_custom_training_loop_sums_securely_and_trains_like_mirrored_strategy \
+	tests/test_keras.py::test_num_replicas_picks_the_local_replicas_and_the_parties_after_them \
+	tests/test_keras.py::test_without_a_cluster_in_tf_config_the_strategy_is_local
 
 VENV := $(VENV_$(STACK))
 VENV_PY := $(VENV)/bin/python
 TESTS := $(TESTS_$(STACK))
 ifeq ($(VENV),)
-$(error unknown STACK=$(STACK): use tf215 (default) or tf29)
+$(error unknown STACK=$(STACK): use tf215 (default), tf29 or tf221)
 endif
 
 .PHONY: demo demo-cluster test test-fast bench bench-flower venv clean
@@ -53,4 +64,4 @@ test-fast: venv
 	$(VENV_PY) -m pytest $(TESTS) -m "not slow and not multiprocess"
 
 clean:
-	rm -rf .venv .venv-tf29 .venv-flower .pytest_cache build *.egg-info
+	rm -rf .venv .venv-tf29 .venv-tf221 .venv-flower .pytest_cache build *.egg-info

@@ -4,6 +4,7 @@
 #
 #   scripts/venv.sh [extras]              # STACK=tf215 (default): .venv, Python 3.11, TF 2.15.1
 #   STACK=tf29 scripts/venv.sh [extras]   # .venv-tf29, Python 3.10, TF 2.9.1
+#   STACK=tf221 scripts/venv.sh [extras]  # .venv-tf221, Python 3.11, TF 2.21.0, Keras 3 (Keras only)
 #
 # The exact package versions come from requirements/<stack>.txt, used as pip
 # constraints (the one place they are pinned; setup.py states the ranges).
@@ -19,8 +20,9 @@ stack="${STACK:-tf215}"
 case "$stack" in
   tf215) venv=.venv;      pyver=3.11 ;;
   tf29)  venv=.venv-tf29; pyver=3.10 ;;
-  *) echo "error: unknown STACK=$stack; use tf215 (Python 3.11, TensorFlow 2.15.1, the default)" \
-          "or tf29 (Python 3.10, TensorFlow 2.9.1)." >&2; exit 2 ;;
+  tf221) venv=.venv-tf221; pyver=3.11 ;;
+  *) echo "error: unknown STACK=$stack; use tf215 (Python 3.11, TensorFlow 2.15.1, the default)," \
+          "tf29 (Python 3.10, TensorFlow 2.9.1) or tf221 (Python 3.11, TensorFlow 2.21.0, Keras only)." >&2; exit 2 ;;
 esac
 constraints="requirements/$stack.txt"
 

@@ -353,6 +353,37 @@ def test_the_broadcast_refusal_is_what_stops_the_plaintext_copy(monkeypatch):
     _only_first_replica_update(_secure(2)())  # no error: replica 0's value is copied in the clear
 
 
+@pytest.mark.parametrize("update, refused", [
+    (lambda counter, other: counter + 1.0, False),  # Keras 3's optimizer step: iterations.assign(iterations + 1)
+    (lambda counter, other: counter + other, True),  # another variable: not the destination's own copies
+    (lambda counter, other: counter + tf.random.uniform([]), True),  # a random draw of replica 0's
+], ids=["own-copy-plus-constant", "another-variable", "random"])
+def test_only_a_value_every_replica_already_has_is_broadcast_from_replica_0(update, refused):
+    # Prepare
+    strategy = _secure(2)()
+    graph = tf.Graph()
+    with graph.as_default(), strategy.scope():
+        counter = tf.Variable(0.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        other = tf.Variable(5.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+        def step():
+            return counter.assign(update(counter.read_value(), other.read_value()))
+
+        if refused:
+            # Execute / Assert
+            with pytest.raises(NotImplementedError, match="ONLY_FIRST_REPLICA.*in plaintext"):
+                strategy.extended.call_for_each_replica(step)
+            return
+        # Execute
+        assigned = strategy.experimental_local_results(strategy.extended.call_for_each_replica(step))
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(graph=graph, config=_session_config()) as session:
+        session.run(init)
+        session.run(assigned)
+        # Assert: both replicas' copies moved alike
+        assert list(session.run(strategy.experimental_local_results(counter))) == [1.0, 1.0]
+
+
 def test_a_value_from_cross_replica_context_is_still_broadcast():
     strategy = _secure(2)()
     graph = tf.Graph()

@@ -30,7 +30,7 @@ def test_wheel_has_no_developer_tools(tmp_path):
 
 def test_the_image_installs_dp_keeps_virtualenvs_out_and_has_one_name_across_the_docs():
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    assert "'.[dp]'" in dockerfile  # distributed DP works in the image
+    assert "'.[estimator,dp]'" in dockerfile  # Estimator and distributed DP work in the image
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".venv", ".venv-*", "build", "dist", "bench-results", "*.egg-info"} <= ignored, ignored
     for copied in ("setup.py", "requirements", "tfe_estimator", "model_fns", "input_fns"):  # what it COPYs

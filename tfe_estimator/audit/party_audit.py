@@ -270,7 +270,7 @@ def _check_hidden(party: str, where: str, form: Form, held) -> None:
               f"the owner data ({owners}).")
 
 
-class PartyAuditHook(tf.estimator.SessionRunHook):
+class PartyAuditHook(tf.compat.v1.train.SessionRunHook):
     """Audits the partitioned graphs of the first `steps` runs of a training loop.
 
     Each audited run asks for its partition graphs
@@ -299,7 +299,7 @@ class PartyAuditHook(tf.estimator.SessionRunHook):
     def before_run(self, run_context):
         if self._remaining <= 0:
             return None
-        return tf.estimator.SessionRunArgs(
+        return tf.compat.v1.train.SessionRunArgs(
             fetches=None, options=tf.compat.v1.RunOptions(output_partition_graphs=True))
 
     def after_run(self, run_context, run_values):

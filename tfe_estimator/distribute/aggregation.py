@@ -43,6 +43,7 @@ from tensorflow.python.distribute import values as value_lib
 from tfe_estimator.privacy import dp as dp_lib
 from tfe_estimator.secure import fused_sum
 from tfe_estimator.secure import secure_sum
+from tfe_estimator.distribute import replica_public
 from tfe_estimator.distribute.devices import validate_party_devices
 from tfe_estimator.secure.precision import READ_PRECISION, get_precision
 from tfe_estimator.secure.protocols import check_supported, load_backend, validate_protocol
@@ -214,10 +215,16 @@ class SecureAggregation(tf.distribute.ReductionToOneDevice):
         replica 0's value, computed from its owner's data, to every replica
         in plaintext. A secure channel would not help: a broadcast's purpose
         is that every destination learns the value.
+
+        Allows a value that every replica already has: one computed only from
+        constants and the destination variable's own (mirrored) copies, such
+        as Keras 3's ``iterations.assign(iterations + 1)`` in replica context
+        (`tfe_estimator.distribute.replica_public`).
         """
         source = device_util.canonicalize(tensor.device) if getattr(tensor, "device", "") else ""
         targets = [device_util.canonicalize(d) for d in cross_device_ops_lib.get_devices_from(destinations)]
-        if source and any(target != source for target in targets):
+        if source and any(target != source for target in targets) \
+                and not replica_public.is_replica_independent(tensor, destinations):
             raise NotImplementedError(
                 f"SecureAggregation does not broadcast {getattr(tensor, 'name', tensor)} from {source} to "
                 f"{targets}: a value on one replica's device (e.g. a variable with "

@@ -57,6 +57,8 @@ from typing import Iterator, Optional
 import tensorflow as tf
 from tensorflow.python.ops import sparse_ops
 
+from tfe_estimator import compat
+
 __all__ = ["ReplicaEvaluation", "LossRows", "batch_has_rows", "masked_loss_mean", "empty_safe_sparse_reshape",
            "mend_accuracy_baseline", "replicas_seen"]
 
@@ -231,7 +233,8 @@ def _one_value(value) -> Optional[tf.Tensor]:
 
 def _is_eval_model_fn_call(args) -> bool:
     # Estimator calls model_fn through call_for_each_replica with (features, labels, mode, config).
-    return len(args) >= 3 and isinstance(args[2], str) and args[2] == tf.estimator.ModeKeys.EVAL
+    return len(args) >= 3 and isinstance(args[2], str) and compat.has_estimator() \
+        and args[2] == tf.estimator.ModeKeys.EVAL
 
 
 class ReplicaEvaluation:

@@ -40,7 +40,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
 from tensorflow.python.util import nest
 
-from tfe_estimator.distribute.local_metrics import metrics_line
+from tfe_estimator.distribute.progress import metrics_line
 
 __all__ = ["OwnerMetrics", "evaluating_inputs", "local_reads", "local_reduce", "check_evaluation",
            "PLAIN_COPY_RECIPE"]

@@ -20,13 +20,16 @@ Example::
 import sys
 from typing import Callable, Dict, Optional, TextIO
 
-import numpy as np
 import tensorflow as tf
 
 from tfe_estimator.cluster.spec import tf_config_hidden
+from tfe_estimator.compat import require_estimator
+from tfe_estimator.distribute.progress import metrics_line
 from tfe_estimator.privacy.dp import EPSILON_METRICS
 
-__all__ = ["LocalMetricsExporter", "evaluate_locally", "metrics_line"]
+require_estimator("tfe_estimator.LocalMetricsExporter")  # it subclasses tf.estimator.Exporter
+
+__all__ = ["LocalMetricsExporter", "evaluate_locally"]
 
 
 def evaluate_locally(estimator: tf.estimator.Estimator, input_fn: Callable, steps: Optional[int] = None,
@@ -106,15 +109,6 @@ class LocalMetricsExporter(tf.estimator.Exporter):
         stream.write("tfe_estimator: " + metrics_line("this owner's data only", own) + "\n")
         stream.flush()
         return None
-
-
-def metrics_line(whose: str, metrics: Dict) -> str:
-    """``"evaluation at step <global_step>, <whose>: <name> <value>, ..."``: one line of an evaluation's metrics
-    (Estimator's `LocalMetricsExporter`, Keras' `keras_evaluation.OwnerMetrics`)."""
-    step = tf.compat.v1.GraphKeys.GLOBAL_STEP
-    values = ", ".join(f"{k} {v:.6g}" if isinstance(v, (float, np.floating)) else f"{k} {v}"
-                       for k, v in sorted(metrics.items()) if k != step)
-    return f"evaluation at step {metrics.get(step)}, {whose}: {values}"
 
 
 def _check_name(name) -> None:

@@ -26,13 +26,15 @@ Example::
 """
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Dict, Optional, TextIO
 
+import numpy as np
 import tensorflow as tf
 
+from tfe_estimator import compat
 from tfe_estimator.validation import check_int
 
-__all__ = ["ProgressHook", "with_progress"]
+__all__ = ["ProgressHook", "metrics_line", "with_progress"]
 
 
 class ProgressHook(tf.compat.v1.train.SessionRunHook):
@@ -101,8 +103,7 @@ def with_progress(estimator_spec, args) -> "tf.estimator.EstimatorSpec":
     `args` are the model_fn's positional arguments as Estimator passes them to
     ``call_for_each_replica`` (features, labels, mode, config).
     """
-    if not isinstance(estimator_spec, tf.estimator.EstimatorSpec) or \
-            estimator_spec.mode != tf.estimator.ModeKeys.TRAIN or estimator_spec.loss is None:
+    if compat.estimator_spec_mode(estimator_spec) != "train" or estimator_spec.loss is None:
         return estimator_spec
     config = next((a for a in args if isinstance(a, tf.estimator.RunConfig)), None)
     every = getattr(config, "log_step_count_steps", None)
@@ -110,3 +111,12 @@ def with_progress(estimator_spec, args) -> "tf.estimator.EstimatorSpec":
         return estimator_spec
     hook = ProgressHook(estimator_spec.loss, every)
     return estimator_spec._replace(training_hooks=(*estimator_spec.training_hooks, hook))
+
+
+def metrics_line(whose: str, metrics: Dict) -> str:
+    """``"evaluation at step <global_step>, <whose>: <name> <value>, ..."``: one line of an evaluation's metrics
+    (Estimator's `LocalMetricsExporter`, Keras' `keras_evaluation.OwnerMetrics`)."""
+    step = tf.compat.v1.GraphKeys.GLOBAL_STEP
+    values = ", ".join(f"{k} {v:.6g}" if isinstance(v, (float, np.floating)) else f"{k} {v}"
+                       for k, v in sorted(metrics.items()) if k != step)
+    return f"evaluation at step {metrics.get(step)}, {whose}: {values}"

@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import mirrored_strategy
-from tensorflow_estimator.python.estimator import run_config as run_config_lib
 
 from tfe_estimator.cluster import model_dir_claim, peers
 from tfe_estimator.cluster.quiet import hide_deprecation_warnings
@@ -39,6 +38,10 @@ from tfe_estimator.secure.precision import get_precision
 from tfe_estimator.secure.protocols import load_backend, validate_protocol
 from tfe_estimator.distribute.strategy import TfeStrategy
 from tfe_estimator.validation import is_number
+from tfe_estimator.compat import require_estimator
+
+require_estimator("tfe_estimator.TfeRunConfig")  # TensorFlow 2.16+ has no Estimator: the fix, not an ImportError
+from tensorflow_estimator.python.estimator import run_config as run_config_lib  # noqa: E402
 
 __all__ = ["TfeRunConfig", "TfeSettings", "default_session_config", "plaintext_twin_config"]
 

@@ -46,6 +46,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import values as value_lib
 
+from tfe_estimator import compat
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute import distributed_eval
 from tfe_estimator.distribute import service_saver
@@ -333,8 +334,7 @@ class _ServiceExtended(_TfeExtended):
 
         def with_handshake(*fn_args, **fn_kwargs):
             result = fn(*fn_args, **fn_kwargs)
-            if isinstance(result, tf.estimator.EstimatorSpec) and result.mode in (tf.estimator.ModeKeys.TRAIN,
-                                                                                   tf.estimator.ModeKeys.EVAL):
+            if compat.estimator_spec_mode(result) in ("train", "eval"):  # never on TensorFlow without Estimator
                 from tfe_estimator.distribute import service_handshake  # pylint: disable=import-outside-toplevel
 
                 agg = self._cross_device_ops

@@ -46,7 +46,7 @@ def on_read_variables(graph: Optional[tf.Graph] = None) -> List[str]:
     return sorted(v.name for v in variables if isinstance(v, value_lib.SyncOnReadVariable))
 
 
-def check_saving(config: Optional[tf.estimator.RunConfig], dp=None) -> None:
+def check_saving(config: Optional["tf.estimator.RunConfig"], dp=None) -> None:
     """Refuses time-based checkpoints when the saver sums on-read variables across owners (module docstring).
 
     Raises:
@@ -65,8 +65,8 @@ def check_saving(config: Optional[tf.estimator.RunConfig], dp=None) -> None:
             "on every owner: TfeRunConfig(save_checkpoints_steps=N, save_checkpoints_secs=None).")
 
 
-def saver_hook(config: Optional[tf.estimator.RunConfig],
-               spec: tf.estimator.EstimatorSpec) -> Optional[tf.compat.v1.train.CheckpointSaverHook]:
+def saver_hook(config: Optional["tf.estimator.RunConfig"],
+               spec: "tf.estimator.EstimatorSpec") -> Optional[tf.compat.v1.train.CheckpointSaverHook]:
     """Estimator's checkpoint saver, to run after the handshake (module docstring); None when Estimator makes
     none (no checkpoints) or the model_fn brings its own."""
     if config is None or not (config.save_checkpoints_steps or config.save_checkpoints_secs):

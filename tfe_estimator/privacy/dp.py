@@ -508,7 +508,7 @@ def noise_parties(strategy=None) -> int:
     return int(parties(replicas)) if callable(parties) else replicas
 
 
-class EpsilonLoggingHook(tf.estimator.SessionRunHook):
+class EpsilonLoggingHook(tf.compat.v1.train.SessionRunHook):
     """Shows the epsilon spent so far: on the terminal every `every_n_steps` steps and at the end of training.
 
     Each line goes to standard error beside the progress line (`tfe_estimator.distribute.progress`),
@@ -541,7 +541,7 @@ class EpsilonLoggingHook(tf.estimator.SessionRunHook):
         self._runs = 0
 
     def before_run(self, run_context):
-        return tf.estimator.SessionRunArgs({"batch": self._batch, "step": self._step})
+        return tf.compat.v1.train.SessionRunArgs({"batch": self._batch, "step": self._step})
 
     def after_run(self, run_context, run_values):
         self._last = int(run_values.results["batch"])

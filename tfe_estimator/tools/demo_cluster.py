@@ -137,7 +137,7 @@ def _parse_args(argv):
     return parser.parse_args(argv)
 
 
-class _SlowStepsHook(tf.estimator.SessionRunHook):
+class _SlowStepsHook(tf.compat.v1.train.SessionRunHook):
     """Sleeps after each step, so that a test can act between checkpoints."""
 
     def __init__(self, seconds):
@@ -147,7 +147,7 @@ class _SlowStepsHook(tf.estimator.SessionRunHook):
         time.sleep(self._seconds)
 
 
-class AuditHook(tf.estimator.SessionRunHook):
+class AuditHook(tf.compat.v1.train.SessionRunHook):
     """Runs `assert_no_plaintext_on_servers` on the finished training graph."""
 
     def begin(self):
