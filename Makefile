@@ -14,11 +14,16 @@ EXTRAS_tf215 := estimator,test,bench,dp
 EXTRAS_tf29 := estimator,test,bench
 EXTRAS_tf221 := test
 # What must hold on the old stack: versions, tfe_backend, kernels, secure aggregation, routing, a small
-# Estimator training check, run config, security, and the in-graph loopback cluster (TF_CONFIG, launch).
+# Estimator training check, run config, security, and clusters launched on TF 2.9's runtime (in-graph training,
+# a restart, service mode); the launcher's own process handling is Python and runs on the default stack only.
 TESTS_tf215 := tests
 TESTS_tf29 := tests/test_compat.py tests/test_tfe_backend.py tests/test_kernels.py tests/test_aggregation.py tests/test_strategy_routing.py \
 	tests/test_estimator_training.py tests/test_run_config.py \
-	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_launch.py tests/test_service_data_plane.py tests/test_sum_check.py
+	tests/test_security.py tests/test_precision.py tests/test_cluster.py tests/test_service_data_plane.py tests/test_sum_check.py \
+	tests/test_launch.py::test_train_and_evaluate_on_loopback_cluster_matches_plaintext_and_keeps_data_local \
+	tests/test_launch.py::test_aby3_cluster_trains_and_keeps_plaintext_off_the_servers \
+	tests/test_launch.py::test_a_dead_task_is_restarted_and_training_resumes \
+	tests/test_launch.py::test_a_launched_service_cluster_serves_a_data_plane_health_and_metrics
 # Keras 3 on current TensorFlow (no Estimator): versions, kernels, secure aggregation, and Keras on one machine.
 TESTS_tf221 := tests/test_compat.py tests/test_kernels.py \
 	tests/test_aggregation.py::test_an_only_first_replica_update_is_refused_with_the_fix \
