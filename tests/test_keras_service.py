@@ -96,6 +96,8 @@ def _check_dp(workdir, data, log):
         with open(os.path.join(workdir, owner, "keras_dp.json")) as f:
             results[owner] = json.load(f)
     chief, worker = results["chief-0"], results["worker-0"]
+    # Under DP the reported loss is not summed across owners (un-noised): each owner's is its own rows' alone.
+    assert chief.pop("loss") != worker.pop("loss")
     assert chief == worker and chief["iterations"] == DP_STEPS, (chief, worker)
     trained = np.append(np.array(chief["trained"][0]).ravel(), chief["trained"][1])
     expected = clipped_plaintext([data[o] for o in OWNERS], chief["initial"], DP_CLIP, DP_STEPS, LEARNING_RATE)

@@ -145,11 +145,11 @@ def _fit_with_dp(rows, noise_multiplier, learning_rate):
                       tf.keras.losses.MeanSquaredError(reduction="none"))
     initial = [w.tolist() for w in model.get_weights()]
     dataset = tf.data.Dataset.from_tensor_slices((rows[:, :2], rows[:, 2:])).repeat().batch(16, drop_remainder=True)
-    model.fit(dataset, steps_per_epoch=DP_STEPS, epochs=1, verbose=0,
-              callbacks=[tfe_estimator.EpsilonCallback(dp, every_n_steps=2)])
+    history = model.fit(dataset, steps_per_epoch=DP_STEPS, epochs=1, verbose=0,
+                        callbacks=[tfe_estimator.EpsilonCallback(dp, every_n_steps=2)])
     with open("keras_dp.json", "w") as f:
         json.dump({"initial": initial, "trained": [w.tolist() for w in model.get_weights()],
-                   "iterations": int(model.optimizer.iterations.numpy())}, f)
+                   "iterations": int(model.optimizer.iterations.numpy()), "loss": history.history["loss"]}, f)
     print(f"keras owner trained with DP to step {int(model.optimizer.iterations.numpy())}", flush=True)
 
 if __name__ == "__main__":
