@@ -459,6 +459,9 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
             # clipped over all of var_list and summed, un-noised: the noise is added inside the secure sum.
             if grad_loss is not None:
                 raise ValueError("DistributedDP: minimize(grad_loss=...) is not supported (per-example clipping).")
+            if tape is None and not callable(loss):
+                raise ValueError("DistributedDP: minimize() of a loss tensor needs the tape that computed it "
+                                 "(minimize(loss, var_list, tape=tape)), as Keras' train_step passes it.")
             tape = tape if tape is not None else tf.GradientTape()
             with tape:
                 if callable(loss):
