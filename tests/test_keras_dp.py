@@ -2,6 +2,7 @@
 noise part inside the secure sum), with the mutations of the DP path: noise off trains the clipped plaintext model
 exactly (the noise check fails), clipping off (an ordinary optimizer) and a reduced loss are refused. Service mode:
 tests/test_keras_service.py (--then-dp)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +13,8 @@ import pytest
 
 from keras_dp_check import check_dp_noise, clipped_plaintext
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("tensorflow_privacy") is None,
+                                                    reason="DistributedDP needs tensorflow-privacy (TF >= 2.14)")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIP, NOISE, STEPS, LEARNING_RATE, EXAMPLES = 0.5, 1.0, 4, 0.1, 64
