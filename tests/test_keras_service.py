@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from keras_dp_check import check_dp_noise, clipped_plaintext
 from owner_data import _owner_data
 from tfe_estimator.cluster.launcher import Launcher
 
@@ -22,6 +23,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "keras_owner.py")
 OWNERS = ("chief-0", "worker-0")
 STEPS = 10
 LEARNING_RATE = 0.1
+DP_NOISE = 1.0  # the DP model's noise multiplier (tests/scripts/keras_owner.py --then-dp)
 
 
 def _launch(workdir, *flags, max_restarts=0):
@@ -80,6 +82,41 @@ def _check_evaluation(workdir, data, trained, log):
     assert results["chief-0"]["own"] != results["worker-0"]["own"]
 
 
+def _check_dp(workdir, data, log):
+    """tests/scripts/keras_owner.py --then-dp: both owners bit-identical, off the clipped plaintext model by noise of
+    the stated scale (2 owners, 1 colluding: the summed parts have variance 2 sigma**2), each owner's epsilon line
+    equal to dp-accounting's RDP accountant's."""
+    import dp_accounting  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from keras_owner import DP_CLIP, DP_EXAMPLES, DP_STEPS  # pylint: disable=import-outside-toplevel
+
+    results = {}
+    for owner in OWNERS:
+        with open(os.path.join(workdir, owner, "keras_dp.json")) as f:
+            results[owner] = json.load(f)
+    chief, worker = results["chief-0"], results["worker-0"]
+    # Under DP the reported loss is not summed across owners (un-noised): each owner's is its own rows' alone.
+    assert chief.pop("loss") != worker.pop("loss")
+    assert chief == worker and chief["iterations"] == DP_STEPS, (chief, worker)
+    trained = np.append(np.array(chief["trained"][0]).ravel(), chief["trained"][1])
+    expected = clipped_plaintext([data[o] for o in OWNERS], chief["initial"], DP_CLIP, DP_STEPS, LEARNING_RATE)
+    check_dp_noise(trained, expected, LEARNING_RATE * DP_NOISE * DP_CLIP * np.sqrt(2) / 16 * np.sqrt(DP_STEPS))
+
+    def epsilon(multiplier):
+        event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            16 / DP_EXAMPLES, dp_accounting.GaussianDpEvent(multiplier)), DP_STEPS)
+        return dp_accounting.rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+
+    line = (f"tfe_estimator: step {DP_STEPS}, DP epsilon {epsilon(DP_NOISE):.4g} at delta 1e-05 (against 1 "
+            f"colluding owner(s) of 2; {epsilon(DP_NOISE * np.sqrt(2)):.4g} against outsiders)")
+    for name in ("chief:0", "worker:0"):
+        assert f"[{name}] {line}" in log, log[-5000:]
+        assert f"[{name}] tfe_estimator: step 1, DP epsilon " in log, log[-5000:]
+    assert log.count(f"DistributedDP: {DP_STEPS} steps of global batch 16 over {DP_EXAMPLES} examples: epsilon = "
+                     f"{epsilon(DP_NOISE):.4g}") == 2, log[-5000:]
+
+
 def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_and_evaluate_the_union_through_a_restart(
         tmp_path):
     # One launch (CI time) for the handshake's refusal, fit, a restart and evaluate. worker-0 backs up every 3 steps
@@ -90,7 +127,7 @@ def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_and_evaluate_t
     workdir = str(tmp_path)
     data = _owner_data(workdir, OWNERS)
     status, log = _launch(workdir, "--refused-first", "worker-0", "0.5", "--crash-in", "worker-0", "4", "3",
-                          "--then-evaluate", max_restarts=1)
+                          "--then-evaluate", "--then-dp", str(DP_NOISE), max_restarts=1)
     assert status == 0, log[-5000:]
     # First each owner fits a model whose learning rates differ (plain MultiWorkerMirroredStrategy would train with
     # the chief's): both are refused before its first step, naming the rate, with the handshake's own error.
@@ -119,7 +156,9 @@ def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_and_evaluate_t
     # The owners agreed once at step 0 on the second model (one rewind each on both servers, although tf.function
     # traces fit's step twice), the restarted worker once more at step 3; their sums are checked under the handshake's
     # check seed.
+    # The DP model (--then-dp) is one more model: one more rewind each, one more handshake each.
     for name in ("chief:0", "worker:0"):
-        assert log.count(f"{name} rewound to step 0") == 2, log[-5000:]
-    assert log.count("sums checked (check seed") == 3, log[-5000:]
+        assert log.count(f"{name} rewound to step 0") == 4, log[-5000:]
+    assert log.count("sums checked (check seed") == 5, log[-5000:]
     _check_evaluation(workdir, data, chief["trained"], log)
+    _check_dp(workdir, data, log)

@@ -5,12 +5,14 @@ Run by `tfe-estimator launch --workers 1 -- python keras_owner.py ...` in each o
 arguments, fits a Dense layer with SGD on `repeat().batch(16)` for STEPS steps, and writes ./keras_weights.json
 (the initial and the trained weights).
 Usage: keras_owner.py STEPS LEARNING_RATE [--refused-first TASK_DIR LR] [--crash-in TASK_DIR STEP EVERY]
-                      [--then-evaluate]
+                      [--then-evaluate] [--then-dp NOISE_MULTIPLIER]
 --refused-first TASK_DIR LR: in its first run, each owner first fits a model whose learning rate is LR on the
   owner in directory TASK_DIR (e.g. worker-0): refused by the handshake (prints the error), then the real one.
 --crash-in TASK_DIR STEP EVERY: with tf.keras.callbacks.BackupAndRestore(./backup, save_freq=EVERY), the owner
   in TASK_DIR exits (status 3) after STEP steps in its first run (no ./crashed yet); its restart resumes from
   its latest backup and replays the steps after it from the servers' window.
+--then-dp NOISE_MULTIPLIER: then fit a second model for DP_STEPS steps under TfeStrategy(dp=DistributedDP(DP_CLIP,
+  NOISE_MULTIPLIER, num_examples=DP_EXAMPLES)) with EpsilonCallback; writes ./keras_dp.json.
 --then-evaluate: fit with validation_data, then model.evaluate twice (the chief on its 64 rows, the worker on its
   first 40) with tfe_estimator.OwnerMetrics, and model.predict on its first 20 rows; writes
   ./keras_evaluation.json.
@@ -25,6 +27,9 @@ import numpy as np
 import tensorflow as tf
 
 import tfe_estimator
+
+#: --then-dp: the DP model's per-example clip norm, training-set size (epsilon's) and steps.
+DP_CLIP, DP_EXAMPLES, DP_STEPS = 0.5, 128, 4
 
 
 class _CrashAt(tf.keras.callbacks.Callback):
@@ -121,6 +126,31 @@ def main(argv):
                        "val": {k: v for k, v in history.history.items() if k.startswith("val_")},
                        "predictions": predictions.tolist()}, f)
         print(f"keras owner evaluated {int(model.optimizer.iterations.numpy())}", flush=True)
+    if "--then-dp" in argv:
+        _fit_with_dp(rows, float(argv[argv.index("--then-dp") + 1]), learning_rate)
+
+
+def _fit_with_dp(rows, noise_multiplier, learning_rate):
+    """A second model, under TfeStrategy(dp=DistributedDP(...)): per-example clipping (make_dp_optimizer, a loss
+    of reduction NONE), each owner's noise part inside the secure sum, epsilon on the terminal
+    (EpsilonCallback); writes ./keras_dp.json (initial and trained weights)."""
+    from tfe_estimator.privacy.dp import make_dp_optimizer  # pylint: disable=import-outside-toplevel
+
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=DP_CLIP, noise_multiplier=noise_multiplier,
+                                     num_examples=DP_EXAMPLES)
+    strategy = tfe_estimator.TfeStrategy(dp=dp)
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
+        model.compile(make_dp_optimizer(tf.keras.optimizers.legacy.SGD(learning_rate), dp.l2_norm_clip),
+                      tf.keras.losses.MeanSquaredError(reduction="none"))
+    initial = [w.tolist() for w in model.get_weights()]
+    dataset = tf.data.Dataset.from_tensor_slices((rows[:, :2], rows[:, 2:])).repeat().batch(16, drop_remainder=True)
+    history = model.fit(dataset, steps_per_epoch=DP_STEPS, epochs=1, verbose=0,
+                        callbacks=[tfe_estimator.EpsilonCallback(dp, every_n_steps=2)])
+    with open("keras_dp.json", "w") as f:
+        json.dump({"initial": initial, "trained": [w.tolist() for w in model.get_weights()],
+                   "iterations": int(model.optimizer.iterations.numpy()), "loss": history.history["loss"]}, f)
+    print(f"keras owner trained with DP to step {int(model.optimizer.iterations.numpy())}", flush=True)
 
 if __name__ == "__main__":
     main(sys.argv)

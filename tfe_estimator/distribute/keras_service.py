@@ -47,7 +47,8 @@ from tfe_estimator.distribute import service_aggregation as service_lib
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
 __all__ = ["OwnerStrategy", "owner_strategy_from_environment", "in_function", "keras_function",
-           "call_for_each_replica", "eager_sum", "SEED_HINT"]
+           "call_for_each_replica", "eager_sum", "repeated_releases",
+           "SEED_HINT"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -157,7 +158,9 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
             f"Keras' {function or graph.name} under TfeStrategy in service mode: only model.fit, "
             f"model.evaluate and model.predict run across owners. {keras_evaluation.PLAIN_COPY_RECIPE}")
     state = _MODELS.setdefault(model, {"model": None, "sessions": 0})
-    service_lib.register_graph(graph, step_sum.read_step(optimizer.iterations, name="service_step"), state)
+    with tf.init_scope():  # a legacy optimizer (make_dp_optimizer's) makes `iterations` at first use: eagerly, so
+        iterations = optimizer.iterations  # it holds 0 when the handshake reads it (made in the step, it is empty)
+    service_lib.register_graph(graph, step_sum.read_step(iterations, name="service_step"), state)
     result = call(fn, args, kwargs)
     if service_lib.sums_built(graph):
         audit_owner_graph(graph)  # what the step lets out: fresh keys and masked shares only
@@ -182,6 +185,9 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
     if "run" not in state:  # a model restored (BackupAndRestore) resumes its run: replays are its catch-up
         run = training_run.for_training(None)
         state["run"] = training_run.TrainingRun(run.number, fresh=step == 0)
+        dp = extended._cross_device_ops.dp  # pylint: disable=protected-access
+        if dp is not None:  # each step's noise released once (training_run.check_answer), in this process
+            state["ledger"] = training_run.ReleaseLedger(None, step == 0, dp.count_repeated_releases)
     settings = extended._settings()  # pylint: disable=protected-access
     settings["training run"] = state["run"].number
 
@@ -205,6 +211,13 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         raise
     state["agreed"] = agreed
     _LATEST.update(state=state, optimizer=weakref.ref(optimizer), step=None, count=0)
+
+
+def repeated_releases(model) -> int:
+    """How many steps of `model`'s training the servers released again under
+    ``DistributedDP(count_repeated_releases=True)`` (counted by its `training_run.ReleaseLedger`); else 0."""
+    ledger = _MODELS.get(model, {}).get("ledger")
+    return ledger.repeated if ledger is not None else 0
 
 
 def eager_sum():

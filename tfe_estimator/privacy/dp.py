@@ -78,6 +78,8 @@ __all__ = [
     "clipped_sum_norm",
     "clipped_sum_group",
     "EpsilonLoggingHook",
+    "show_epsilon",
+    "log_epsilon",
     "EPSILON_METRIC",
     "OUTSIDER_EPSILON_METRIC",
     "EPSILON_METRICS",
@@ -393,6 +395,8 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
     constant on every replica: Poisson-sampled batches of unequal sizes keep
     mirrored variables equal) or, if None, by the global batch size (local
     batch size times replicas; every replica must get batches of one size).
+    Keras' ``model.fit`` (its ``optimizer.minimize(loss, variables, tape=tape)``) works alike: compile the model
+    with a loss of ``reduction=NONE``; each example's gradient is its row of the tape's Jacobian.
     All its gradients form one clipping group: `SecureAggregation` refuses a
     step that shares gradients of two groups (each would be clipped to
     `l2_norm_clip` separately, so one example could move the update by
@@ -431,10 +435,7 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
             self._tfe_local = threading.local()  # one replica per thread under MirroredStrategy
 
         def get_gradients(self, loss, params):
-            if loss.shape.rank == 0:
-                raise ValueError(
-                    "DistributedDP needs the unreduced per-example loss (a vector), got a scalar. Use a "
-                    "tensorflow-privacy DP head (e.g. tensorflow_privacy.DPBinaryClassHead) or our model_fns.")
+            _check_per_example(loss)
             per_example = tf.reshape(loss, [tf.shape(loss)[0], -1])
             # An empty (Poisson-sampled) batch: pfor cannot vectorise over zero examples (its gradient's
             # AddN sees mismatched [0, ...] shapes), so a batch of none gets one row of zero loss, which
@@ -448,6 +449,42 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
                 return clip_gradients_vmap(grads, clip)
 
             sums = [tf.reduce_sum(g, axis=0) for g in tf.vectorized_map(clipped, per_example)]
+            self._batch_of(loss)
+            return sums
+
+        def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+            # Keras' train_step: optimizer.minimize(loss, trainable_variables, tape=tape), the loss unreduced
+            # (compiled with reduction=NONE: Keras neither averages nor scales it per replica). Each example's
+            # gradient is its row of the tape's Jacobian (as tensorflow-privacy's DP Keras optimizers take it),
+            # clipped over all of var_list and summed, un-noised: the noise is added inside the secure sum.
+            if grad_loss is not None:
+                raise ValueError("DistributedDP: minimize(grad_loss=...) is not supported (per-example clipping).")
+            if tape is None and not callable(loss):
+                raise ValueError("DistributedDP: minimize() of a loss tensor needs the tape that computed it "
+                                 "(minimize(loss, var_list, tape=tape)), as Keras' train_step passes it.")
+            tape = tape if tape is not None else tf.GradientTape()
+            with tape:
+                if callable(loss):
+                    if not callable(var_list):
+                        tape.watch(var_list)
+                    loss = loss()
+                var_list = var_list() if callable(var_list) else var_list
+            var_list = tf.nest.flatten(var_list)
+            _check_per_example(loss, keras=True)
+            with tape:
+                per_example = tf.reshape(loss, [tf.shape(loss)[0], -1])
+                per_example = tf.reduce_sum(per_example, axis=1) / tf.cast(tf.shape(per_example)[1], loss.dtype)
+            jacobians = tape.jacobian(per_example, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                                      experimental_use_pfor=True)
+            clipped = tf.vectorized_map(lambda grads: clip_gradients_vmap(grads, clip), jacobians)
+            self._batch_of(loss)
+            if loss.shape[0] is not None:  # what tfe_estimator.EpsilonCallback accounts with
+                self._tfe_global_batch = int(loss.shape[0]) * tf.distribute.get_strategy().num_replicas_in_sync
+            return [(tf.reduce_sum(g, axis=0), v) for g, v in zip(clipped, var_list)]
+
+        def _batch_of(self, loss):
+            """Records the local batch size `_transform_gradients` divides by; refuses an unknown one in
+            service mode without expected_batch_size."""
             self._tfe_local.batch_size = tf.shape(loss)[0]
             if expected is None and loss.shape[0] is None:
                 if _through_service():
@@ -463,7 +500,6 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
                              "size is not static here). For Poisson-sampled batches set "
                              "DistributedDP(expected_batch_size=q * num_examples), else mirrored variables "
                              "diverge.")
-            return sums
 
         def _aggregate_gradients(self, grads_and_vars):
             # These exact tensors go to the secure sum: mark them for SecureAggregation.
@@ -487,6 +523,15 @@ def make_dp_optimizer(optimizer, l2_norm_clip: float, expected_batch_size: Optio
 
     DPClippingOptimizer.__name__ = f"DPClipping{base.__name__}"
     return DPClippingOptimizer.from_config(optimizer.get_config())
+
+
+def _check_per_example(loss, keras: bool = False) -> None:
+    """Refuses a reduced (scalar) loss: per-example clipping needs each example's loss."""
+    if loss.shape.rank == 0:
+        fix = ("compile the Keras model with a loss of reduction=tf.keras.losses.Reduction.NONE, e.g. "
+               "tf.keras.losses.MeanSquaredError(reduction='none')" if keras else
+               "use a tensorflow-privacy DP head (e.g. tensorflow_privacy.DPBinaryClassHead) or our model_fns")
+        raise ValueError(f"DistributedDP needs the unreduced per-example loss (a vector), got a scalar: {fix}.")
 
 
 def _through_service(strategy=None) -> bool:
@@ -550,26 +595,45 @@ class EpsilonLoggingHook(tf.compat.v1.train.SessionRunHook):
             self._show(int(run_values.results["step"]) + 1)
 
     def _show(self, steps: int):
-        repeated = int(self._repeated())
-        outsiders, colluders = self._dp.epsilons(self._last, steps + repeated, self._replicas)
-        stream = self._stream or sys.stderr
-        again = f"; {repeated} step(s) released twice, counted twice" if repeated else ""
-        stream.write(f"tfe_estimator: step {steps}, DP epsilon {colluders:.4g} at delta {self._dp.delta:g} "
-                     f"(against {self._dp.colluders(self._replicas)} colluding owner(s) of {self._replicas}; "
-                     f"{outsiders:.4g} against outsiders{again})\n")
-        stream.flush()
-        return outsiders, colluders
+        return show_epsilon(self._dp, self._last, steps, self._replicas, int(self._repeated()), self._stream)
 
     def end(self, session):
         if self._last is None or self._dp.num_examples is None:
             return
         steps = int(session.run(self._step))
-        outsiders, colluders = self._show(steps)
-        batch = self._dp.expected_batch_size or self._last
-        tf.compat.v1.logging.info(
-            "DistributedDP: %d steps of global batch %g over %d examples: epsilon = %.4g at delta = %g "
-            "against %d colluding owner(s) of %d (noise_multiplier %g); epsilon = %.4g against outsiders "
-            "(noise_multiplier %.4g); Poisson-sampling RDP accounting.", steps, batch,
-            self._dp.num_examples, colluders, self._dp.delta, self._dp.colluders(self._replicas),
-            self._replicas, self._dp.noise_multiplier, outsiders,
-            self._dp.noise_multipliers(self._replicas)[0])
+        self._show(steps)
+        log_epsilon(self._dp, self._last, steps, self._replicas, int(self._repeated()))
+
+
+def show_epsilon(dp: DistributedDP, global_batch_size: int, steps: int, num_replicas: int, repeated: int = 0,
+                 stream=None) -> Tuple[float, float]:
+    """Writes the epsilon line `EpsilonLoggingHook` and `tfe_estimator.EpsilonCallback` show on the terminal.
+
+    ``tfe_estimator: step S, DP epsilon E at delta D (against t colluding owner(s) of N; E' against outsiders)``,
+    epsilon by `DistributedDP.epsilons` for `steps` plus `repeated` releases (steps the servers released again).
+
+    Returns:
+      ``(epsilon against outsiders, epsilon against t colluding owners)``.
+    """
+    outsiders, colluders = dp.epsilons(global_batch_size, steps + repeated, num_replicas)
+    stream = stream or sys.stderr
+    again = f"; {repeated} step(s) released twice, counted twice" if repeated else ""
+    stream.write(f"tfe_estimator: step {steps}, DP epsilon {colluders:.4g} at delta {dp.delta:g} "
+                 f"(against {dp.colluders(num_replicas)} colluding owner(s) of {num_replicas}; "
+                 f"{outsiders:.4g} against outsiders{again})\n")
+    stream.flush()
+    return outsiders, colluders
+
+
+def log_epsilon(dp: DistributedDP, global_batch_size: int, steps: int, num_replicas: int, repeated: int = 0,
+                info: Optional[Callable[..., None]] = None) -> None:
+    """Logs the epsilon spent by `steps` (plus `repeated` releases) at INFO, at the end of training: through
+    `info` (default: TensorFlow's logger, where Estimator logs the loss)."""
+    outsiders, colluders = dp.epsilons(global_batch_size, steps + repeated, num_replicas)
+    batch = dp.expected_batch_size or global_batch_size
+    (info or tf.compat.v1.logging.info)(
+        "DistributedDP: %d steps of global batch %g over %d examples: epsilon = %.4g at delta = %g "
+        "against %d colluding owner(s) of %d (noise_multiplier %g); epsilon = %.4g against outsiders "
+        "(noise_multiplier %.4g); Poisson-sampling RDP accounting.", steps, batch,
+        dp.num_examples, colluders, dp.delta, dp.colluders(num_replicas),
+        num_replicas, dp.noise_multiplier, outsiders, dp.noise_multipliers(num_replicas)[0])
