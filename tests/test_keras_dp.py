@@ -105,3 +105,12 @@ def test_mutation_noise_off_trains_the_clipped_plaintext_model_exactly_so_the_no
 def test_mutation_clipping_off_or_a_reduced_loss_is_refused(fits):
     assert "refuses to share gradients that are not clipped per example" in fits["clipping off"]["error"], fits
     assert "reduction=tf.keras.losses.Reduction.NONE" in fits["reduced loss"]["error"], fits
+
+
+@pytest.mark.parametrize("every", [0, -3, 2.5, "10"])
+def test_a_bad_every_n_steps_is_refused_naming_it(every):
+    import tfe_estimator  # pylint: disable=import-outside-toplevel
+
+    dp = tfe_estimator.DistributedDP(l2_norm_clip=1.0, noise_multiplier=1.1, num_examples=64)
+    with pytest.raises(ValueError, match=rf"EpsilonCallback\(every_n_steps={every!r}\): give a positive int"):
+        tfe_estimator.EpsilonCallback(dp, every_n_steps=every)

@@ -24,6 +24,7 @@ from typing import Optional
 import tensorflow as tf
 
 from tfe_estimator.privacy import dp as dp_lib
+from tfe_estimator.validation import check_int
 
 __all__ = ["EpsilonCallback"]
 
@@ -37,8 +38,9 @@ class EpsilonCallback(tf.keras.callbacks.Callback):
       every_n_steps: how often to show the line (optimizer steps); stream: where (default: standard error).
 
     Raises:
-      ValueError: `dp` has no ``num_examples``; at the first step, a global batch size neither set
-        (``expected_batch_size``) nor static (the per-example loss's batch dimension).
+      ValueError: `dp` has no ``num_examples``; `every_n_steps` is not a positive int; at the first step, a
+        global batch size neither set (``expected_batch_size``) nor static (the per-example loss's batch
+        dimension).
     """
 
     def __init__(self, dp: "dp_lib.DistributedDP", every_n_steps: int = 100, stream=None):
@@ -47,7 +49,9 @@ class EpsilonCallback(tf.keras.callbacks.Callback):
             raise ValueError(f"EpsilonCallback needs a DistributedDP with num_examples (the size of the training "
                              f"set epsilon is accounted over), got {dp!r}. Fix: DistributedDP(..., num_examples=N).")
         self._dp = dp
-        self._every = max(1, int(every_n_steps))
+        self._every = check_int(every_n_steps, f"EpsilonCallback(every_n_steps={every_n_steps!r}): give a positive "
+                                               "int, how many optimizer steps apart the epsilon line shows.",
+                                minimum=1)
         self._stream = stream
         self._shown: Optional[int] = None
 
