@@ -13,7 +13,7 @@ both at its end (TensorFlow's logger), when the `DistributedDP` has
 `num_examples`. Under DP the reported loss and metrics are the chief's
 replica's own (see `SecureAggregation`): no un-noised value from another
 owner's data. In service mode with ``count_repeated_releases=True`` the
-steps the servers released twice (`tfe_estimator.distribute.training_run`)
+steps the servers released twice (`tfe_estimator.owner.training_run`)
 count twice in both.
 
 What the checkpoint keeps for the epsilon of evaluation:
@@ -85,7 +85,7 @@ def _parties_variable(parties: int):
 
 def _epsilon_metrics(dp, batch_variable, parties_variable, model_dir=None):
     def epsilons(steps, batch, parties):
-        from tfe_estimator.distribute.training_run import recorded_repeated_releases  # pylint: disable=import-outside-toplevel
+        from tfe_estimator.owner.training_run import recorded_repeated_releases  # pylint: disable=import-outside-toplevel
 
         batch = dp.expected_batch_size or int(batch)
         if batch <= 0:
@@ -116,7 +116,7 @@ def dp_estimator_spec(
     model_dir=None,
 ) -> tf.estimator.EstimatorSpec:
     """The head's `EstimatorSpec` with DP-SGD training (see the module docstring)."""
-    from tfe_estimator.distribute.service_aggregation import repeated_releases  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner.service_strategy import repeated_releases  # pylint: disable=import-outside-toplevel
     from tfe_estimator.privacy.dp import EpsilonLoggingHook, make_dp_optimizer, noise_parties  # pylint: disable=import-outside-toplevel
 
     trainable = [v for layer in layers for v in layer.trainable_variables]

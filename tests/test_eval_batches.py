@@ -258,7 +258,8 @@ def test_a_binary_classifier_evaluates_to_numpy_and_to_one_replica_every_metric(
 
 
 def _strategy(kind):
-    from tfe_estimator.distribute.service_aggregation import ServiceBinding, ServiceStrategy  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner.estimator import EstimatorServiceStrategy  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner.service_strategy import ServiceBinding  # pylint: disable=import-outside-toplevel
 
     if kind == "tfe":
         return TfeRunConfig(num_replicas=2).eval_distribute, 2
@@ -266,7 +267,7 @@ def _strategy(kind):
         return tfe_estimator.plaintext_twin_config(TWIN_DEVICES).eval_distribute, 2
     binding = ServiceBinding(addresses=("localhost:1", "localhost:2"), tls_dir="/nonexistent", owner="chief:0",
                              owners=("chief:0", "worker:0", "worker:1"))
-    return ServiceStrategy(binding, num_replicas=2, evaluation=True), 6  # 2 local replicas x 3 owners
+    return EstimatorServiceStrategy(binding, num_replicas=2, evaluation=True), 6  # 2 local replicas x 3 owners
 
 
 @pytest.mark.parametrize("kind", ["tfe", "twin", "service"])

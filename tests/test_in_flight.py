@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tfe_estimator.distribute.in_flight import Tickets
+from tfe_estimator.owner.in_flight import Tickets
 
 WAIT = 10.0
 

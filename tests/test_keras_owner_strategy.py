@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _PICK = """
 import json, os, sys, tfe_estimator
-from tfe_estimator.distribute.keras_service import OwnerStrategy
+from tfe_estimator.owner.keras_fit import OwnerStrategy
 cases = {}
 for name, env in json.loads(sys.argv[1]).items():
     os.environ.update(env)
@@ -83,7 +83,7 @@ def _compiled(learning_rate, units=1):
 
 
 def test_the_keras_record_names_a_different_learning_rate_with_both_values_and_equal_models_share_an_id():
-    from tfe_estimator.distribute import model_record  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner import model_record  # pylint: disable=import-outside-toplevel
 
     settings = {"precision": "low", "training run": 0}
     chief = model_record.keras_record(_compiled(0.1), settings, 2)
@@ -104,7 +104,7 @@ def test_the_keras_record_names_a_different_learning_rate_with_both_values_and_e
 def test_the_keras_record_covers_the_compiled_loss(loss):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-    from tfe_estimator.distribute import model_record  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner import model_record  # pylint: disable=import-outside-toplevel
 
     model = _compiled(0.1)
     model.compile(tf.keras.optimizers.SGD(0.1), loss)

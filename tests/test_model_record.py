@@ -1,7 +1,7 @@
 """The service handshake's model record: owners that would train different models are named before step 1.
 
 Fast and in one process: each "owner" is an Estimator graph built here (one training step each), its
-record read in its session by `model_record.ModelRecord`; `service_handshake.verdict` compares the rows as
+record read in its session by `model_record.ModelRecord`; `handshake.verdict` compares the rows as
 server0's `handshake_table` hands them out. Mutations: without the learning rate (or the vocabulary) in
 the record, the learning-rate (vocabulary) check must fail.
 """
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfe_estimator.distribute import model_record, service_handshake
-from tfe_estimator.distribute.service_aggregation import channel_name
+from tfe_estimator.owner import model_record, handshake
+from tfe_estimator.owner.service_strategy import channel_name
 from tfe_estimator.service.handshake_table import HandshakeTable
 
 OWNERS = ["chief:0", "worker:0"]
@@ -71,7 +71,7 @@ def _verdict(chief, worker, worker_age=0.1, final=False):
         table.put(owner, model_record.model_id(fields), model_record.make_row(step, weights, fields))
     rows, models, ages = table.view(model_record.model_id(chief[2]))
     rows = [(m, r, 0.0 if o == 0 else worker_age) for o, (m, r) in enumerate(zip(models, rows))]
-    return service_handshake.verdict("chief:0", OWNERS, chief, model_record.model_id(chief[2]), rows, final=final)
+    return handshake.verdict("chief:0", OWNERS, chief, model_record.model_id(chief[2]), rows, final=final)
 
 
 def check_learning_rate_mismatch_is_refused_with_both_values(records):
@@ -125,19 +125,19 @@ def test_equal_records_agree_and_a_stale_row_of_another_model_only_waits(records
     assert "0.05 on worker:0, 0.01 on chief:0" in error, error
     table = HandshakeTable(OWNERS)
     rows, models, ages = table.view(1)
-    error, waiting = service_handshake.verdict("chief:0", OWNERS, records["base"], 1,
+    error, waiting = handshake.verdict("chief:0", OWNERS, records["base"], 1,
                                                [(m, r, a) for m, r, a in zip(models, rows, ages)])
     assert error is None and waiting == ["worker:0: no handshake yet"]
 
 
 def test_an_owner_is_polling_for_another_model_only_when_its_calls_stay_fresh():
-    polling = service_handshake.Polling()
+    polling = handshake.Polling()
     fresh, other = (5, [0, 1], 0.1), (5, [0, 1], 0.1)
     assert polling.update(OWNERS, [(7, [0, 1], 0.0), fresh], 7, now=0.0) == set()
     assert polling.update(OWNERS, [(7, [0, 1], 0.0), other], 7, now=0.5) == set()
     assert polling.update(OWNERS, [(7, [0, 1], 0.0), other], 7, now=1.1) == {"worker:0"}
     # An owner that agreed on its (previous) model stops calling: its calls age, it is never "polling".
-    polling = service_handshake.Polling()
+    polling = handshake.Polling()
     for now in (0.0, 0.6, 1.2, 1.8):
         assert polling.update(OWNERS, [(7, [0, 1], 0.0), (5, [0, 1], 0.2 + now)], 7, now=now) == set()
 
@@ -188,7 +188,7 @@ def test_the_weights_fingerprint_is_exact():
 # ---------------------------------------------- weight checks through server0 --
 
 from service_helpers import cert_dirs, make_service, owner_names  # noqa: E402,F401 (fixtures)
-from tfe_estimator.distribute import weight_check  # noqa: E402
+from tfe_estimator.owner import weight_check  # noqa: E402
 
 
 def _weight_rows(make_service, worker_weights):
@@ -231,7 +231,7 @@ def test_an_owner_behind_is_waited_for_and_one_ahead_is_not_compared():
 
 # ------------------------------------------------------------ training runs --
 
-from tfe_estimator.distribute import training_run  # noqa: E402
+from tfe_estimator.owner import training_run  # noqa: E402
 
 
 def _checkpoint_in(model_dir):
@@ -354,7 +354,7 @@ def test_under_dp_a_step_released_again_with_fresh_noise_is_refused_and_a_replay
 
 
 def test_when_the_user_allows_it_a_second_release_is_counted_for_epsilon(tmp_path, make_service):
-    from tfe_estimator.distribute import service_aggregation  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner import service_strategy  # pylint: disable=import-outside-toplevel
 
     ledger = training_run.ReleaseLedger(str(tmp_path), fresh=True, count_repeats=True)
     answers = _released_again_after_both_servers_restart(make_service, {"model": 7, "ledger": ledger})
@@ -363,7 +363,7 @@ def test_when_the_user_allows_it_a_second_release_is_counted_for_epsilon(tmp_pat
     assert training_run.recorded_repeated_releases(str(tmp_path)) == 1
     assert training_run.ReleaseLedger(str(tmp_path), fresh=False).repeated == 1
     assert training_run.recorded_repeated_releases(str(tmp_path / "none")) == 0
-    assert service_aggregation.repeated_releases(tf.Graph()) == 0  # outside service mode
+    assert service_strategy.repeated_releases(tf.Graph()) == 0  # outside service mode
 
 
 def test_mutation_without_the_ledger_a_second_release_passes_unnoticed(make_service):

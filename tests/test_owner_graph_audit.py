@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 from tfe_estimator.audit.owner_graph import OwnerGraphAuditError, audit_owner_graph
-from tfe_estimator.distribute.service_sum import service_sum
+from tfe_estimator.owner.contribution import service_sum
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
 

@@ -28,7 +28,7 @@ SUM = tf.distribute.ReduceOp.SUM
 
 
 def _binding(owners=2):
-    from tfe_estimator.distribute.service_aggregation import ServiceBinding  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner.service_strategy import ServiceBinding  # pylint: disable=import-outside-toplevel
 
     names = tuple(["chief:0"] + [f"worker:{i}" for i in range(owners - 1)])
     return ServiceBinding(addresses=("127.0.0.1:1", "127.0.0.1:2"), tls_dir="/nonexistent", owner="chief:0",
@@ -37,7 +37,7 @@ def _binding(owners=2):
 
 def _noise_requests(dp, owners, local_replicas, num_elements, monkeypatch, groups=(0,)):
     """(num_elements, variance) of every noise part this owner's graph draws for one DP update per group."""
-    from tfe_estimator.distribute.service_aggregation import ServiceStrategy  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner.estimator import EstimatorServiceStrategy  # pylint: disable=import-outside-toplevel
     from tfe_estimator.secure.kernels import ops  # pylint: disable=import-outside-toplevel
 
     requests = []
@@ -46,7 +46,7 @@ def _noise_requests(dp, owners, local_replicas, num_elements, monkeypatch, group
     with tf.Graph().as_default():
         tf.compat.v1.train.get_or_create_global_step()
         devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(local_replicas)]
-        strategy = ServiceStrategy(_binding(owners), devices=devices, dp=dp)
+        strategy = EstimatorServiceStrategy(_binding(owners), devices=devices, dp=dp)
         with strategy.scope():
             for group in groups:
                 parts = []
@@ -102,11 +102,11 @@ def test_epsilon_counts_owners_not_local_replicas():
 
 def _gradients_under_service(dp, batch_dim):
     """make_dp_optimizer's gradients of a per-example loss with batch dimension `batch_dim`, in service mode."""
-    from tfe_estimator.distribute.service_aggregation import ServiceStrategy  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner.estimator import EstimatorServiceStrategy  # pylint: disable=import-outside-toplevel
 
     with tf.Graph().as_default():
         tf.compat.v1.train.get_or_create_global_step()
-        strategy = ServiceStrategy(_binding(2), dp=dp)
+        strategy = EstimatorServiceStrategy(_binding(2), dp=dp)
         w = tf.Variable(tf.zeros([3]))
         x = tf.compat.v1.placeholder(tf.float32, [batch_dim, 3])
         with strategy.scope():

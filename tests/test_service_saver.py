@@ -1,7 +1,7 @@
 """Service mode's checkpoints of a model with on-read variables (batch normalization), in the owner's graph.
 
 The checkpoint saver reads each on-read variable (a batch normalization's moving
-mean and variance) as a sum across owners (`service_saver`). That run must do
+mean and variance) as a sum across owners (`saver`). That run must do
 nothing else: no batch-norm update, no input read, no contribution of the
 training step (issue 41: a save ran them, before the input's initializer:
 ``GetNext() failed because the iterator has not been initialized``). The graph
@@ -14,8 +14,9 @@ import pytest
 import tensorflow as tf
 
 from test_tutorials import batch_norm_input_fn, batch_norm_model_fn
-from tfe_estimator.distribute.service_aggregation import ServiceBinding, ServiceStrategy
-from tfe_estimator.distribute.service_sum import ANSWER_OP_NAME, CONTRIBUTE_OP_NAME, ancestors
+from tfe_estimator.owner.estimator import EstimatorServiceStrategy
+from tfe_estimator.owner.service_strategy import ServiceBinding
+from tfe_estimator.owner.contribution import ANSWER_OP_NAME, CONTRIBUTE_OP_NAME, ancestors
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +63,7 @@ def _train(tmp_path, hooks, listeners=(), model_fn=batch_norm_model_fn, **config
     rng = np.random.RandomState(0)
     frame = ({"age": rng.uniform(1, 80, 64).astype(np.float32), "fare": rng.uniform(1, 90, 64).astype(np.float32)},
              rng.randint(0, 2, 64))
-    run_config = tf.estimator.RunConfig(model_dir=str(tmp_path), train_distribute=ServiceStrategy(BINDING),
+    run_config = tf.estimator.RunConfig(model_dir=str(tmp_path), train_distribute=EstimatorServiceStrategy(BINDING),
                                         tf_random_seed=7, **config)
     estimator = tf.estimator.Estimator(model_fn, config=run_config)
     estimator.train(lambda: batch_norm_input_fn(frame), max_steps=2, hooks=hooks, saving_listeners=list(listeners))
@@ -91,7 +92,7 @@ def test_time_based_checkpoints_of_a_model_with_moving_statistics_are_refused_be
 def test_the_checkpoint_saver_runs_after_the_owners_handshake_and_the_input_initializer(tmp_path, monkeypatch):
     from tensorflow_estimator.python.estimator import estimator as estimator_lib  # pylint: disable=import-outside-toplevel
 
-    from tfe_estimator.distribute.service_handshake import ServiceHandshakeHook  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner.estimator import ServiceHandshakeHook  # pylint: disable=import-outside-toplevel
 
     seen = {}
 

@@ -20,8 +20,8 @@ import tensorflow as tf
 from cryptography import x509
 
 from service_helpers import OWNER_TASKS, WAIT_SECS, cert_dirs, in_threads, owner_names  # noqa: F401 (fixtures)
-from tfe_estimator.distribute import check_seed, service_sum, sum_check
-from tfe_estimator.distribute.sum_check import CHECK_WORDS, PRIMES, SumCheck, SumIntegrityError
+from tfe_estimator.owner import check_seed, contribution, sum_check
+from tfe_estimator.owner.sum_check import CHECK_WORDS, PRIMES, SumCheck, SumIntegrityError
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels.check_pass import check_pass
 from tfe_estimator.service import AggregationServer, OwnerClient, TlsFiles, ring, wire
@@ -369,7 +369,7 @@ def test_a_tampered_sum_fails_the_session_run_of_the_contribution_op(cluster, ri
         graph = tf.Graph()
         with graph.as_default():
             step = tf.compat.v1.placeholder(tf.int64, [])
-            total = service_sum.service_sum([[tf.constant(x[0])]], ["/cpu:0"], ["/cpu:0"],
+            total = contribution.service_sum([[tf.constant(x[0])]], ["/cpu:0"], ["/cpu:0"],
                                             Encoding(ring_bits, fraction_bits, 2.0**20), tf.float32, "chief:0", "clip",
                                             1.0, "sum_0", step, c.clients[0].contribute, checks=lambda: check)
             with tf.compat.v1.Session(graph=graph) as session:

@@ -51,7 +51,7 @@ _EXPORTS = {
     "TfeStrategy": "tfe_estimator.distribute.strategy",
     "LocalMetricsExporter": "tfe_estimator.distribute.local_metrics",
     "evaluate_locally": "tfe_estimator.distribute.local_metrics",
-    "OwnerMetrics": "tfe_estimator.distribute.keras_evaluation",
+    "OwnerMetrics": "tfe_estimator.owner.keras_evaluation",
 }
 _SUBPACKAGES = ("audit", "cluster", "distribute", "privacy", "secure", "tools")
 

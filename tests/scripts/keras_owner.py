@@ -70,7 +70,7 @@ def _refused_first(strategy, dataset, learning_rate):
         if time.monotonic() > deadline:
             raise SystemExit(f"keras owner: not every owner of {owners} was refused within 120 s")
         time.sleep(0.2)
-    from tfe_estimator.distribute.service_aggregation import cluster_seed  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner.service_strategy import cluster_seed  # pylint: disable=import-outside-toplevel
 
     tf.keras.backend.clear_session()
     tf.keras.utils.set_random_seed(cluster_seed(tfe_estimator.TfeCluster.from_environment()))

@@ -23,7 +23,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # model_fns
 import tfe_estimator  # noqa: E402  pylint: disable=wrong-import-position
 from model_fns import linear_regression  # noqa: E402  pylint: disable=wrong-import-position
-from tfe_estimator.distribute.in_flight import TICKETS  # noqa: E402  pylint: disable=wrong-import-position
+from tfe_estimator.owner.in_flight import TICKETS  # noqa: E402  pylint: disable=wrong-import-position
 from tfe_estimator.service.client import live_clients  # noqa: E402  pylint: disable=wrong-import-position
 
 

@@ -1,9 +1,9 @@
 """What a service-mode owner's graph lets out: per contribution, the step, a fresh key and a masked share.
 
-In service mode (`tfe_estimator.distribute.service_aggregation`) an owner's
+In service mode (`tfe_estimator.owner.service_strategy`) an owner's
 graph runs in its own process (no TensorFlow server, no remote device) and
 talks to the aggregation service only through its contribution ops (one
-``tf.numpy_function`` per sum, `service_sum.CONTRIBUTE_OP_NAME`).
+``tf.numpy_function`` per sum, `contribution.CONTRIBUTE_OP_NAME`).
 `audit_owner_graph` checks, on the graph itself, that
 
 - no op is placed on another task (every device is this process's), and
@@ -29,7 +29,7 @@ from tfe_estimator.errors import PlaintextOnServerError
 
 __all__ = ["audit_owner_graph", "OwnerGraphAuditError", "CONTRIBUTION_OP_TYPES"]
 
-#: The op types a `tf.numpy_function` / `tf.py_function` becomes (stateless ones in a tf.function: `service_sum`).
+#: The op types a `tf.numpy_function` / `tf.py_function` becomes (stateless ones in a tf.function: `contribution`).
 CONTRIBUTION_OP_TYPES = ("PyFunc", "PyFuncStateless", "EagerPyFunc")
 
 

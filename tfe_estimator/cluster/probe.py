@@ -71,7 +71,7 @@ def _released(address: str, tls, server: int, timeout: float) -> str:
         return f"unknown ({e.code().name})"
     latest = {}
     for channel_name, step in zip(reply.channels, reply.steps):
-        model = channel_name.split("/", 1)[0]  # `<model id>/<sum>` (distribute.service_aggregation.channel_name)
+        model = channel_name.split("/", 1)[0]  # `<model id>/<sum>` (owner.service_strategy.channel_name)
         latest[model] = max(step, latest.get(model, step))
     return ", ".join(f"model {model}: step {step}" for model, step in sorted(latest.items())) or "none yet"
 

@@ -7,6 +7,9 @@
 - `devices`, `logical_devices`: replica and party placement.
 - `checkpoint_replicas`: model_dir compatibility checks.
 
+A data owner's side of service mode (its strategy, sums, handshake, and the Estimator and Keras adapters) is
+the package `tfe_estimator.owner`, on top of this one.
+
 Example::
 
     from tfe_estimator.distribute.run_config import TfeRunConfig

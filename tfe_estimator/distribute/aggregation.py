@@ -12,7 +12,7 @@ code, `secure_sum`); the TFE servers add the shares they hold; each
 destination device receives the sum masked by a keystream and the key of
 that keystream (`fused_sum`), unmasks and decodes it once (the MEAN's
 division folded into the decoding). The servers only ever hold ring
-elements. `tfe_estimator.distribute.service_aggregation` is the same contract
+elements. `tfe_estimator.owner.service_strategy` is the same contract
 across organisations, with the servers behind the aggregation service.
 
 It subclasses `ReductionToOneDevice` only because `MirroredStrategy` refuses

@@ -68,7 +68,7 @@ class ProgressHook(tf.compat.v1.train.SessionRunHook):
     def end(self, session):
         if self._global_step is None:
             return
-        from tfe_estimator.distribute.model_record import format_fingerprint, weights_fingerprint  # pylint: disable=import-outside-toplevel
+        from tfe_estimator.owner.model_record import format_fingerprint, weights_fingerprint  # pylint: disable=import-outside-toplevel
 
         step, values = session.run([self._global_step, self._variables])
         stream = self._stream or sys.stderr

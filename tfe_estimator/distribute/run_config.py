@@ -30,9 +30,10 @@ from tfe_estimator.cluster import model_dir_claim, peers
 from tfe_estimator.cluster.quiet import hide_deprecation_warnings
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute import distributed_eval
-from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
+from tfe_estimator.owner.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 from tfe_estimator.distribute.aggregation import validate_clip_norm
-from tfe_estimator.distribute.service_aggregation import ServiceStrategy, cluster_seed, service_binding
+from tfe_estimator.owner.estimator import EstimatorServiceStrategy
+from tfe_estimator.owner.service_strategy import ServiceStrategy, cluster_seed, service_binding
 from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
 from tfe_estimator.secure.precision import get_precision
 from tfe_estimator.secure.protocols import load_backend, validate_protocol
@@ -374,10 +375,10 @@ def _service_kwargs(spec: cluster_lib.TfeCluster, settings: TfeSettings, session
             f"TfeRunConfig(protocol={settings.protocol!r}) in cluster_mode='service': the aggregation service "
             "runs Pond's sum (two servers). Use protocol='pond', or cluster_mode='in-graph' on a trusted network.")
     binding = service_binding(spec, settings.step_timeout_secs, "TfeRunConfig")
-    train, evaluate = (ServiceStrategy(binding, num_replicas=settings.num_replicas or 1,
-                                       precision=settings.precision, clip_norm=settings.clip_norm,
-                                       update_ring_bits=settings.update_ring_bits, evaluation=evaluation,
-                                       dp=settings.dp)
+    train, evaluate = (EstimatorServiceStrategy(binding, num_replicas=settings.num_replicas or 1,
+                                                precision=settings.precision, clip_norm=settings.clip_norm,
+                                                update_ring_bits=settings.update_ring_bits, evaluation=evaluation,
+                                                dp=settings.dp)
                        for evaluation in (False, True))
     session_config = train.update_config_proto(session_config or default_session_config())
     return {"train_distribute": train, "eval_distribute": evaluate, "session_config": session_config}

@@ -167,16 +167,16 @@ class _TfeExtended(distributed_eval.ReplicaEvaluation, mirrored_strategy.Mirrore
 
 class _PicksMode(type):
     """`TfeStrategy`'s metaclass: ``TfeStrategy()`` with no devices is local replicas or, under a service-mode
-    TF_CONFIG cluster, this data owner's part (Keras across organisations, `keras_service`);
+    TF_CONFIG cluster, this data owner's part (Keras across organisations, `keras_fit`);
     `strategy_mode.pick_mode` is the one place that decides. Only a call of the class decides: a deep copy
     (Estimator copies its config, ``cls.__new__(cls)``) and `TfeRunConfig` (explicit devices) never get here."""
 
     def __call__(cls, *args, **kwargs):
         if cls is TfeStrategy and not args and kwargs.get("devices") is None \
                 and kwargs.get("server_devices") is None and pick_mode() == SERVICE:
-            from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
+            from tfe_estimator.owner import keras_fit  # pylint: disable=import-outside-toplevel
 
-            return keras_service.owner_strategy_from_environment(**kwargs)
+            return keras_fit.owner_strategy_from_environment(**kwargs)
         return super().__call__(*args, **kwargs)
 
 

@@ -164,7 +164,7 @@ class DistributedDP:
         restored from an earlier checkpoint is answered from the servers'
         replay window. If the servers release a step again with fresh noise
         (both were restarted and lost their windows), the owners refuse it by
-        default (`tfe_estimator.distribute.training_run.ReleaseLedger`); True
+        default (`tfe_estimator.owner.training_run.ReleaseLedger`); True
         lets training go on and epsilon counts every release (each repeated
         step once more), on the terminal and in evaluation.
 

@@ -68,9 +68,9 @@ class EpsilonCallback(tf.keras.callbacks.Callback):
         return dp_lib.noise_parties(self.model.distribute_strategy)
 
     def _repeated(self) -> int:
-        from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
+        from tfe_estimator.owner import keras_fit  # pylint: disable=import-outside-toplevel
 
-        return keras_service.repeated_releases(self.model)
+        return keras_fit.repeated_releases(self.model)
 
     def _show(self) -> int:
         steps = int(self.model.optimizer.iterations.numpy())

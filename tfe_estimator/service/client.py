@@ -426,7 +426,7 @@ class OwnerClient:
         return self.handshake_parts(step, descriptor, model)[0]
 
     def handshake_parts(self, step: int, descriptor, model: int = 0, part: bytes = b""):
-        """`handshake` with this owner's check-seed `part` (`tfe_estimator.distribute.check_seed`; empty:
+        """`handshake` with this owner's check-seed `part` (`tfe_estimator.owner.check_seed`; empty:
         keep the previous one); returns ``(rows, parts)``, parts[o] the seed part of owner o's row."""
         descriptor = [int(v) for v in np.asarray(descriptor).reshape(-1)]
         reply = self._call(0, "Handshake", self._messages["HandshakeRequest"](step=step, descriptor=descriptor,

@@ -6,9 +6,9 @@ model, or else its latest row for another model (so the caller can say what
 differs), or nothing; with how long ago each owner last called. Rows of one
 model never block or replace another model's, an owner's rows never touch
 another owner's, and nothing here compares rows: the owners do
-(`tfe_estimator.distribute.service_handshake`). Beside each row, the owner's
+(`tfe_estimator.owner.handshake`). Beside each row, the owner's
 opaque part of the check-seed agreement (its certificate and, from the first
-owner, the seed wrapped for each owner: `tfe_estimator.distribute.check_seed`;
+owner, the seed wrapped for each owner: `tfe_estimator.owner.check_seed`;
 server0 can read none of it); an empty part keeps the previous one. Bounded:
 `MAX_FIELDS` values and `MAX_PART_BYTES` per row and the `MAX_MODELS` most
 recently written models.

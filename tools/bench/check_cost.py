@@ -1,4 +1,4 @@
-"""What the sums' integrity checks cost an owner (`tfe_estimator.distribute.sum_check`), beside the unchecked path.
+"""What the sums' integrity checks cost an owner (`tfe_estimator.owner.sum_check`), beside the unchecked path.
 
 Two `AggregationServer` processes (mutual TLS on loopback) and N owner
 processes (as in service mode: each owner its own process). Per step each
@@ -72,7 +72,7 @@ def _owner(index: int, task, addresses, certs_dir: str, elements: int, rounds: i
            results) -> None:
     """One owner process: warm-up, then per round both twins (order alternating); its times to `results`."""
     # pylint: disable=import-outside-toplevel
-    from tfe_estimator.distribute import sum_check
+    from tfe_estimator.owner import sum_check
     from tfe_estimator.service import OwnerClient, TlsFiles, ring
 
     client = OwnerClient(addresses, TlsFiles.from_dir(certs_dir, *task))
@@ -146,7 +146,7 @@ def measure(elements: int, rounds: int, steps: int, owners: int, certs_dir: str)
 def micro(elements: int, repeats: int = 20) -> float:
     """The check work of one owner and step alone (no service, one thread, best of 5): ms."""
     # pylint: disable=import-outside-toplevel
-    from tfe_estimator.distribute import sum_check
+    from tfe_estimator.owner import sum_check
     from tfe_estimator.service import ring
 
     vector = np.random.default_rng(0).integers(-2**50, 2**50, elements, dtype=np.int64).view(np.uint64)

@@ -294,7 +294,7 @@ def _usage(service: bool, chief: bool) -> Dict:
     rusage = resource.getrusage(resource.RUSAGE_SELF)
     usage = {"cpu": rusage.ru_utime + rusage.ru_stime}
     if service:
-        from tfe_estimator.distribute.in_flight import TICKETS  # pylint: disable=import-outside-toplevel
+        from tfe_estimator.owner.in_flight import TICKETS  # pylint: disable=import-outside-toplevel
         from tfe_estimator.service.client import live_clients  # pylint: disable=import-outside-toplevel
 
         clients = live_clients()

@@ -1,6 +1,6 @@
 """The owner's integrity-check pass over a ring vector, in the kernel library (``src/sum_check_pass.cc``).
 
-`tfe_estimator.distribute.sum_check` needs, per contribution, its own vector
+`tfe_estimator.owner.sum_check` needs, per contribution, its own vector
 read back from its masked share (``share + AES(key)``) and, after the
 reveal, the sum (``answer + AES(blind_key)``), each with the exact check
 values ``sum_i r_mi x_i`` under the coefficients of the step. `check_pass`

@@ -33,32 +33,30 @@ the seed too, and keeps it (`check_seed.remember`) for the model's sums
 The server learns hashes, the step, fingerprints and hyperparameter values,
 the owners' certificates and wrapped seeds it cannot unwrap, nothing of the
 data. The model id also prefixes every channel of the model's
-sums (`service_aggregation`), so two models trained one after another in a
+sums (`service_strategy`), so two models trained one after another in a
 launch never meet on the servers.
 
 Before that, when the training graph is complete, `audit.owner_graph`
 checks that it lets out nothing but fresh keys and masked shares. Once the
 owners agree, the owner rewinds its own state on both servers (``Rewind``).
 
+Estimator runs `agree` from its `estimator.ServiceHandshakeHook` once a session
+is created; Keras from `keras_fit` before the first step of ``fit``.
+
 Example::
 
-    hook = ServiceHandshakeHook(binding, settings={"precision": "low", "update_ring_bits": 64},
-                                client=service_client)
-    estimator_spec = estimator_spec._replace(training_hooks=(*estimator_spec.training_hooks, hook))
+    model_id = agree(binding, service_client, (step, weights_fingerprint(values), fields))
 """
 import logging
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-import tensorflow as tf
+from tfe_estimator.owner import check_seed
+from tfe_estimator.owner import model_record
+from tfe_estimator.owner import step_wait
+from tfe_estimator.owner.contribution import tf_errors
 
-from tfe_estimator.audit.owner_graph import audit_owner_graph
-from tfe_estimator.distribute import check_seed
-from tfe_estimator.distribute import model_record
-from tfe_estimator.distribute import step_wait
-from tfe_estimator.distribute.service_sum import tf_errors
-
-__all__ = ["ServiceHandshakeHook", "ModelIdHook", "OwnersDisagreeError", "agree", "verdict", "Polling", "ACTIVE_SECS",
+__all__ = ["OwnersDisagreeError", "agree", "verdict", "Polling", "ACTIVE_SECS",
            "FRESH_SECS", "WARN_EVERY_SECS"]
 
 log = logging.getLogger("tfe_estimator")
@@ -152,42 +150,11 @@ def verdict(me: str, owners: Sequence[str], mine: Tuple[int, int, List[model_rec
     return None, waiting
 
 
-class ServiceHandshakeHook(tf.compat.v1.train.SessionRunHook):
-    """Checks, before a session's first step, that every owner trains this model (module docstring).
-
-    Args:
-      binding: this owner's `ServiceBinding`.
-      settings: the secure and DP settings, ``name -> value`` (equal on owners with the same settings).
-      client: ``client(binding)`` returns the owner's `tfe_estimator.service.OwnerClient`.
-      on_model: called with the model id once the owners agree (it prefixes the model's channels).
-
-    Raises (from `after_create_session`):
-      OwnersDisagreeError: naming the owners and what differs, or whom it waited for.
-      check_seed.CheckSeedError: a handshake part that proves no owner, or a check seed that does not decrypt.
-    """
-
-    def __init__(self, binding, settings: Mapping[str, object], client: Callable,
-                 on_model: Optional[Callable[[int], None]] = None):
-        self._binding, self._settings, self._client = binding, dict(settings), client
-        self._on_model = on_model
-        self._record = None
-
-    def begin(self):
-        graph = tf.compat.v1.get_default_graph()
-        # The training graph is complete: check what it lets out before it runs (`audit.owner_graph`).
-        audit_owner_graph(graph)
-        self._record = model_record.ModelRecord(graph, self._settings, len(self._binding.owners))
-
-    def after_create_session(self, session, coord):
-        del coord
-        agree(self._binding, self._client, self._record.evaluate(session), self._on_model)
-
-
 def agree(binding, client: Callable, mine: Tuple[int, int, List[model_record.Field]],
           on_model: Optional[Callable[[int], None]] = None, seed_hint: Optional[str] = None) -> int:
     """This owner's handshake for its record `mine` = (step, weights fingerprint, fields); returns the model id.
 
-    What Estimator's `ServiceHandshakeHook` (after a session is created) and Keras' `keras_service` (before
+    What Estimator's `ServiceHandshakeHook` (after a session is created) and Keras' `keras_fit` (before
     the first step of ``fit``) both call: polls server0 until every owner has a row for this model and the
     owners agree on the check seed (module docstring), remembers the seed (`check_seed.remember`), calls
     `on_model` with the id, and rewinds this owner's state on both servers.
@@ -266,27 +233,3 @@ def _tls_files(binding):
 
     job, index = binding.owner.split(":")
     return TlsFiles.from_dir(binding.tls_dir, job, int(index))
-
-
-class ModelIdHook(tf.compat.v1.train.SessionRunHook):
-    """For evaluation: names the model's channels by its record (no handshake).
-
-    Every owner evaluates the same model, so the id is equal on all of them and differs from any other
-    model's (and from the training's: an evaluation graph has no optimizer). The evaluated checkpoint's
-    step keys each evaluation's sums, so the channels are reused from one evaluation to the next.
-
-    Args:
-      settings, num_owners: as `ServiceHandshakeHook`; on_model: called with the id.
-    """
-
-    def __init__(self, settings: Mapping[str, object], num_owners: int, on_model: Callable[[int], None]):
-        self._settings, self._num_owners, self._on_model = dict(settings), num_owners, on_model
-        self._record = None
-
-    def begin(self):
-        self._record = model_record.ModelRecord(tf.compat.v1.get_default_graph(), self._settings, self._num_owners)
-
-    def after_create_session(self, session, coord):
-        del coord
-        _, _, fields = self._record.evaluate(session)
-        self._on_model(model_record.model_id(fields))

@@ -9,10 +9,10 @@ exactly as `TfeRunConfig` builds it for Estimator. Keras then trains as under Mu
   ``batch(16)`` each owner feeds 8 of its rows per step, in order: the strategy counts every owner's
   replicas in ``num_replicas_in_sync``, and Keras' distributed dataset splits by it);
 - per step the update is the gradient of the mean loss over every owner's rows: each owner's gradients are
-  one secure contribution per step to the service (`service_sum`, with its integrity checks), keyed by the
+  one secure contribution per step to the service (`contribution`, with its integrity checks), keyed by the
   optimizer's ``iterations``;
 - before the first step (when ``fit`` traces its ``train_function``) the owners agree on one model: the same
-  handshake as Estimator's (`service_handshake.agree`) on the Keras model's record (`model_record.keras_record`:
+  handshake as Estimator's (`handshake.agree`) on the Keras model's record (`model_record.keras_record`:
   optimizer and its hyperparameters, loss, variables, initial weights, secure and DP settings), refusing
   owners that disagree by name ("learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on
   chief:0");
@@ -42,9 +42,9 @@ from tensorflow.python.framework import func_graph
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
 from tfe_estimator.cluster import spec as cluster_lib
-from tfe_estimator.distribute import keras_evaluation, model_record, service_handshake, step_sum, training_run
-from tfe_estimator.distribute import service_aggregation as service_lib
-from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
+from tfe_estimator.owner import keras_evaluation, model_record, handshake, step_key, training_run
+from tfe_estimator.owner import service_strategy as service_lib
+from tfe_estimator.owner.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
 __all__ = ["OwnerStrategy", "owner_strategy_from_environment", "in_function", "keras_function",
            "call_for_each_replica", "eager_sum", "repeated_releases",
@@ -62,6 +62,24 @@ _MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LATEST = {"state": None, "optimizer": None, "step": None, "count": 0}
 
 
+class _KerasExtended(service_lib.ServiceExtended):
+    """`ServiceExtended` under Keras: its functions' steps (`call_for_each_replica`), and what an evaluation
+    keeps inside the owner (`keras_evaluation`: its running metric reads and its datasets)."""
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if in_function():  # a step of one of Keras' functions
+            return call_for_each_replica(self, fn, args, kwargs, super()._call_for_each_replica)
+        return super()._call_for_each_replica(fn, args, kwargs)
+
+    def _local_reduce(self, reduce_op, value, destinations):
+        if keras_evaluation.local_reads():  # a Keras evaluation's running metrics: this owner's replicas only
+            return keras_evaluation.local_reduce(reduce_op, value, destinations, len(self.worker_devices))
+        return None
+
+    def _owner_local_dataset(self) -> bool:
+        return keras_evaluation.evaluating_inputs()
+
+
 class OwnerStrategy(service_lib.ServiceStrategy, tf.distribute.MirroredStrategy):
     """The `ServiceStrategy` that ``TfeStrategy()`` returns to a data owner under a service-mode cluster.
 
@@ -72,6 +90,8 @@ class OwnerStrategy(service_lib.ServiceStrategy, tf.distribute.MirroredStrategy)
     MirroredStrategy, MultiWorkerMirroredStrategy, TPUStrategy and ParameterServerStrategy (an instance
     check, Keras 2.15 ``callbacks.py``).
     """
+
+    _EXTENDED = _KerasExtended
 
     def __init__(self, *args, **kwargs):  # pylint: disable=super-init-not-called
         del args, kwargs  # built by owner_strategy_from_environment
@@ -91,7 +111,7 @@ def owner_strategy_from_environment(num_replicas: Optional[int] = None, protocol
 
     Raises:
       ValueError: this task is an aggregation server, the protocol is not Pond, or TF_CONFIG / the
-        certificates cannot run service mode (`service_aggregation.service_binding`).
+        certificates cannot run service mode (`service_strategy.service_binding`).
     """
     del ignored
     spec = cluster_lib.TfeCluster.from_environment()  # a chief or worker of a service-mode cluster (pick_mode)
@@ -108,6 +128,7 @@ def owner_strategy_from_environment(num_replicas: Optional[int] = None, protocol
     strategy = OwnerStrategy.__new__(OwnerStrategy)
     service_lib.ServiceStrategy.__init__(strategy, binding, num_replicas=num_replicas or 1, precision=precision,
                                          clip_norm=clip_norm, update_ring_bits=update_ring_bits, dp=dp)
+    strategy.extended._cross_device_ops.eager_channel = eager_sum  # pylint: disable=protected-access
     seed = service_lib.cluster_seed(spec)
     tf.keras.utils.set_random_seed(seed)
     log.info("Keras seeded with %d, derived from TF_CONFIG's cluster alike on every owner, so all owners start "
@@ -134,7 +155,7 @@ def _keras_model(fn) -> Optional["tf.keras.Model"]:
 
 
 def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
-    """Builds one step of a Keras function under `extended` (a `_ServiceExtended`): its sums keyed by the
+    """Builds one step of a Keras function under `extended` (a `_KerasExtended`): its sums keyed by the
     optimizer's ``iterations``, and, when it trained, the owners' handshake before its first step runs."""
     model = _keras_model(fn)
     graph = tf.compat.v1.get_default_graph()
@@ -160,7 +181,7 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
     state = _MODELS.setdefault(model, {"model": None, "sessions": 0})
     with tf.init_scope():  # a legacy optimizer (make_dp_optimizer's) makes `iterations` at first use: eagerly, so
         iterations = optimizer.iterations  # it holds 0 when the handshake reads it (made in the step, it is empty)
-    service_lib.register_graph(graph, step_sum.read_step(iterations, name="service_step"), state)
+    service_lib.register_graph(graph, step_key.read_step(iterations, name="service_step"), state)
     result = call(fn, args, kwargs)
     if service_lib.sums_built(graph):
         audit_owner_graph(graph)  # what the step lets out: fresh keys and masked shares only
@@ -179,7 +200,7 @@ def keras_function(graph) -> str:
 
 
 def _handshake(extended, model, optimizer, state: dict) -> None:
-    """The owners' handshake on `model` (`service_handshake.agree`), once per traced training function."""
+    """The owners' handshake on `model` (`handshake.agree`), once per traced training function."""
     binding = extended._cross_device_ops.binding  # pylint: disable=protected-access
     step = int(optimizer.iterations.numpy())
     if "run" not in state:  # a model restored (BackupAndRestore) resumes its run: replays are its catch-up
@@ -203,7 +224,7 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         # ran in between: the owners agreed on this very record already.
         return
     try:
-        service_handshake.agree(binding, service_lib.service_client, record, on_model, seed_hint=SEED_HINT)
+        handshake.agree(binding, service_lib.service_client, record, on_model, seed_hint=SEED_HINT)
     except ValueError as e:  # OwnersDisagreeError, CheckSeedError: raised as they are, not as AutoGraph's
         e.ag_pass_through = True  # StagingError ("in user code: ...") that fit's tracing would make of them
         if "agreed" not in state:  # refused before its first step: a corrected model takes its run's number

@@ -61,7 +61,7 @@ import tensorflow as tf
 from tensorflow.python.framework import errors_impl
 from tensorflow.python.framework import func_graph
 
-from tfe_estimator.distribute import in_flight, sum_check
+from tfe_estimator.owner import in_flight, sum_check
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import check_pass, ops
 

@@ -2,7 +2,7 @@
 
 The sums' integrity checks (`sum_check`) are only as good as the servers'
 ignorance of their coefficients, so the owners agree on a seed in the
-handshake (`service_handshake`) that server0 relays but cannot read or replace:
+handshake (`handshake`) that server0 relays but cannot read or replace:
 
 - every owner's handshake part carries its certificate (PEM); an owner uses
   another owner's certificate only if it proves that owner in the federation
@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from tfe_estimator.distribute.sum_check import SumCheck
+from tfe_estimator.owner.sum_check import SumCheck
 from tfe_estimator.identity import certs
 
 __all__ = ["SeedAgreement", "CheckSeedError", "owner_seed", "remember", "lookup", "SEED_BYTES"]

@@ -164,7 +164,7 @@ def _read_ledger(path: str):
 
 def recorded_repeated_releases(model_dir: Optional[str]) -> int:
     """How many steps of the training in `model_dir` were released again and counted, as its ledger file
-    records them (0 without one); `service_aggregation.repeated_releases` reads a running graph's ledger."""
+    records them (0 without one); `service_strategy.repeated_releases` reads a running graph's ledger."""
     path = os.path.join(model_dir, RELEASED_FILE) if model_dir else None
     return _read_ledger(path)[1] if path and tf.io.gfile.exists(path) else 0
 

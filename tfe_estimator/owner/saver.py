@@ -6,11 +6,11 @@ per replica; its checkpointed value is their MEAN (or SUM) over every replica,
 as TensorFlow's MirroredStrategy saves it. In service mode those replicas are
 every owner's, so the checkpoint saver's read of such a variable is a sum
 through the aggregation service, like a gradient's (its own chain of sums,
-`service_sum.READS_CHAIN`): every owner's checkpoint holds the same moving
+`contribution.READS_CHAIN`): every owner's checkpoint holds the same moving
 statistics, those of a plaintext training on the union of the owners' rows.
 
 A sum across owners needs the model's channels, which the owners' handshake
-names (`service_handshake`), and every owner's contribution at the same step.
+names (`handshake`), and every owner's contribution at the same step.
 Hence:
 
 - `saver_hook` gives the training the checkpoint saver Estimator would make,

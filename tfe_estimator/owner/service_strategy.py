@@ -6,7 +6,7 @@ TensorFlow server (nobody can connect to an owner). Its `L` local replicas
 (GPUs, or CPU devices) are summed in plaintext inside the owner; each
 reduction across owners (the gradients, the reported loss) is one secure
 contribution per owner and step to the aggregation service
-(`tfe_estimator.distribute.service_sum`, `tfe_estimator.service`). The
+(`tfe_estimator.owner.contribution`, `tfe_estimator.service`). The
 contract is `SecureAggregation`'s, with its ring, encodings, clipping and
 checks: only where the sum is computed differs.
 
@@ -15,7 +15,7 @@ checks: only where the sum is computed differs.
 - Before a session's first step every owner agrees with the others through
   server0 on its model record (variables, optimizer and hyperparameters,
   feature constants, settings, number of owners) and, at the same step, its
-  weights (`service_handshake`), then rewinds its own state on both servers.
+  weights (`handshake`), then rewinds its own state on both servers.
   The record's hash, the model id, prefixes every channel of the model's
   sums (`channel_name`), so models trained one after another in one launch
   never share the servers' state. The record includes the training's number
@@ -38,7 +38,7 @@ import dataclasses
 import logging
 import os
 import weakref
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python.distribute import device_util
@@ -46,20 +46,18 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import input_util
 from tensorflow.python.distribute import values as value_lib
 
-from tfe_estimator import compat
 from tfe_estimator.cluster import spec as cluster_lib
 from tfe_estimator.distribute import distributed_eval
-from tfe_estimator.distribute import service_saver
-from tfe_estimator.distribute import service_sum as service_sum_lib
-from tfe_estimator.distribute import step_sum
-from tfe_estimator.distribute import training_run
+from tfe_estimator.owner import contribution
+from tfe_estimator.owner import step_key
+from tfe_estimator.owner import training_run
 from tfe_estimator.distribute.aggregation import SecureAggregation
 from tfe_estimator.distribute.devices import cpus_needed, local_layout
 from tfe_estimator.distribute.strategy import TfeStrategy, _TfeExtended
-from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
+from tfe_estimator.owner.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
-__all__ = ["ServiceBinding", "ServiceAggregation", "ServiceStrategy", "service_client", "channel_name",
-           "repeated_releases", "service_binding", "cluster_seed", "register_graph", "sums_built"]
+__all__ = ["ServiceBinding", "ServiceAggregation", "ServiceStrategy", "ServiceExtended", "model_of", "service_client",
+           "channel_name", "repeated_releases", "service_binding", "cluster_seed", "register_graph", "sums_built"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -95,23 +93,23 @@ class ServiceBinding:
 _CHANNELS: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
 
 
-def _model_of(graph: tf.Graph) -> dict:
+def model_of(graph: tf.Graph) -> dict:
     """The holder of `graph`'s model id: set by the handshake (training) or `ModelIdHook` (evaluation)."""
     state = _CHANNELS.get(graph)
     if state is None:
-        global_step = step_sum.graph_global_step(graph, "ServiceAggregation")
+        global_step = step_key.graph_global_step(graph, "ServiceAggregation")
         # Made at the graph's first sum, and shared by every later one (the checkpoint saver's reads too): never
         # under that first sum's control dependencies (a model_fn's UPDATE_OPS around `minimize`), which would
         # run, with every later sum, the batch-norm updates and the input pipeline they read.
         with graph.control_dependencies(None):
-            step = step_sum.read_step(global_step, name="service_step")
+            step = step_key.read_step(global_step, name="service_step")
         state = _CHANNELS[graph] = [0, step, {"model": None}]
     return state[2]
 
 
 def register_graph(graph: tf.Graph, step: tf.Tensor, model: dict) -> None:
     """Keys `graph`'s sums by `step` and names their channels by `model` (``{"model": id}``, set by the
-    handshake): for a graph without Estimator's global step (Keras' ``train_function``, `keras_service`)."""
+    handshake): for a graph without Estimator's global step (Keras' ``train_function``, `keras_fit`)."""
     if graph not in _CHANNELS:
         _CHANNELS[graph] = [0, step, model]
 
@@ -202,6 +200,9 @@ class ServiceAggregation(SecureAggregation):
         self._binding = binding
         self._local_replicas = local_replicas
         self._channel_prefix = channel_prefix
+        #: ``() -> (name, step, model state)`` of a sum made eagerly, set by a framework adapter whose
+        #: framework reads values across owners after its steps (`keras_fit`); None: refused.
+        self.eager_channel: Optional[Callable[[], tuple]] = None
         super().__init__(protocol="pond", precision=precision, server_devices=None, clip_norm=clip_norm,
                          update_ring_bits=update_ring_bits, dp=dp)
 
@@ -241,8 +242,8 @@ class ServiceAggregation(SecureAggregation):
         def contribute(name, *args):
             if model["model"] is None:
                 raise ValueError(f"sum {name!r} of owner {binding.owner} runs before the owners' handshake named "
-                                 "the model: train and evaluate through Estimator with this strategy (its hooks "
-                                 "name the model's channels on the servers).")
+                                 "the model: train through TfeRunConfig (Estimator) or TfeStrategy() (Keras), whose "
+                                 "adapters run the handshake that names the model's channels on the servers.")
             client, sum_channel = service_client(binding), channel_name(model["model"], name)
             replays = client.answers.get(sum_channel, [0, 0])[1]
             answer = client.contribute(sum_channel, *args)
@@ -251,30 +252,35 @@ class ServiceAggregation(SecureAggregation):
             return answer
 
         def checks():  # the model's sum checks under the owners' check seed (the handshake's); None: evaluation
-            from tfe_estimator.distribute import check_seed  # pylint: disable=import-outside-toplevel
+            from tfe_estimator.owner import check_seed  # pylint: disable=import-outside-toplevel
 
             return check_seed.lookup(binding.owner, model["model"])
 
-        return service_sum_lib.service_sum(vectors, sources, targets, encoding, dtype, binding.owner, hint, scale,
+        return contribution.service_sum(vectors, sources, targets, encoding, dtype, binding.owner, hint, scale,
                                            channel, step, contribute, noise_variance=noise_variance, checks=checks)
 
     def _next_channel(self):
         """The graph's next sum's name (equal on every owner: they build the same graph), the step and the
-        model's state (`_model_of`); eagerly (Keras reading a metric across owners) `keras_service.eager_sum`'s."""
+        model's state (`model_of`); eagerly, the framework adapter's `eager_channel` (Keras reading a
+        metric across owners: `keras_fit.eager_sum`)."""
         if tf.executing_eagerly():
-            from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
-
-            name, step, model = keras_service.eager_sum()
+            if self.eager_channel is None:
+                raise ValueError("a sum across owners read eagerly, outside any training step: in service mode "
+                                 "every sum is keyed by a step the owners agreed on; sum inside the training "
+                                 "step (Estimator's model_fn, Keras' model.fit).")
+            name, step, model = self.eager_channel()
             return f"{self._channel_prefix}{name}", step, model
         graph = tf.compat.v1.get_default_graph()
-        model = _model_of(graph)
+        model = model_of(graph)
         state = _CHANNELS[graph]
         state[0] += 1
         return f"{self._channel_prefix}sum_{state[0] - 1}", state[1], model
 
 
-class _ServiceExtended(_TfeExtended):
-    """`_TfeExtended` over every owner's replicas: the owners' handshake in every training `EstimatorSpec`."""
+class ServiceExtended(_TfeExtended):
+    """`_TfeExtended` over every owner's replicas, with no framework's hooks: Estimator's (`estimator`) and
+    Keras' (`keras_fit`) adapters subclass it, overriding `_call_for_each_replica`, `_local_reduce` and
+    `_owner_local_dataset`."""
 
     @property
     def _num_replicas_in_sync(self):
@@ -293,24 +299,31 @@ class _ServiceExtended(_TfeExtended):
                     v, value_lib.DistributedValues) else v, value)
         if isinstance(destinations, str):  # Estimator's "/replica:0/task:0/device:CPU:0": this process's device
             destinations = device_util.canonicalize(destinations, self.worker_devices[0])
-        from tfe_estimator.distribute import keras_evaluation  # pylint: disable=import-outside-toplevel
-
-        if keras_evaluation.local_reads():  # a Keras evaluation's running metrics: this owner's replicas only
-            return keras_evaluation.local_reduce(reduce_op, value, destinations, len(self.worker_devices))
+        local = self._local_reduce(reduce_op, value, destinations)
+        if local is not None:  # a value the adapter keeps inside this owner (over its own replicas only)
+            return local
         if any(isinstance(v, value_lib.SyncOnReadVariable) for v in tf.nest.flatten(value)):
             # The value of an on-read variable (a batch normalization's moving statistics) read across
             # replicas, e.g. by the checkpoint saver: its sum runs in the saver's session run, so it must not
             # wait for the training step's sums (service_sum's chains).
-            with service_sum_lib.chain(service_sum_lib.READS_CHAIN):
+            with contribution.chain(contribution.READS_CHAIN):
                 return super()._reduce_to(reduce_op, value, destinations, options)
         return super()._reduce_to(reduce_op, value, destinations, options)
 
-    def _experimental_distribute_dataset(self, dataset, options):
-        from tfe_estimator.distribute import keras_evaluation  # pylint: disable=import-outside-toplevel
+    def _local_reduce(self, reduce_op, value, destinations):
+        """A reduction the framework adapter answers inside this owner, or None (across owners)."""
+        del reduce_op, value, destinations
+        return None
 
-        if keras_evaluation.evaluating_inputs():
-            # Keras' evaluate / predict / validation data: each owner's batches whole, over its own replicas (an
-            # evaluation is not split over the owners' replicas as a training step is).
+    def _owner_local_dataset(self) -> bool:
+        """Whether the dataset being distributed is this owner's alone, batches whole over its own replicas
+        (an adapter's evaluation data), not a training dataset split over every owner's replicas."""
+        return False
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        if self._owner_local_dataset():
+            # e.g. Keras' evaluate / predict / validation data: each owner's batches whole, over its own replicas
+            # (an evaluation is not split over the owners' replicas as a training step is).
             return input_util.get_distributed_dataset(dataset, self._input_workers_with_options(options),
                                                       self._container_strategy(),
                                                       num_replicas_in_sync=len(self.worker_devices), options=options)
@@ -326,56 +339,11 @@ class _ServiceExtended(_TfeExtended):
             settings.update({f"dp {name}": value for name, value in dataclasses.asdict(agg.dp).items()})
         return settings
 
-    def _call_for_each_replica(self, fn, args, kwargs):
-        from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
-
-        if keras_service.in_function():  # Keras: a step of fit's train_function, not Estimator's graph
-            return keras_service.call_for_each_replica(self, fn, args, kwargs, super()._call_for_each_replica)
-
-        def with_handshake(*fn_args, **fn_kwargs):
-            result = fn(*fn_args, **fn_kwargs)
-            if compat.estimator_spec_mode(result) in ("train", "eval"):  # never on TensorFlow without Estimator
-                from tfe_estimator.distribute import service_handshake  # pylint: disable=import-outside-toplevel
-
-                agg = self._cross_device_ops
-                settings = self._settings()
-                model = _model_of(tf.compat.v1.get_default_graph())
-                config = next((a for a in (*fn_args, *fn_kwargs.values()) if isinstance(a, tf.estimator.RunConfig)),
-                              None)
-                model_dir = getattr(config, "model_dir", None)
-
-                def on_model(model_id):
-                    model["model"] = model_id
-                    model["sessions"] = model.get("sessions", 0) + 1
-
-                if result.mode == tf.estimator.ModeKeys.TRAIN:
-                    from tfe_estimator.distribute.weight_check import WeightCheckHook  # pylint: disable=import-outside-toplevel
-
-                    if "run" not in model:  # once per graph: its replicas' model_fn calls share it
-                        model["run"] = training_run.for_training(model_dir)
-                        if agg.dp is not None:  # each step's noise released once (training_run.ReleaseLedger)
-                            model["ledger"] = training_run.ReleaseLedger(model_dir, model["run"].fresh,
-                                                                         agg.dp.count_repeated_releases)
-                    settings["training run"] = model["run"].number  # in the model id: one id per training run
-                    every = getattr(config, "save_checkpoints_steps", None)
-                    hooks = (service_handshake.ServiceHandshakeHook(agg.binding, settings, service_client, on_model),
-                             WeightCheckHook(agg.binding, service_client, model, every))
-                    # The checkpoints after the handshake: a save may sum on-read variables across owners.
-                    service_saver.check_saving(config, agg.dp)
-                    saver = service_saver.saver_hook(config, result)
-                    hooks += (saver,) if saver is not None else ()
-                    result = result._replace(training_hooks=(*result.training_hooks, *hooks))
-                else:
-                    settings["training run"] = training_run.for_evaluation(model_dir)  # the evaluated training's
-                    hook = service_handshake.ModelIdHook(settings, len(agg.binding.owners), on_model)
-                    result = result._replace(evaluation_hooks=(*(result.evaluation_hooks or ()), hook))
-            return result
-
-        return super()._call_for_each_replica(with_handshake, args, kwargs)
-
-
 class ServiceStrategy(TfeStrategy):
-    """One data owner's secure aggregation across organisations (module docstring).
+    """One data owner's secure aggregation across organisations (module docstring): the framework-neutral
+    core. Estimator trains under `tfe_estimator.owner.estimator.EstimatorServiceStrategy` (what `TfeRunConfig`
+    builds), Keras under `tfe_estimator.owner.keras_fit.OwnerStrategy` (what ``TfeStrategy()`` returns): each
+    sets `_EXTENDED` to its adapter's `ServiceExtended`.
 
     Args:
       binding: the service and this owner (`ServiceBinding`).
@@ -396,6 +364,8 @@ class ServiceStrategy(TfeStrategy):
         strategy = ServiceStrategy(binding)
     """
 
+    _EXTENDED = ServiceExtended
+
     def __init__(self, binding: ServiceBinding, num_replicas: int = 1, devices: Optional[Sequence[str]] = None,
                  precision: str = "low", clip_norm: Optional[float] = None, update_ring_bits: int = 64,
                  evaluation: bool = False, dp=None) -> None:  # pylint: disable=super-init-not-called
@@ -406,8 +376,8 @@ class ServiceStrategy(TfeStrategy):
                                  dp=dp)
         ops.precision.check_headroom(len(devices) * len(binding.owners))
         with tf.Graph().as_default():
-            extended = _ServiceExtended(self, list(devices), ops, cpus_needed(list(devices)),
-                                        partial_batches=evaluation)
+            extended = self._EXTENDED(self, list(devices), ops, cpus_needed(list(devices)),
+                                      partial_batches=evaluation)
         distribute_lib.StrategyV1.__init__(self, extended)  # pylint: disable=non-parent-init-called
         self._federated_metrics = evaluation and dp is None
         log.info("secure aggregation through the service: owner %s of %s, %d local replicas %s, servers %s",

@@ -1,4 +1,4 @@
-"""Keras ``model.evaluate`` and ``model.predict`` across organisations (service mode, `keras_service`).
+"""Keras ``model.evaluate`` and ``model.predict`` across organisations (service mode, `keras_fit`).
 
 Under ``tfe_estimator.TfeStrategy()`` in service mode, once ``model.fit`` has trained the model (the owners
 agreed on it and its sums are checked under their check seed):
@@ -10,7 +10,7 @@ agreed on it and its sums are checked under their check seed):
   bar and each ``on_test_batch_end`` logs are this owner's own running metrics. At the end Keras reads every
   metric once more, eagerly (``get_metrics_result``): those reads of the metrics' states (a ``Mean``'s total and
   count, an ``Accuracy``'s ...) are secure sums through the aggregation service, with the training sums'
-  integrity checks, keyed by the optimizer's step (`keras_service.eager_sum`). So ``evaluate`` returns the
+  integrity checks, keyed by the optimizer's step (`keras_fit.eager_sum`). So ``evaluate`` returns the
   metrics of the union of every owner's evaluation data, exactly, and every owner gets the same numbers. Every
   owner must call ``evaluate`` (the same number of times, at the same step); owners may hold different numbers
   of rows.
@@ -56,11 +56,11 @@ _KERAS_TRAINING = ("keras/src/engine/training.py", "keras/engine/training.py")
 
 
 def _keras_graph_function() -> str:
-    from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner import keras_fit  # pylint: disable=import-outside-toplevel
 
-    if not keras_service.in_function():
+    if not keras_fit.in_function():
         return ""
-    return keras_service.keras_function(tf.compat.v1.get_default_graph())
+    return keras_fit.keras_function(tf.compat.v1.get_default_graph())
 
 
 def local_reads() -> bool:
