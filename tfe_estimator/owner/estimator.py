@@ -59,7 +59,7 @@ class _EstimatorExtended(ServiceExtended):
 
         if result.mode != tf.estimator.ModeKeys.TRAIN:
             settings["training run"] = training_run.for_evaluation(model_dir)  # the evaluated training's
-            hook = handshake.ModelIdHook(settings, len(agg.binding.owners), on_model)
+            hook = ModelIdHook(settings, len(agg.binding.owners), on_model)
             return result._replace(evaluation_hooks=(*(result.evaluation_hooks or ()), hook))
         if "run" not in model:  # once per graph: its replicas' model_fn calls share it
             model["run"] = training_run.for_training(model_dir)
@@ -68,7 +68,7 @@ class _EstimatorExtended(ServiceExtended):
                                                              agg.dp.count_repeated_releases)
         settings["training run"] = model["run"].number  # in the model id: one id per training run
         every = getattr(config, "save_checkpoints_steps", None)
-        hooks = (handshake.ServiceHandshakeHook(agg.binding, settings, service_client, on_model),
+        hooks = (ServiceHandshakeHook(agg.binding, settings, service_client, on_model),
                  WeightCheckHook(agg.binding, service_client, model, every))
         # The checkpoints after the handshake: a save may sum on-read variables across owners.
         saver_lib.check_saving(config, agg.dp)
