@@ -16,6 +16,10 @@ exactly as `TfeRunConfig` builds it for Estimator. Keras then trains as under Mu
   optimizer and its hyperparameters, loss, variables, initial weights, secure and DP settings), refusing
   owners that disagree by name ("learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on
   chief:0");
+- at the end of every epoch (and of every ``evaluate``), at the first value Keras reads across owners, the
+  owners compare their weights' fingerprints through server0 (`weight_check.check_weights`, as Estimator's
+  `estimator.WeightCheckHook` does at checkpoint steps): owners holding different weights stop with
+  `handshake.OwnersDisagreeError` naming them and the step;
 - every owner starts from identical weights: the strategy seeds Keras (``tf.keras.utils.set_random_seed``)
   with the seed every owner derives alike from the cluster, as `TfeRunConfig` does for Estimator.
 
@@ -42,7 +46,7 @@ from tensorflow.python.framework import func_graph
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
 from tfe_estimator.cluster import spec as cluster_lib
-from tfe_estimator.owner import keras_evaluation, model_record, handshake, step_key, training_run
+from tfe_estimator.owner import handshake, keras_evaluation, model_record, step_key, training_run, weight_check
 from tfe_estimator.owner import service_strategy as service_lib
 from tfe_estimator.owner.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
@@ -59,7 +63,8 @@ SEED_HINT = ("build the model after TfeStrategy() (it seeds Keras alike on every
 #: Per Keras model: {"model": its id once the owners agree, "run": its `TrainingRun`, "sessions": handshakes}.
 _MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: The model that trained last (its state and optimizer), and the eager sums made at its current step.
-_LATEST = {"state": None, "optimizer": None, "step": None, "count": 0}
+_LATEST = {"state": None, "optimizer": None, "model": None, "binding": None, "step": None, "count": 0,
+           "checked": None}
 
 
 class _KerasExtended(service_lib.ServiceExtended):
@@ -231,7 +236,8 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
             training_run.refused(state.pop("run"))
         raise
     state["agreed"] = agreed
-    _LATEST.update(state=state, optimizer=weakref.ref(optimizer), step=None, count=0)
+    _LATEST.update(state=state, optimizer=weakref.ref(optimizer), model=weakref.ref(model), binding=binding,
+                   step=None, count=0, checked=None)
 
 
 def repeated_releases(model) -> int:
@@ -239,6 +245,21 @@ def repeated_releases(model) -> int:
     ``DistributedDP(count_repeated_releases=True)`` (counted by its `training_run.ReleaseLedger`); else 0."""
     ledger = _MODELS.get(model, {}).get("ledger")
     return ledger.repeated if ledger is not None else 0
+
+
+def _check_weights(step: int) -> None:
+    """The owners compare their weights at `step` (`weight_check.check_weights`), once per step: at the first
+    value read across owners there, i.e. at the end of every epoch of ``fit`` and of every ``evaluate``, when
+    every owner has run the same steps."""
+    model = _LATEST["model"]() if _LATEST["model"] is not None else None
+    state = _LATEST["state"]
+    if model is None or state is None or state.get("model") is None or _LATEST["checked"] == step:
+        return
+    _LATEST["checked"] = step
+    binding = _LATEST["binding"]
+    weight_check.check_weights(binding, service_lib.service_client, state["model"], step,
+                               [v.numpy() for v in model.trainable_weights],
+                               wait_secs=min(60.0, 0.9 * binding.timeout_secs))
 
 
 def eager_sum():
@@ -259,5 +280,6 @@ def eager_sum():
     step = int(optimizer.iterations.numpy())
     if _LATEST["step"] != step:
         _LATEST.update(step=step, count=0)
+        _check_weights(step)
     _LATEST["count"] += 1
     return f"eager_sum_{_LATEST['count'] - 1}", tf.constant(step, tf.int64), _LATEST["state"]
