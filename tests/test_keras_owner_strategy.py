@@ -114,3 +114,24 @@ def test_the_keras_record_covers_the_compiled_loss(loss):
     other.compile(tf.keras.optimizers.SGD(0.1), "mae" if loss == "mse" else "mse")
     assert model_record.model_id(model_record.keras_record(other, {}, 2)[2]) != \
         model_record.model_id(model_record.keras_record(model, {}, 2)[2])
+
+
+def test_under_dp_the_release_ledger_is_kept_where_backup_and_restore_keeps_the_model(tmp_path):
+    """A Keras owner's DP release ledger lives in BackupAndRestore's directory (keras_fit.backup_dir), so a
+    restarted owner reads the releases it had; without the callback there is none (and the owner warns)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.owner import keras_fit, training_run  # pylint: disable=import-outside-toplevel
+
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
+    model.compile(tf.keras.optimizers.SGD(0.1), "mse")
+    assert keras_fit.backup_dir(model) is None
+    backup = tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    backup.set_model(model)
+    backup.on_train_begin()
+    directory = keras_fit.backup_dir(model)
+    assert directory is not None and directory.startswith(str(tmp_path / "backup"))
+    training_run.ReleaseLedger(directory, fresh=True).released("chief:0", "m/sum_0", 3)
+    restarted = training_run.ReleaseLedger(directory, fresh=False)  # the restarted process's ledger
+    with pytest.raises(ValueError, match="step 3"):
+        restarted.released("chief:0", "m/sum_0", 3)

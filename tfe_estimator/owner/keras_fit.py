@@ -51,7 +51,7 @@ from tfe_estimator.owner import service_strategy as service_lib
 from tfe_estimator.owner.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
 __all__ = ["OwnerStrategy", "owner_strategy_from_environment", "in_function", "keras_function",
-           "call_for_each_replica", "eager_sum", "repeated_releases",
+           "call_for_each_replica", "eager_sum", "repeated_releases", "backup_dir",
            "SEED_HINT"]
 
 log = logging.getLogger("tfe_estimator")
@@ -212,8 +212,15 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         run = training_run.for_training(None)
         state["run"] = training_run.TrainingRun(run.number, fresh=step == 0)
         dp = extended._cross_device_ops.dp  # pylint: disable=protected-access
-        if dp is not None:  # each step's noise released once (training_run.check_answer), in this process
-            state["ledger"] = training_run.ReleaseLedger(None, step == 0, dp.count_repeated_releases)
+        if dp is not None:  # each step's noise released once (training_run.check_answer), kept with the backup
+            ledger_dir = backup_dir(model)
+            if ledger_dir is None and step > 0:
+                log.warning("DP across owners: model restored at step %d without Keras' BackupAndRestore; the "
+                            "release ledger starts empty in this process, so a step the servers release again "
+                            "with fresh noise cannot be told from a replay here. Train with "
+                            "tf.keras.callbacks.BackupAndRestore(backup_dir) to keep the ledger across restarts.",
+                            step)
+            state["ledger"] = training_run.ReleaseLedger(ledger_dir, step == 0, dp.count_repeated_releases)
     settings = extended._settings()  # pylint: disable=protected-access
     settings["training run"] = state["run"].number
 
@@ -238,6 +245,15 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
     state["agreed"] = agreed
     _LATEST.update(state=state, optimizer=weakref.ref(optimizer), model=weakref.ref(model), binding=binding,
                    step=None, count=0, checked=None)
+
+
+def backup_dir(model) -> Optional[str]:
+    """Where Keras' ``BackupAndRestore`` keeps `model`'s training state during ``fit`` (Keras 2: the directory
+    its restore reads, ``<backup_dir>/chief`` on a single worker), or None without one: under DP the owner's
+    release ledger (`training_run.ReleaseLedger`) is kept there, so a restarted owner still refuses (or
+    counts) a step the servers release to it again with fresh noise."""
+    manager = getattr(getattr(model, "_training_state", None), "read_checkpoint_manager", None)
+    return getattr(manager, "directory", None)
 
 
 def repeated_releases(model) -> int:
