@@ -20,7 +20,7 @@ exactly as `TfeRunConfig` builds it for Estimator. Keras then trains as under Mu
   with the seed every owner derives alike from the cluster, as `TfeRunConfig` does for Estimator.
 
 What Keras runs here is found in ``fit``'s replica function (Keras' ``run_step`` closes over its model);
-``strategy.run`` of another function (a custom training loop) is refused with a clear error for now.
+``strategy.run`` in another ``tf.function`` (a custom training loop) runs as `custom_loop` describes.
 ``model.evaluate`` (metrics of every owner's data, secure sums of the metrics' states) and ``model.predict``
 (local) run as `keras_evaluation` describes.
 
@@ -32,6 +32,7 @@ Example (``train.py``, run by ``tfe-estimator launch --workers 1 -- python train
         model.compile(tf.keras.optimizers.SGD(0.1), "mse")
     model.fit(own_rows.repeat().batch(16), steps_per_epoch=10, epochs=1)
 """
+import functools
 import inspect
 import logging
 import weakref
@@ -47,7 +48,7 @@ from tfe_estimator.distribute import service_aggregation as service_lib
 from tfe_estimator.distribute.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
 __all__ = ["OwnerStrategy", "owner_strategy_from_environment", "in_function", "keras_function",
-           "call_for_each_replica", "eager_sum", "repeated_releases",
+           "call_for_each_replica", "agree_on_model", "eager_sum", "repeated_releases",
            "SEED_HINT"]
 
 log = logging.getLogger("tfe_estimator")
@@ -139,14 +140,18 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
     model = _keras_model(fn)
     graph = tf.compat.v1.get_default_graph()
     function = keras_function(graph)
+    if not function:  # strategy.run in the user's own tf.function: a custom training loop
+        from tfe_estimator.distribute import custom_loop  # pylint: disable=import-outside-toplevel
+
+        return custom_loop.call_for_each_replica(extended, fn, args, kwargs, call)
     if model is not None and function == "predict_function":
         return call(fn, args, kwargs)  # local: each owner predicts its own rows, nothing is summed
     optimizer = getattr(model, "optimizer", None)
     if model is None or optimizer is None:
         raise NotImplementedError(
-            "TfeStrategy in service mode trains compiled Keras models through model.fit (each step's sums are "
-            "keyed by the model's optimizer.iterations and the owners agree on the model first); strategy.run "
-            f"of {getattr(fn, '__name__', fn)!r} (a custom training loop) is not supported across owners yet.")
+            f"Keras' {function} runs {getattr(fn, '__name__', fn)!r} under TfeStrategy in service mode, but "
+            "names no compiled Keras model: its sums would have no optimizer.iterations to key them. Compile the "
+            "model (model.compile(optimizer, loss)) before model.fit.")
     if function == "test_function":
         # evaluate: the metrics' running reads stay inside the owner (keras_evaluation.local_reads); only
         # Keras' final eager read of them is summed across owners (eager_sum), under the agreed model.
@@ -165,7 +170,7 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
     if service_lib.sums_built(graph):
         audit_owner_graph(graph)  # what the step lets out: fresh keys and masked shares only
         with tf.init_scope():  # eager: the model's initial (or restored) weights, before any step runs
-            _handshake(extended, model, optimizer, state)
+            agree_on_model(extended, optimizer, state, functools.partial(model_record.keras_record, model))
     return result
 
 
@@ -178,8 +183,19 @@ def keras_function(graph) -> str:
     return ""
 
 
-def _handshake(extended, model, optimizer, state: dict) -> None:
-    """The owners' handshake on `model` (`service_handshake.agree`), once per traced training function."""
+def agree_on_model(extended, optimizer, state: dict, read_record: Callable) -> None:
+    """The owners' handshake (`service_handshake.agree`) on the model `optimizer` trains, once per traced
+    training function (``fit``'s, or a custom loop's: `custom_loop`).
+
+    Args:
+      extended: the owner's `_ServiceExtended`; optimizer: the model's (its ``iterations`` keys the sums).
+      state: the model's state (``"model"``: its id once agreed, ``"run"``, ``"sessions"``).
+      read_record: ``read_record(settings, num_owners)`` reads the model record eagerly
+        (`model_record.keras_record` of a compiled model, `model_record.loop_record` of a custom loop's).
+
+    Raises:
+      service_handshake.OwnersDisagreeError: naming what differs; check_seed.CheckSeedError.
+    """
     binding = extended._cross_device_ops.binding  # pylint: disable=protected-access
     step = int(optimizer.iterations.numpy())
     if "run" not in state:  # a model restored (BackupAndRestore) resumes its run: replays are its catch-up
@@ -195,7 +211,7 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         state["model"] = model_id
         state["sessions"] += 1
 
-    record = model_record.keras_record(model, settings, len(binding.owners))
+    record = read_record(settings, len(binding.owners))
     step, weights, fields = record
     agreed = (model_record.model_id(fields), step, weights)
     if state.get("agreed") == agreed:
@@ -233,8 +249,9 @@ def eager_sum():
     optimizer = _LATEST["optimizer"]() if _LATEST["optimizer"] is not None else None
     if optimizer is None:
         raise ValueError("a sum across owners outside a Keras model.fit step (read eagerly): in service mode "
-                         "TfeStrategy sums a model's values across owners once model.fit has agreed on the model "
-                         "with the other owners; call fit first.")
+                         "TfeStrategy sums a model's values across owners once model.fit (or a custom training "
+                         "loop's first step) has agreed on the model with the other owners; call fit, or run a "
+                         "step of the loop, first.")
     step = int(optimizer.iterations.numpy())
     if _LATEST["step"] != step:
         _LATEST.update(step=step, count=0)

@@ -261,12 +261,15 @@ class ServiceAggregation(SecureAggregation):
     def _next_channel(self):
         """The graph's next sum's name (equal on every owner: they build the same graph), the step and the
         model's state (`_model_of`); eagerly (Keras reading a metric across owners) `keras_service.eager_sum`'s."""
-        if tf.executing_eagerly():
-            from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
+        from tfe_estimator.distribute import custom_loop, keras_service  # pylint: disable=import-outside-toplevel
 
+        if tf.executing_eagerly():
+            custom_loop.check_eager_sum()  # not while strategy.run runs eagerly: no traced step keys it
             name, step, model = keras_service.eager_sum()
             return f"{self._channel_prefix}{name}", step, model
         graph = tf.compat.v1.get_default_graph()
+        if graph not in _CHANNELS and keras_service.in_function():  # a tf.function that no optimizer keyed
+            raise custom_loop.unkeyed_sum_error(graph)
         model = _model_of(graph)
         state = _CHANNELS[graph]
         state[0] += 1
@@ -305,6 +308,12 @@ class _ServiceExtended(_TfeExtended):
                 return super()._reduce_to(reduce_op, value, destinations, options)
         return super()._reduce_to(reduce_op, value, destinations, options)
 
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        from tfe_estimator.distribute import custom_loop  # pylint: disable=import-outside-toplevel
+
+        custom_loop.key_gradients(value_destination_pairs)  # a custom loop's first all-reduce keys its function
+        return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+
     def _experimental_distribute_dataset(self, dataset, options):
         from tfe_estimator.distribute import keras_evaluation  # pylint: disable=import-outside-toplevel
 
@@ -329,8 +338,13 @@ class _ServiceExtended(_TfeExtended):
     def _call_for_each_replica(self, fn, args, kwargs):
         from tfe_estimator.distribute import keras_service  # pylint: disable=import-outside-toplevel
 
-        if keras_service.in_function():  # Keras: a step of fit's train_function, not Estimator's graph
+        if keras_service.in_function():  # Keras: a step of fit's train_function (or a custom loop's tf.function)
             return keras_service.call_for_each_replica(self, fn, args, kwargs, super()._call_for_each_replica)
+        if tf.executing_eagerly():  # strategy.run outside tf.function: a sum it builds is refused
+            from tfe_estimator.distribute import custom_loop  # pylint: disable=import-outside-toplevel
+
+            with custom_loop.eager_run():
+                return super()._call_for_each_replica(fn, args, kwargs)
 
         def with_handshake(*fn_args, **fn_kwargs):
             result = fn(*fn_args, **fn_kwargs)
