@@ -1,5 +1,6 @@
-"""Keras `model.fit` and `model.evaluate` across organisations: `tfe-estimator launch --workers 1 -- python
-train.py` where train.py builds `tfe_estimator.TfeStrategy()` with no arguments (tests/scripts/keras_owner.py).
+"""Keras `model.fit`, `model.evaluate` and a custom training loop across organisations: `tfe-estimator launch
+--workers 1 -- python train.py` where train.py builds `tfe_estimator.TfeStrategy()` with no arguments
+(tests/scripts/keras_owner.py).
 
 Each owner reads only its own rows (`owner_data`, 64 per owner) with `repeat().batch(16)`: the global batch,
 so each owner feeds 8 of its rows per step, in order; both owners must end bit-identical and equal to one
@@ -194,13 +195,19 @@ def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_and_evaluate_t
     assert log.count("sums checked (check seed") == 11, log[-5000:]
     _check_evaluation(workdir, data, chief["trained"], log)
     _check_dp(workdir, data, log)
-    _check_custom_loops(workdir, data)
+    _check_custom_loops(workdir, data, log)
 
 
-def _check_custom_loops(workdir, data):
-    """--then-loop: the custom loop trains like one plaintext model on each step's rows of both owners, its reduced
-    loss every owner's; each planted leak (strategy.reduce answered by the owner alone, the gradients summed over the
-    owner's replicas only) fails that check."""
+def _check_custom_loops(workdir, data, log):
+    """--then-loop: a loop whose owners' learning rates differ is refused before its first step, naming the rate;
+    then the custom loop trains like one plaintext model on each step's rows of both owners, its reduced loss every
+    owner's; each planted leak (strategy.reduce answered by the owner alone, the gradients summed over the owner's
+    replicas only) fails that check."""
+    refused = [line for line in log.splitlines() if "keras owner: custom loop refused: " in line]
+    assert len(refused) == 2 and "refused loop trained" not in log, refused or log[-5000:]
+    assert all("OwnersDisagreeError: Service handshake at step 0" in line for line in refused), refused
+    assert any(line.startswith("[chief:0]") and "learning rate of the optimizer (SGD learning_rate): 0.5 on "
+               "worker:0, 0.1 on chief:0" in line for line in refused), refused
     sys.path.insert(0, os.path.dirname(SCRIPT))
     results = {}
     for owner in OWNERS:

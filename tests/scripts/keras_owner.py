@@ -13,7 +13,8 @@ Usage: keras_owner.py STEPS LEARNING_RATE [--refused-first TASK_DIR LR] [--crash
   its latest backup and replays the steps after it from the servers' window.
 --then-dp NOISE_MULTIPLIER: then fit a second model for DP_STEPS steps under TfeStrategy(dp=DistributedDP(DP_CLIP,
   NOISE_MULTIPLIER, num_examples=DP_EXAMPLES)) with EpsilonCallback; writes ./keras_dp.json.
---then-loop: then a custom training loop (strategy.run with GradientTape and apply_gradients, strategy.reduce SUM
+--then-loop: then (with --refused-first, each owner first runs a loop whose learning rate differs as there: refused)
+  a custom training loop (strategy.run with GradientTape and apply_gradients, strategy.reduce SUM
   and MEAN in the tf.function, SUM eagerly after each step) on a fresh model for LOOP_STEPS steps, and the same
   loop twice more with a planted leak each (MUTATIONS: strategy.reduce answered by this owner alone; the gradients
   summed over this owner's replicas only); writes ./keras_loop.json (per variant: weights, losses, rows).
@@ -136,6 +137,13 @@ def main(argv):
     if "--then-dp" in argv:
         _fit_with_dp(rows, float(argv[argv.index("--then-dp") + 1]), learning_rate)
     if "--then-loop" in argv:
+        if "--refused-first" in argv:  # first a loop whose learning rates differ: refused before its first step
+            at = argv.index("--refused-first")
+            try:
+                _custom_loop(strategy, rows, float(argv[at + 2]) if _here(argv[at + 1]) else learning_rate, "refused")
+                print("keras owner: refused loop trained", flush=True)
+            except Exception as e:  # noqa: BLE001 (its type is what the test checks)
+                print(f"keras owner: custom loop refused: {type(e).__name__}: {e}", flush=True)
         results = {variant: _custom_loop(strategy, rows, learning_rate, variant) for variant in LOOP_VARIANTS}
         with open("keras_loop.json", "w") as f:
             json.dump(results, f)
