@@ -195,4 +195,4 @@ def check_eager_sum() -> None:
             "strategy.run summed across owners eagerly (outside tf.function): TfeStrategy in service mode keys a "
             "step's sums by the optimizer's iterations when the step function is traced, and the owners agree on "
             "the model then. Wrap the step in tf.function: @tf.function def train_step(batch): return "
-            "strategy.run(step_fn, args=(batch,)).")
+            "strategy.run(step_fn, args=(batch,)) (model.fit: leave run_eagerly off).")

@@ -268,7 +268,8 @@ class ServiceAggregation(SecureAggregation):
             name, step, model = keras_service.eager_sum()
             return f"{self._channel_prefix}{name}", step, model
         graph = tf.compat.v1.get_default_graph()
-        if graph not in _CHANNELS and keras_service.in_function():  # a tf.function that no optimizer keyed
+        if graph not in _CHANNELS and keras_service.in_function() \
+                and tf.compat.v1.executing_eagerly_outside_functions():  # a tf.function that no optimizer keyed
             raise custom_loop.unkeyed_sum_error(graph)
         model = _model_of(graph)
         state = _CHANNELS[graph]
