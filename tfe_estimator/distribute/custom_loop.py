@@ -40,8 +40,9 @@ Example (``train.py``, run by ``tfe-estimator launch --workers 1 -- python train
     def train_step(batch):
         return strategy.reduce("SUM", strategy.run(step_fn, args=batch), axis=None)   # all owners' mean loss
 
-    for batch in strategy.experimental_distribute_dataset(own_rows.repeat().batch(16)).take(10):
-        train_step(batch)
+    batches = iter(strategy.experimental_distribute_dataset(own_rows.repeat().batch(16)))  # 16: the global batch
+    for _ in range(10):
+        train_step(next(batches))
 """
 import contextlib
 import functools
