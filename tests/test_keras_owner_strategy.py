@@ -24,13 +24,27 @@ for name, env in json.loads(sys.argv[1]).items():
     except Exception as e:  # noqa: BLE001
         cases[name] = [type(e).__name__, str(e)]
         continue
-    if name == "service":  # a custom training loop: refused when traced, before anything is sent
+    if name == "service":  # custom loops that no optimizer keys: refused when traced (or run), before anything is sent
         import tensorflow as tf
-        step = tf.function(lambda: s.reduce("SUM", s.run(lambda: tf.constant(1.0)), axis=None))
-        try:
-            step()
-        except Exception as e:  # noqa: BLE001
-            cases["custom loop"] = [type(e).__name__, str(e)]
+        with s.scope():
+            v = tf.Variable(1.0)
+            opt = tf.keras.optimizers.SGD(0.1)
+
+        def sum_first():  # a sum across owners before the step's apply_gradients
+            total = tf.distribute.get_replica_context().all_reduce("SUM", v * 2.0)
+            opt.apply_gradients([(total, v)])
+            return total
+
+        loops = {"custom loop": tf.function(lambda: s.reduce("SUM", s.run(lambda: tf.constant(1.0)), axis=None)),
+                 "sum before apply": tf.function(lambda: s.run(sum_first)),
+                 "eager run": lambda: s.run(sum_first),
+                 "eager reduce first": lambda: s.reduce("SUM", tf.constant(1.0), axis=None)}
+        for case, loop in loops.items():
+            try:
+                loop()
+                cases[case] = ["ran"]
+            except Exception as e:  # noqa: BLE001
+                cases[case] = [type(e).__name__, str(e)]
         # evaluate before fit: refused when traced, before anything is sent; predict: local, every row.
         import numpy as np
         with s.scope():
@@ -65,8 +79,17 @@ def test_tfe_strategy_is_the_owners_service_strategy_under_a_service_cluster_and
     assert got["service"] == ["OwnerStrategy", True, 2, ["chief:0", "worker:0"], "worker:0"]
     assert got["no certificates"][0] == "ValueError" and "TFE_ESTIMATOR_TLS_DIR" in got["no certificates"][1]
     assert got["in-graph"][0] == "NotImplementedError" and "--cluster-mode service" in got["in-graph"][1]
-    assert got["custom loop"][0] == "NotImplementedError", got["custom loop"]
-    assert "(a custom training loop) is not supported across owners yet" in got["custom loop"][1]
+    # A custom loop's sums across owners are keyed by the step of the optimizer that applies its gradients: a sum in a
+    # tf.function with no apply_gradients, or before it, is refused; so is strategy.run summing eagerly, and an eager
+    # strategy.reduce before any model trained.
+    for case in ("custom loop", "sum before apply"):
+        assert got[case][0] == "NotImplementedError", got[case]
+        assert "before any optimizer.apply_gradients in it (or in a function with none)" in got[case][1], got[case]
+        assert "strategy.reduce(SUM, strategy.run(step_fn, args=...), axis=None)" in got[case][1], got[case]
+    assert got["eager run"][0] == "NotImplementedError", got["eager run"]
+    assert "strategy.run summed across owners eagerly (outside tf.function)" in got["eager run"][1]
+    assert got["eager reduce first"][0] == "ValueError", got["eager reduce first"]
+    assert "or run a step of the loop, first" in got["eager reduce first"][1]
     assert got["evaluate first"][0] == "NotImplementedError", got["evaluate first"]
     assert "call model.fit on this model first (on every owner), then evaluate" in got["evaluate first"][1]
     assert got["predict"] < 1e-5  # all 20 rows (not the half a split over both owners' replicas would give)
@@ -98,6 +121,21 @@ def test_the_keras_record_names_a_different_learning_rate_with_both_values_and_e
         "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0"]
     differ = model_record.differences(chief[2], "chief:0", model_record.make_row(*wider), "worker:0")
     assert any("structure of the trainable variables" in d for d in differ), differ
+
+
+def test_a_custom_loops_record_names_a_different_learning_rate_and_differs_from_fits():
+    from tfe_estimator.owner import model_record  # pylint: disable=import-outside-toplevel
+
+    model = _compiled(0.1)
+    chief = model_record.loop_record(model.optimizer, model.trainable_variables, {}, 2)
+    worker = model_record.loop_record(_compiled(0.5).optimizer, model.trainable_variables, {}, 2)
+    assert chief[:2] == model_record.keras_record(model, {}, 2)[:2]  # the same step and initial weights
+    assert model_record.differences(chief[2], "chief:0", model_record.make_row(*worker), "worker:0") == [
+        "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0"]
+    fit = model_record.make_row(*model_record.keras_record(model, {}, 2))  # an owner fitting where another loops
+    assert model_record.differences(chief[2], "chief:0", fit, "worker:0") == [
+        "worker:0's model has 1 field(s) chief:0's has not (other variables, optimizer hyperparameters or feature "
+        "constants)"]
 
 
 @pytest.mark.parametrize("loss", ["mse", "mae"])

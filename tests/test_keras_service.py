@@ -1,5 +1,6 @@
-"""Keras `model.fit` and `model.evaluate` across organisations: `tfe-estimator launch --workers 1 -- python
-train.py` where train.py builds `tfe_estimator.TfeStrategy()` with no arguments (tests/scripts/keras_owner.py).
+"""Keras `model.fit`, `model.evaluate` and a custom training loop across organisations: `tfe-estimator launch
+--workers 1 -- python train.py` where train.py builds `tfe_estimator.TfeStrategy()` with no arguments
+(tests/scripts/keras_owner.py).
 
 Each owner reads only its own rows (`owner_data`, 64 per owner) with `repeat().batch(16)`: the global batch,
 so each owner feeds 8 of its rows per step, in order; both owners must end bit-identical and equal to one
@@ -117,6 +118,37 @@ def _check_dp(workdir, data, log):
                      f"{epsilon(DP_NOISE):.4g}") == 2, log[-5000:]
 
 
+def _plaintext_loop(data, initial, steps):
+    """NumPy's SGD from `initial` on, per step, the concatenation of each owner's next 8 rows: (weights, the mean
+    loss of each step's 16 rows before its update)."""
+    w, b = np.array(initial[0], np.float64), np.array(initial[1], np.float64)
+    losses = []
+    for step in range(steps):
+        rows = np.concatenate([np.take(data[o], range(8 * step, 8 * step + 8), axis=0, mode="wrap")
+                               for o in OWNERS]).astype(np.float64)
+        error = rows[:, :2] @ w + b - rows[:, 2:]
+        losses.append(float(np.mean(error ** 2)))
+        w, b = w - LEARNING_RATE * 2 * rows[:, :2].T @ error / 16, b - LEARNING_RATE * 2 * error.sum(axis=0) / 16
+    return [w, b], losses
+
+
+def _check_loop(data, results, variant):
+    """A custom loop's results (tests/scripts/keras_owner.py --then-loop): owners bit-identical and equal to NumPy's
+    SGD on each step's 8 + 8 rows; the reduced loss (in the tf.function and eagerly) every owner's mean loss."""
+    from keras_owner import LOOP_STEPS  # pylint: disable=import-outside-toplevel
+
+    chief, worker = results["chief-0"][variant], results["worker-0"][variant]
+    assert chief["initial"] == worker["initial"] and chief["iterations"] == LOOP_STEPS, (chief, worker)
+    assert chief["trained"] == worker["trained"], (variant, chief["trained"], worker["trained"])
+    expected, losses = _plaintext_loop(data, chief["initial"], LOOP_STEPS)
+    for got, want in zip(chief["trained"], expected):
+        np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)
+    for owner in (chief, worker):
+        np.testing.assert_allclose(owner["loss"], losses, rtol=1e-5)  # the SUM of each owner's loss / 16
+        np.testing.assert_allclose(owner["eager_loss"], losses, rtol=1e-5)
+        assert owner["rows"] == [8.0] * LOOP_STEPS  # MEAN over every owner's replica of its 8 rows
+
+
 def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_and_evaluate_the_union_through_a_restart(
         tmp_path):
     # One launch (CI time) for the handshake's refusal, fit, a restart and evaluate. worker-0 backs up every 3 steps
@@ -127,7 +159,7 @@ def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_and_evaluate_t
     workdir = str(tmp_path)
     data = _owner_data(workdir, OWNERS)
     status, log = _launch(workdir, "--refused-first", "worker-0", "0.5", "--crash-in", "worker-0", "4", "3",
-                          "--then-evaluate", "--then-dp", str(DP_NOISE), max_restarts=1)
+                          "--then-evaluate", "--then-dp", str(DP_NOISE), "--then-loop", max_restarts=1)
     assert status == 0, log[-5000:]
     # First each owner fits a model whose learning rates differ (plain MultiWorkerMirroredStrategy would train with
     # the chief's): both are refused before its first step, naming the rate, with the handshake's own error.
@@ -156,9 +188,32 @@ def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_and_evaluate_t
     # The owners agreed once at step 0 on the second model (one rewind each on both servers, although tf.function
     # traces fit's step twice), the restarted worker once more at step 3; their sums are checked under the handshake's
     # check seed.
-    # The DP model (--then-dp) is one more model: one more rewind each, one more handshake each.
+    # The DP model (--then-dp) is one more model: one more rewind each (on both servers), one more handshake each; so
+    # is each of the three custom loops (--then-loop).
     for name in ("chief:0", "worker:0"):
-        assert log.count(f"{name} rewound to step 0") == 4, log[-5000:]
-    assert log.count("sums checked (check seed") == 5, log[-5000:]
+        assert log.count(f"{name} rewound to step 0") == 10, log[-5000:]
+    assert log.count("sums checked (check seed") == 11, log[-5000:]
     _check_evaluation(workdir, data, chief["trained"], log)
     _check_dp(workdir, data, log)
+    _check_custom_loops(workdir, data, log)
+
+
+def _check_custom_loops(workdir, data, log):
+    """--then-loop: a loop whose owners' learning rates differ is refused before its first step, naming the rate;
+    then the custom loop trains like one plaintext model on each step's rows of both owners, its reduced loss every
+    owner's; each planted leak (strategy.reduce answered by the owner alone, the gradients summed over the owner's
+    replicas only) fails that check."""
+    refused = [line for line in log.splitlines() if "keras owner: custom loop refused: " in line]
+    assert len(refused) == 2 and "refused loop trained" not in log, refused or log[-5000:]
+    assert all("OwnersDisagreeError: Service handshake at step 0" in line for line in refused), refused
+    assert any(line.startswith("[chief:0]") and "learning rate of the optimizer (SGD learning_rate): 0.5 on "
+               "worker:0, 0.1 on chief:0" in line for line in refused), refused
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    results = {}
+    for owner in OWNERS:
+        with open(os.path.join(workdir, owner, "keras_loop.json")) as f:
+            results[owner] = json.load(f)
+    _check_loop(data, results, "secure")
+    for leak in ("reduce_local", "gradients_local"):
+        with pytest.raises(AssertionError):
+            _check_loop(data, results, leak)

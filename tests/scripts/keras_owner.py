@@ -5,7 +5,7 @@ Run by `tfe-estimator launch --workers 1 -- python keras_owner.py ...` in each o
 arguments, fits a Dense layer with SGD on `repeat().batch(16)` for STEPS steps, and writes ./keras_weights.json
 (the initial and the trained weights).
 Usage: keras_owner.py STEPS LEARNING_RATE [--refused-first TASK_DIR LR] [--crash-in TASK_DIR STEP EVERY]
-                      [--then-evaluate] [--then-dp NOISE_MULTIPLIER]
+                      [--then-evaluate] [--then-dp NOISE_MULTIPLIER] [--then-loop]
 --refused-first TASK_DIR LR: in its first run, each owner first fits a model whose learning rate is LR on the
   owner in directory TASK_DIR (e.g. worker-0): refused by the handshake (prints the error), then the real one.
 --crash-in TASK_DIR STEP EVERY: with tf.keras.callbacks.BackupAndRestore(./backup, save_freq=EVERY), the owner
@@ -13,6 +13,11 @@ Usage: keras_owner.py STEPS LEARNING_RATE [--refused-first TASK_DIR LR] [--crash
   its latest backup and replays the steps after it from the servers' window.
 --then-dp NOISE_MULTIPLIER: then fit a second model for DP_STEPS steps under TfeStrategy(dp=DistributedDP(DP_CLIP,
   NOISE_MULTIPLIER, num_examples=DP_EXAMPLES)) with EpsilonCallback; writes ./keras_dp.json.
+--then-loop: then (with --refused-first, each owner first runs a loop whose learning rate differs as there: refused)
+  a custom training loop (strategy.run with GradientTape and apply_gradients, strategy.reduce SUM
+  and MEAN in the tf.function, SUM eagerly after each step) on a fresh model for LOOP_STEPS steps, and the same
+  loop twice more with a planted leak each (MUTATIONS: strategy.reduce answered by this owner alone; the gradients
+  summed over this owner's replicas only); writes ./keras_loop.json (per variant: weights, losses, rows).
 --then-evaluate: fit with validation_data, then model.evaluate twice (the chief on its 64 rows, the worker on its
   first 40) with tfe_estimator.OwnerMetrics, and model.predict on its first 20 rows; writes
   ./keras_evaluation.json.
@@ -30,6 +35,9 @@ import tfe_estimator
 
 #: --then-dp: the DP model's per-example clip norm, training-set size (epsilon's) and steps.
 DP_CLIP, DP_EXAMPLES, DP_STEPS = 0.5, 128, 4
+#: --then-loop: the custom loop's steps, and its variants (the honest loop, then each planted leak).
+LOOP_STEPS = 4
+LOOP_VARIANTS = ("secure", "reduce_local", "gradients_local")
 
 
 class _CrashAt(tf.keras.callbacks.Callback):
@@ -128,6 +136,17 @@ def main(argv):
         print(f"keras owner evaluated {int(model.optimizer.iterations.numpy())}", flush=True)
     if "--then-dp" in argv:
         _fit_with_dp(rows, float(argv[argv.index("--then-dp") + 1]), learning_rate)
+    if "--then-loop" in argv:
+        if "--refused-first" in argv:  # first a loop whose learning rates differ: refused before its first step
+            at = argv.index("--refused-first")
+            try:
+                _custom_loop(strategy, rows, float(argv[at + 2]) if _here(argv[at + 1]) else learning_rate, "refused")
+                print("keras owner: refused loop trained", flush=True)
+            except Exception as e:  # noqa: BLE001 (its type is what the test checks)
+                print(f"keras owner: custom loop refused: {type(e).__name__}: {e}", flush=True)
+        results = {variant: _custom_loop(strategy, rows, learning_rate, variant) for variant in LOOP_VARIANTS}
+        with open("keras_loop.json", "w") as f:
+            json.dump(results, f)
 
 
 def _fit_with_dp(rows, noise_multiplier, learning_rate):
@@ -151,6 +170,62 @@ def _fit_with_dp(rows, noise_multiplier, learning_rate):
         json.dump({"initial": initial, "trained": [w.tolist() for w in model.get_weights()],
                    "iterations": int(model.optimizer.iterations.numpy()), "loss": history.history["loss"]}, f)
     print(f"keras owner trained with DP to step {int(model.optimizer.iterations.numpy())}", flush=True)
+
+
+def _custom_loop(strategy, rows, learning_rate, variant):
+    """The custom training loop of TensorFlow's distributed training guide on a fresh Dense layer, LOOP_STEPS steps
+    on `repeat().batch(16)` (the global batch); `variant` "secure", or a planted leak (module docstring)."""
+    from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.distribute import strategy as strategy_lib  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.owner import service_strategy  # pylint: disable=import-outside-toplevel
+
+    sum_op, mean_op = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
+        optimizer = tf.keras.optimizers.SGD(learning_rate)
+    initial = [w.tolist() for w in model.get_weights()]
+
+    def step_fn(features, labels):
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_mean(tf.square(model(features, training=True) - labels), axis=1)
+            loss = tf.nn.compute_average_loss(per_example)  # over the global batch: every owner's rows
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        return loss, tf.cast(tf.shape(labels)[0], tf.float32)
+
+    @tf.function
+    def train_step(batch):
+        losses, counts = strategy.run(step_fn, args=batch)
+        return strategy.reduce(sum_op, losses, axis=None), strategy.reduce(mean_op, counts, axis=None), losses
+
+    local = cross_device_ops_lib.ReductionToOneDevice()
+    leaks = {"reduce_local": (service_strategy._ServiceExtended, "_reduce_to",  # pylint: disable=protected-access
+                              lambda self, op, value, destinations, options: local.reduce(
+                                  op, value, self.worker_devices[0] if isinstance(destinations, str) else destinations)),
+             "gradients_local": (strategy_lib._TfeExtended, "_batch_reduce_to",  # pylint: disable=protected-access
+                                 lambda self, op, pairs, options: local.batch_reduce(op, pairs))}
+    undo = None
+    if variant in leaks:
+        cls, name, leak = leaks[variant]
+        undo = (cls, name, cls.__dict__[name])
+        setattr(cls, name, leak)
+    try:
+        dataset = tf.data.Dataset.from_tensor_slices((rows[:, :2], rows[:, 2:])).repeat().batch(16)
+        batches = iter(strategy.experimental_distribute_dataset(dataset))
+        losses, eager, counts = [], [], []
+        for _ in range(LOOP_STEPS):
+            loss, count, per_replica = train_step(next(batches))
+            losses.append(float(loss))
+            counts.append(float(count))
+            eager.append(float(strategy.reduce(sum_op, per_replica, axis=None)))  # eagerly, after the step
+    finally:
+        if undo is not None:
+            setattr(*undo)
+    print(f"keras owner: custom loop ({variant}) at step {int(optimizer.iterations.numpy())}", flush=True)
+    return {"initial": initial, "trained": [w.tolist() for w in model.get_weights()], "loss": losses,
+            "eager_loss": eager, "rows": counts, "iterations": int(optimizer.iterations.numpy())}
+
 
 if __name__ == "__main__":
     main(sys.argv)

@@ -24,7 +24,7 @@ exactly as `TfeRunConfig` builds it for Estimator. Keras then trains as under Mu
   with the seed every owner derives alike from the cluster, as `TfeRunConfig` does for Estimator.
 
 What Keras runs here is found in ``fit``'s replica function (Keras' ``run_step`` closes over its model);
-``strategy.run`` of another function (a custom training loop) is refused with a clear error for now.
+``strategy.run`` in another ``tf.function`` (a custom training loop) runs as `custom_loop` describes.
 ``model.evaluate`` (metrics of every owner's data, secure sums of the metrics' states) and ``model.predict``
 (local) run as `keras_evaluation` describes.
 
@@ -36,6 +36,7 @@ Example (``train.py``, run by ``tfe-estimator launch --workers 1 -- python train
         model.compile(tf.keras.optimizers.SGD(0.1), "mse")
     model.fit(own_rows.repeat().batch(16), steps_per_epoch=10, epochs=1)
 """
+import functools
 import inspect
 import logging
 import weakref
@@ -46,12 +47,13 @@ from tensorflow.python.framework import func_graph
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
 from tfe_estimator.cluster import spec as cluster_lib
-from tfe_estimator.owner import handshake, keras_evaluation, model_record, step_key, training_run, weight_check
+from tfe_estimator.owner import custom_loop, handshake, keras_evaluation, model_record, step_key, training_run
+from tfe_estimator.owner import weight_check
 from tfe_estimator.owner import service_strategy as service_lib
 from tfe_estimator.owner.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
 __all__ = ["OwnerStrategy", "owner_strategy_from_environment", "in_function", "keras_function",
-           "call_for_each_replica", "eager_sum", "repeated_releases", "backup_dir",
+           "call_for_each_replica", "agree_on_model", "eager_sum", "repeated_releases", "backup_dir",
            "SEED_HINT"]
 
 log = logging.getLogger("tfe_estimator")
@@ -63,7 +65,7 @@ SEED_HINT = ("build the model after TfeStrategy() (it seeds Keras alike on every
 #: Per Keras model: {"model": its id once the owners agree, "run": its `TrainingRun`, "sessions": handshakes}.
 _MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: The model that trained last (its state and optimizer), and the eager sums made at its current step.
-_LATEST = {"state": None, "optimizer": None, "model": None, "binding": None, "step": None, "count": 0,
+_LATEST = {"state": None, "optimizer": None, "weights": None, "binding": None, "step": None, "count": 0,
            "checked": None}
 
 
@@ -72,9 +74,16 @@ class _KerasExtended(service_lib.ServiceExtended):
     keeps inside the owner (`keras_evaluation`: its running metric reads and its datasets)."""
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        if in_function():  # a step of one of Keras' functions
+        if in_function():  # a step of one of Keras' functions, or of a custom loop's tf.function
             return call_for_each_replica(self, fn, args, kwargs, super()._call_for_each_replica)
+        if tf.executing_eagerly():  # strategy.run outside tf.function: a sum it builds is refused
+            with custom_loop.eager_run():
+                return super()._call_for_each_replica(fn, args, kwargs)
         return super()._call_for_each_replica(fn, args, kwargs)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        custom_loop.key_gradients(value_destination_pairs)  # a custom loop's first all-reduce keys its function
+        return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
 
     def _local_reduce(self, reduce_op, value, destinations):
         if keras_evaluation.local_reads():  # a Keras evaluation's running metrics: this owner's replicas only
@@ -133,7 +142,8 @@ def owner_strategy_from_environment(num_replicas: Optional[int] = None, protocol
     strategy = OwnerStrategy.__new__(OwnerStrategy)
     service_lib.ServiceStrategy.__init__(strategy, binding, num_replicas=num_replicas or 1, precision=precision,
                                          clip_norm=clip_norm, update_ring_bits=update_ring_bits, dp=dp)
-    strategy.extended._cross_device_ops.eager_channel = eager_sum  # pylint: disable=protected-access
+    ops = strategy.extended._cross_device_ops  # pylint: disable=protected-access
+    ops.eager_channel, ops.check_unkeyed = _eager_channel, _check_unkeyed
     seed = service_lib.cluster_seed(spec)
     tf.keras.utils.set_random_seed(seed)
     log.info("Keras seeded with %d, derived from TF_CONFIG's cluster alike on every owner, so all owners start "
@@ -165,14 +175,16 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
     model = _keras_model(fn)
     graph = tf.compat.v1.get_default_graph()
     function = keras_function(graph)
+    if not function:  # strategy.run in the user's own tf.function: a custom training loop
+        return custom_loop.call_for_each_replica(extended, fn, args, kwargs, call)
     if model is not None and function == "predict_function":
         return call(fn, args, kwargs)  # local: each owner predicts its own rows, nothing is summed
     optimizer = getattr(model, "optimizer", None)
     if model is None or optimizer is None:
         raise NotImplementedError(
-            "TfeStrategy in service mode trains compiled Keras models through model.fit (each step's sums are "
-            "keyed by the model's optimizer.iterations and the owners agree on the model first); strategy.run "
-            f"of {getattr(fn, '__name__', fn)!r} (a custom training loop) is not supported across owners yet.")
+            f"Keras' {function} runs {getattr(fn, '__name__', fn)!r} under TfeStrategy in service mode, but "
+            "names no compiled Keras model: its sums would have no optimizer.iterations to key them. Compile the "
+            "model (model.compile(optimizer, loss)) before model.fit.")
     if function == "test_function":
         # evaluate: the metrics' running reads stay inside the owner (keras_evaluation.local_reads); only
         # Keras' final eager read of them is summed across owners (eager_sum), under the agreed model.
@@ -191,7 +203,8 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
     if service_lib.sums_built(graph):
         audit_owner_graph(graph)  # what the step lets out: fresh keys and masked shares only
         with tf.init_scope():  # eager: the model's initial (or restored) weights, before any step runs
-            _handshake(extended, model, optimizer, state)
+            agree_on_model(extended, optimizer, state, functools.partial(model_record.keras_record, model),
+                           weights=lambda: model.trainable_weights, model=model)
     return result
 
 
@@ -204,8 +217,22 @@ def keras_function(graph) -> str:
     return ""
 
 
-def _handshake(extended, model, optimizer, state: dict) -> None:
-    """The owners' handshake on `model` (`handshake.agree`), once per traced training function."""
+def agree_on_model(extended, optimizer, state: dict, read_record: Callable, weights: Callable[[], list],
+                   model=None) -> None:
+    """The owners' handshake (`handshake.agree`) on the model `optimizer` trains, once per traced
+    training function (``fit``'s, or a custom loop's: `custom_loop`).
+
+    Args:
+      extended: the owner's `_KerasExtended`; optimizer: the model's (its ``iterations`` keys the sums).
+      state: the model's state (``"model"``: its id once agreed, ``"run"``, ``"sessions"``).
+      read_record: ``read_record(settings, num_owners)`` reads the model record eagerly
+        (`model_record.keras_record` of a compiled model, `model_record.loop_record` of a custom loop's).
+      weights: ``weights()`` gives the trained variables, in one order on every owner (the weight checks').
+      model: the compiled Keras model (``fit``), whose ``BackupAndRestore`` directory keeps the DP ledger.
+
+    Raises:
+      handshake.OwnersDisagreeError: naming what differs; check_seed.CheckSeedError.
+    """
     binding = extended._cross_device_ops.binding  # pylint: disable=protected-access
     step = int(optimizer.iterations.numpy())
     if "run" not in state:  # a model restored (BackupAndRestore) resumes its run: replays are its catch-up
@@ -213,7 +240,7 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         state["run"] = training_run.TrainingRun(run.number, fresh=step == 0)
         dp = extended._cross_device_ops.dp  # pylint: disable=protected-access
         if dp is not None:  # each step's noise released once (training_run.check_answer), kept with the backup
-            ledger_dir = backup_dir(model)
+            ledger_dir = backup_dir(model) if model is not None else None
             if ledger_dir is None and step > 0:
                 log.warning("DP across owners: model restored at step %d without Keras' BackupAndRestore; the "
                             "release ledger starts empty in this process, so a step the servers release again "
@@ -228,7 +255,7 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         state["model"] = model_id
         state["sessions"] += 1
 
-    record = model_record.keras_record(model, settings, len(binding.owners))
+    record = read_record(settings, len(binding.owners))
     step, weights, fields = record
     agreed = (model_record.model_id(fields), step, weights)
     if state.get("agreed") == agreed:
@@ -243,7 +270,7 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
             training_run.refused(state.pop("run"))
         raise
     state["agreed"] = agreed
-    _LATEST.update(state=state, optimizer=weakref.ref(optimizer), model=weakref.ref(model), binding=binding,
+    _LATEST.update(state=state, optimizer=weakref.ref(optimizer), weights=weights, binding=binding,
                    step=None, count=0, checked=None)
 
 
@@ -267,15 +294,25 @@ def _check_weights(step: int) -> None:
     """The owners compare their weights at `step` (`weight_check.check_weights`), once per step: at the first
     value read across owners there, i.e. at the end of every epoch of ``fit`` and of every ``evaluate``, when
     every owner has run the same steps."""
-    model = _LATEST["model"]() if _LATEST["model"] is not None else None
-    state = _LATEST["state"]
-    if model is None or state is None or state.get("model") is None or _LATEST["checked"] == step:
+    state, weights = _LATEST["state"], _LATEST["weights"]
+    if weights is None or state is None or state.get("model") is None or _LATEST["checked"] == step:
         return
     _LATEST["checked"] = step
     binding = _LATEST["binding"]
     weight_check.check_weights(binding, service_lib.service_client, state["model"], step,
-                               [v.numpy() for v in model.trainable_weights],
-                               wait_secs=min(60.0, 0.9 * binding.timeout_secs))
+                               [v.numpy() for v in weights()], wait_secs=min(60.0, 0.9 * binding.timeout_secs))
+
+
+def _eager_channel():
+    """`eager_sum`'s channel, refused while ``strategy.run`` runs eagerly (no traced step keys its sums)."""
+    custom_loop.check_eager_sum()
+    return eager_sum()
+
+
+def _check_unkeyed(graph) -> None:
+    """Refuses a sum across owners in a ``tf.function`` that no optimizer's all-reduce keyed (`custom_loop`)."""
+    if in_function() and tf.compat.v1.executing_eagerly_outside_functions():
+        raise custom_loop.unkeyed_sum_error(graph)
 
 
 def eager_sum():
@@ -291,8 +328,9 @@ def eager_sum():
     optimizer = _LATEST["optimizer"]() if _LATEST["optimizer"] is not None else None
     if optimizer is None:
         raise ValueError("a sum across owners outside a Keras model.fit step (read eagerly): in service mode "
-                         "TfeStrategy sums a model's values across owners once model.fit has agreed on the model "
-                         "with the other owners; call fit first.")
+                         "TfeStrategy sums a model's values across owners once model.fit (or a custom training "
+                         "loop's first step) has agreed on the model with the other owners; call fit, or run a "
+                         "step of the loop, first.")
     step = int(optimizer.iterations.numpy())
     if _LATEST["step"] != step:
         _LATEST.update(step=step, count=0)

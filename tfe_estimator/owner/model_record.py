@@ -50,8 +50,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
-__all__ = ["ModelRecord", "keras_record", "Field", "INT", "FLOAT", "HASH", "model_id", "make_row", "parse_row",
-           "differences", "weights_fingerprint", "format_fingerprint", "label_hash", "HEADER"]
+__all__ = ["ModelRecord", "keras_record", "loop_record", "Field", "INT", "FLOAT", "HASH", "model_id", "make_row",
+           "parse_row", "differences", "weights_fingerprint", "format_fingerprint", "label_hash", "HEADER"]
 
 log = logging.getLogger("tfe_estimator")
 
@@ -271,13 +271,28 @@ def keras_record(model, settings: Mapping[str, object], num_owners: int) -> Tupl
 
         step, weights, fields = keras_record(model, {"precision": "low"}, num_owners=2)
     """
-    variables = sorted(model.trainable_variables, key=lambda v: v.name)
-    fields = _common_fields(settings, num_owners, variables)
-    fields += _config_fields("optimizer", model.optimizer)
+    step, weights, fields = loop_record(model.optimizer, model.trainable_variables, settings, num_owners)
     loss = getattr(model, "loss", None)
     fields += _config_fields("loss", loss if isinstance(loss, str) or hasattr(loss, "get_config") else
                              getattr(loss, "__name__", repr(type(loss))))
-    step = int(model.optimizer.iterations.numpy())
+    return step, weights, fields
+
+
+def loop_record(optimizer, variables, settings: Mapping[str, object],
+                num_owners: int) -> Tuple[int, int, List[Field]]:
+    """A custom training loop's record: `keras_record`'s without the loss (the loop computes its own).
+
+    Read eagerly (before the loop's first step): the step is `optimizer`'s ``iterations``; the fields are the
+    number of owners, `settings`, the structure of `variables` (those the optimizer trains), the optimizer's
+    class and each of its hyperparameters; the weights fingerprint covers every variable's value.
+
+    Example::
+
+        step, weights, fields = loop_record(optimizer, model.trainable_variables, {"precision": "low"}, 2)
+    """
+    variables = sorted(variables, key=lambda v: v.name)
+    fields = _common_fields(settings, num_owners, variables) + _config_fields("optimizer", optimizer)
+    step = int(optimizer.iterations.numpy())
     return step, weights_fingerprint([v.numpy() for v in variables]), fields
 
 

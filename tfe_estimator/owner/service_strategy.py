@@ -203,6 +203,8 @@ class ServiceAggregation(SecureAggregation):
         #: ``() -> (name, step, model state)`` of a sum made eagerly, set by a framework adapter whose
         #: framework reads values across owners after its steps (`keras_fit`); None: refused.
         self.eager_channel: Optional[Callable[[], tuple]] = None
+        #: ``(graph) -> None`` raising for a graph whose sums no step keys (set by an adapter, `keras_fit`).
+        self.check_unkeyed: Optional[Callable[[tf.Graph], None]] = None
         super().__init__(protocol="pond", precision=precision, server_devices=None, clip_norm=clip_norm,
                          update_ring_bits=update_ring_bits, dp=dp)
 
@@ -271,6 +273,8 @@ class ServiceAggregation(SecureAggregation):
             name, step, model = self.eager_channel()
             return f"{self._channel_prefix}{name}", step, model
         graph = tf.compat.v1.get_default_graph()
+        if graph not in _CHANNELS and self.check_unkeyed is not None:
+            self.check_unkeyed(graph)  # the adapter refuses a graph it cannot key (a tf.function with no step)
         model = model_of(graph)
         state = _CHANNELS[graph]
         state[0] += 1
