@@ -200,7 +200,7 @@ def _custom_loop(strategy, rows, learning_rate, variant):
         return strategy.reduce(sum_op, losses, axis=None), strategy.reduce(mean_op, counts, axis=None), losses
 
     local = cross_device_ops_lib.ReductionToOneDevice()
-    leaks = {"reduce_local": (service_strategy._ServiceExtended, "_reduce_to",  # pylint: disable=protected-access
+    leaks = {"reduce_local": (service_strategy.ServiceExtended, "_reduce_to",
                               lambda self, op, value, destinations, options: local.reduce(
                                   op, value, self.worker_devices[0] if isinstance(destinations, str) else destinations)),
              "gradients_local": (strategy_lib._TfeExtended, "_batch_reduce_to",  # pylint: disable=protected-access
