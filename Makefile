@@ -54,8 +54,10 @@ demo: venv
 demo-cluster: venv
 	$(VENV_PY) -m tfe_estimator.tools.cli demo --cluster
 
+# Two phases, one exit status (scripts/test.sh): the in-process tests on TEST_WORKERS pytest-xdist
+# workers (default 2; TEST_WORKERS=1 runs them serially), then the `multiprocess` cluster tests one at a time.
 test: venv
-	$(VENV_PY) -m pytest $(TESTS)
+	bash scripts/test.sh $(VENV_PY) $(TESTS)
 
 bench: venv
 	$(VENV_PY) -m tools.bench
@@ -66,7 +68,7 @@ bench-flower: venv
 	PYTHONPATH=. $(VENV_PY) -m tools.bench.flower_compare
 
 test-fast: venv
-	$(VENV_PY) -m pytest $(TESTS) -m "not slow and not multiprocess"
+	$(VENV_PY) -m pytest $(TESTS) -m "not slow and not multiprocess" -n $${TEST_WORKERS:-2} --dist loadfile
 
 clean:
 	rm -rf .venv .venv-tf29 .venv-tf221 .venv-flower .pytest_cache build *.egg-info
