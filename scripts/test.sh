@@ -19,6 +19,10 @@ cd "$(dirname "$0")/.."
 python="$1"
 shift
 workers="${TEST_WORKERS:-2}"
+if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: TEST_WORKERS=$workers is not a number of workers; use 1 (serial) or more, e.g. TEST_WORKERS=2." >&2
+  exit 2
+fi
 
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
