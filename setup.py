@@ -50,6 +50,7 @@ EXTRAS_REQUIRE = {
     "test": [
         "pytest>=7.4,<10",
         "pytest-timeout>=2.2,<3",
+        "pytest-xdist>=3.5,<4",  # `make test` runs the in-process tests on two workers (scripts/test.sh)
         "hypothesis>=6.80,<7",
         "scipy>=1.10,<1.18",
         "matplotlib>=3.7,<3.12",  # the benchmark's smoke test draws its plot
