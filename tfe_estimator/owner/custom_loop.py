@@ -162,7 +162,7 @@ def call_for_each_replica(extended, fn, args, kwargs, call):
         audit_owner_graph(graph)  # what the step lets out: fresh keys and masked shares only
         read = functools.partial(model_record.loop_record, optimizer, loop["variables"])
         with tf.init_scope():  # eager: the initial (or restored) weights, before any step runs
-            keras_fit.agree_on_model(extended, optimizer, loop["state"], read, weights=lambda: loop["variables"])
+            keras_fit.agree_on_model(extended, optimizer, loop["state"], read, variables=lambda: loop["variables"])
     return result
 
 

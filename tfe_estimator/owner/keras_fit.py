@@ -65,7 +65,7 @@ SEED_HINT = ("build the model after TfeStrategy() (it seeds Keras alike on every
 #: Per Keras model: {"model": its id once the owners agree, "run": its `TrainingRun`, "sessions": handshakes}.
 _MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 #: The model that trained last (its state and optimizer), and the eager sums made at its current step.
-_LATEST = {"state": None, "optimizer": None, "weights": None, "binding": None, "step": None, "count": 0,
+_LATEST = {"state": None, "optimizer": None, "variables": None, "binding": None, "step": None, "count": 0,
            "checked": None}
 
 
@@ -204,7 +204,7 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
         audit_owner_graph(graph)  # what the step lets out: fresh keys and masked shares only
         with tf.init_scope():  # eager: the model's initial (or restored) weights, before any step runs
             agree_on_model(extended, optimizer, state, functools.partial(model_record.keras_record, model),
-                           weights=lambda: model.trainable_weights, model=model)
+                           variables=lambda: model.trainable_weights, model=model)
     return result
 
 
@@ -217,7 +217,7 @@ def keras_function(graph) -> str:
     return ""
 
 
-def agree_on_model(extended, optimizer, state: dict, read_record: Callable, weights: Callable[[], list],
+def agree_on_model(extended, optimizer, state: dict, read_record: Callable, variables: Callable[[], list],
                    model=None) -> None:
     """The owners' handshake (`handshake.agree`) on the model `optimizer` trains, once per traced
     training function (``fit``'s, or a custom loop's: `custom_loop`).
@@ -227,7 +227,7 @@ def agree_on_model(extended, optimizer, state: dict, read_record: Callable, weig
       state: the model's state (``"model"``: its id once agreed, ``"run"``, ``"sessions"``).
       read_record: ``read_record(settings, num_owners)`` reads the model record eagerly
         (`model_record.keras_record` of a compiled model, `model_record.loop_record` of a custom loop's).
-      weights: ``weights()`` gives the trained variables, in one order on every owner (the weight checks').
+      variables: ``variables()`` gives the trained variables, in one order on every owner (the weight checks').
       model: the compiled Keras model (``fit``), whose ``BackupAndRestore`` directory keeps the DP ledger.
 
     Raises:
@@ -270,7 +270,7 @@ def agree_on_model(extended, optimizer, state: dict, read_record: Callable, weig
             training_run.refused(state.pop("run"))
         raise
     state["agreed"] = agreed
-    _LATEST.update(state=state, optimizer=weakref.ref(optimizer), weights=weights, binding=binding,
+    _LATEST.update(state=state, optimizer=weakref.ref(optimizer), variables=variables, binding=binding,
                    step=None, count=0, checked=None)
 
 
@@ -294,13 +294,13 @@ def _check_weights(step: int) -> None:
     """The owners compare their weights at `step` (`weight_check.check_weights`), once per step: at the first
     value read across owners there, i.e. at the end of every epoch of ``fit`` and of every ``evaluate``, when
     every owner has run the same steps."""
-    state, weights = _LATEST["state"], _LATEST["weights"]
-    if weights is None or state is None or state.get("model") is None or _LATEST["checked"] == step:
+    state, variables = _LATEST["state"], _LATEST["variables"]
+    if variables is None or state is None or state.get("model") is None or _LATEST["checked"] == step:
         return
     _LATEST["checked"] = step
     binding = _LATEST["binding"]
     weight_check.check_weights(binding, service_lib.service_client, state["model"], step,
-                               [v.numpy() for v in weights()], wait_secs=min(60.0, 0.9 * binding.timeout_secs))
+                               [v.numpy() for v in variables()], wait_secs=min(60.0, 0.9 * binding.timeout_secs))
 
 
 def _eager_channel():
