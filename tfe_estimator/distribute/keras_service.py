@@ -122,15 +122,35 @@ def in_function() -> bool:
 
 
 def _keras_model(fn) -> Optional["tf.keras.Model"]:
-    """The Keras model a replica function of ``fit`` / ``evaluate`` / ``predict`` runs (its closure's)."""
+    """The Keras model a replica function of ``fit`` / ``evaluate`` / ``predict`` runs: its closure's (Keras 2's
+    ``run_step``, Keras 3's ``predict``'s ``one_step_on_data``) or, on Keras 3, the model of ``model.train_step``
+    / ``model.test_step`` (what Keras 3's ``fit`` and ``evaluate`` run)."""
     original = inspect.unwrap(fn)
+    if _KERAS3_STEPS.get(getattr(original, "__name__", None)) and isinstance(getattr(original, "__self__", None),
+                                                                             tf.keras.Model):
+        return original.__self__
     code, cells = getattr(original, "__code__", None), getattr(original, "__closure__", None) or ()
     if code is None:
         return None
     for name, cell in zip(code.co_freevars, cells):
-        if name == "model" and isinstance(cell.cell_contents, tf.keras.Model):
+        if name in ("model", "self") and isinstance(cell.cell_contents, tf.keras.Model):
             return cell.cell_contents
     return None
+
+
+#: Keras 3 names no graph after its functions: which one a replica function belongs to, by its name.
+_KERAS3_STEPS = {"train_step": "train_function", "test_step": "test_function"}
+
+
+def _keras3_function(fn) -> str:
+    """Which of Keras 3's functions runs `fn` ("train_function", "test_function", "predict_function"; "" if
+    none): ``model.train_step`` / ``model.test_step``, or ``make_predict_function``'s ``one_step_on_data``."""
+    original = inspect.unwrap(fn)
+    if isinstance(getattr(original, "__self__", None), tf.keras.Model):
+        return _KERAS3_STEPS.get(getattr(original, "__name__", None), "")
+    if getattr(original, "__qualname__", "").endswith("make_predict_function.<locals>.one_step_on_data"):
+        return "predict_function"
+    return ""
 
 
 def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
@@ -138,7 +158,7 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
     optimizer's ``iterations``, and, when it trained, the owners' handshake before its first step runs."""
     model = _keras_model(fn)
     graph = tf.compat.v1.get_default_graph()
-    function = keras_function(graph)
+    function = keras_function(graph) or (_keras3_function(fn) if model is not None else "")
     if model is not None and function == "predict_function":
         return call(fn, args, kwargs)  # local: each owner predicts its own rows, nothing is summed
     optimizer = getattr(model, "optimizer", None)

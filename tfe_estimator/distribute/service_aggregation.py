@@ -283,6 +283,10 @@ class _ServiceExtended(_TfeExtended):
         return distributed_eval.replicas_seen(len(self.worker_devices) * len(self._cross_device_ops.binding.owners))
 
     def _reduce_to(self, reduce_op, value, destinations, options):
+        from tfe_estimator.distribute import keras_build, keras_evaluation  # pylint: disable=import-outside-toplevel
+
+        if keras_build.answered_locally(value):  # Keras 3 building from shapes or resetting: inside this owner
+            return keras_evaluation.local_reduce(reduce_op, value, destinations, len(self.worker_devices))
         # With one local replica MirroredStrategy hands a replica function's result back unwrapped (its
         # regroup), and MirroredExtended's rule for such a "shared" value refuses a SUM over the owners'
         # replicas (Estimator SUMs a Keras optimizer's reported loss). It is this owner's own value: reduce
@@ -293,8 +297,6 @@ class _ServiceExtended(_TfeExtended):
                     v, value_lib.DistributedValues) else v, value)
         if isinstance(destinations, str):  # Estimator's "/replica:0/task:0/device:CPU:0": this process's device
             destinations = device_util.canonicalize(destinations, self.worker_devices[0])
-        from tfe_estimator.distribute import keras_evaluation  # pylint: disable=import-outside-toplevel
-
         if keras_evaluation.local_reads():  # a Keras evaluation's running metrics: this owner's replicas only
             return keras_evaluation.local_reduce(reduce_op, value, destinations, len(self.worker_devices))
         if any(isinstance(v, value_lib.SyncOnReadVariable) for v in tf.nest.flatten(value)):
