@@ -215,6 +215,7 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         state["model"] = model_id
         state["sessions"] += 1
 
+    _check_backups()
     record = model_record.keras_record(model, settings, len(binding.owners))
     step, weights, fields = record
     agreed = (model_record.model_id(fields), step, weights)
@@ -231,6 +232,34 @@ def _handshake(extended, model, optimizer, state: dict) -> None:
         raise
     state["agreed"] = agreed
     _LATEST.update(state=state, optimizer=weakref.ref(optimizer), step=None, count=0)
+
+
+def _check_backups() -> None:
+    """Refuses Keras 3's ``BackupAndRestore`` that backs up within an epoch (an integer ``save_freq``).
+
+    Keras 3.15 restores the weights, ``optimizer.iterations`` and the epoch, but not the step within the epoch
+    (``keras/src/callbacks/backup_and_restore.py:152`` sets only ``model._initial_epoch``; ``fit`` then runs
+    every step of that epoch again, ``keras/src/backend/tensorflow/trainer.py:392``): a restarted owner would
+    train past the other owners' last step and wait for them forever. Keras 2 restores the step too.
+
+    Raises:
+      NotImplementedError: Keras 3's ``fit`` runs a ``BackupAndRestore`` whose ``save_freq`` is not "epoch".
+    """
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code.co_name == "fit" and frame.f_code.co_filename.replace(
+            "\\", "/").endswith("keras/src/backend/tensorflow/trainer.py")):
+        frame = frame.f_back
+    callbacks = frame.f_locals.get("callbacks") if frame is not None else None
+    for callback in getattr(callbacks, "callbacks", callbacks) or ():
+        if isinstance(callback, tf.keras.callbacks.BackupAndRestore) and callback.save_freq != "epoch":
+            error = NotImplementedError(
+                f"tf.keras.callbacks.BackupAndRestore(save_freq={callback.save_freq!r}) across owners on Keras 3: "
+                "Keras 3 restores the epoch but not the step within it (keras/src/callbacks/backup_and_restore.py"
+                ", _load_model), so a restarted owner would run that epoch's steps again and train past the "
+                "other owners. Use BackupAndRestore(backup_dir) with save_freq='epoch' (the default) and "
+                "fit(..., steps_per_epoch=<steps between backups>, epochs=<total steps / that>).")
+            error.ag_pass_through = True  # raised as it is from fit's tracing, not as AutoGraph's StagingError
+            raise error
 
 
 def repeated_releases(model) -> int:
