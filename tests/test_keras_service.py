@@ -9,7 +9,6 @@ import importlib.util
 import io
 import json
 import os
-import re
 import sys
 
 import numpy as np
@@ -153,8 +152,11 @@ def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_through_a_rest
     assert "keras owner crashing after step 5" in log and "worker:0 died with status 3; restarting" in log
     assert "[worker:0] tfe_estimator: service handshake at step 4: every owner trains model" in log, log[-5000:]
     assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, log[-5000:]
-    replayed = re.search(r"\[worker:0\] keras owner finished at step (\d+); (\d+) answers replayed", log)
-    assert replayed and replayed.group(1) == str(STEPS) and int(replayed.group(2)) >= 1, log[-5000:]  # step 4's
+    # Step 4's sums, replayed: Keras 2 sums 5 values per step (gradients, loss, ...), Keras 3 1 (the gradients).
+    import keras  # pylint: disable=import-outside-toplevel
+
+    replayed = 5 if keras.__version__.startswith("2.") else 1
+    assert f"[worker:0] keras owner finished at step {STEPS}; {replayed} answers replayed" in log, log[-5000:]
     results = {}
     for owner in OWNERS:
         with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
