@@ -2,6 +2,7 @@
 strategy with 2 local replicas, those reads across replicas are answered inside the owner and nothing is sent
 before step 1; a user's own eager reduce still goes across owners (and is refused there: no agreed model). With
 the mutations: sending the build's reads across owners, or answering every reduce locally, each fails its check.
+And Keras 3's BackupAndRestore within an epoch is refused (it restores no step within an epoch).
 No cluster: one subprocess, nothing listens on the servers' addresses."""
 import json
 import os
@@ -35,6 +36,7 @@ class FirstStep(Exception):
     pass
 def first_step(*args, **kwargs):
     raise FirstStep()
+call_for_each_replica = keras_service.call_for_each_replica
 keras_service.call_for_each_replica = first_step  # fit's step 1 is traced: stop before its handshake
 
 from tfe_estimator.distribute.logical_devices import configure_logical_cpus
@@ -70,6 +72,19 @@ for mutation in ("none", "send across owners", "answer every reduce locally"):
     except Exception as e:  # noqa: BLE001
         case["user reduce"] = f"{type(e).__name__}: {e}"
     case["user reduce sent"] = len(sent)
+# Keras 3's BackupAndRestore within an epoch: refused at the handshake, before anything is sent.
+import tempfile
+keras_service.call_for_each_replica, keras_build.answered_locally = call_for_each_replica, answered_locally
+tf.keras.backend.clear_session()
+with strategy.scope():
+    model = tf.keras.Sequential([tf.keras.Input((2,)), tf.keras.layers.Dense(1)])
+    model.compile(tf.keras.optimizers.SGD(0.1), "mse")
+try:
+    model.fit(tf.data.Dataset.from_tensor_slices((x, x[:, :1])).repeat().batch(16), steps_per_epoch=1, verbose=0,
+              callbacks=[tf.keras.callbacks.BackupAndRestore(tempfile.mkdtemp(), save_freq=3)])
+    cases["backup within an epoch"] = "trained"
+except Exception as e:  # noqa: BLE001
+    cases["backup within an epoch"] = f"{type(e).__name__}: {e}"
 print(json.dumps(cases))
 """
 
@@ -108,3 +123,11 @@ def test_mutation_the_build_sent_across_owners_or_every_reduce_answered_locally_
     assert sent["sent before step 1"] > 0 and sent["fit"] != "reached step 1", sent
     local = fits["answer every reduce locally"]
     assert local["user reduce"] == "answered" and local["user reduce sent"] == 0, local
+
+
+def test_keras3_backup_and_restore_within_an_epoch_is_refused_with_the_fix(fits):
+    # Keras 3 restores no step within an epoch: a restarted owner would train past the other owners.
+    refused = fits["backup within an epoch"]
+    assert refused.startswith("NotImplementedError: tf.keras.callbacks.BackupAndRestore(save_freq=3) across owners "
+                              "on Keras 3: Keras 3 restores the epoch but not the step within it"), refused
+    assert "save_freq='epoch' (the default)" in refused, refused
