@@ -19,7 +19,9 @@ exactly as `TfeRunConfig` builds it for Estimator. Keras then trains as under Mu
 - every owner starts from identical weights: the strategy seeds Keras (``tf.keras.utils.set_random_seed``)
   with the seed every owner derives alike from the cluster, as `TfeRunConfig` does for Estimator.
 
-What Keras runs here is found in ``fit``'s replica function (Keras' ``run_step`` closes over its model);
+What Keras runs here is found in ``fit``'s replica function (Keras 2's ``run_step`` closes over its model;
+Keras 3 runs ``model.train_step`` itself, and builds the model from shapes before step 1 inside the owner:
+`keras_build`); on Keras 3 ``BackupAndRestore`` backs up at epoch ends only (`_check_backups`);
 ``strategy.run`` of another function (a custom training loop) is refused with a clear error for now.
 ``model.evaluate`` (metrics of every owner's data, secure sums of the metrics' states) and ``model.predict``
 (local) run as `keras_evaluation` describes.
