@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 OWNER = pathlib.Path(__file__).resolve().parent.parent / "tfe_estimator" / "owner"
-ADAPTERS = {"estimator", "saver", "keras_fit", "keras_evaluation", "custom_loop"}
+ADAPTERS = {"estimator", "saver", "keras_fit", "keras_evaluation", "custom_loop", "keras_build"}
 
 
 def _imported_owner_modules(source: str):

@@ -8,9 +8,10 @@ Usage: keras_owner.py STEPS LEARNING_RATE [--refused-first TASK_DIR LR] [--crash
                       [--then-evaluate] [--then-dp NOISE_MULTIPLIER] [--then-loop]
 --refused-first TASK_DIR LR: in its first run, each owner first fits a model whose learning rate is LR on the
   owner in directory TASK_DIR (e.g. worker-0): refused by the handshake (prints the error), then the real one.
---crash-in TASK_DIR STEP EVERY: with tf.keras.callbacks.BackupAndRestore(./backup, save_freq=EVERY), the owner
-  in TASK_DIR exits (status 3) after STEP steps in its first run (no ./crashed yet); its restart resumes from
-  its latest backup and replays the steps after it from the servers' window.
+--crash-in TASK_DIR STEP EVERY: fit in epochs of EVERY steps with tf.keras.callbacks.BackupAndRestore(./backup)
+  (a backup at each epoch's end: Keras 3 restores no step within an epoch), the owner in TASK_DIR exits
+  (status 3) after STEP steps in its first run (no ./crashed yet); its restart resumes from its latest backup
+  and replays the steps after it from the servers' window.
 --then-dp NOISE_MULTIPLIER: then fit a second model for DP_STEPS steps under TfeStrategy(dp=DistributedDP(DP_CLIP,
   NOISE_MULTIPLIER, num_examples=DP_EXAMPLES)) with EpsilonCallback; writes ./keras_dp.json.
 --then-loop: then (with --refused-first, each owner first runs a loop whose learning rate differs as there: refused)
@@ -105,14 +106,17 @@ def main(argv):
         model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(2,))])
         model.compile(tf.keras.optimizers.SGD(learning_rate), "mse", metrics=["mae"])
     initial = [w.tolist() for w in model.get_weights()]
-    callbacks = []
+    callbacks, every = [], steps
     if "--crash-in" in argv:
         at = argv.index("--crash-in")
-        callbacks.append(tf.keras.callbacks.BackupAndRestore("backup", save_freq=int(argv[at + 3])))
+        every = int(argv[at + 3])
+        callbacks.append(tf.keras.callbacks.BackupAndRestore("backup"))
         if _here(argv[at + 1]) and not os.path.exists("crashed"):
             callbacks.append(_CrashAt(int(argv[at + 2])))
-    validation = {"validation_data": _eval_rows(rows)} if "--then-evaluate" in argv else {}
-    history = model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=callbacks, **validation)
+    validation = ({"validation_data": _eval_rows(rows), "validation_freq": steps // every}
+                  if "--then-evaluate" in argv else {})
+    history = model.fit(dataset, steps_per_epoch=every, epochs=steps // every, verbose=0, callbacks=callbacks,
+                        **validation)
     with open("keras_weights.json", "w") as f:
         json.dump({"initial": initial, "trained": [w.tolist() for w in model.get_weights()],
                    "iterations": int(model.optimizer.iterations.numpy()),

@@ -16,7 +16,7 @@ The adapters wire the core into each framework's own mechanisms, and nothing els
 
 - `estimator`: `EstimatorServiceStrategy` (what `TfeRunConfig` builds), the core's agreements as session-run
   hooks in every `EstimatorSpec`; `saver`: checkpoints after the handshake;
-- `keras_fit`, `keras_evaluation`, `custom_loop`: `OwnerStrategy` (what ``TfeStrategy()`` returns to an
+- `keras_fit`, `keras_evaluation`, `custom_loop`, `keras_build`: `OwnerStrategy` (what ``TfeStrategy()`` returns to an
   owner), the core's agreements at the steps of Keras' ``fit`` / ``evaluate`` / ``predict`` and of custom
   training loops (``strategy.run`` in the user's ``tf.function``).
 

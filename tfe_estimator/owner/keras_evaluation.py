@@ -52,7 +52,9 @@ PLAIN_COPY_RECIPE = ("Evaluate each owner's own data with a plain copy of the mo
                      "copy = tf.keras.models.clone_model(model); copy.set_weights(model.get_weights()); "
                      "copy.compile(loss=..., metrics=...); copy.evaluate(own_data).")
 
-_KERAS_TRAINING = ("keras/src/engine/training.py", "keras/engine/training.py")
+#: Where Keras' fit / evaluate / predict live: Keras 2's engine, Keras 3's TensorFlow trainer.
+_KERAS_TRAINING = ("keras/src/engine/training.py", "keras/engine/training.py",
+                   "keras/src/backend/tensorflow/trainer.py")
 
 
 def _keras_graph_function() -> str:
@@ -85,7 +87,7 @@ def evaluating_inputs() -> bool:
     Those datasets are not split over every owner's replicas (each owner evaluates its own batches whole):
     Keras counts an evaluation's steps by the dataset's batches, so a split would evaluate half the rows. Told
     by Keras' own frames (``Model.evaluate`` / ``Model.predict``, or ``Model.fit`` once its training data
-    handler exists: the validation data's handler is made after it).
+    handler exists: the validation data's handler is made after it; Keras 3: its ``epoch_iterator``).
     """
     frame = sys._getframe(1)  # pylint: disable=protected-access
     while frame is not None:
@@ -94,7 +96,7 @@ def evaluating_inputs() -> bool:
             if code.co_name in ("evaluate", "predict"):
                 return True
             if code.co_name == "fit":
-                return "data_handler" in frame.f_locals
+                return "data_handler" in frame.f_locals or "epoch_iterator" in frame.f_locals
         frame = frame.f_back
     return False
 

@@ -23,7 +23,9 @@ exactly as `TfeRunConfig` builds it for Estimator. Keras then trains as under Mu
 - every owner starts from identical weights: the strategy seeds Keras (``tf.keras.utils.set_random_seed``)
   with the seed every owner derives alike from the cluster, as `TfeRunConfig` does for Estimator.
 
-What Keras runs here is found in ``fit``'s replica function (Keras' ``run_step`` closes over its model);
+What Keras runs here is found in ``fit``'s replica function (Keras 2's ``run_step`` closes over its model;
+Keras 3 runs ``model.train_step`` itself, and builds the model from shapes before step 1 inside the owner:
+`keras_build`); on Keras 3 ``BackupAndRestore`` backs up at epoch ends only (`_check_backups`);
 ``strategy.run`` in another ``tf.function`` (a custom training loop) runs as `custom_loop` describes.
 ``model.evaluate`` (metrics of every owner's data, secure sums of the metrics' states) and ``model.predict``
 (local) run as `keras_evaluation` describes.
@@ -47,7 +49,8 @@ from tensorflow.python.framework import func_graph
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
 from tfe_estimator.cluster import spec as cluster_lib
-from tfe_estimator.owner import custom_loop, handshake, keras_evaluation, model_record, step_key, training_run
+from tfe_estimator.owner import custom_loop, handshake, keras_build, keras_evaluation, model_record, step_key
+from tfe_estimator.owner import training_run
 from tfe_estimator.owner import weight_check
 from tfe_estimator.owner import service_strategy as service_lib
 from tfe_estimator.owner.step_wait import DEFAULT_STEP_TIMEOUT_SECS
@@ -84,6 +87,11 @@ class _KerasExtended(service_lib.ServiceExtended):
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         custom_loop.key_gradients(value_destination_pairs)  # a custom loop's first all-reduce keys its function
         return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if keras_build.answered_locally(value):  # Keras 3 building from shapes or resetting: inside this owner
+            return keras_evaluation.local_reduce(reduce_op, value, destinations, len(self.worker_devices))
+        return super()._reduce_to(reduce_op, value, destinations, options)
 
     def _local_reduce(self, reduce_op, value, destinations):
         if keras_evaluation.local_reads():  # a Keras evaluation's running metrics: this owner's replicas only
@@ -158,15 +166,35 @@ def in_function() -> bool:
 
 
 def _keras_model(fn) -> Optional["tf.keras.Model"]:
-    """The Keras model a replica function of ``fit`` / ``evaluate`` / ``predict`` runs (its closure's)."""
+    """The Keras model a replica function of ``fit`` / ``evaluate`` / ``predict`` runs: its closure's (Keras 2's
+    ``run_step``, Keras 3's ``predict``'s ``one_step_on_data``) or, on Keras 3, the model of ``model.train_step``
+    / ``model.test_step`` (what Keras 3's ``fit`` and ``evaluate`` run)."""
     original = inspect.unwrap(fn)
+    if _KERAS3_STEPS.get(getattr(original, "__name__", None)) and isinstance(getattr(original, "__self__", None),
+                                                                             tf.keras.Model):
+        return original.__self__
     code, cells = getattr(original, "__code__", None), getattr(original, "__closure__", None) or ()
     if code is None:
         return None
     for name, cell in zip(code.co_freevars, cells):
-        if name == "model" and isinstance(cell.cell_contents, tf.keras.Model):
+        if name in ("model", "self") and isinstance(cell.cell_contents, tf.keras.Model):
             return cell.cell_contents
     return None
+
+
+#: Keras 3 names no graph after its functions: which one a replica function belongs to, by its name.
+_KERAS3_STEPS = {"train_step": "train_function", "test_step": "test_function"}
+
+
+def _keras3_function(fn) -> str:
+    """Which of Keras 3's functions runs `fn` ("train_function", "test_function", "predict_function"; "" if
+    none): ``model.train_step`` / ``model.test_step``, or ``make_predict_function``'s ``one_step_on_data``."""
+    original = inspect.unwrap(fn)
+    if isinstance(getattr(original, "__self__", None), tf.keras.Model):
+        return _KERAS3_STEPS.get(getattr(original, "__name__", None), "")
+    if getattr(original, "__qualname__", "").endswith("make_predict_function.<locals>.one_step_on_data"):
+        return "predict_function"
+    return ""
 
 
 def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
@@ -174,7 +202,7 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
     optimizer's ``iterations``, and, when it trained, the owners' handshake before its first step runs."""
     model = _keras_model(fn)
     graph = tf.compat.v1.get_default_graph()
-    function = keras_function(graph)
+    function = keras_function(graph) or (_keras3_function(fn) if model is not None else "")
     if not function:  # strategy.run in the user's own tf.function: a custom training loop
         return custom_loop.call_for_each_replica(extended, fn, args, kwargs, call)
     if model is not None and function == "predict_function":
@@ -255,6 +283,7 @@ def agree_on_model(extended, optimizer, state: dict, read_record: Callable, vari
         state["model"] = model_id
         state["sessions"] += 1
 
+    _check_backups()
     record = read_record(settings, len(binding.owners))
     step, weights, fields = record
     agreed = (model_record.model_id(fields), step, weights)
@@ -281,6 +310,34 @@ def backup_dir(model) -> Optional[str]:
     counts) a step the servers release to it again with fresh noise."""
     manager = getattr(getattr(model, "_training_state", None), "read_checkpoint_manager", None)
     return getattr(manager, "directory", None)
+
+
+def _check_backups() -> None:
+    """Refuses Keras 3's ``BackupAndRestore`` that backs up within an epoch (an integer ``save_freq``).
+
+    Keras 3.15 restores the weights, ``optimizer.iterations`` and the epoch, but not the step within the epoch
+    (``keras/src/callbacks/backup_and_restore.py:152`` sets only ``model._initial_epoch``; ``fit`` then runs
+    every step of that epoch again, ``keras/src/backend/tensorflow/trainer.py:392``): a restarted owner would
+    train past the other owners' last step and wait for them forever. Keras 2 restores the step too.
+
+    Raises:
+      NotImplementedError: Keras 3's ``fit`` runs a ``BackupAndRestore`` whose ``save_freq`` is not "epoch".
+    """
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code.co_name == "fit" and frame.f_code.co_filename.replace(
+            "\\", "/").endswith("keras/src/backend/tensorflow/trainer.py")):
+        frame = frame.f_back
+    callbacks = frame.f_locals.get("callbacks") if frame is not None else None
+    for callback in getattr(callbacks, "callbacks", callbacks) or ():
+        if isinstance(callback, tf.keras.callbacks.BackupAndRestore) and callback.save_freq != "epoch":
+            error = NotImplementedError(
+                f"tf.keras.callbacks.BackupAndRestore(save_freq={callback.save_freq!r}) across owners on Keras 3: "
+                "Keras 3 restores the epoch but not the step within it (keras/src/callbacks/backup_and_restore.py"
+                ", _load_model), so a restarted owner would run that epoch's steps again and train past the "
+                "other owners. Use BackupAndRestore(backup_dir) with save_freq='epoch' (the default) and "
+                "fit(..., steps_per_epoch=<steps between backups>, epochs=<total steps / that>).")
+            error.ag_pass_through = True  # raised as it is from fit's tracing, not as AutoGraph's StagingError
+            raise error
 
 
 def repeated_releases(model) -> int:

@@ -234,11 +234,17 @@ def _variable_name(tensor) -> str:
     return op.name
 
 
+def _path(variable) -> str:
+    """A variable's full name: a Keras 3 variable's ``path`` ("sequential/dense/kernel": its ``name`` is only
+    "kernel", and its dtype a string), else TensorFlow's ``name``."""
+    return getattr(variable, "path", None) or variable.name
+
+
 def _common_fields(settings: Mapping[str, object], num_owners: int, variables) -> List[Field]:
     """The fields of every record: the number of owners, the settings, the trainable variables' structure."""
     fields: List[Field] = [("the number of owners", INT, int(num_owners))]
     fields += [_value_field(f"setting {name}", value) for name, value in settings.items()]
-    structure = ";".join(f"{v.name}:{v.shape}:{v.dtype.name}" for v in variables)
+    structure = ";".join(f"{_path(v)}:{v.shape}:{tf.as_dtype(v.dtype).name}" for v in variables)
     fields.append(("the structure of the trainable variables (names, shapes, dtypes; embedding "
                    "dimensions, vocabulary and bucket counts)", HASH, _hash63(structure.encode())))
     return fields
@@ -290,7 +296,7 @@ def loop_record(optimizer, variables, settings: Mapping[str, object],
 
         step, weights, fields = loop_record(optimizer, model.trainable_variables, {"precision": "low"}, 2)
     """
-    variables = sorted(variables, key=lambda v: v.name)
+    variables = sorted(variables, key=_path)
     fields = _common_fields(settings, num_owners, variables) + _config_fields("optimizer", optimizer)
     step = int(optimizer.iterations.numpy())
     return step, weights_fingerprint([v.numpy() for v in variables]), fields
