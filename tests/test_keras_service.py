@@ -248,6 +248,12 @@ def _check_custom_loops(workdir, data, log):
         with open(os.path.join(workdir, owner, "keras_loop.json")) as f:
             results[owner] = json.load(f)
     _check_loop(data, results, "secure")
-    for leak in ("reduce_local", "gradients_local"):
-        with pytest.raises(AssertionError):
-            _check_loop(data, results, leak)
+    # The owner's sum kept local: the weights still agree (the gradients were summed), the losses do not.
+    with pytest.raises(AssertionError):
+        _check_loop(data, results, "reduce_local")
+    # The gradients summed over the owner's replicas only: the owners' weights diverge, and the library's own
+    # weight check (at the first value read across owners after a step) stops both owners, naming the step.
+    for owner in OWNERS:
+        stopped = results[owner]["gradients_local"].get("stopped", "")
+        assert stopped.startswith("OwnersDisagreeError: Weight check at step 1: the owners' weights differ"), (
+            owner, results[owner]["gradients_local"])
