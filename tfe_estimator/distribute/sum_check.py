@@ -213,23 +213,47 @@ class SumCheck:
             raise ValueError(f"the sums' integrity checks hold for at most {MAX_OWNERS[ring_bits]} owners in the "
                              f"{ring_bits}-bit ring, got {self.num_owners}: use a wider ring (update_ring_bits).")
 
-    def extend(self, channel: str, step: int, ring_bits: int, n: int, key: np.ndarray, share: np.ndarray) -> np.ndarray:
-        """The owner's masked share with its `CHECK_WORDS` check words appended (``n + CHECK_WORDS`` elements).
+    def extend(self, channel: str, step: int, ring_bits: int, n: int, key: np.ndarray, share: np.ndarray,
+               riders: Sequence[int] = ()) -> np.ndarray:
+        """The owner's masked share, then its `riders` masked, then its `CHECK_WORDS` check words
+        (``n + len(riders) + CHECK_WORDS`` elements).
 
-        Reads its own vector back (share + AES(key)), computes its check values and masks the check words with
-        the keystream of the same key at elements ``n, n + 1, ...`` (what server0 expands for the longer
-        vector): one `check_pass` over the share, which also copies it and leaves that keystream in place.
+        Reads its own vector back (share + AES(key)), computes its check values and masks the rider and check
+        words with the keystream of the same key at elements ``n, n + 1, ...`` (what server0 expands for the
+        longer vector): one `check_pass` over the share, which also copies it and leaves that keystream in place.
+        The checks cover the ``n + len(riders)`` elements (`riders`: plain ring elements, below 2**ring_bits,
+        each read as a signed integer like any element; `tfe_estimator.distribute.riders`).
         """
         self._check_owners(ring_bits)
-        total = n + CHECK_WORDS
+        covered = n + len(riders)
+        total = covered + CHECK_WORDS
         # reused per thread (the result is only sent: `contribute_checked`)
         out = self._scratch("out", ring.ring_words(total, ring_bits))
-        values = check_pass(np.asarray(share).reshape(-1), n, total, n, ring_bits, key,
-                            _derive(self._seed, channel, step), out, copy=True)
+        key_c = _derive(self._seed, channel, step)
+        # the pass reads the riders' elements as 0: it checks their keystream, corrected below to the riders
+        values = check_pass(np.asarray(share).reshape(-1), n, total, covered, ring_bits, key, key_c, out, copy=True)
         modulus = 1 << ring_bits
-        for j, value in enumerate(self.residues(values, ring_bits)):  # out's element n + j is AES(key)'s
-            _set_element(out, n + j, ring_bits, (value - _element(out, n + j, ring_bits)) % modulus)
+        if riders:
+            stream = self._rider_coefficients(key_c, n, covered)
+            for i, rider in enumerate(riders):  # out's element n + i is AES(key)'s
+                pad = _element(out, n + i, ring_bits)
+                change = _signed(int(rider) % modulus, ring_bits) - _signed(pad, ring_bits)
+                values = [v + int(stream[m][i]) * change for m, v in enumerate(values)]
+                _set_element(out, n + i, ring_bits, (int(rider) - pad) % modulus)
+        for j, value in enumerate(self.residues(values, ring_bits)):  # out's element covered + j is AES(key)'s
+            _set_element(out, covered + j, ring_bits, (value - _element(out, covered + j, ring_bits)) % modulus)
         return out.view(np.int64)
+
+    @staticmethod
+    def _rider_coefficients(coefficient_key: bytes, n: int, covered: int) -> List[np.ndarray]:
+        """Per row, the coefficients of elements ``n .. covered - 1`` of a check over `covered` elements (those
+        of `coefficients` there), without expanding the others."""
+        count = covered - n
+        rows = []
+        for m in range(ROWS):
+            data = ring.keystream_bytes_at(coefficient_key, 4 * (m * covered + n), 4 * count)
+            rows.append(np.frombuffer(data, "<u4") >> np.uint32(32 - COEFFICIENT_BITS))
+        return rows
 
     def verify(self, channel: str, step: int, ring_bits: int, n: int, blind_key: np.ndarray,
                masked: np.ndarray) -> np.ndarray:
@@ -266,16 +290,29 @@ class SumCheck:
 
 
 def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel: str, step: int, ring_bits: int,
-                       n: int, key: np.ndarray, share: np.ndarray, reveal: bool = False):
+                       n: int, key: np.ndarray, share: np.ndarray, reveal: bool = False, riders: Sequence[int] = ()):
     """One contribution through `contribute` (`OwnerClient.contribute`'s signature), checked with `check`.
 
     Returns ``(blind_key, w)`` with w of the share's n elements (``ring_words(n)`` words), as without checks
     (with `check` None, exactly `contribute`'s answer); with `reveal`, the revealed sum ``w + AES(blind_key)``
     instead (int64, ``ring_words(n)`` words: what the check computed anyway, so the reveal needs no key).
+    With `riders` (plain ring elements that ride in this contribution, masked with the same key after the
+    share's n elements: `tfe_estimator.distribute.riders`), the vector and what is returned have
+    ``n + len(riders)`` elements; `reveal` is then required.
 
     Raises:
       SumIntegrityError: the revealed sum fails its checks (`SumCheck.verify`).
     """
+    if riders and not reveal:
+        raise ValueError("riders come back only in a revealed sum: call checked_contribute with reveal=True.")
+    if riders and check is None:
+        share, n = _with_riders(key, share, n, ring_bits, riders), n + len(riders)
+    elif riders:
+        extended = check.extend(channel, step, ring_bits, n, key, share, riders)
+        n += len(riders)
+        blind_key, masked = contribute(channel, step, ring_bits, n + CHECK_WORDS, key, extended)
+        return check.verify(channel, step, ring_bits, n, blind_key, masked)[:ring.ring_words(n, ring_bits)].view(
+            np.int64)
     words = ring.ring_words(n, ring_bits)
     if check is None:
         blind_key, masked = contribute(channel, step, ring_bits, n, key, share)
@@ -289,3 +326,25 @@ def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel:
     if reveal:
         return revealed[:words].view(np.int64)
     return blind_key, np.asarray(masked).reshape(-1)[:words]
+
+
+def _signed(value: int, ring_bits: int) -> int:
+    """A ring element (below 2**ring_bits) read as a two's complement integer."""
+    return value - (1 << ring_bits) if value >> (ring_bits - 1) else value
+
+
+def _with_riders(key, share: np.ndarray, n: int, ring_bits: int, riders: Sequence[int]) -> np.ndarray:
+    """`share` (n elements) with `riders` appended, masked with the keystream of `key` at elements n, n + 1, ...
+    (an unchecked contribution's riders: a new array)."""
+    total = n + len(riders)
+    out = np.zeros(ring.ring_words(total, ring_bits), np.uint64)
+    source = np.asarray(share).reshape(-1).view(np.uint64)
+    lanes = n * ring_bits // 32
+    out.view("<u4")[:lanes] = source.view("<u4")[:lanes]
+    pads = ring.keystream_bytes_at(key, n * ring_bits // 8, len(riders) * ring_bits // 8)
+    per = ring_bits // 8
+    modulus = 1 << ring_bits
+    for i, rider in enumerate(riders):
+        pad = int.from_bytes(pads[i * per:(i + 1) * per], "little")
+        _set_element(out, n + i, ring_bits, (int(rider) - pad) % modulus)
+    return out.view(np.int64)
