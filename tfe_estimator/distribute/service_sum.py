@@ -34,6 +34,12 @@ all of a step's sums travel together (one round trip per step), and a
 session's few inter-op threads can never all wait on sums that the other
 owners have not reached.
 
+A small sum built after a contribution of the same chain (the reported loss
+after the gradients) rides in that contribution instead of making a call of
+its own (`riders`): one call per owner and server per step; its ops keep the
+audit's shape (its contribution op takes its own mask op's key and share, its
+answer op only its ticket).
+
 A chain holds the sums of one kind of session run. The training step's sums
 are the ``"step"`` chain. Cross-replica reads of on-read variables (a batch
 normalization's moving statistics, whose checkpointed value is the mean over
@@ -221,6 +227,7 @@ def _ride_on_host(graph, key, share, step, encoding, num_elements, checked) -> O
         revealed = tf.numpy_function(functools.partial(_ride_finish, tuple(share.shape.as_list())), [ticket],
                                      tf.int64, stateful=True, name=ANSWER_OP_NAME)
     revealed.set_shape(share.shape)
+    _ANSWERS.setdefault(graph, {}).setdefault(_CHAIN[0], []).append(revealed.op)  # after later contributions
     return revealed
 
 
