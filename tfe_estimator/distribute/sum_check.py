@@ -48,6 +48,7 @@ Example::
     check = SumCheck(seed, operators="tfe:0 (Operator A), tfe:1 (Operator B)")
     blind_key, w = checked_contribute(client.contribute, check, "sum_0", 7, 64, n, key, share)
 """
+import contextlib
 import hashlib
 import logging
 import threading
@@ -303,6 +304,38 @@ def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel:
     Raises:
       SumIntegrityError: the revealed sum fails its checks (`SumCheck.verify`).
     """
+    if not reveal:  # the answer is handed back: in a buffer of its own
+        return _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders)
+    # revealed here, into a new array: the answer's bytes can land in this thread's reused buffer
+    with _reply_buffer(ring.ring_words(n + len(riders) + (CHECK_WORDS if check is not None else 0), ring_bits)):
+        return _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders)
+
+
+#: Per thread, the buffer server1's answers land in (`client.reply_into`), reused from call to call.
+_REPLIES = threading.local()
+#: Bytes of a Contribute answer's message beyond its payload (its step and the payload's field header).
+_REPLY_HEADER_BYTES = 32
+
+
+@contextlib.contextmanager
+def _reply_buffer(words: int):
+    """Lends this thread's reply buffer for answers of `words` ring words to the calls inside; a call that
+    raised leaves it behind (a put of that call may still write into it)."""
+    from tfe_estimator.service.client import reply_into  # pylint: disable=import-outside-toplevel
+
+    size = 8 * words + _REPLY_HEADER_BYTES
+    buffer = getattr(_REPLIES, "buffer", None)
+    if buffer is None or len(buffer) != size:
+        buffer = _REPLIES.buffer = bytearray(size)
+    try:
+        with reply_into(buffer):
+            yield
+    except BaseException:
+        _REPLIES.buffer = None
+        raise
+
+
+def _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders):
     if riders and not reveal:
         raise ValueError("riders come back only in a revealed sum: call checked_contribute with reveal=True.")
     if riders and check is None:
