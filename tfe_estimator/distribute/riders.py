@@ -97,6 +97,7 @@ class Host:
         self.ring_bits = ring_bits
         self.riders = 0  # riders built on this host (their indices: 0 .. riders - 1)
         self._pending: Dict[int, Tuple[List[int], _Ride]] = {}
+        self._latest: Dict[int, int] = {}  # rider index -> its latest ticket (an earlier one was never collected)
         self._lock = threading.Lock()
 
     def add(self) -> int:
@@ -104,12 +105,14 @@ class Host:
         self.riders += 1
         return self.riders - 1
 
-    def _put(self, index: int, limbs: List[int], answer: _Ride) -> None:
+    def _put(self, index: int, limbs: List[int], answer: _Ride, ticket: int) -> None:
         with self._lock:
-            old = self._pending.pop(index, None)
             self._pending[index] = (limbs, answer)
-        if old is not None:  # a run that ended before the host's call: its rider is never answered
-            _drop(old[1])
+            stale = self._latest.get(index)
+            self._latest[index] = ticket
+        if stale is not None:  # a run that did not collect its rider's answer (it fetched no reported loss)
+            with _LOCK:
+                _RIDES.pop(stale, None)
 
     def take(self) -> Tuple[List[int], Callable[[Optional[np.ndarray], int, Optional[BaseException]], None]]:
         """The riders' limbs of this run, in order, and ``settle(revealed, n, error)``: hands each rider its part
@@ -153,7 +156,7 @@ def ride(host: Host, index: int, ring_bits: int, n: int, key: np.ndarray, share:
     with _LOCK:
         ticket = next(_IDS)
         _RIDES[ticket] = answer
-    host._put(index, to_limbs(plain, n, ring_bits, host.ring_bits), answer)  # pylint: disable=protected-access
+    host._put(index, to_limbs(plain, n, ring_bits, host.ring_bits), answer, ticket)  # pylint: disable=W0212
     return ticket
 
 
@@ -170,8 +173,3 @@ def finish(ticket: int) -> np.ndarray:
         raise answer.error
     return answer.words
 
-
-def _drop(answer: _Ride) -> None:
-    with _LOCK:
-        for ticket in [t for t, a in _RIDES.items() if a is answer]:
-            del _RIDES[ticket]
