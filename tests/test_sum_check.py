@@ -647,3 +647,31 @@ def test_a_step_of_two_sums_is_one_call_per_owner_and_passes_the_graph_audit(clu
         np.testing.assert_allclose(g, grads[0] + grads[1])
         assert loss == pytest.approx(2.5e6 - 0.25)
     assert calls == [f"sum_0 of {6 + 4 + CHECK_WORDS} elements"] * 2, calls  # the loss's 4 limbs ride
+
+
+def test_a_revealed_sum_reuses_an_array_only_once_nothing_holds_it():
+    # The arrays handed to TensorFlow are reused (no fresh page-faulted array per step at 1e6), but never while
+    # anything (a tensor over it) still references the previous sum: that sum keeps its values.
+    n, check = 1000, SumCheck(SEED)
+
+    def reveal(values):
+        key, share = _masked(values, 64)
+        extended = check.extend("sum_0", 1, 64, n, key, share)
+        return check.verify("sum_0", 1, 64, n, key, extended.copy())  # blind key = key: the owner's own vector
+
+    first = reveal(np.arange(n))
+    address = first.ctypes.data
+    del first
+    again = reveal(np.arange(n) + 1)
+    assert again.ctypes.data == address  # reused
+    held = again[:n].view(np.int64)  # e.g. a tensor over it
+    third = reveal(np.arange(n) + 2)
+    assert third.ctypes.data != address
+    np.testing.assert_array_equal(held, np.arange(n) + 1)
+    np.testing.assert_array_equal(third[:n].view(np.int64), np.arange(n) + 2)
+
+
+def test_mutation_reusing_an_array_still_held_overwrites_the_earlier_sum(monkeypatch):
+    monkeypatch.setattr(sum_check.sys, "getrefcount", lambda obj: 0)  # plant it: every array looks free
+    with pytest.raises(AssertionError):
+        test_a_revealed_sum_reuses_an_array_only_once_nothing_holds_it()

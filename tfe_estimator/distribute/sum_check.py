@@ -51,6 +51,7 @@ Example::
 import contextlib
 import hashlib
 import logging
+import sys
 import threading
 from typing import Callable, List, Optional, Sequence
 
@@ -96,6 +97,11 @@ def _derive(seed: bytes, channel: str, step: int) -> bytes:
 #: TensorFlow takes a `tf.numpy_function`'s result without a copy only if its data is aligned to this many bytes
 #: (``EIGEN_MAX_ALIGN_BYTES``; NumPy's large arrays start 16 bytes into a page).
 _TF_ALIGN = 64
+
+
+#: Revealed sums' arrays a thread keeps for reuse (a step's answer is in use while the next one arrives only if
+#: TensorFlow still holds it: then a new one).
+_REUSED = 3
 
 
 def _for_tensorflow(words: int) -> np.ndarray:
@@ -157,6 +163,24 @@ class SumCheck:
         if array is None or array.size != words:
             array = arrays[name] = np.empty(words, np.uint64)
         return array
+
+    def _for_tensorflow(self, words: int) -> np.ndarray:
+        """A uint64 array of `words` words for TensorFlow to take without a copy (`_for_tensorflow`): one of this
+        thread's earlier ones that nothing references any more (TensorFlow holds a reference to the array while a
+        tensor uses its memory, and drops it when the tensor dies), else a new one; at most `_REUSED` kept."""
+        pool = self._scratch_arrays.__dict__.setdefault("revealed", [])
+        size = 8 * words + _TF_ALIGN
+        for raw in pool:
+            # references: the pool's, this loop's and getrefcount's argument; any view (a tensor's) adds one
+            if raw.size == size and sys.getrefcount(raw) <= 3:
+                break
+        else:
+            raw = np.empty(size, np.uint8)
+            pool.append(raw)
+            if len(pool) > _REUSED:
+                pool.pop(0)
+        start = -raw.ctypes.data % _TF_ALIGN
+        return raw[start:start + 8 * words].view(np.uint64)
 
     @property
     def fingerprint(self) -> str:
@@ -271,7 +295,7 @@ class SumCheck:
                 f"the sum released for step {step} on channel {channel} has {answer.size} ring words, not the "
                 f"{ring.ring_words(total, ring_bits)} of {n} elements and {CHECK_WORDS} check words: a server "
                 f"altered it (server operators: {self.operators}); training stopped, nothing of it applied.")
-        revealed = _for_tensorflow(answer.size)  # a new array: it is handed to TensorFlow
+        revealed = self._for_tensorflow(answer.size)  # handed to TensorFlow: one nobody holds any more
         values = check_pass(answer, total, total, n, ring_bits, blind_key, _derive(self._seed, channel, step),
                             revealed, copy=False)
         expected = self.residues(values, ring_bits)
