@@ -197,6 +197,7 @@ def service_sum(
 
 
 def _on_targets(total: List[tf.Tensor], targets: Sequence[str]) -> List[List[tf.Tensor]]:
+    """Per target device, its copy of the decoded sums `total`."""
     results = []
     for device in targets:
         with tf.device(device):
@@ -215,8 +216,9 @@ def _ride_on_host(graph, key, share, step, encoding, num_elements, checked) -> O
     if found is None or num_elements > riders.MAX_ELEMENTS:
         return None
     host_op, host, host_checked = found
-    if host_checked != checked or host_op in ancestors(share.op) or host_op is share.op:
-        return None
+    if host_checked != checked or host_op in ancestors(share.op) or host_op is share.op or \
+            getattr(host_op, "_control_flow_context", None) is not getattr(share.op, "_control_flow_context", None):
+        return None  # TF1 cond/while: the edges below stay in one frame
     index = host.add()
     ride = functools.partial(_ride, host, index, encoding.ring_bits, num_elements)
     with tf.device(share.device):
