@@ -1278,3 +1278,48 @@ def test_a_certificate_that_expires_is_refused_on_open_connections(tmp_path):
 def test_mutation_the_data_plane_checking_expiry_only_at_connect_is_detected(tmp_path, monkeypatch):
     monkeypatch.setattr(tls_module.SslPeer, "problem", _checked_once_per_connection(tls_module.SslPeer.problem))
     _detects(check_a_certificate_that_expires_is_refused_on_open_connections, tmp_path)
+
+
+def test_answers_land_in_one_reused_buffer_per_thread_and_sums_stay_exact(make_service, monkeypatch):
+    # A revealed contribution's answer is read into this thread's reused buffer (no fresh multi-megabyte buffer
+    # per reply); each step's sum is still exact, and a call that raised leaves its buffer behind.
+    from tfe_estimator.owner import sum_check  # pylint: disable=import-outside-toplevel
+
+    service = make_service(owner_names(2))
+    clients = service.clients_of(2)
+    check = sum_check.SumCheck(bytes(range(32)))
+    buffers = []
+    real_call = DataLink.call
+
+    def call(self, method, head, meta, payload, timeout, started=None, into=None):
+        code, replayed, message = real_call(self, method, head, meta, payload, timeout, started, into=into)
+        if method == "Contribute" and into is not None:
+            buffers.append((threading.current_thread().name, id(into), isinstance(message, memoryview)))
+        return code, replayed, message
+
+    monkeypatch.setattr(DataLink, "call", call)
+    n = 5000
+
+    def owner(o, step):
+        values = np.arange(n, dtype=np.int64) * (o + 1) + step
+        key = np.frombuffer(os.urandom(16), np.int32).copy()
+        share = (values.view(np.uint64) - ring.keystream_words(key, n)).view(np.int64)
+        return sum_check.checked_contribute(clients[o].contribute, check, "sum_0", step, 64, n, key, share,
+                                            reveal=True)
+
+    results = in_threads([lambda o=o: [owner(o, step) for step in range(3)] for o in range(2)])  # a thread each
+    for result in results:
+        assert not isinstance(result, Exception), result
+        for step, revealed in enumerate(result):
+            np.testing.assert_array_equal(revealed, np.arange(n) * 3 + 2 * step)
+    assert len(buffers) == 6 and all(viewed for _, _, viewed in buffers), buffers
+    assert len({buffer for _, buffer, _ in buffers}) == 2, buffers  # one buffer per owner's thread, reused
+
+    class Refused(Exception):
+        pass
+
+    held = sum_check._REPLIES.__dict__.get("buffer")  # pylint: disable=protected-access
+    with pytest.raises(Refused):
+        sum_check.checked_contribute(lambda *a: (_ for _ in ()).throw(Refused()), None, "sum_0", 9, 64, 1,
+                                     np.zeros(4, np.int32), np.zeros(1, np.int64), reveal=True)
+    assert sum_check._REPLIES.__dict__.get("buffer") is None and held is None  # main thread: never lent before

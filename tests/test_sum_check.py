@@ -20,7 +20,7 @@ import tensorflow as tf
 from cryptography import x509
 
 from service_helpers import OWNER_TASKS, WAIT_SECS, cert_dirs, in_threads, owner_names  # noqa: F401 (fixtures)
-from tfe_estimator.owner import check_seed, contribution, sum_check
+from tfe_estimator.owner import check_seed, contribution, riders, sum_check
 from tfe_estimator.owner.sum_check import CHECK_WORDS, PRIMES, SumCheck, SumIntegrityError
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels.check_pass import check_pass
@@ -512,3 +512,166 @@ def test_a_renewed_certificate_gets_the_same_seed_wrapped_again(cluster, cert_di
     rows, parts = c.clients[1].handshake_parts(0, [0, 1], 11, worker.part)
     assert "certificate yet" in worker.update([w for w, _, _ in rows], parts, worker.part)  # the old wrapping
     assert _agree(c, model=11)[1].seed == seed
+
+
+# ------------------------------------------------------------------------------------------ riders --
+
+def test_the_keystream_and_coefficients_at_an_offset_are_those_of_the_whole_vector():
+    key = np.arange(4, dtype=np.int32)
+    whole = ring.keystream_words(key, 40).tobytes()
+    for offset, size in ((0, 16), (8, 8), (13, 50), (160, 120)):
+        assert ring.keystream_bytes_at(key, offset, size) == whole[offset:offset + size]
+    coefficient_key = sum_check._derive(SEED, "sum_0", 4)  # pylint: disable=protected-access
+    n, covered = 1001, 1006
+    rows = SumCheck._rider_coefficients(coefficient_key, n, covered)  # pylint: disable=protected-access
+    np.testing.assert_array_equal(np.stack(rows), SumCheck(SEED).coefficients("sum_0", 4, covered)[:, n:])
+
+
+def _rider_round(c, checks, step, ring_bits, values, rider_values, rider_ring=128):
+    """Every owner contributes `values[o]` with the limbs of `rider_values[o]` (signed ints on `rider_ring`)
+    riding; per owner (host sum, rider sum) or its error."""
+    n, m = len(values[0]), len(rider_values[0])
+
+    def owner(o):
+        key, share = _masked(values[o], ring_bits)
+        rider = _vector(rider_values[o], rider_ring)
+        limbs = riders.to_limbs(rider, m, rider_ring, ring_bits)
+        revealed = sum_check.checked_contribute(c.clients[o].contribute, checks[o], "sum_0", step, ring_bits, n, key,
+                                                share, reveal=True, riders=limbs)
+        words = np.asarray(revealed).view(np.uint64)
+        sums = [sum_check._element(words, n + i, ring_bits) for i in range(len(limbs))]  # pylint: disable=W0212
+        total = riders.from_limbs(sums, m, rider_ring, ring_bits).view(np.uint64)
+        return _signed(words, n, ring_bits), [sum_check._signed(sum_check._element(total, i, rider_ring),  # noqa
+                                                                rider_ring) for i in range(m)]
+
+    return in_threads([lambda o=o: owner(o) for o in range(len(values))])
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_riders_come_back_exactly_in_one_call_and_are_checked(cluster, ring_bits):
+    # A small 128-bit ring sum (the reported loss) rides in the limbs of a host of every ring, odd sizes included;
+    # server1 adding to a rider's limb is caught like a change to any element.
+    c = cluster(2)
+    rng = np.random.default_rng(ring_bits)
+    checks = [SumCheck(SEED)] * 2
+    calls = []
+    for client in c.clients:
+        original = client.contribute
+        client.contribute = lambda *a, original=original: calls.append(a[0]) or original(*a)
+    for n in (1, 6):
+        values = _values(rng, 2, n, ring_bits)
+        loss = [[2**62 + int(rng.integers(0, 2**20)), -3], [2**62 + 5, -2**63]]  # sums beyond 64 bits
+        for check in (checks, [None, None]):
+            calls.clear()
+            results = _rider_round(c, check, n, ring_bits, values, loss)
+            assert len(calls) == 2, (calls, results)  # one call per owner
+            for result in results:
+                assert not isinstance(result, Exception), result
+                np.testing.assert_array_equal(result[0], np.sum(values, axis=0))
+                assert [int(v) for v in result[1]] == [loss[0][0] + loss[1][0], loss[0][1] + loss[1][1]]
+    per = {32: 1, 64: 1, 128: 2}[ring_bits]
+    c.server1.tamper = _add_to_element(per * 6, 1, step=9)  # the first rider limb (64-bit word index)
+    if ring_bits == 32:
+        c.server1.tamper = _add_to_element(3, 1, step=9)  # 32-bit lanes: elements 6 and 7 share word 3
+    results = _rider_round(c, checks, 9, ring_bits, _values(rng, 2, 6, ring_bits), [[1], [2]])
+    assert all(isinstance(r, SumIntegrityError) for r in results), results
+
+
+def test_mutation_a_check_over_the_host_elements_only_accepts_a_tampered_rider(cluster, monkeypatch):
+    # Plant the weakness: the check covers the host's n elements, not its riders; a changed loss then passes.
+    c = cluster(2)
+    c.server1.tamper = _add_to_element(6, 1, step=9)
+    extend = SumCheck.extend
+
+    def extend_host_only(self, channel, step, ring_bits, n, key, share, riders_=()):
+        padded = sum_check._with_riders(key, share, n, ring_bits, riders_)  # pylint: disable=protected-access
+        return extend(self, channel, step, ring_bits, n + len(riders_), key, padded)
+
+    monkeypatch.setattr(SumCheck, "extend", extend_host_only)
+    monkeypatch.setattr(sum_check, "check_pass", _host_only_check_pass(sum_check.check_pass, 6))
+    results = _rider_round(c, [SumCheck(SEED)] * 2, 9, 64, _values(np.random.default_rng(3), 2, 6, 64), [[1], [2]])
+    assert not any(isinstance(r, Exception) for r in results), results
+    assert [int(r[1][0]) for r in results] == [4, 4]  # 1 + 2, changed by the server to 4
+
+
+def _host_only_check_pass(real, host_elements):
+    def check_host_only(words, in_elements, total, n, ring_bits, mask_key, coefficient_key, out, copy):
+        return real(words, in_elements, total, min(n, host_elements), ring_bits, mask_key, coefficient_key, out,
+                    copy)
+
+    return check_host_only
+
+
+def test_a_step_of_two_sums_is_one_call_per_owner_and_passes_the_graph_audit(cluster):
+    # Through the real graph on chief:0: the gradients (64-bit ring) and the reported loss (the 128-bit ring, one
+    # element) of a step; the loss rides in the gradients' call, both sums exact. worker:0 contributes from numpy
+    # (this process's calls of one channel run one at a time).
+    from tfe_estimator.audit.owner_graph import audit_owner_graph  # pylint: disable=import-outside-toplevel
+
+    c = cluster(2)
+    check = SumCheck(SEED)
+    grads = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((2, 3), np.float32)]
+    losses = [2.5e6, -0.25]
+    calls = []
+
+    def chief():
+        graph = tf.Graph()
+        with graph.as_default():
+            step = tf.compat.v1.placeholder(tf.int64, [])
+
+            def contribute(*args):
+                calls.append(args[0] + f" of {args[3]} elements")
+                return c.clients[0].contribute(*args)
+
+            g = contribution.service_sum([[tf.constant(grads[0])]], ["/cpu:0"], ["/cpu:0"], Encoding(64, 16, 2.0**20),
+                                        tf.float32, "chief:0", "clip", 1.0, "sum_0", step, contribute,
+                                        checks=lambda: check)
+            loss = contribution.service_sum([[tf.constant(np.float32(losses[0]))]], ["/cpu:0"], ["/cpu:0"],
+                                           Encoding(128, 20, 2.0**60), tf.float32, "chief:0", "scale", 1.0,
+                                           "sum_1", step, contribute, checks=lambda: check)
+            assert audit_owner_graph(graph) == 2
+            with tf.compat.v1.Session(graph=graph) as session:
+                return [session.run([g[0][0], loss[0][0]], {step: s}) for s in (0, 1)]
+
+    def worker():
+        for s in (0, 1):
+            key, share = _masked((grads[1].reshape(-1) * 2**16).astype(np.int64), 64)
+            limbs = riders.to_limbs(_vector([int(losses[1] * 2**20)], 128), 1, 128, 64)
+            sum_check.checked_contribute(c.clients[1].contribute, check, "sum_0", s, 64, 6, key, share, reveal=True,
+                                         riders=limbs)
+
+    results = in_threads([chief, worker])
+    assert not isinstance(results[1], Exception), results[1]
+    assert not isinstance(results[0], Exception), getattr(results[0], "message", results[0])
+    for g, loss in results[0]:
+        np.testing.assert_allclose(g, grads[0] + grads[1])
+        assert loss == pytest.approx(2.5e6 - 0.25)
+    assert calls == [f"sum_0 of {6 + 4 + CHECK_WORDS} elements"] * 2, calls  # the loss's 4 limbs ride
+
+
+def test_a_revealed_sum_reuses_an_array_only_once_nothing_holds_it():
+    # The arrays handed to TensorFlow are reused (no fresh page-faulted array per step at 1e6), but never while
+    # anything (a tensor over it) still references the previous sum: that sum keeps its values.
+    n, check = 1000, SumCheck(SEED)
+
+    def reveal(values):
+        key, share = _masked(values, 64)
+        extended = check.extend("sum_0", 1, 64, n, key, share)
+        return check.verify("sum_0", 1, 64, n, key, extended.copy())  # blind key = key: the owner's own vector
+
+    first = reveal(np.arange(n))
+    address = first.ctypes.data
+    del first
+    again = reveal(np.arange(n) + 1)
+    assert again.ctypes.data == address  # reused
+    held = again[:n].view(np.int64)  # e.g. a tensor over it
+    third = reveal(np.arange(n) + 2)
+    assert third.ctypes.data != address
+    np.testing.assert_array_equal(held, np.arange(n) + 1)
+    np.testing.assert_array_equal(third[:n].view(np.int64), np.arange(n) + 2)
+
+
+def test_mutation_reusing_an_array_still_held_overwrites_the_earlier_sum(monkeypatch):
+    monkeypatch.setattr(sum_check.sys, "getrefcount", lambda obj: 0)  # plant it: every array looks free
+    with pytest.raises(AssertionError):
+        test_a_revealed_sum_reuses_an_array_only_once_nothing_holds_it()

@@ -5,7 +5,8 @@ that secure and correct is framework-neutral, and lives once, in the core:
 
 - `service_strategy`: `ServiceStrategy` (this owner's replicas, its sums through the service), `ServiceBinding`
   (the servers and this owner), `ServiceAggregation` (the `CrossDeviceOps`);
-- `contribution`, `in_flight`: one owner's part of a per-step secure sum, and the calls in flight;
+- `contribution`, `in_flight`, `riders`: one owner's part of a per-step secure sum, the calls in flight, and the
+  small sums (the reported loss) that ride in the gradients' contribution (one call per owner and step);
 - `sum_check`, `check_seed`: the integrity checks on every revealed sum, under a seed only the owners hold;
 - `handshake`, `model_record`: the owners agree on one model (record and weights) before the first step;
 - `training_run`, `step_key`, `step_wait`: which training a session belongs to (and DP's release ledger),

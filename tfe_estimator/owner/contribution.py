@@ -34,6 +34,12 @@ all of a step's sums travel together (one round trip per step), and a
 session's few inter-op threads can never all wait on sums that the other
 owners have not reached.
 
+A small sum built after a contribution of the same chain (the reported loss
+after the gradients) rides in that contribution instead of making a call of
+its own (`riders`): one call per owner and server per step; its ops keep the
+audit's shape (its contribution op takes its own mask op's key and share, its
+answer op only its ticket).
+
 A chain holds the sums of one kind of session run. The training step's sums
 are the ``"step"`` chain. Cross-replica reads of on-read variables (a batch
 normalization's moving statistics, whose checkpointed value is the mean over
@@ -61,9 +67,10 @@ import tensorflow as tf
 from tensorflow.python.framework import errors_impl
 from tensorflow.python.framework import func_graph
 
-from tfe_estimator.owner import in_flight, sum_check
+from tfe_estimator.owner import in_flight, riders, sum_check
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import check_pass, ops
+from tfe_estimator.service import ring
 
 __all__ = ["service_sum", "chain", "tf_errors", "CONTRIBUTE_OP_NAME", "ANSWER_OP_NAME", "STEP_CHAIN", "READS_CHAIN",
            "ancestors"]
@@ -80,6 +87,9 @@ _LAST: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, tf.Tensor]]" = weakref.Wea
 #: Per graph and chain, the answer ops built (each later contribution of the chain runs before them:
 #: `_before_earlier_answers`).
 _ANSWERS: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, List[tf.Operation]]]" = weakref.WeakKeyDictionary()
+#: Per graph and chain, the last contribution built that carries riders: (its op, its `riders.Host`, whether it is
+#: checked); a small sum built after it in the same chain rides in it (`riders`).
+_HOSTS: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, tuple]]" = weakref.WeakKeyDictionary()
 #: The chain the sums built now belong to (`chain`): set around a cross-replica read, in cross-replica context
 #: (no replica thread builds a sum meanwhile).
 _CHAIN = [STEP_CHAIN]
@@ -149,20 +159,30 @@ def service_sum(
         check_pass.load()
     graph = tf.compat.v1.get_default_graph()
     eager = tf.executing_eagerly()  # Keras reading a metric across owners: each op runs as it is called
+    stateful = not isinstance(graph, func_graph.FuncGraph)
+    if not eager and stateful and noise_variance is None:
+        rider = _ride_on_host(graph, key, share, step, encoding, num_elements, checks is not None)
+        if rider is not None:
+            with tf.device(sources[0]), tf.name_scope("service_reveal"):
+                total = ops.reveal_sum(rider, tf.zeros_like(rider), dtype, encoding.ring_bits,
+                                       encoding.fraction_bits, scale, shapes)
+            return _on_targets(total, targets)
     last, answers = _LAST.setdefault(graph, {}), _ANSWERS.setdefault(graph, {}).setdefault(_CHAIN[0], [])
     after = [last[_CHAIN[0]]] if _CHAIN[0] in last and not eager else []
-    begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks)
+    host = riders.Host(encoding.ring_bits) if not eager and stateful else None
+    begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks, host)
     # In a tf.function (Keras) automatic control dependencies chain every stateful op without a resource input
     # in program order (mask, contribution, answer, next mask, ...): one round trip per sum, and a cycle with
     # the edges below. There both call ops are stateless (PyFuncStateless): each has inputs of its own (no
     # two merge) and feeds the update, so it runs once, in the order these explicit edges give.
-    stateful = not isinstance(graph, func_graph.FuncGraph)
     with tf.device(sources[0]), tf.control_dependencies(after):
         ticket = tf.numpy_function(begin, [step, key, share], tf.int64, stateful=stateful, name=CONTRIBUTE_OP_NAME)
     ticket.set_shape([])
     if not eager:
         last[_CHAIN[0]] = ticket
         _before_earlier_answers(answers, ticket.op)
+    if host is not None:
+        _HOSTS.setdefault(graph, {})[_CHAIN[0]] = (ticket.op, host, checks is not None)
     with tf.device(sources[0]):
         revealed = tf.numpy_function(functools.partial(_finish, tuple(share.shape.as_list())), [ticket], tf.int64,
                                      stateful=stateful, name=ANSWER_OP_NAME)
@@ -173,11 +193,55 @@ def service_sum(
         # The sum's ring words are unmasked in the call (its checks need them): decode them.
         total = ops.reveal_sum(revealed, tf.zeros_like(revealed), dtype, encoding.ring_bits, encoding.fraction_bits,
                                scale, shapes)
+    return _on_targets(total, targets)
+
+
+def _on_targets(total: List[tf.Tensor], targets: Sequence[str]) -> List[List[tf.Tensor]]:
+    """Per target device, its copy of the decoded sums `total`."""
     results = []
     for device in targets:
         with tf.device(device):
             results.append([tf.identity(t) for t in total])
     return results
+
+
+def _ride_on_host(graph, key, share, step, encoding, num_elements, checked) -> Optional[tf.Tensor]:
+    """Makes this sum ride in the chain's last contribution (`riders`) if it can; returns its revealed ring
+    words, or None (it is a contribution of its own).
+
+    It rides when it is small (`riders.MAX_ELEMENTS`), the chain has a host checked alike, and the host's
+    contribution does not depend on this sum (the rider's op runs before it: no cycle).
+    """
+    found = _HOSTS.get(graph, {}).get(_CHAIN[0])
+    if found is None or num_elements > riders.MAX_ELEMENTS:
+        return None
+    host_op, host, host_checked = found
+    if host_checked != checked or host_op in ancestors(share.op) or host_op is share.op or \
+            getattr(host_op, "_control_flow_context", None) is not getattr(share.op, "_control_flow_context", None):
+        return None  # TF1 cond/while: the edges below stay in one frame
+    index = host.add()
+    ride = functools.partial(_ride, host, index, encoding.ring_bits, num_elements)
+    with tf.device(share.device):
+        ticket = tf.numpy_function(ride, [step, key, share], tf.int64, stateful=True, name=CONTRIBUTE_OP_NAME)
+    ticket.set_shape([])
+    host_op._add_control_input(ticket.op)  # pylint: disable=protected-access  # the rider's limbs first
+    with tf.device(share.device), tf.control_dependencies([host_op]):  # the host's call answers the rider
+        revealed = tf.numpy_function(functools.partial(_ride_finish, tuple(share.shape.as_list())), [ticket],
+                                     tf.int64, stateful=True, name=ANSWER_OP_NAME)
+    revealed.set_shape(share.shape)
+    _ANSWERS.setdefault(graph, {}).setdefault(_CHAIN[0], []).append(revealed.op)  # after later contributions
+    return revealed
+
+
+def _ride(host, index, ring_bits, num_elements, step, key, share) -> np.ndarray:
+    """The numpy side of a rider's contribution op (`riders.ride`): leaves its elements for the host's call."""
+    del step  # keyed by the host's call (the same step)
+    return np.int64(riders.ride(host, index, ring_bits, num_elements, key, share))
+
+
+def _ride_finish(shape, ticket) -> np.ndarray:
+    """The numpy side of a rider's answer op: its revealed ring words from the host's answer."""
+    return riders.finish(int(ticket)).reshape(shape)
 
 
 def _before_earlier_answers(answers: List[tf.Operation], contribution: tf.Operation) -> None:
@@ -210,7 +274,7 @@ def ancestors(op: tf.Operation) -> set:
     return seen
 
 
-def _begin(contribute, channel, ring_bits, num_elements, checks, step, key, share) -> np.ndarray:
+def _begin(contribute, channel, ring_bits, num_elements, checks, host, step, key, share) -> np.ndarray:
     """The numpy side of the contribution op: starts one call to the service (`in_flight.TICKETS`) with this
     owner's key and masked share (check words appended first); returns its ticket (int64 scalar).
 
@@ -223,9 +287,28 @@ def _begin(contribute, channel, ring_bits, num_elements, checks, step, key, shar
     """
     check = checks() if checks is not None else None
     # `key` and `share` alias the op's input tensors, whose buffers they keep alive after the op returns
-    return np.int64(in_flight.TICKETS.begin(channel, functools.partial(
-        sum_check.checked_contribute, contribute, check, channel, int(step), ring_bits, num_elements, key, share,
-        reveal=True)))
+    call = functools.partial(sum_check.checked_contribute, contribute, check, channel, int(step), ring_bits,
+                             num_elements, key, share, reveal=True)
+    if host is not None and host.riders:
+        call = functools.partial(_carrying, call, host.take(), ring_bits, num_elements)
+    return np.int64(in_flight.TICKETS.begin(channel, call))
+
+
+def _carrying(call, taken, ring_bits, num_elements) -> np.ndarray:
+    """Runs a host's `call` with its riders' limbs (`riders.Host.take`); hands each rider its part of the
+    revealed sum (or the call's error); returns the host's own ring words."""
+    limbs, settle = taken
+    try:
+        revealed = call(riders=limbs)
+    except BaseException as e:
+        settle(None, num_elements, e)
+        raise
+    settle(revealed, num_elements, None)
+    own = revealed[:ring.ring_words(num_elements, ring_bits)]
+    if ring_bits == 32 and num_elements % 2:  # the last word's upper lane held the first rider element
+        own = own.copy()
+        own.view("<u4")[num_elements] = 0
+    return own
 
 
 def _finish(shape, ticket) -> np.ndarray:

@@ -48,8 +48,10 @@ Example::
     check = SumCheck(seed, operators="tfe:0 (Operator A), tfe:1 (Operator B)")
     blind_key, w = checked_contribute(client.contribute, check, "sum_0", 7, 64, n, key, share)
 """
+import contextlib
 import hashlib
 import logging
+import sys
 import threading
 from typing import Callable, List, Optional, Sequence
 
@@ -95,6 +97,11 @@ def _derive(seed: bytes, channel: str, step: int) -> bytes:
 #: TensorFlow takes a `tf.numpy_function`'s result without a copy only if its data is aligned to this many bytes
 #: (``EIGEN_MAX_ALIGN_BYTES``; NumPy's large arrays start 16 bytes into a page).
 _TF_ALIGN = 64
+
+
+#: Revealed sums' arrays a thread keeps for reuse (a step's answer is in use while the next one arrives only if
+#: TensorFlow still holds it: then a new one).
+_REUSED = 3
 
 
 def _for_tensorflow(words: int) -> np.ndarray:
@@ -157,6 +164,24 @@ class SumCheck:
             array = arrays[name] = np.empty(words, np.uint64)
         return array
 
+    def _for_tensorflow(self, words: int) -> np.ndarray:
+        """A uint64 array of `words` words for TensorFlow to take without a copy (`_for_tensorflow`): one of this
+        thread's earlier ones that nothing references any more (TensorFlow holds a reference to the array while a
+        tensor uses its memory, and drops it when the tensor dies), else a new one; at most `_REUSED` kept."""
+        pool = self._scratch_arrays.__dict__.setdefault("revealed", [])
+        size = 8 * words + _TF_ALIGN
+        for raw in pool:
+            # references: the pool's, this loop's and getrefcount's argument; any view (a tensor's) adds one
+            if raw.size == size and sys.getrefcount(raw) <= 3:
+                break
+        else:
+            raw = np.empty(size, np.uint8)
+            pool.append(raw)
+            if len(pool) > _REUSED:
+                pool.pop(0)
+        start = -raw.ctypes.data % _TF_ALIGN
+        return raw[start:start + 8 * words].view(np.uint64)
+
     @property
     def fingerprint(self) -> str:
         """8 hex digits of SHA-256 of the seed (logs: equal on every owner; reveals nothing)."""
@@ -213,23 +238,47 @@ class SumCheck:
             raise ValueError(f"the sums' integrity checks hold for at most {MAX_OWNERS[ring_bits]} owners in the "
                              f"{ring_bits}-bit ring, got {self.num_owners}: use a wider ring (update_ring_bits).")
 
-    def extend(self, channel: str, step: int, ring_bits: int, n: int, key: np.ndarray, share: np.ndarray) -> np.ndarray:
-        """The owner's masked share with its `CHECK_WORDS` check words appended (``n + CHECK_WORDS`` elements).
+    def extend(self, channel: str, step: int, ring_bits: int, n: int, key: np.ndarray, share: np.ndarray,
+               riders: Sequence[int] = ()) -> np.ndarray:
+        """The owner's masked share, then its `riders` masked, then its `CHECK_WORDS` check words
+        (``n + len(riders) + CHECK_WORDS`` elements).
 
-        Reads its own vector back (share + AES(key)), computes its check values and masks the check words with
-        the keystream of the same key at elements ``n, n + 1, ...`` (what server0 expands for the longer
-        vector): one `check_pass` over the share, which also copies it and leaves that keystream in place.
+        Reads its own vector back (share + AES(key)), computes its check values and masks the rider and check
+        words with the keystream of the same key at elements ``n, n + 1, ...`` (what server0 expands for the
+        longer vector): one `check_pass` over the share, which also copies it and leaves that keystream in place.
+        The checks cover the ``n + len(riders)`` elements (`riders`: plain ring elements, below 2**ring_bits,
+        each read as a signed integer like any element; `tfe_estimator.owner.riders`).
         """
         self._check_owners(ring_bits)
-        total = n + CHECK_WORDS
+        covered = n + len(riders)
+        total = covered + CHECK_WORDS
         # reused per thread (the result is only sent: `contribute_checked`)
         out = self._scratch("out", ring.ring_words(total, ring_bits))
-        values = check_pass(np.asarray(share).reshape(-1), n, total, n, ring_bits, key,
-                            _derive(self._seed, channel, step), out, copy=True)
+        key_c = _derive(self._seed, channel, step)
+        # the pass reads the riders' elements as 0: it checks their keystream, corrected below to the riders
+        values = check_pass(np.asarray(share).reshape(-1), n, total, covered, ring_bits, key, key_c, out, copy=True)
         modulus = 1 << ring_bits
-        for j, value in enumerate(self.residues(values, ring_bits)):  # out's element n + j is AES(key)'s
-            _set_element(out, n + j, ring_bits, (value - _element(out, n + j, ring_bits)) % modulus)
+        if riders:
+            stream = self._rider_coefficients(key_c, n, covered)
+            for i, rider in enumerate(riders):  # out's element n + i is AES(key)'s
+                pad = _element(out, n + i, ring_bits)
+                change = _signed(int(rider) % modulus, ring_bits) - _signed(pad, ring_bits)
+                values = [v + int(stream[m][i]) * change for m, v in enumerate(values)]
+                _set_element(out, n + i, ring_bits, (int(rider) - pad) % modulus)
+        for j, value in enumerate(self.residues(values, ring_bits)):  # out's element covered + j is AES(key)'s
+            _set_element(out, covered + j, ring_bits, (value - _element(out, covered + j, ring_bits)) % modulus)
         return out.view(np.int64)
+
+    @staticmethod
+    def _rider_coefficients(coefficient_key: bytes, n: int, covered: int) -> List[np.ndarray]:
+        """Per row, the coefficients of elements ``n .. covered - 1`` of a check over `covered` elements (those
+        of `coefficients` there), without expanding the others."""
+        count = covered - n
+        rows = []
+        for m in range(ROWS):
+            data = ring.keystream_bytes_at(coefficient_key, 4 * (m * covered + n), 4 * count)
+            rows.append(np.frombuffer(data, "<u4") >> np.uint32(32 - COEFFICIENT_BITS))
+        return rows
 
     def verify(self, channel: str, step: int, ring_bits: int, n: int, blind_key: np.ndarray,
                masked: np.ndarray) -> np.ndarray:
@@ -246,7 +295,7 @@ class SumCheck:
                 f"the sum released for step {step} on channel {channel} has {answer.size} ring words, not the "
                 f"{ring.ring_words(total, ring_bits)} of {n} elements and {CHECK_WORDS} check words: a server "
                 f"altered it (server operators: {self.operators}); training stopped, nothing of it applied.")
-        revealed = _for_tensorflow(answer.size)  # a new array: it is handed to TensorFlow
+        revealed = self._for_tensorflow(answer.size)  # handed to TensorFlow: one nobody holds any more
         values = check_pass(answer, total, total, n, ring_bits, blind_key, _derive(self._seed, channel, step),
                             revealed, copy=False)
         expected = self.residues(values, ring_bits)
@@ -266,16 +315,61 @@ class SumCheck:
 
 
 def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel: str, step: int, ring_bits: int,
-                       n: int, key: np.ndarray, share: np.ndarray, reveal: bool = False):
+                       n: int, key: np.ndarray, share: np.ndarray, reveal: bool = False, riders: Sequence[int] = ()):
     """One contribution through `contribute` (`OwnerClient.contribute`'s signature), checked with `check`.
 
     Returns ``(blind_key, w)`` with w of the share's n elements (``ring_words(n)`` words), as without checks
     (with `check` None, exactly `contribute`'s answer); with `reveal`, the revealed sum ``w + AES(blind_key)``
     instead (int64, ``ring_words(n)`` words: what the check computed anyway, so the reveal needs no key).
+    With `riders` (plain ring elements that ride in this contribution, masked with the same key after the
+    share's n elements: `tfe_estimator.owner.riders`), the vector and what is returned have
+    ``n + len(riders)`` elements; `reveal` is then required.
 
     Raises:
       SumIntegrityError: the revealed sum fails its checks (`SumCheck.verify`).
     """
+    if not reveal:  # the answer is handed back: in a buffer of its own
+        return _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders)
+    # revealed here, into a new array: the answer's bytes can land in this thread's reused buffer
+    with _reply_buffer(ring.ring_words(n + len(riders) + (CHECK_WORDS if check is not None else 0), ring_bits)):
+        return _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders)
+
+
+#: Per thread, the buffer server1's answers land in (`client.reply_into`), reused from call to call.
+_REPLIES = threading.local()
+#: Bytes of a Contribute answer's message beyond its payload (its step and the payload's field header).
+_REPLY_HEADER_BYTES = 32
+
+
+@contextlib.contextmanager
+def _reply_buffer(words: int):
+    """Lends this thread's reply buffer for answers of `words` ring words to the calls inside; a call that
+    raised leaves it behind (a put of that call may still write into it)."""
+    from tfe_estimator.service.client import reply_into  # pylint: disable=import-outside-toplevel
+
+    size = 8 * words + _REPLY_HEADER_BYTES
+    buffer = getattr(_REPLIES, "buffer", None)
+    if buffer is None or len(buffer) != size:
+        buffer = _REPLIES.buffer = bytearray(size)
+    try:
+        with reply_into(buffer):
+            yield
+    except BaseException:
+        _REPLIES.buffer = None
+        raise
+
+
+def _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders):
+    if riders and not reveal:
+        raise ValueError("riders come back only in a revealed sum: call checked_contribute with reveal=True.")
+    if riders and check is None:
+        share, n = _with_riders(key, share, n, ring_bits, riders), n + len(riders)
+    elif riders:
+        extended = check.extend(channel, step, ring_bits, n, key, share, riders)
+        n += len(riders)
+        blind_key, masked = contribute(channel, step, ring_bits, n + CHECK_WORDS, key, extended)
+        return check.verify(channel, step, ring_bits, n, blind_key, masked)[:ring.ring_words(n, ring_bits)].view(
+            np.int64)
     words = ring.ring_words(n, ring_bits)
     if check is None:
         blind_key, masked = contribute(channel, step, ring_bits, n, key, share)
@@ -289,3 +383,25 @@ def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel:
     if reveal:
         return revealed[:words].view(np.int64)
     return blind_key, np.asarray(masked).reshape(-1)[:words]
+
+
+def _signed(value: int, ring_bits: int) -> int:
+    """A ring element (below 2**ring_bits) read as a two's complement integer."""
+    return value - (1 << ring_bits) if value >> (ring_bits - 1) else value
+
+
+def _with_riders(key, share: np.ndarray, n: int, ring_bits: int, riders: Sequence[int]) -> np.ndarray:
+    """`share` (n elements) with `riders` appended, masked with the keystream of `key` at elements n, n + 1, ...
+    (an unchecked contribution's riders: a new array)."""
+    total = n + len(riders)
+    out = np.zeros(ring.ring_words(total, ring_bits), np.uint64)
+    source = np.asarray(share).reshape(-1).view(np.uint64)
+    lanes = n * ring_bits // 32
+    out.view("<u4")[:lanes] = source.view("<u4")[:lanes]
+    pads = ring.keystream_bytes_at(key, n * ring_bits // 8, len(riders) * ring_bits // 8)
+    per = ring_bits // 8
+    modulus = 1 << ring_bits
+    for i, rider in enumerate(riders):
+        pad = int.from_bytes(pads[i * per:(i + 1) * per], "little")
+        _set_element(out, n + i, ring_bits, (int(rider) - pad) % modulus)
+    return out.view(np.int64)

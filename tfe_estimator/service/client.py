@@ -16,6 +16,7 @@ Example::
     rows = client.handshake(step, np.array([1, 2, 3]), model=7)
     client.close()
 """
+import contextlib
 import logging
 import threading
 import time
@@ -29,7 +30,8 @@ from tfe_estimator.service import tls as tls_lib
 from tfe_estimator.service.data_link import DataLink, LinkError, PlaneLink
 from tfe_estimator.service.tls import TlsFiles, server_name, server_name_option
 
-__all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "live_clients", "release_client"]
+__all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "live_clients", "release_client",
+           "reply_into"]
 
 #: Channel options of an owner: no size limit (1e7 parameters are 80 MB), reconnect within ~1 s once a server is
 #: up (gRPC's default backoff grows to 120 s), no keep-alive pings (the servers do not expect any).
@@ -38,6 +40,28 @@ CLIENT_OPTIONS = (("grpc.max_send_message_length", -1), ("grpc.max_receive_messa
                   ("grpc.max_reconnect_backoff_ms", 1000))
 
 _LOG = logging.getLogger("tfe_estimator")
+#: Per thread, the buffer `reply_into` lends to this thread's `OwnerClient.contribute` calls.
+_LENT = threading.local()
+
+
+@contextlib.contextmanager
+def reply_into(buffer: Optional[bytearray]):
+    """Inside, this thread's `OwnerClient.contribute` reads server1's answer on the data plane into `buffer`
+    (one the caller reuses from step to step: no fresh multi-megabyte buffer to page in per reply); the ``w``
+    it returns is then a view of `buffer`, valid until the buffer is lent again. An answer larger than the
+    buffer gets a new one. The caller must not reuse a buffer whose call raised (a put may still be writing).
+
+    Example::
+
+        buffer = bytearray(8 * words + 64)
+        with reply_into(buffer):
+            blind_key, w = client.contribute("sum_0", step, 64, n, key, share)
+    """
+    previous, _LENT.buffer = getattr(_LENT, "buffer", None), buffer
+    try:
+        yield
+    finally:
+        _LENT.buffer = previous
 #: A call still waiting after this long checks that its server answers at all; then every `_NOTICE_SECS`.
 _FIRST_CHECK_SECS, _NOTICE_SECS = 3.0, 10.0
 #: Codes after which an owner puts the same contribution again (within its patience): the step was aborted
@@ -94,9 +118,10 @@ class _Put:
     ``cancel``, ``add_done_callback``, ``trailing_metadata``): on the server's data plane if it has one
     (`OwnerClient._plane`), else on gRPC."""
 
-    def __init__(self, client: "OwnerClient", server: int, fields: dict, meta, payload, timeout: float):
+    def __init__(self, client: "OwnerClient", server: int, fields: dict, meta, payload, timeout: float,
+                 into: Optional[bytearray] = None):
         self._client, self._server, self._fields, self._meta = client, server, fields, meta
-        self._payload, self._timeout = payload, timeout
+        self._payload, self._timeout, self._into = payload, timeout, into
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._callbacks: list = []
@@ -130,7 +155,7 @@ class _Put:
         head = self._client._messages["ContributeRequest"](**self._fields).SerializeToString()
         try:
             code, replayed, message = link.call("Contribute", head, frames.encode_meta(self._meta), self._payload,
-                                                self._timeout, self._started)
+                                                self._timeout, self._started, into=self._into)
         except LinkError as e:
             self._client._links[self._server].failed(link, e)  # pylint: disable=protected-access
             if self._cancelled:
@@ -352,6 +377,7 @@ class OwnerClient:
             raise ValueError(f"share is {share.dtype} with {share.size} elements; ops.mask_share of "
                              f"{num_elements} elements at ring {ring_bits} gives int64 with {words}.")
         metadata = [None, ((ring.KEY_METADATA, ring.key_digest(key_bytes).hex()),)]
+        lent = getattr(_LENT, "buffer", None)  # `reply_into`: server1's answer lands in the caller's buffer
         payloads = [key_bytes, np.ascontiguousarray(share.reshape(-1), "<i8")]
         fields = dict(channel=channel, step=step, ring_bits=ring_bits, num_elements=num_elements)
         start = time.monotonic()
@@ -363,7 +389,8 @@ class OwnerClient:
                                                  if isinstance(payloads[server], np.ndarray)
                                                  else len(payloads[server]), **fields)
             timeout = max(1.0, min(self._timeout, patience - time.monotonic()) if self._retry else self._timeout)
-            return _Put(self, server, fields, metadata[server], payloads[server], timeout)
+            return _Put(self, server, fields, metadata[server], payloads[server], timeout,
+                        into=lent if server == 1 else None)
 
         calls = {server: put(server) for server in (0, 1)}
         replies = {}

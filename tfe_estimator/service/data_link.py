@@ -19,7 +19,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import grpc
 
@@ -104,10 +104,12 @@ class DataLink:
         return conn
 
     def call(self, method: str, head: bytes, meta: bytes, payload, timeout: float,
-             started: Optional[List] = None) -> Tuple[grpc.StatusCode, bool, bytearray]:
+             started: Optional[List] = None, into: Optional[bytearray] = None) -> Tuple[grpc.StatusCode, bool, Any]:
         """One call: ``(code, replayed, message)`` (the reply message's wire bytes on OK, else the refusal's
         text); LinkError if there is no answer. `started`, if given, gets the connection while the call
-        waits (so that `abort` can end it)."""
+        waits (so that `abort` can end it). `into`: a buffer the caller reuses across calls; a reply that fits
+        is read into it (``message`` is then a memoryview of its start: no fresh buffer to page in), a larger
+        one into a new bytearray."""
         view = memoryview(payload).cast("B") if not isinstance(payload, memoryview) or payload.format != "B" \
             else payload
         deadline = time.monotonic() + timeout
@@ -125,7 +127,7 @@ class DataLink:
             if header is None:
                 raise ConnectionError("the server closed the connection without an answer")
             code, replayed, length = frames.parse_reply(header)
-            message = bytearray(length)
+            message = memoryview(into)[:length] if into is not None and len(into) >= length else bytearray(length)
             if length and not frames.read_into(conn, memoryview(message)):
                 raise ConnectionError("the server closed the connection inside its answer")
             ok = code == grpc.StatusCode.OK

@@ -25,8 +25,8 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 __all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "keystream_into", "add_into", "copy_into",
-           "negate", "sub_into", "keystream_apply", "key_digest", "KEY_METADATA", "DIGESTS_METADATA",
-           "REPLAYED_METADATA"]
+           "negate", "sub_into", "keystream_apply", "keystream_bytes_at", "key_digest", "KEY_METADATA",
+           "DIGESTS_METADATA", "REPLAYED_METADATA"]
 
 RING_BITS = (32, 64, 128)
 KEY_BYTES = 16
@@ -107,6 +107,25 @@ def keystream_into(key16, out: np.ndarray) -> np.ndarray:
         encryptor.update_into(_ZEROS[:tail], scratch)
         view[body:] = scratch[:tail]
     return out
+
+
+def keystream_bytes_at(key16, offset: int, size: int) -> bytes:
+    """`size` bytes of the keystream of `key16` (`keystream_words`) from byte `offset` on, without expanding the
+    bytes before it: what masks a few elements at the end of a long vector.
+
+    Example::
+
+        tail = keystream_bytes_at(key, 8 * n, 8 * m)   # == keystream_words(key, n + m)[n:].tobytes()
+    """
+    key = np.ascontiguousarray(key16).tobytes() if isinstance(key16, np.ndarray) else bytes(key16)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"an AES-128 key has {KEY_BYTES} bytes, got {len(key)}: pass the kernels' int32[4] "
+                         "seed or 16 bytes.")
+    if offset < 0 or size < 0:
+        raise ValueError(f"keystream_bytes_at: offset={offset!r} and size={size!r} must be >= 0.")
+    block, skip = divmod(int(offset), 16)
+    encryptor = Cipher(algorithms.AES(key), modes.CTR(block.to_bytes(16, "big"))).encryptor()
+    return encryptor.update(bytes(skip + int(size)))[skip:]
 
 
 def key_digest(key16) -> bytes:

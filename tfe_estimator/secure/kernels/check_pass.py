@@ -73,8 +73,10 @@ def check_pass(words: np.ndarray, in_elements: int, total: int, n: int, ring_bit
 
     Args:
       words: the input's ring words (at least ``ring_words(in_elements)`` of them, any 64-bit integer dtype).
-      in_elements: elements of `words` read; the elements from `in_elements` to `total` read as 0.
-      total: elements written to `out`; n: elements checked (``n <= total``, and ``<= in_elements`` with `copy`).
+      in_elements: elements of `words` read; the elements from `in_elements` to `total` read as 0 (their plain
+        value is the keystream: a check over them counts ``signed(AES(mask_key)_i)``, which a caller that puts
+        other words there corrects, `sum_check.SumCheck.extend`).
+      total: elements written to `out`; n: elements checked (``n <= total``).
       ring_bits: 32, 64 or 128. mask_key: the key whose keystream is added (16 bytes or int32[4]).
       coefficient_key: the key of the step's coefficients (`sum_check`'s HKDF output).
       out: a writable contiguous uint64 array of ``ring_words(total)`` words: the input (`copy`) or the plain
@@ -86,9 +88,9 @@ def check_pass(words: np.ndarray, in_elements: int, total: int, n: int, ring_bit
     """
     if ring_bits not in (32, 64, 128):
         raise ValueError(f"ring_bits={ring_bits!r} is not a ring of the kernels: use 32, 64 or 128.")
-    if not 0 <= in_elements <= total or not 0 <= n <= (in_elements if copy else total):
+    if not 0 <= in_elements <= total or not 0 <= n <= total:
         raise ValueError(f"a check pass reads {in_elements} of {total} elements and checks {n}: need "
-                         "0 <= n <= in_elements <= total.")
+                         "0 <= in_elements <= total and 0 <= n <= total.")
     source = np.ascontiguousarray(words).reshape(-1)
     if source.dtype.itemsize != 8 or source.dtype.kind not in "iu" or source.size < _ring_words(in_elements,
                                                                                                  ring_bits):
