@@ -11,13 +11,24 @@ import os
 import threading
 
 import numpy as np
+import pytest
 
 from service_helpers import cert_dirs, in_threads, make_service, owner_names  # noqa: F401 (fixtures)
-from test_service_release_log import X, _kill, _put, _reveal
-from tfe_estimator.service import AggregationServer, ServiceError, TlsFiles
+from test_service_release_log import _kill
+from tfe_estimator.service import AggregationServer, ServiceError, TlsFiles, ring
 
 
-def _server1_killed_after_it_released(service, cert_dir, monkeypatch, keys):
+def _put(client, step, key, x):
+    share = (x.view(np.uint64) - ring.keystream_words(key, x.size)).view(np.int64)
+    return client.contribute("c", step, 64, x.size, key, share)
+
+
+def _reveal(result):
+    blind, w = result
+    return (w.view(np.uint64) + ring.keystream_words(blind, w.size)).view(np.int64)
+
+
+def _server1_killed_after_it_released(service, cert_dir, monkeypatch, keys, x):
     """Both owners put step 0 (`keys`); server1 releases it and takes server0's part, and dies before it answers
     the owners; a new server1 starts at its address. Returns the owners' clients and results."""
     old, server0 = service.servers
@@ -29,8 +40,11 @@ def _server1_killed_after_it_released(service, cert_dir, monkeypatch, keys):
         killed.wait(30)
         return answer
 
-    def send_then_note(*args):
-        send(*args)  # server1 took the part: it released the step
+    service.forwards = []  # each part server0 forwards: (step, its bytes)
+
+    def send_then_note(channel, released, *args):
+        service.forwards.append((released.step, released.acc.tobytes()))
+        send(channel, released, *args)  # server1 took the part: it released the step
         forwarded.set()
 
     monkeypatch.setattr(old, "_contribute", answer_never_sent)
@@ -47,16 +61,46 @@ def _server1_killed_after_it_released(service, cert_dir, monkeypatch, keys):
         fresh.start()
         service.servers.append(fresh)
 
-    results = in_threads([lambda: _put(owners[0], 0, keys[0]), lambda: _put(owners[1], 0, keys[1]), restart])
+    results = in_threads([lambda: _put(owners[0], 0, keys[0], x), lambda: _put(owners[1], 0, keys[1], x), restart])
     return owners, results[:2]
 
 
-def test_server1_killed_after_it_released_gets_server0s_same_part_again(make_service, cert_dirs, monkeypatch):
+@pytest.mark.parametrize("elements", [8, 200_000])  # 1.6 MB: server0's part travels on the data plane only
+def test_server1_killed_after_it_released_gets_server0s_same_part_again(make_service, cert_dirs, monkeypatch,
+                                                                         elements):
     service = make_service(owner_names(2), step_timeout_secs=8.0)
     keys = [np.frombuffer(os.urandom(16), np.int32) for _ in range(2)]
-    owners, results = _server1_killed_after_it_released(service, cert_dirs[0], monkeypatch, keys)
+    x = np.arange(elements, dtype=np.int64)
+    owners, results = _server1_killed_after_it_released(service, cert_dirs[0], monkeypatch, keys, x)
     for result in results:
         assert isinstance(result, tuple), result
-        np.testing.assert_array_equal(_reveal(result), 2 * X)
+        np.testing.assert_array_equal(_reveal(result), 2 * x)
     assert bytes(results[0][0]) == bytes(results[1][0])  # one blind key: the release server0 answered
     assert [o.answers["c"] for o in owners] == [[1, 0], [1, 0]]  # each owner got the step once, fresh
+    assert [step for step, _ in service.forwards] == [0, 0] and service.forwards[0] == service.forwards[1]
+
+
+def test_server0_forwards_a_step_again_only_for_the_same_key_and_only_to_a_server1_without_it(
+        make_service, cert_dirs, monkeypatch):
+    service = make_service(owner_names(2), step_timeout_secs=8.0)
+    keys = [np.frombuffer(os.urandom(16), np.int32) for _ in range(2)]
+    x = np.arange(8, dtype=np.int64)
+    owners, results = _server1_killed_after_it_released(service, cert_dirs[0], monkeypatch, keys, x)
+    assert all(isinstance(r, tuple) for r in results), results
+    forwarded = len(service.forwards)
+    # The new server1 holds the release now: the same key put again is answered by both, nothing forwarded again.
+    again = _put(owners[0], 0, keys[0], x)
+    assert bytes(again[0]) == bytes(results[0][0]) and bytes(again[1]) == bytes(results[0][1])
+    assert len(service.forwards) == forwarded
+    # Server1 restarts again (it lost the release); an owner restored from a checkpoint puts step 0 with a fresh
+    # key: server0 answers it from its window and forwards nothing (the part is the release's keys', not this
+    # put's), so server1's step waits for the other owners and is aborted, naming server0's part as missing.
+    _kill(service.servers[-1])
+    fresh = AggregationServer(1, service.addresses[1], service.owners, TlsFiles.from_dir(cert_dirs[0], "tfe", 1),
+                              step_timeout_secs=2.0, data_address="localhost:0")
+    fresh.start()
+    service.servers.append(fresh)
+    late = service.client("worker", 0, retry_secs=0.0, timeout_secs=8.0)
+    with pytest.raises(ServiceError, match=r"still missing chief:0 .*, tfe:0 \(server0's part\)"):
+        _put(late, 0, np.frombuffer(os.urandom(16), np.int32), x)
+    assert len(service.forwards) == forwarded

@@ -367,6 +367,7 @@ class OwnerClient:
 
         calls = {server: put(server) for server in (0, 1)}
         replies = {}
+        recheck = False  # server1 failed before server0 answered: put on server0 again once it answers
         while len(replies) < 2:
             self._await("Contribute", what, {k: c for k, c in calls.items() if k not in replies}, start)
             for server, call in calls.items():
@@ -374,6 +375,10 @@ class OwnerClient:
                     continue
                 try:
                     replies[server] = call.result()
+                    if server == 0 and recheck:
+                        recheck = False
+                        del replies[0]
+                        calls[0] = put(0)
                 except grpc.RpcError as e:
                     if e.code() in _RETRY and time.monotonic() < patience:
                         # The same contribution again (never a fresh one: server0 may have released the step with
@@ -390,6 +395,15 @@ class OwnerClient:
                             # come from that same release (w and the blind key pair up), so ask server1 again.
                             del replies[1]
                             calls[1] = put(1)
+                        elif server == 1:
+                            # Server0 answers once server1 released the step: server1 failed since (restarted?) and
+                            # may have lost the release. The same key on server0 again (now, or once server0
+                            # answers) gets the same answer, and server0 forwards its same part again if server1 no
+                            # longer holds the release (nothing is summed or released again).
+                            recheck = 0 not in replies
+                            if not recheck:
+                                del replies[0]
+                                calls[0] = put(0)
                         continue
                     for other in calls.values():
                         other.cancel()
