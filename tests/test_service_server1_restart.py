@@ -104,3 +104,34 @@ def test_server0_forwards_a_step_again_only_for_the_same_key_and_only_to_a_serve
     with pytest.raises(ServiceError, match=r"still missing chief:0 .*, tfe:0 \(server0's part\)"):
         _put(late, 0, np.frombuffer(os.urandom(16), np.int32), x)
     assert len(service.forwards) == forwarded
+
+
+def test_an_answer_lost_on_the_way_from_a_server1_that_kept_it_counts_as_fresh(make_service, monkeypatch):
+    # Server1 released the step and keeps it, but each owner's connection broke before its answer arrived: the
+    # owners put it again on both servers and get it from their windows; it is still each owner's first answer
+    # of that release (counted fresh: a fresh training refuses answers from the window), and nothing is forwarded
+    # again.
+    service = make_service(owner_names(2), step_timeout_secs=8.0)
+    server1, server0 = service.servers
+    contribute, send = server1._contribute, server0._send_forward  # pylint: disable=protected-access
+    cut, forwards = set(), []
+
+    def answer_lost(identity, *args):
+        answer = contribute(identity, *args)
+        if identity not in cut:
+            cut.add(identity)
+            raise ConnectionError("the connection broke before the answer left")
+        return answer
+
+    monkeypatch.setattr(server1, "_contribute", answer_lost)
+    monkeypatch.setattr(server0, "_send_forward", lambda *args: (forwards.append(args[1].step), send(*args)))
+    owners = [service.client("chief", 0, retry_secs=None, timeout_secs=8.0),
+              service.client("worker", 0, retry_secs=None, timeout_secs=8.0)]
+    keys = [np.frombuffer(os.urandom(16), np.int32) for _ in range(2)]
+    x = np.arange(8, dtype=np.int64)
+    results = in_threads([lambda: _put(owners[0], 0, keys[0], x), lambda: _put(owners[1], 0, keys[1], x)])
+    for result in results:
+        assert isinstance(result, tuple), result
+        np.testing.assert_array_equal(_reveal(result), 2 * x)
+    assert cut == {"chief:0", "worker:0"} and forwards == [0]
+    assert [o.answers["c"] for o in owners] == [[1, 0], [1, 0]]

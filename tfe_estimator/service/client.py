@@ -368,6 +368,7 @@ class OwnerClient:
         calls = {server: put(server) for server in (0, 1)}
         replies = {}
         recheck = False  # server1 failed before server0 answered: put on server0 again once it answers
+        answered = {}  # server0's first answer's call: its replay flag counts (the same key put again is flagged)
         while len(replies) < 2:
             self._await("Contribute", what, {k: c for k, c in calls.items() if k not in replies}, start)
             for server, call in calls.items():
@@ -378,6 +379,7 @@ class OwnerClient:
                     if server == 0 and recheck:
                         recheck = False
                         del replies[0]
+                        answered.setdefault(0, call)
                         calls[0] = put(0)
                 except grpc.RpcError as e:
                     if e.code() in _RETRY and time.monotonic() < patience:
@@ -403,6 +405,7 @@ class OwnerClient:
                             recheck = 0 not in replies
                             if not recheck:
                                 del replies[0]
+                                answered.setdefault(0, calls[0])
                                 calls[0] = put(0)
                         continue
                     for other in calls.values():
@@ -417,8 +420,8 @@ class OwnerClient:
         self.bytes_received += sum(wire.encoded_size("ContributeReply", len(p), step=r.step)
                                    for p, r in zip(payloads, replies))
         self.contributions += 1
-        replayed = all((ring.REPLAYED_METADATA, "1") in tuple(calls[server].trailing_metadata() or ())
-                       for server in (0, 1))
+        replayed = all((ring.REPLAYED_METADATA, "1") in tuple(answered.get(server, calls[server]).trailing_metadata()
+                                                              or ()) for server in (0, 1))
         self.answers.setdefault(channel, [0, 0])[1 if replayed else 0] += 1
         if len(payloads[0]) != ring.KEY_BYTES or len(payloads[1]) != 8 * words:
             raise ServiceError("Contribute", self._addresses[0 if len(payloads[0]) != ring.KEY_BYTES else 1],
