@@ -394,6 +394,8 @@ class OwnerClient:
 
         calls = {server: put(server) for server in (0, 1)}
         replies = {}
+        recheck = False  # server1 failed before server0 answered: put on server0 again once it answers
+        answered = {}  # server0's first answer's call: its replay flag counts (the same key put again is flagged)
         while len(replies) < 2:
             self._await("Contribute", what, {k: c for k, c in calls.items() if k not in replies}, start)
             for server, call in calls.items():
@@ -401,6 +403,11 @@ class OwnerClient:
                     continue
                 try:
                     replies[server] = call.result()
+                    if server == 0 and recheck:
+                        recheck = False
+                        del replies[0]
+                        answered.setdefault(0, call)
+                        calls[0] = put(0)
                 except grpc.RpcError as e:
                     if e.code() in _RETRY and time.monotonic() < patience:
                         # The same contribution again (never a fresh one: server0 may have released the step with
@@ -417,6 +424,16 @@ class OwnerClient:
                             # come from that same release (w and the blind key pair up), so ask server1 again.
                             del replies[1]
                             calls[1] = put(1)
+                        elif server == 1:
+                            # Server0 answers once server1 released the step: server1 failed since (restarted?) and
+                            # may have lost the release. The same key on server0 again (now, or once server0
+                            # answers) gets the same answer, and server0 forwards its same part again if server1 no
+                            # longer holds the release (nothing is summed or released again).
+                            recheck = 0 not in replies
+                            if not recheck:
+                                del replies[0]
+                                answered.setdefault(0, calls[0])
+                                calls[0] = put(0)
                         continue
                     for other in calls.values():
                         other.cancel()
@@ -430,8 +447,8 @@ class OwnerClient:
         self.bytes_received += sum(wire.encoded_size("ContributeReply", len(p), step=r.step)
                                    for p, r in zip(payloads, replies))
         self.contributions += 1
-        replayed = all((ring.REPLAYED_METADATA, "1") in tuple(calls[server].trailing_metadata() or ())
-                       for server in (0, 1))
+        replayed = all((ring.REPLAYED_METADATA, "1") in tuple(answered.get(server, calls[server]).trailing_metadata()
+                                                              or ()) for server in (0, 1))
         self.answers.setdefault(channel, [0, 0])[1 if replayed else 0] += 1
         if len(payloads[0]) != ring.KEY_BYTES or len(payloads[1]) != 8 * words:
             raise ServiceError("Contribute", self._addresses[0 if len(payloads[0]) != ring.KEY_BYTES else 1],

@@ -44,7 +44,7 @@ import grpc
 import numpy as np
 
 from tfe_estimator.service import frames, ring, wire
-from tfe_estimator.service.data_link import LinkError, PlaneLink
+from tfe_estimator.service.data_link import DataLink, LinkError, PlaneLink
 from tfe_estimator.service.data_plane import DataPlane, Refused
 from tfe_estimator.service.handshake_table import HandshakeTable
 from tfe_estimator.service.health import HEALTH_SERVICE, TrustedHealth
@@ -225,6 +225,7 @@ class AggregationServer:
         self._releases = ReleaseLog(state_dir, owners, peer_address, replay_window_steps) \
             if role == 0 and state_dir is not None else None
         self._unconfirmed = set(self._releases.recorded()) if self._releases is not None else set()
+        self._reforwarding: set = set()  # server0: (channel key, step) whose part it is forwarding again (`_reforward`)
         if self._unconfirmed:
             _LOG.info("aggregation server0: %d released steps recorded in %s (answered again once server1 "
                       "confirms them)", len(self._unconfirmed), self._releases.path)
@@ -537,6 +538,8 @@ class AggregationServer:
                     e.code.name, f"Service mode, {channel.label} step {released.step}: server0 could not forward "
                                  f"its blinded part to server1 at {self._peer_address}: {e.message}"))
                 return
+            # what forwards the same part again if server1 loses the release (`_reforward`): 16 bytes per owner
+            released.result.keys = ([bytes(released.parts[o]) for o in range(len(self._owners))], blind)
             payload = blind
         # The one copy: the answer is bytes of its own, stored in the replay window while the buffer is reused.
         channel.finish(released, wire.encode("ContributeReply", payload, step=released.step))
@@ -594,18 +597,10 @@ class AggregationServer:
             with self._lock:
                 self._unconfirmed.discard((key, step))
             return
-        request = wire.encode("ForwardRequest", b"", channel=channel.name, step=step, ring_bits=channel.ring_bits,
-                              num_elements=channel.num_elements)
-        meta = ((DIGESTS_METADATA, ",".join(d.hex() for d in record.digests)),
-                (_BLIND_METADATA, key_digest(record.blind).hex()), (_CONFIRM_METADATA, "1"))
-        try:
-            self._forward(request, timeout=self._timeout, wait_for_ready=True, metadata=meta)
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                return  # no answer (server1 down?): the put goes on, the next one asks again
-            confirmed = False
-        else:
-            confirmed = True
+        confirmed = self._held_by_server1(channel, step, ",".join(d.hex() for d in record.digests),
+                                          key_digest(record.blind).hex())
+        if confirmed is None:
+            return  # no answer (server1 down?): the put goes on, the next one asks again
         with self._lock:
             if (key, step) not in self._unconfirmed:
                 return
@@ -614,6 +609,65 @@ class AggregationServer:
                                          record.digests):
             _LOG.info("aggregation server0: step %d of %s answered from %s (server1 released it before this "
                       "server restarted)", step, channel.label, self._releases.path)
+
+    def _held_by_server1(self, channel: StepChannel, step: int, digests: str, blind_digest: str) -> Optional[bool]:
+        """Server0 asks server1 whether it holds the release of `step` from owners' keys of `digests` (hex,
+        comma-separated) and a part blinded with a key of `blind_digest` (`_confirm`): None if it did not answer."""
+        request = wire.encode("ForwardRequest", b"", channel=channel.name, step=step, ring_bits=channel.ring_bits,
+                              num_elements=channel.num_elements)
+        meta = ((DIGESTS_METADATA, digests), (_BLIND_METADATA, blind_digest), (_CONFIRM_METADATA, "1"))
+        try:
+            self._forward(request, timeout=self._timeout, wait_for_ready=True, metadata=meta)
+        except grpc.RpcError as e:
+            return False if e.code() == grpc.StatusCode.FAILED_PRECONDITION else None
+        return True
+
+    def _reforward(self, identity: str, channel: StepChannel, result, owner: int, payload) -> None:
+        """Server0, after answering a put from its window: if the put is the owner's same key of that release (its
+        client puts a step on server0 again when server1 failed after server0 had answered), asks server1 whether it
+        still holds the release and, if it does not (it restarted before it answered the owners), forwards the same
+        part again: the release's own keys and blind key, so server1's answer pairs with the blind key the owners
+        got. Nothing is summed or released again here; one such forward per step at a time."""
+        if result.keys is None or bytes(payload) != result.keys[0][owner]:
+            return  # a step restored from the release log, or another key (an owner restored from a checkpoint)
+        keys, blind = result.keys
+        task = ((channel.name, channel.ring_bits, channel.num_elements), result.step)
+        with self._lock:
+            if task in self._reforwarding:
+                return
+            self._reforwarding.add(task)
+        try:
+            digests = ",".join(key_digest(k).hex() for k in keys)
+            blind_digest = key_digest(blind).hex()
+            if self._held_by_server1(channel, result.step, digests, blind_digest) is not False:
+                return  # it holds the release (its answer is in its window), or no answer: the next put asks again
+            nbytes = 8 * channel.words
+            try:
+                self._budget.reserve(identity, nbytes, f"server0's part of step {result.step} of {channel.label}, "
+                                                       "forwarded again")
+            except BudgetExceeded as e:
+                _LOG.warning("aggregation server0: %s", e.message)
+                return
+            acc = self._pool.take(channel.words)
+            try:
+                ring.negate(ring.keystream_into(blind, acc), channel.ring_bits)  # -AES(blind) + sum of AES(key)
+                for key in keys:
+                    ring.keystream_apply(key, acc, channel.ring_bits)
+                again = Released(result.step, acc, channel.ring_bits, channel.num_elements, result, {})
+                try:
+                    self._send_forward(channel, again, digests, blind_digest)
+                except _Forwarded as e:
+                    _LOG.warning("aggregation server0: step %d of %s: server1 did not take the part forwarded "
+                                 "again: %s: %s", result.step, channel.label, e.code.name, e.message)
+                else:
+                    _LOG.info("aggregation server0: step %d of %s forwarded again: server1 no longer held its "
+                              "release (it restarted before it answered the owners)", result.step, channel.label)
+            finally:
+                self._budget.free(identity, nbytes)
+                self._pool.give(acc, identity)
+        finally:
+            with self._lock:
+                self._reforwarding.discard(task)
 
     def _unhold(self, channel: StepChannel) -> None:
         """Ends a `_channel` use (the put is registered in it, or refused)."""
@@ -667,6 +721,8 @@ class AggregationServer:
             if ticket.released is not None:
                 self._finish(channel, ticket.released)
             answer = channel.wait(owner, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())
+            if self._role == 0 and ticket.replay is not None:
+                self._reforward(identity, channel, ticket.replay, owner, payload)
             if ticket.replay is not None and not (  # the owner counts it apart from releases (OwnerClient.answers)
                     self._role == 0 and channel.first_answer(ticket, owner, key_digest(payload))):
                 context.set_trailing_metadata(((REPLAYED_METADATA, "1"),))
@@ -709,8 +765,8 @@ class AggregationServer:
                 not channel.released(request.step, digests, blind):
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
                          f"Service mode: channel {request.channel!r} step {request.step}: aggregation server1 holds "
-                         "no release of that step from owners' keys and a blind key of those digests; server0 sums it "
-                         "anew.")
+                         "no release of that step from owners' keys and a blind key of those digests (server0 sums it "
+                         "anew after its own restart, or forwards its same part again after this server's).")
         return reply()
 
     def _data_port(self, identity: str, request, context, reply):
@@ -757,39 +813,54 @@ class AggregationServer:
         self._pool.give(buffer, payer)
         return answer, context.replayed
 
+    def _peer_link(self, size: int) -> Optional[DataLink]:
+        """Server0's link to server1's data plane (None: forward on gRPC), waiting for server1 as gRPC would if
+        the part (`size` bytes) is too large for its gRPC port."""
+        try:
+            return self._peer_plane.get(timeout=5.0)
+        except grpc.RpcError:
+            if size > wire.CONTROL_MESSAGE_BYTES:  # a part only its data plane reads, if it has one
+                try:
+                    return self._peer_plane.get(timeout=self._timeout)
+                except grpc.RpcError:
+                    pass
+        return None  # server1 unreachable now, or without the call: the gRPC forward waits for it
+
+    def _forward_on_plane(self, link: Optional[DataLink], fields: dict, meta,
+                          acc: np.ndarray) -> Tuple[bool, Optional[str]]:
+        """The forward on server1's data plane: ``(True, None)`` if server1 took it; ``(False, None)`` without a
+        `link`; ``(False, why)`` if the data plane cannot be reached (server1 saw nothing: the part may go another
+        way). `_Forwarded` if server1 refused it or may hold it (bytes sent, no answer)."""
+        if link is None:
+            return False, None
+        head = wire.messages()["ForwardRequest"](**fields).SerializeToString()
+        try:
+            code, _, message = link.call("ForwardBlinded", head, frames.encode_meta(meta), acc, self._timeout)
+        except LinkError as e:
+            self._peer_plane.failed(link, e)
+            if e.sent:  # it may sit in server1's step: forwarding it again would be a second contribution
+                raise _Forwarded(e.code, e.details) from None
+            return False, e.details
+        if code != grpc.StatusCode.OK:
+            raise _Forwarded(code, bytes(message).decode("utf-8", "replace"))
+        return True, None
+
     def _send_forward(self, channel: StepChannel, released: Released, digests: str, blind_digest: str) -> None:
         """Forwards a released step's blinded part to server1: on its data plane if it has one, else gRPC."""
         fields = dict(channel=channel.name, step=released.step, ring_bits=released.ring_bits,
                       num_elements=released.num_elements)
         meta = ((DIGESTS_METADATA, digests), (_BLIND_METADATA, blind_digest))
         size = wire.encoded_size("ForwardRequest", released.acc.nbytes, **fields)
-        try:
-            link = self._peer_plane.get(timeout=5.0)
-        except grpc.RpcError:
-            link = None  # server1 unreachable now, or without the call: the gRPC forward waits for it
-            if size > wire.CONTROL_MESSAGE_BYTES:  # a part only its data plane reads, if it has one: wait as gRPC would
-                try:
-                    link = self._peer_plane.get(timeout=self._timeout)
-                except grpc.RpcError:
-                    pass
-        unreachable = None
-        if link is not None:
-            head = wire.messages()["ForwardRequest"](**fields).SerializeToString()
-            try:
-                code, _, message = link.call("ForwardBlinded", head, frames.encode_meta(meta), released.acc,
-                                             self._timeout)
-            except LinkError as e:
-                self._peer_plane.failed(link, e)
-                if e.sent:  # it may sit in server1's step: forwarding it again would be a second contribution
-                    raise _Forwarded(e.code, e.details) from None
-                unreachable = e.details
-            else:
-                if code != grpc.StatusCode.OK:
-                    raise _Forwarded(code, bytes(message).decode("utf-8", "replace"))
+        for attempt in range(2):
+            taken, unreachable = self._forward_on_plane(self._peer_link(size), fields, meta, released.acc)
+            if taken:
                 return
-        refusal = self._peer_plane.grpc_refusal("server0's blinded part", size, "aggregation server1")
-        if refusal is not None:  # server1's gRPC port would refuse it unread
-            raise _Forwarded(grpc.StatusCode.UNAVAILABLE, refusal)
+            refusal = self._peer_plane.grpc_refusal("server0's blinded part", size, "aggregation server1")
+            if refusal is None:
+                break
+            if attempt or unreachable is None:  # server1's gRPC port would refuse it unread
+                raise _Forwarded(grpc.StatusCode.UNAVAILABLE, refusal)
+            # its data port refused the connection: server1 may have restarted on another one (asked again now)
         if unreachable is not None:
             _LOG.info("aggregation server0: server1's data plane cannot be reached (%s); forwarding on gRPC",
                       unreachable)

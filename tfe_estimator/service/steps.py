@@ -54,7 +54,7 @@ Example::
 """
 import threading
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -114,6 +114,9 @@ class _Result:
         self.error: Optional[StepRefused] = None
         self.expected: Optional[Sequence[bytes]] = None  # server1: the digests of the owners' keys server0 summed
         self.blind_digest: Optional[bytes] = None  # server1: the digest of the key server0 blinded its part with
+        # server0: the owners' keys it summed (owner order) and its blind key, to forward the same part again to
+        # a server1 that lost the release (restarted before it answered the owners); in memory only, with the step
+        self.keys: Optional[Tuple[Sequence[bytes], bytes]] = None
 
     @property
     def done(self) -> bool:
