@@ -65,12 +65,18 @@ def test_an_error_on_a_checkpoint_that_still_exists_propagates(tmp_path):
 def test_install_replaces_only_the_continuous_evaluation_and_is_idempotent():
     from tensorflow_estimator.python.estimator import training
 
+    # Whatever this process installed before (a TfeRunConfig built for an evaluator task installs it: another
+    # test in the same pytest worker may have), the test starts from an unpatched method of its own.
+    def unpatched(self):
+        del self
+
     original = training._TrainingExecutor._start_continuous_evaluation
+    training._TrainingExecutor._start_continuous_evaluation = unpatched
     try:
         evaluator.install_checkpoint_retry()
         patched = training._TrainingExecutor._start_continuous_evaluation
         evaluator.install_checkpoint_retry()
-        assert training._TrainingExecutor._start_continuous_evaluation is patched is not original
+        assert training._TrainingExecutor._start_continuous_evaluation is patched is not unpatched
         assert training._TrainingExecutor.run_local is not patched
     finally:
         training._TrainingExecutor._start_continuous_evaluation = original
