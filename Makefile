@@ -32,7 +32,7 @@ TESTS_tf29 := tests/test_compat.py tests/test_tfe_backend.py tests/test_kernels.
 	tests/test_launch.py::test_a_launched_service_cluster_serves_a_data_plane_health_and_metrics
 # Keras 3 on current TensorFlow (no Estimator): versions, kernels, secure aggregation, Keras on one machine and
 # across owners (service mode; its DP part skips without tensorflow-privacy).
-TESTS_tf221 := tests/test_compat.py tests/test_kernels.py tests/test_keras_build.py tests/test_keras_service.py \
+TESTS_tf221 := tests/test_compat.py tests/test_kernels.py tests/test_keras_build.py tests/test_keras_service.py tests/test_keras_progress.py \
 	tests/test_aggregation.py::test_an_only_first_replica_update_is_refused_with_the_fix \
 	tests/test_aggregation.py::test_only_a_value_every_replica_already_has_is_broadcast_from_replica_0 \
 	tests/test_keras.py::test_rfc_example_with_tfe_strategy_trains_like_mirrored_strategy \

@@ -6,7 +6,8 @@ import pathlib
 import pytest
 
 OWNER = pathlib.Path(__file__).resolve().parent.parent / "tfe_estimator" / "owner"
-ADAPTERS = {"estimator", "saver", "keras_fit", "keras_evaluation", "custom_loop", "keras_build"}
+ADAPTERS = {"estimator", "saver", "keras_fit", "keras_evaluation", "custom_loop", "keras_build", "keras_frames",
+            "keras_progress"}
 
 
 def _imported_owner_modules(source: str):

@@ -52,6 +52,7 @@ _EXPORTS = {
     "LocalMetricsExporter": "tfe_estimator.distribute.local_metrics",
     "evaluate_locally": "tfe_estimator.distribute.local_metrics",
     "OwnerMetrics": "tfe_estimator.owner.keras_evaluation",
+    "ProgressCallback": "tfe_estimator.owner.keras_progress",
 }
 _SUBPACKAGES = ("audit", "cluster", "distribute", "privacy", "secure", "tools")
 
@@ -95,4 +96,5 @@ __all__ = [
     "LocalMetricsExporter",
     "evaluate_locally",
     "OwnerMetrics",
+    "ProgressCallback",
 ]

@@ -18,7 +18,9 @@ comparing their last lines::
     tfe_estimator: training ended at step 300; weights fingerprint 1f3a5c0e9d7b2a41 (equal on every owner ...)
 
 Every `TfeStrategy` (and the cluster strategies built on it)
-adds the hook to the training `EstimatorSpec` of its first replica.
+adds the hook to the training `EstimatorSpec` of its first replica. Keras'
+``fit`` prints the same lines through `step_line` / `end_line`
+(`tfe_estimator.owner.keras_progress.ProgressCallback`).
 
 Example::
 
@@ -26,7 +28,7 @@ Example::
 """
 import sys
 import time
-from typing import Dict, Optional, TextIO
+from typing import Dict, Optional, Sequence, TextIO, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -34,7 +36,48 @@ import tensorflow as tf
 from tfe_estimator import compat
 from tfe_estimator.validation import check_int
 
-__all__ = ["ProgressHook", "metrics_line", "with_progress"]
+__all__ = ["ProgressHook", "FIRST_REPLICA", "step_line", "end_line", "write_line", "rate_since", "metrics_line",
+           "with_progress"]
+
+#: Whose loss Estimator's line shows (read on the owner; nothing is summed for it).
+FIRST_REPLICA = "this owner's first replica"
+
+
+def step_line(step: int, loss: float, whose: str, rate: Optional[float] = None) -> str:
+    """``"tfe_estimator: step <step>, loss <loss> (<whose>)[, <rate> steps/s]"``: the progress line of
+    Estimator's `ProgressHook` and Keras' `tfe_estimator.owner.keras_progress.ProgressCallback`.
+
+    Example::
+
+        >>> step_line(100, 4932.2123, "this owner's first replica", 11.34)
+        "tfe_estimator: step 100, loss 4932.21 (this owner's first replica), 11.3 steps/s"
+    """
+    speed = f", {rate:.3g} steps/s" if rate is not None else ""
+    return f"tfe_estimator: step {int(step)}, loss {float(loss):.6g} ({whose}){speed}"
+
+
+def end_line(step: int, values: Sequence) -> str:
+    """``"tfe_estimator: training ended at step <step>; weights fingerprint <hex> (...)"``: the last line of a
+    training, with the fingerprint (`model_record.weights_fingerprint`) of `values`, the trained weights in one
+    order on every owner, so owners that trained together compare their last lines."""
+    from tfe_estimator.owner.model_record import format_fingerprint, weights_fingerprint  # pylint: disable=import-outside-toplevel
+
+    return (f"tfe_estimator: training ended at step {int(step)}; weights fingerprint "
+            f"{format_fingerprint(weights_fingerprint(values))} (equal on every owner of one model)")
+
+
+def write_line(line: str, stream: Optional[TextIO] = None) -> None:
+    """Writes `line` to `stream` (default: standard error at write time) and flushes it."""
+    stream = stream or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def rate_since(last: Optional[Tuple[int, float]], step: int, now: float) -> Optional[float]:
+    """Steps per second since `last` (``(step, time.monotonic())`` of the previous line), or None."""
+    if last is None or step <= last[0] or now <= last[1]:
+        return None
+    return (step - last[0]) / (now - last[1])
 
 
 class ProgressHook(tf.compat.v1.train.SessionRunHook):
@@ -68,13 +111,8 @@ class ProgressHook(tf.compat.v1.train.SessionRunHook):
     def end(self, session):
         if self._global_step is None:
             return
-        from tfe_estimator.owner.model_record import format_fingerprint, weights_fingerprint  # pylint: disable=import-outside-toplevel
-
         step, values = session.run([self._global_step, self._variables])
-        stream = self._stream or sys.stderr
-        stream.write(f"tfe_estimator: training ended at step {int(step)}; weights fingerprint "
-                     f"{format_fingerprint(weights_fingerprint(values))} (equal on every owner of one model)\n")
-        stream.flush()
+        write_line(end_line(step, values), self._stream)
 
     def before_run(self, run_context):
         if self._global_step is None or self._runs % self._every:
@@ -87,13 +125,7 @@ class ProgressHook(tf.compat.v1.train.SessionRunHook):
         if not fetched:
             return
         step = int(fetched["step"])  # read in the run, before its update (as Estimator's own "step =" lines)
-        rate = ""
-        if self._last is not None and step > self._last[0] and now > self._last[1]:
-            rate = f", {(step - self._last[0]) / (now - self._last[1]):.3g} steps/s"
-        stream = self._stream or sys.stderr
-        stream.write(f"tfe_estimator: step {step}, loss {float(fetched['loss']):.6g} (this owner's first replica)"
-                     f"{rate}\n")
-        stream.flush()
+        write_line(step_line(step, fetched["loss"], FIRST_REPLICA, rate_since(self._last, step, now)), self._stream)
         self._last = (step, now)
 
 

@@ -19,7 +19,8 @@ The adapters wire the core into each framework's own mechanisms, and nothing els
   hooks in every `EstimatorSpec`; `saver`: checkpoints after the handshake;
 - `keras_fit`, `keras_evaluation`, `custom_loop`, `keras_build`: `OwnerStrategy` (what ``TfeStrategy()`` returns to an
   owner), the core's agreements at the steps of Keras' ``fit`` / ``evaluate`` / ``predict`` and of custom
-  training loops (``strategy.run`` in the user's ``tf.function``).
+  training loops (``strategy.run`` in the user's ``tf.function``); `keras_progress`: ``fit``'s progress lines;
+  `keras_frames`: the one walk over the stack that tells which Keras call is running.
 
 The core never imports an adapter (tests/test_owner_layers.py checks it).
 

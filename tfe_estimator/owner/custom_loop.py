@@ -53,7 +53,7 @@ import weakref
 import tensorflow as tf
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
-from tfe_estimator.owner import model_record, step_key
+from tfe_estimator.owner import keras_frames, model_record, step_key
 from tfe_estimator.owner import service_strategy as service_lib
 
 __all__ = ["call_for_each_replica", "key_gradients", "unkeyed_sum_error", "eager_run", "check_eager_sum"]
@@ -83,14 +83,12 @@ def _applying_optimizer(threads):
     merge_call), and that frame's ``grads_and_vars``; ``(None, None)`` without one."""
     classes, frames, found = _optimizer_classes(), sys._current_frames(), {}  # pylint: disable=protected-access
     for ident in threads:
-        frame = frames.get(ident)
-        while frame is not None:
+        for frame in keras_frames.frames(frames[ident]) if ident in frames else ():
             code = frame.f_code
             if code.co_argcount and code.co_varnames[0] == "self" and isinstance(frame.f_locals.get("self"), classes):
                 found.setdefault(id(frame.f_locals["self"]), (frame.f_locals["self"],
                                                               frame.f_locals.get("grads_and_vars")))
                 break
-            frame = frame.f_back
     if len(found) > 1:
         raise NotImplementedError("the replicas of one strategy.run apply different optimizers: every replica "
                                   "must run the same step function.")

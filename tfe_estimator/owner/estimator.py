@@ -160,7 +160,7 @@ class WeightCheckHook(tf.compat.v1.train.SessionRunHook):
             self._check(run_context.session)
 
     def end(self, session):
-        self._check(session, wait_secs=min(60.0, 0.9 * self._binding.timeout_secs))
+        self._check(session, wait_secs=weight_check.end_wait_secs(self._binding))
 
     def _check(self, session, wait_secs: Optional[float] = None):
         if self._model.get("model") is None:

@@ -30,27 +30,16 @@ Example (what `keras_fit._KerasExtended._reduce_to` does)::
     if keras_build.answered_locally(value):
         return keras_evaluation.local_reduce(reduce_op, value, destinations, local_replicas)
 """
-import sys
-
 import tensorflow as tf
 from tensorflow.python.framework import func_graph
 
+from tfe_estimator.owner.keras_frames import KERAS3_TRAINER as _TRAINER
+from tfe_estimator.owner.keras_frames import frames_in as _frames_in
+
 __all__ = ["answered_locally"]
 
-_TRAINER = "keras/src/backend/tensorflow/trainer.py"
 _CORE = "keras/src/backend/tensorflow/core.py"
 _VALUES_UTIL = "tensorflow/python/distribute/values_util.py"
-
-
-def _frames_in(*files):
-    """``(frame, file)`` for each frame on the stack in one of `files` (path endings), innermost first."""
-    frame = sys._getframe()  # pylint: disable=protected-access
-    while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        name = next((f for f in files if path.endswith(f)), None)
-        if name is not None:
-            yield frame, name
-        frame = frame.f_back
 
 
 def _first_batch_mean(value) -> bool:

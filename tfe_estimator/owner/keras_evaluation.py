@@ -33,7 +33,6 @@ Example::
     mine = own.own                                                                 # this owner's data only
 """
 import logging
-import sys
 from typing import Dict, Optional
 
 import tensorflow as tf
@@ -41,6 +40,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.util import nest
 
 from tfe_estimator.distribute.progress import metrics_line
+from tfe_estimator.owner.keras_frames import KERAS_TRAINING, frames_in
 
 __all__ = ["OwnerMetrics", "evaluating_inputs", "local_reads", "local_reduce", "check_evaluation",
            "PLAIN_COPY_RECIPE"]
@@ -51,10 +51,6 @@ log = logging.getLogger("tfe_estimator")
 PLAIN_COPY_RECIPE = ("Evaluate each owner's own data with a plain copy of the model: "
                      "copy = tf.keras.models.clone_model(model); copy.set_weights(model.get_weights()); "
                      "copy.compile(loss=..., metrics=...); copy.evaluate(own_data).")
-
-#: Where Keras' fit / evaluate / predict live: Keras 2's engine, Keras 3's TensorFlow trainer.
-_KERAS_TRAINING = ("keras/src/engine/training.py", "keras/engine/training.py",
-                   "keras/src/backend/tensorflow/trainer.py")
 
 
 def _keras_graph_function() -> str:
@@ -89,15 +85,11 @@ def evaluating_inputs() -> bool:
     by Keras' own frames (``Model.evaluate`` / ``Model.predict``, or ``Model.fit`` once its training data
     handler exists: the validation data's handler is made after it; Keras 3: its ``epoch_iterator``).
     """
-    frame = sys._getframe(1)  # pylint: disable=protected-access
-    while frame is not None:
-        code = frame.f_code
-        if code.co_filename.replace("\\", "/").endswith(_KERAS_TRAINING):
-            if code.co_name in ("evaluate", "predict"):
-                return True
-            if code.co_name == "fit":
-                return "data_handler" in frame.f_locals or "epoch_iterator" in frame.f_locals
-        frame = frame.f_back
+    for frame, _ in frames_in(*KERAS_TRAINING):
+        if frame.f_code.co_name in ("evaluate", "predict"):
+            return True
+        if frame.f_code.co_name == "fit":
+            return "data_handler" in frame.f_locals or "epoch_iterator" in frame.f_locals
     return False
 
 

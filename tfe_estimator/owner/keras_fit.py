@@ -20,6 +20,8 @@ exactly as `TfeRunConfig` builds it for Estimator. Keras then trains as under Mu
   owners compare their weights' fingerprints through server0 (`weight_check.check_weights`, as Estimator's
   `estimator.WeightCheckHook` does at checkpoint steps): owners holding different weights stop with
   `handshake.OwnersDisagreeError` naming them and the step;
+- progress lines as Estimator's (`keras_progress.ProgressCallback`, added to that first ``fit``): every 100 steps
+  and, when ``fit`` ends, the weights' fingerprint, equal on every owner;
 - every owner starts from identical weights: the strategy seeds Keras (``tf.keras.utils.set_random_seed``)
   with the seed every owner derives alike from the cluster, as `TfeRunConfig` does for Estimator.
 
@@ -49,10 +51,8 @@ from tensorflow.python.framework import func_graph
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
 from tfe_estimator.cluster import spec as cluster_lib
-from tfe_estimator.owner import custom_loop, handshake, keras_build, keras_evaluation, model_record, step_key
-from tfe_estimator.owner import training_run
-from tfe_estimator.owner import weight_check
-from tfe_estimator.owner import service_strategy as service_lib
+from tfe_estimator.owner import (custom_loop, handshake, keras_build, keras_evaluation, keras_frames, keras_progress,
+                                 model_record, service_strategy as service_lib, step_key, training_run, weight_check)
 from tfe_estimator.owner.step_wait import DEFAULT_STEP_TIMEOUT_SECS
 
 __all__ = ["OwnerStrategy", "owner_strategy_from_environment", "in_function", "keras_function",
@@ -233,6 +233,7 @@ def call_for_each_replica(extended, fn, args, kwargs, call: Callable):
         with tf.init_scope():  # eager: the model's initial (or restored) weights, before any step runs
             agree_on_model(extended, optimizer, state, functools.partial(model_record.keras_record, model),
                            variables=lambda: model.trainable_weights, model=model)
+            _show_progress(model)
     return result
 
 
@@ -323,11 +324,7 @@ def _check_backups() -> None:
     Raises:
       NotImplementedError: Keras 3's ``fit`` runs a ``BackupAndRestore`` whose ``save_freq`` is not "epoch".
     """
-    frame = inspect.currentframe()
-    while frame is not None and not (frame.f_code.co_name == "fit" and frame.f_code.co_filename.replace(
-            "\\", "/").endswith("keras/src/backend/tensorflow/trainer.py")):
-        frame = frame.f_back
-    callbacks = frame.f_locals.get("callbacks") if frame is not None else None
+    callbacks = _fit_callbacks(keras_frames.KERAS3_TRAINER)
     for callback in getattr(callbacks, "callbacks", callbacks) or ():
         if isinstance(callback, tf.keras.callbacks.BackupAndRestore) and callback.save_freq != "epoch":
             error = NotImplementedError(
@@ -338,6 +335,23 @@ def _check_backups() -> None:
                 "fit(..., steps_per_epoch=<steps between backups>, epochs=<total steps / that>).")
             error.ag_pass_through = True  # raised as it is from fit's tracing, not as AutoGraph's StagingError
             raise error
+
+
+def _fit_callbacks(*trainers: str):
+    """The callbacks of the Keras ``fit`` running on this thread (its ``CallbackList`` once made, else the list it
+    was given), if its file is one of `trainers` (default: any Keras'); else None."""
+    frame, trainer = keras_frames.running_fit()
+    if frame is None or (trainers and trainer not in trainers):
+        return None
+    return frame.f_locals.get("callbacks")
+
+
+def _show_progress(model) -> None:
+    """Adds Estimator's progress lines to the running ``fit`` of `model` (`keras_progress.attach`): the owners
+    agreed on the model, its first step is about to run."""
+    if not keras_progress.attach(_fit_callbacks(), model):
+        log.info("no progress lines for this fit: Keras' fit callbacks were not found on the stack; pass "
+                 "callbacks=[tfe_estimator.ProgressCallback()] to model.fit for them.")
 
 
 def repeated_releases(model) -> int:
@@ -357,7 +371,7 @@ def _check_weights(step: int) -> None:
     _LATEST["checked"] = step
     binding = _LATEST["binding"]
     weight_check.check_weights(binding, service_lib.service_client, state["model"], step,
-                               [v.numpy() for v in variables()], wait_secs=min(60.0, 0.9 * binding.timeout_secs))
+                               [v.numpy() for v in variables()], wait_secs=weight_check.end_wait_secs(binding))
 
 
 def _eager_channel():

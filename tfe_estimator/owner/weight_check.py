@@ -14,7 +14,7 @@ polls until every other owner's row reached that step:
   `OwnersDisagreeError` naming the owners, the step and both fingerprints;
 - an owner already past the step (this owner replays released steps after a
   restart) is not compared;
-- an owner that does not arrive within the step timeout (at the end: 60 s)
+- an owner that does not arrive within the step timeout (at the end: `end_wait_secs`)
   is logged at WARNING and training goes on (the next step's sum waits for
   it anyway).
 
@@ -32,9 +32,18 @@ from tfe_estimator.owner import model_record, step_wait
 from tfe_estimator.owner.handshake import OwnersDisagreeError
 from tfe_estimator.owner.contribution import tf_errors
 
-__all__ = ["check_key", "compare", "check_weights"]
+__all__ = ["check_key", "compare", "check_weights", "end_wait_secs", "END_WAIT_SECS"]
 
 log = logging.getLogger("tfe_estimator")
+
+#: At most this long a check at the end of training (or of a Keras epoch) waits for the other owners.
+END_WAIT_SECS = 60.0
+
+
+def end_wait_secs(binding) -> float:
+    """How long a check at the end of training (Estimator) or of an epoch (Keras) waits for the other owners:
+    `END_WAIT_SECS`, or 0.9 of the step timeout when that is shorter (the step's own deadline comes first)."""
+    return min(END_WAIT_SECS, 0.9 * binding.timeout_secs)
 
 
 def check_key(model: int) -> int:
