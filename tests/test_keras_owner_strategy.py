@@ -14,13 +14,19 @@ import json, os, sys, tfe_estimator
 from tfe_estimator.owner.keras_fit import OwnerStrategy
 cases = {}
 for name, env in json.loads(sys.argv[1]).items():
+    replicas = env.pop("NUM_REPLICAS", None)
     os.environ.update(env)
     if not env.get("TFE_ESTIMATOR_TLS_DIR"):
         os.environ.pop("TFE_ESTIMATOR_TLS_DIR", None)
     try:
-        s = tfe_estimator.TfeStrategy()
+        s = tfe_estimator.TfeStrategy() if replicas is None else tfe_estimator.TfeStrategy(num_replicas=int(replicas))
         cases[name] = [type(s).__name__, isinstance(s, tfe_estimator.TfeStrategy), s.num_replicas_in_sync,
                        list(s.secure_aggregation.binding.owners), s.secure_aggregation.binding.owner]
+        if replicas is not None:  # after TensorFlow's runtime started with one CPU (the cases before ran ops)
+            import tensorflow as tf
+            with s.scope():
+                pass
+            cases[name].append([len(tf.config.list_logical_devices("CPU")), list(s.extended.worker_devices)])
     except Exception as e:  # noqa: BLE001
         cases[name] = [type(e).__name__, str(e)]
         continue
@@ -69,6 +75,8 @@ def test_tfe_strategy_is_the_owners_service_strategy_under_a_service_cluster_and
         "no certificates": {"TF_CONFIG": tf_config, "TFE_ESTIMATOR_TLS_DIR": ""},
         "in-graph": {"TF_CONFIG": tf_config, "TFE_ESTIMATOR_TLS_DIR": str(tmp_path),
                      "TFE_ESTIMATOR_CLUSTER_MODE": "in-graph"},
+        "two replicas": {"TF_CONFIG": tf_config, "TFE_ESTIMATOR_TLS_DIR": str(tmp_path),
+                         "TFE_ESTIMATOR_CLUSTER_MODE": "", "NUM_REPLICAS": "2"},
     }
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFE_ESTIMATOR_CLUSTER_MODE")}
     out = subprocess.run([sys.executable, "-c", _PICK, json.dumps(cases)], capture_output=True, text=True,
@@ -79,6 +87,11 @@ def test_tfe_strategy_is_the_owners_service_strategy_under_a_service_cluster_and
     assert got["service"] == ["OwnerStrategy", True, 2, ["chief:0", "worker:0"], "worker:0"]
     assert got["no certificates"][0] == "ValueError" and "TFE_ESTIMATOR_TLS_DIR" in got["no certificates"][1]
     assert got["in-graph"][0] == "NotImplementedError" and "--cluster-mode service" in got["in-graph"][1]
+    # TfeStrategy(num_replicas=2) in service mode makes the logical CPUs its two local replicas need, as on one machine
+    # (here after TensorFlow's runtime started with one), so Keras' scope opens.
+    cpus, devices = got["two replicas"].pop()
+    assert got["two replicas"] == ["OwnerStrategy", True, 4, ["chief:0", "worker:0"], "worker:0"], got["two replicas"]
+    assert cpus >= 2 and [d.rsplit("/", 1)[-1] for d in devices] == ["device:CPU:0", "device:CPU:1"], (cpus, devices)
     # A custom loop's sums across owners are keyed by the step of the optimizer that applies its gradients: a sum in a
     # tf.function with no apply_gradients, or before it, is refused; so is strategy.run summing eagerly, and an eager
     # strategy.reduce before any model trained.

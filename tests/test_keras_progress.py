@@ -1,5 +1,5 @@
-"""Keras' progress lines (`tfe_estimator.ProgressCallback`): Estimator's line format, and a last line whose fingerprint is
-that of the trained weights in the order the owners' weight checks compare (in process, no cluster: quick; Keras 2
+"""Keras' progress lines (`tfe_estimator.ProgressCallback`): Estimator's line format, and a last line whose fingerprint
+is that of the trained weights in the order the owners' weight checks compare (in process, no cluster: quick; Keras 2
 and Keras 3). The service-mode launch (tests/test_keras_service.py) checks the lines every owner prints."""
 import io
 import re
@@ -76,5 +76,5 @@ def test_attached_to_a_running_fits_callbacks_it_prints_like_one_passed_to_fit_a
 
 @pytest.mark.parametrize("every", [0, -3, 1.5, True])
 def test_a_bad_interval_is_refused_naming_it(every):
-    with pytest.raises(ValueError, match=rf"ProgressCallback\(every_n_steps={re.escape(repr(every))}\): give a positive"):
+    with pytest.raises(ValueError, match=rf"ProgressCallback\(every_n_steps={re.escape(repr(every))}\): give a"):
         tfe_estimator.ProgressCallback(every_n_steps=every)

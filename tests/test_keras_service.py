@@ -10,6 +10,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 from keras_dp_check import check_dp_noise, clipped_plaintext
 from owner_data import _owner_data
 from tfe_estimator.cluster.launcher import Launcher
+from tfe_estimator.owner import model_record
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -54,6 +56,31 @@ def _plaintext_keras(data, initial, worker_batch=lambda step: step):
                                for o in OWNERS])
         model.train_on_batch(rows[:, :2], rows[:, 2:])
     return model.get_weights()
+
+
+def _ended(log, name):
+    """``[(step, fingerprint)]`` of owner `name`'s "training ended" lines (keras_progress), in order."""
+    return re.findall(rf"^\[{name}\] tfe_estimator: training ended at step (\d+); weights fingerprint ([0-9a-f]{{16}}) "
+                      r"\(equal on every owner of one model\)$", log, re.M)
+
+
+def _fingerprint(weights):
+    """What an owner prints for these trained weights (its model's trainable weights, in order: kernel, bias)."""
+    return model_record.format_fingerprint(model_record.weights_fingerprint([np.array(w, np.float32) for w in weights]))
+
+
+def _check_progress(log, trained, keras_major):
+    """The progress lines TfeStrategy() adds to fit (the user passed none): the first step's loss, labelled with
+    whose rows it covers (Keras 2: every owner's, summed securely, so equal on both owners; Keras 3: each owner's
+    own), and a last line on each owner with the same fingerprint, that of the trained weights."""
+    whose = "every owner's rows: a secure sum" if keras_major == 2 else "this owner's rows"
+    first = {name: re.findall(rf"^\[{name}\] tfe_estimator: step 0, loss (\S+) \(this epoch's mean so far, "
+                              rf"{re.escape(whose)}\)$", log, re.M) for name in ("chief:0", "worker:0")}
+    assert len(first["chief:0"]) == len(first["worker:0"]) == 1, (first, log[-5000:])
+    assert (first["chief:0"] == first["worker:0"]) == (keras_major == 2), first
+    assert "[worker:0] tfe_estimator: step 4, loss " in log, log[-5000:]  # the restarted worker's first step
+    ended = {name: _ended(log, name) for name in ("chief:0", "worker:0")}
+    assert ended["chief:0"][0] == ended["worker:0"][0] == (str(STEPS), _fingerprint(trained)), (ended, log[-5000:])
 
 
 def _check_evaluation(workdir, data, trained, log):
@@ -103,6 +130,9 @@ def _check_dp(workdir, data, log):
     # Under DP the reported loss is not summed across owners (un-noised): each owner's is its own rows' alone.
     assert chief.pop("loss") != worker.pop("loss")
     assert chief == worker and chief["iterations"] == DP_STEPS, (chief, worker)
+    for name in ("chief:0", "worker:0"):  # fit's last line under DP too: the fingerprint of the noised weights
+        assert _ended(log, name)[1] == (str(DP_STEPS), _fingerprint(chief["trained"])), log[-5000:]
+        assert f"[{name}] tfe_estimator: step 0, loss " in log and "this epoch's mean so far, this owner's rows)" in log
     trained = np.append(np.array(chief["trained"][0]).ravel(), chief["trained"][1])
     expected = clipped_plaintext([data[o] for o in OWNERS], chief["initial"], DP_CLIP, DP_STEPS, LEARNING_RATE)
     check_dp_noise(trained, expected, LEARNING_RATE * DP_NOISE * DP_CLIP * np.sqrt(2) / 16 * np.sqrt(DP_STEPS))
@@ -203,6 +233,7 @@ def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_through_a_rest
     for got, want in zip(chief["trained"], expected):
         np.testing.assert_allclose(np.array(got), want, rtol=1e-5, atol=0)
     assert not np.allclose(np.array(chief["trained"][0]), np.array(chief["initial"][0]), atol=0.5)
+    _check_progress(log, chief["trained"], int(keras.__version__.split(".")[0]))
     # The owners agreed once at step 0 on the second model (one rewind each on both servers, although tf.function
     # may trace fit's step twice), the restarted worker once more at step 4; their sums are checked under the
     # handshake's check seed. The DP model (--then-dp) is one more model: one more rewind each (on both servers), one

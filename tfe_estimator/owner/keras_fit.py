@@ -51,6 +51,8 @@ from tensorflow.python.framework import func_graph
 
 from tfe_estimator.audit.owner_graph import audit_owner_graph
 from tfe_estimator.cluster import spec as cluster_lib
+from tfe_estimator.distribute.devices import cpus_needed, local_layout, validate_num_replicas
+from tfe_estimator.distribute.logical_devices import check_logical_cpus, ensure_logical_cpus
 from tfe_estimator.owner import (custom_loop, handshake, keras_build, keras_evaluation, keras_frames, keras_progress,
                                  model_record, service_strategy as service_lib, step_key, training_run, weight_check)
 from tfe_estimator.owner.step_wait import DEFAULT_STEP_TIMEOUT_SECS
@@ -147,8 +149,9 @@ def owner_strategy_from_environment(num_replicas: Optional[int] = None, protocol
 
     load_backend()  # fails early without secure randomness
     binding = service_lib.service_binding(spec, step_timeout_secs, "TfeStrategy()")
+    devices = _local_replicas(num_replicas)
     strategy = OwnerStrategy.__new__(OwnerStrategy)
-    service_lib.ServiceStrategy.__init__(strategy, binding, num_replicas=num_replicas or 1, precision=precision,
+    service_lib.ServiceStrategy.__init__(strategy, binding, devices=devices, precision=precision,
                                          clip_norm=clip_norm, update_ring_bits=update_ring_bits, dp=dp)
     ops = strategy.extended._cross_device_ops  # pylint: disable=protected-access
     ops.eager_channel, ops.check_unkeyed = _eager_channel, _check_unkeyed
@@ -158,6 +161,20 @@ def owner_strategy_from_environment(num_replicas: Optional[int] = None, protocol
              "from identical weights; call tf.keras.utils.set_random_seed(<int>) after TfeStrategy() on every "
              "owner to choose another.", seed)
     return strategy
+
+
+def _local_replicas(num_replicas: Optional[int]) -> list:
+    """This owner's replica devices for `num_replicas` (default 1), with the logical CPU devices eager TensorFlow
+    needs for them made as one-machine ``TfeStrategy()`` makes them (`logical_devices.ensure_logical_cpus`).
+
+    Raises:
+      RuntimeError: TensorFlow's runtime already started with several CPU devices, but fewer than the replicas
+        need (`logical_devices.check_logical_cpus` names the numbers and the fix).
+    """
+    devices = list(local_layout(validate_num_replicas(1 if num_replicas is None else num_replicas), "pond")[0])
+    if tf.executing_eagerly() and not ensure_logical_cpus(cpus_needed(devices)):
+        check_logical_cpus(devices)
+    return devices
 
 
 def in_function() -> bool:
