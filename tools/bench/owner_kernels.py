@@ -17,6 +17,10 @@ pass with nothing to check), and a memcpy of the vector. Each stage's CPU time (
 TensorFlow's intra-op threads count) is the median of `--repeats` runs after one warm-up, in ns per parameter,
 with its ratio to the AES floor of one 8-byte word per parameter.
 
+Against an older checkout (no `ops.decode_sum`) the one-part row is left out, so the same file times both::
+
+    PYTHONPATH=/path/to/main python tools/bench/owner_kernels.py
+
 Run::
 
     PYTHONPATH=. python -m tools.bench.owner_kernels --elements 100000 1000000
