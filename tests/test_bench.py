@@ -24,9 +24,13 @@ def test_quick_benchmark_reports_every_case(tmp_path):
         assert math.isfinite(upload) and upload > 0, case["name"]
         assert case["params"] > 0 and case["upload_edges"] > 0
     assert results["secure_sum"] and all(r["secure_params_per_s"] > 0 for r in results["secure_sum"])
+    # The owner's kernels beside the AES-CTR floor (the floor's own row first, at 1.0x).
+    kernels = results["owner_kernels"]
+    assert kernels and kernels[0]["x_aes_floor"] == 1.0 and all(r["ns_per_param"] > 0 for r in kernels)
+    assert {"verify (unmask + checks)", "hand-off + decode (one part)"} <= {r["stage"] for r in kernels}
     assert (tmp_path / "benchmark.png").stat().st_size > 0
     report = (tmp_path / "BENCHMARKS.md").read_text()
-    assert "| case |" in report
+    assert "| case |" in report and "| stage | 10,000 params: ns/param (x AES) |" in report
     # The service-mode case beside both plaintext anchors: MWMS and the in-graph MirroredStrategy of linear-1e2.
     assert "| in-graph MirroredStrategy ms/step |" in report and "(linear-1e2) |" in report, report
     assert results["machine"]["cores"] >= 1

@@ -121,6 +121,38 @@ def test_output_is_identical_for_any_number_of_threads(ring_bits):
         np.testing.assert_array_equal(values, outputs[0][1])
 
 
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_decoding_one_revealed_part_equals_revealing_it_with_a_part_of_zeros(ring_bits):
+    # What a service-mode owner's graph decodes (its answer unmasked in the call): `decode_sum` of the words alone,
+    # bit for bit what `reveal_sum` of the words and a tensor of zeros gave (what it built before), in every ring,
+    # dtype and split, extreme words included; an integer sum that does not fit still fails.
+    rng = np.random.RandomState(3)
+    n = 9_001  # several chunks, a partial one, an odd count (the 32-bit ring's padding lane)
+    words = rng.randint(-2**63, 2**63 - 1, size=(n,) if ring_bits != 128 else (n, 2), dtype=np.int64)
+    if ring_bits == 32:
+        words = words[:(n + 1) // 2]
+        words[-1] &= 0xFFFFFFFF  # the padding lane encodes 0
+    words.reshape(-1)[:2] = [-2**63, 2**63 - 1]
+    shapes = [[3, 1000], [n - 3000]]
+    with tf.Graph().as_default():
+        revealed = tf.constant(words)
+        pairs = [(ops.decode_sum(revealed, dtype, ring_bits, 32, scale, shapes),
+                  ops.reveal_sum(revealed, tf.zeros_like(revealed), dtype, ring_bits, 32, scale, shapes))
+                 for dtype, scale in ((tf.float32, 1.0), (tf.float64, 0.5))]
+        small = np.zeros_like(words)
+        small.reshape(words.shape[0], -1)[:, 0] = np.arange(words.shape[0])  # small integers (the low word)
+        small = tf.constant(small if ring_bits != 32 else small & 0xFFFF)  # 32-bit ring: two small lanes a word
+        pairs.append((ops.decode_sum(small, tf.int64, ring_bits, 0, 1.0, shapes),
+                      ops.reveal_sum(small, tf.zeros_like(small), tf.int64, ring_bits, 0, 1.0, shapes)))
+        results = _run(pairs)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="does not fit int32"):
+            _run(ops.decode_sum(revealed, tf.int32, 64, 0, 1.0, [[words.size]]))
+    for one, two in results:
+        for a, b in zip(one, two):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
 @pytest.mark.parametrize("dtype", [tf.int32, tf.int64])
 def test_seeded_uniform_is_deterministic_and_in_range(dtype):
     with tf.Graph().as_default():

@@ -195,12 +195,14 @@ def test_the_kernel_pass_computes_the_numpy_definition_exactly(ring_bits):
     # `values`): across pass blocks (4096 elements), odd sizes (the 32-bit ring's padding lane), extreme words.
     check = SumCheck(SEED)
     rng = np.random.default_rng(ring_bits)
-    for n in (0, 1, 3, 4097, 2 * 4096 + 5):
+    for n in (0, 1, 3, 4097, 2 * 4096 + 5, 4096):
         total = n + CHECK_WORDS
         words = rng.integers(0, 2**64, ring.ring_words(total, ring_bits), dtype=np.uint64, endpoint=False)
         words[:2] = [2**63, 2**63 - 1]
         key = rng.integers(-2**31, 2**31, 4, dtype=np.int32)
         stream = ring.keystream_words(key, words.size)
+        if n == 4096:  # a whole pass block whose plain words are all ones: the largest 32-bit halves, all negative
+            words = ring.sub_into(np.full_like(words, 2**64 - 1), stream, ring_bits)
         coefficient_key = sum_check._derive(SEED, "sum_3", 11)  # pylint: disable=protected-access
         coefficients = check.coefficients("sum_3", 11, n)
         for copy, given in ((True, n), (False, total)):

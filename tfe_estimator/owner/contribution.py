@@ -12,12 +12,12 @@ to which it only connects out. Per sum and step, in the owner's graph::
                            subtracts the keystream of a fresh blind key and forwards that part to server1;
                            server1 adds it to the owners' shares: w = enc(sum) - AES(blind_key)
     owner (its device):    y = dec(w + AES(blind_key))      unmasked in the call, decoded by
-                                                            `reveal_sum`, then copied to the local replicas
+                                                            `decode_sum`, then copied to the local replicas
 
 With `checks` (service mode's training sums: the owners' check seed from the
 handshake, `check_seed`), the owner appends `sum_check.CHECK_WORDS` check
 words to its masked share inside the call and verifies them on the
-revealed sum before it goes on to `reveal_sum`: a sum a server altered stops
+revealed sum before it goes on to `decode_sum`: a sum a server altered stops
 the session run (`sum_check.SumIntegrityError`), nothing of it applied.
 
 Nothing but a fresh key and a masked share leaves the graph; what comes back
@@ -164,8 +164,7 @@ def service_sum(
         rider = _ride_on_host(graph, key, share, step, encoding, num_elements, checks is not None)
         if rider is not None:
             with tf.device(sources[0]), tf.name_scope("service_reveal"):
-                total = ops.reveal_sum(rider, tf.zeros_like(rider), dtype, encoding.ring_bits,
-                                       encoding.fraction_bits, scale, shapes)
+                total = ops.decode_sum(rider, dtype, encoding.ring_bits, encoding.fraction_bits, scale, shapes)
             return _on_targets(total, targets)
     last, answers = _LAST.setdefault(graph, {}), _ANSWERS.setdefault(graph, {}).setdefault(_CHAIN[0], [])
     after = [last[_CHAIN[0]]] if _CHAIN[0] in last and not eager else []
@@ -191,8 +190,7 @@ def service_sum(
     revealed.set_shape(share.shape)
     with tf.device(sources[0]), tf.name_scope("service_reveal"):
         # The sum's ring words are unmasked in the call (its checks need them): decode them.
-        total = ops.reveal_sum(revealed, tf.zeros_like(revealed), dtype, encoding.ring_bits, encoding.fraction_bits,
-                               scale, shapes)
+        total = ops.decode_sum(revealed, dtype, encoding.ring_bits, encoding.fraction_bits, scale, shapes)
     return _on_targets(total, targets)
 
 

@@ -97,6 +97,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--cases", default=None, help="comma-separated case names to run (default all)")
     parser.add_argument("--no-cluster", action="store_true", help="skip the loopback cluster cases")
     parser.add_argument("--no-secure-sum", action="store_true", help="skip the secure-sum microbenchmark")
+    parser.add_argument("--no-owner-kernels", action="store_true",
+                        help="skip the service-mode owner's kernels beside the AES-CTR floor (owner_kernels)")
     parser.add_argument("--protocol", default="pond", help="tf-encrypted protocol (default pond)")
     parser.add_argument("--relay-rtt-ms", type=float, default=None,
                         help="svc-* cases: also run the service with each owner's links to the servers through a "
@@ -155,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cases = [c for c in cases if c.name in wanted]
     if args.no_cluster:
         cases = [c for c in cases if not (c.cluster or c.service)]
-    results = {"machine": report.machine(), "settings": settings, "cases": [], "secure_sum": []}
+    results = {"machine": report.machine(), "settings": settings, "cases": [], "secure_sum": [], "owner_kernels": []}
     workdir = tempfile.mkdtemp(prefix="tfe-estimator-bench-")
     try:
         for case in cases:
@@ -199,6 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"{row['plaintext_bytes_per_param_per_replica']:.3f}); 32-bit ring: extra "
                       f"{row['secure32_extra_ns_per_param_per_replica']:.2f} ns, "
                       f"{row['secure32_bytes_per_param_per_replica']:.3f} B/param/replica", flush=True)
+        if not args.no_owner_kernels:
+            _owner_kernels(results, args.quick)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report.write_json(os.path.join(out, "results.json"), results)
@@ -216,6 +220,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f.write(report.markdown(results, png_name=png_ref))
     print(f"[bench] wrote {out}/results.json, benchmark.png, BENCHMARKS.md", flush=True)
     return 0
+
+
+def _owner_kernels(results: Dict, quick: bool) -> None:
+    """The service-mode owner's kernels per parameter beside the AES-CTR floor, into `results` (and printed)."""
+    from tools.bench import owner_kernels  # pylint: disable=import-outside-toplevel
+
+    for n in [10_000] if quick else [100_000, 1_000_000]:  # quick: one size, a smoke test
+        for row in owner_kernels.measure(n, repeats=3 if quick else 21):
+            results["owner_kernels"].append(row)
+            print(f"[bench] {'owner-kernels':>20}: {n:,} params: {row['stage']}: {row['ns_per_param']:.2f} "
+                  f"ns/param CPU, {row['x_aes_floor']:.2f}x the AES-128-CTR floor", flush=True)
 
 
 if __name__ == "__main__":

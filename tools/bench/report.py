@@ -166,6 +166,26 @@ def _service_distance(cases) -> list:
     ]
 
 
+def _owner_kernels(rows) -> list:
+    """The service-mode owner's per-step kernels beside the AES-CTR floor (`tools.bench.owner_kernels`)."""
+    if not rows:
+        return []
+    sizes = sorted({r["elements"] for r in rows})
+    stages = list(dict.fromkeys(r["stage"] for r in rows))
+    by = {(r["stage"], r["elements"]): r for r in rows}
+    lines = ["", "A service-mode owner's kernels, each stage as its step runs it (64-bit ring, checked sum), in "
+             "process CPU ns per parameter and in multiples of AES-128-CTR's keystream of one 8-byte word per "
+             "parameter (`cryptography`, the floor of every pass that draws a mask or check coefficients), "
+             "measured in the same run (`python -m tools.bench.owner_kernels`):", "",
+             "| stage | " + " | ".join(f"{n:,} params: ns/param (x AES)" for n in sizes) + " |",
+             "| --- | " + " | ".join("---:" for _ in sizes) + " |"]
+    for stage in stages:
+        cells = [by.get((stage, n)) for n in sizes]
+        lines.append(f"| {stage} | " + " | ".join(f"{c['ns_per_param']:.2f} ({c['x_aes_floor']:.2f}x)" if c else "-"
+                                                   for c in cells) + " |")
+    return lines
+
+
 def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
     """BENCHMARKS.md: machine, method, the table, the secure sum alone, traffic."""
     m, s = results["machine"], results["settings"]
@@ -249,5 +269,6 @@ def markdown(results: Dict, png_name: str = "benchmark.png") -> str:
             ops = r["secure_op_ms_by_kind"]
             lines.append(f"| {r['params']:,} | " + " | ".join(f"{ops.get(k, 0.0):.2f}" for k in kinds)
                          + f" | {r['secure_ms']:.2f} |")
+    lines += _owner_kernels(results.get("owner_kernels") or [])
     lines += ["", f"![ratio vs model size]({png_name})", ""]
     return "\n".join(lines)

