@@ -49,7 +49,7 @@ endif
 
 .PHONY: demo demo-cluster test test-fast bench bench-flower venv clean
 
-# SYSTEM_DEPS=: leaves the system tools out (.ci/run's background set-up, beside a `make test` that runs them).
+# SYSTEM_DEPS=: leaves the system tools out (.ci/run sets the three venvs up at once, after it ran them once).
 SYSTEM_DEPS ?= bash scripts/system-deps.sh
 
 venv:
