@@ -49,8 +49,11 @@ endif
 
 .PHONY: demo demo-cluster test test-fast bench bench-flower venv clean
 
+# SYSTEM_DEPS=: leaves the system tools out (.ci/run sets the three venvs up at once, after it ran them once).
+SYSTEM_DEPS ?= bash scripts/system-deps.sh
+
 venv:
-	bash scripts/system-deps.sh
+	$(SYSTEM_DEPS)
 	STACK=$(STACK) bash scripts/venv.sh $(EXTRAS_$(STACK))
 
 # TF_CPP_MIN_LOG_LEVEL=1: TensorFlow's INFO lines (e.g. "Local rendezvous recv item

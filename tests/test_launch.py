@@ -62,40 +62,63 @@ def _assert_all_gone(launcher):
         assert not _alive(task.process.pid)
 
 
+def _interleaved_owner_data(rows=256):
+    """`_owner_data`'s rows in `run_cluster_demo`'s layout (training row i goes to owner i % 2, the chief
+    first): the chief's rows teach only age, the worker's only sex."""
+    rng = np.random.RandomState(0)
+    x = np.zeros((2 * rows, len(FEATURES)), np.float32)
+    for owner, feature in enumerate(("age", "sex")):
+        x[owner::2, FEATURES.index(feature)] = rng.randn(rows)
+    x_test = np.zeros((90, len(FEATURES)), np.float32)
+    x_test[:, :2] = rng.randn(90, 2)
+    return x, x @ _true_weights() + 3.0, x_test, x_test @ _true_weights() + 3.0, FEATURES
+
+
 def test_train_and_evaluate_on_loopback_cluster_matches_plaintext_and_keeps_data_local(tmp_path):
     # Prepare: two owners, different data in their own folders, one relative pattern. The run is also the
     # evaluator's issue setting: checkpoints every 50 steps, keep_checkpoint_max=5 (the default), 300 steps,
     # EvalSpec(start_delay_secs=1, throttle_secs=1). A secure evaluation graph takes seconds to build; the chief
     # trains all 300 steps meanwhile and deletes model.ckpt-0.
-    workdir = str(tmp_path)
-    _owner_data(workdir)
-    # Execute: the secure cluster and its plaintext in-graph twin.
-    results, logs = {}, {}
+    # Execute: the secure cluster and its plaintext in-graph twin, launched by the cluster demo
+    # (`tfe-estimator demo --cluster`), whose own output is checked here too (one launch serves both).
+    from tfe_estimator.tools.demo_cluster import run_cluster_demo
+
+    out = io.StringIO()
+    results = run_cluster_demo(
+        steps=300, workdir=str(tmp_path), out=out, data=_interleaved_owner_data(), audit=True,
+        task_args=["--learning-rate", "0.1", "--save-checkpoints-steps", "50", "--keep-checkpoint-max", "5",
+                   "--start-delay-secs", "1"])
+    logs = {}
     for mode in ("secure", "plaintext"):
-        launcher = _launcher(workdir, mode, steps=300, extra=["--save-checkpoints-steps", "50",
-                                                             "--keep-checkpoint-max", "5", "--start-delay-secs", "1"])
-        status = launcher.run()
-        log = logs[mode] = launcher._out.getvalue()
-        assert status == 0, log[-5000:]
-        _assert_all_gone(launcher)
-        results[mode] = _weights(os.path.join(workdir, f"model-{mode}"))
-        assert "[evaluator:0]" in log and "Saving dict for global step 300" in log
+        log_dir = tmp_path / f"logs-{mode}"
+        _assert_all_gone(results[mode]["launcher"])
+        logs[mode] = {name: (log_dir / name).read_text() for name in os.listdir(log_dir)}
+        # The demo prints one line per run (where its task logs are), not the tasks' logs: each task's own file.
+        assert sorted(logs[mode]) == ["chief-0.log", "evaluator-0.log", "launch.log", "tfe-0.log", "tfe-1.log",
+                                      "tfe-2.log", "worker-0.log"]
+        assert results[mode]["model_dir"] == str(tmp_path / f"model-{mode}")
+        assert results[mode]["log_dir"] == str(log_dir)
+        assert "Saving dict for global step 300" in logs[mode]["evaluator-0.log"]
+    printed = out.getvalue().splitlines()
+    assert len(printed) == 2, printed  # one line per run: where its task logs are
+    assert printed[0] == f"secure: training on the cluster; task logs in {tmp_path}/logs-secure/"
     log = logs["secure"]
-    assert "none takes or produces a float tensor" in log  # the chief audited its graph
-    assert "audit of the partitioned graphs of run 1" in log  # and what the parties received
+    assert "none takes or produces a float tensor" in log["chief-0.log"]  # the chief audited its graph
+    assert "audit of the partitioned graphs of run 1" in log["chief-0.log"]  # and what the parties received
     # Assert: the same model, learned from both owners' files.
-    np.testing.assert_allclose(results["secure"], results["plaintext"], atol=1e-2)
-    np.testing.assert_allclose(results["secure"], _true_weights(), atol=0.5)
-    eval_dir = os.path.join(workdir, "model-secure", "eval")
+    secure, plaintext = results["secure"]["weights"], results["plaintext"]["weights"]
+    np.testing.assert_allclose(secure, plaintext, atol=1e-2)
+    np.testing.assert_allclose(secure, _true_weights(), atol=0.5)
+    eval_dir = os.path.join(results["secure"]["model_dir"], "eval")
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(eval_dir)), "no eval summaries"
     # The secure evaluator survived checkpoint rotation and a chief that finished first.
-    assert "evaluator:0 died" not in log  # no hiccup was papered over by a restart
+    assert "evaluator:0 died" not in log["launch.log"]  # no hiccup was papered over by a restart
     # Which checkpoint the evaluator finds first is a race with the chief (step 0 on a quiet machine, 100 under
     # load, 300 if it starts late); whatever it chose it evaluated (or said that rotation took it away, which
     # the evaluator's own tests cover), in order, and it ended on the last one.
-    evaluated = [int(s) for s in re.findall(r"Saving dict for global step (\d+)", log)]
-    assert evaluated and evaluated == sorted(evaluated), log[-6000:]
-    assert evaluated[-1] == 300, log[-6000:]
+    evaluated = [int(s) for s in re.findall(r"Saving dict for global step (\d+)", log["evaluator-0.log"])]
+    assert evaluated and evaluated == sorted(evaluated), log["evaluator-0.log"][-6000:]
+    assert evaluated[-1] == 300, log["evaluator-0.log"][-6000:]
 
 
 def test_aby3_cluster_trains_and_keeps_plaintext_off_the_servers(tmp_path):

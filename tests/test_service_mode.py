@@ -135,13 +135,15 @@ def test_owners_with_different_learning_rates_are_refused_before_the_first_step(
     assert "tfe_estimator: step 0, loss" not in log and "owner finished" not in log, log[-5000:]
 
 
-@pytest.mark.parametrize("workers, replicas, runs", [(3, 1, (1, 4)), (1, 2, (4,)), (7, 1, (2,))])
-def test_four_and_eight_owners_and_two_owners_with_two_local_replicas_equal_the_twin(
+@pytest.mark.parametrize("workers, replicas, runs", [(1, 2, (1, 4)), (7, 1, (2,))])
+def test_eight_owners_and_two_owners_with_two_local_replicas_equal_the_twin_also_when_resumed(
         workers, replicas, runs, tmp_path):
-    # N = 4 owners with one replica each: trained to step 1, then resumed from it to step 4 (a new launch: fresh
-    # servers, every owner restores its checkpoint). 2 owners x 2 local replicas (summed in plaintext inside each
-    # owner, one secure contribution per owner and step): four steps in one launch (the replicas are summed inside
-    # the owner's graph; resuming is the 4-owner case's). N = 8 owners (ten processes on this machine): two steps.
+    # 2 owners x 2 local replicas (summed in plaintext inside each owner, one secure contribution per owner and
+    # step): trained to step 1, then resumed from it to step 4 (a new launch: fresh servers, every owner restores
+    # its checkpoint). N = 8 owners with one replica each (ten processes on this machine): two steps.
+    # A 4-owner case (one replica each, 1 then 4 steps; 73 s of CI) was dropped: N = 8 checks more than two
+    # owners summing to the twin (with more owners), and the resume it held is the 2 x 2 case's now (about 20 s
+    # more there); no other property was its own.
     workdir = str(tmp_path)
     owners = _owners(workers)
     data = _owner_data(workdir, owners)

@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Dict, Optional, Sequence, TextIO
+from typing import Dict, Optional, Sequence, TextIO, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -68,14 +68,37 @@ def _write_csv(path, x, y) -> int:
 def run_cluster_demo(
     steps: int = 300, workers: int = 1, protocol: str = "pond",
     workdir: Optional[str] = None, out: TextIO = sys.stdout, isolate_tls: bool = False,
+    data: Optional[Tuple] = None, task_args: Sequence[str] = (), audit: bool = False,
 ) -> Dict[str, Dict]:
     """Trains secure and plaintext twins on a loopback cluster; returns both results.
 
     With `isolate_tls`, every task runs in its own network namespace behind a mutual-TLS
     sidecar (`tfe-estimator launch --isolate --tls`; root, stunnel4, iptables).
+
+    Args:
+      steps: training steps of each run.
+      workers: data owners besides the chief.
+      protocol: the secure run's protocol ("pond" or "aby3").
+      workdir: where the owners' directories, model directories and logs go (default: a new temporary one).
+      out: where the one line per run (where its task logs are) goes.
+      isolate_tls: see above.
+      data: `(x_train, y_train, x_test, y_test, feature_names)` with the columns of `COLUMNS` (default:
+        `load_diabetes_split()`); training row i goes to owner ``i % (workers + 1)`` (the chief first).
+      task_args: more arguments for every task's `main` (e.g. ``["--save-checkpoints-steps", "50"]``).
+      audit: the secure run's chief audits its graphs (`main`'s ``--audit``; the plaintext twin has no servers).
+
+    Returns:
+      ``{"secure": ..., "plaintext": ..., "feature_names": ..., "workdir": ...}``; each run's entry holds its
+      learned weights, bias, test metrics, ``model_dir``, ``log_dir`` and the ``launcher`` that ran it (its
+      tasks, all ended).
+
+    Example::
+
+        >>> results = run_cluster_demo(steps=30, workdir="/tmp/demo")  # doctest: +SKIP
+        >>> results["secure"]["weights"] - results["plaintext"]["weights"]  # doctest: +SKIP
     """
     workdir = os.path.abspath(workdir or tempfile.mkdtemp(prefix="tfe-estimator-cluster-demo-"))
-    x_train, y_train, x_test, y_test, names = load_diabetes_split()
+    x_train, y_train, x_test, y_test, names = load_diabetes_split() if data is None else data
     owners = ["chief-0"] + [f"worker-{i}" for i in range(workers)]
     write_owner_data(workdir, owners, x_train, y_train, x_test, y_test)
     results = {"feature_names": names, "workdir": workdir}
@@ -84,22 +107,25 @@ def run_cluster_demo(
         log_dir = os.path.join(workdir, f"logs-{mode}")
         os.makedirs(log_dir, exist_ok=True)
         command = [sys.executable, "-m", "tfe_estimator.tools.demo_cluster", "--mode", mode,
-                   "--model-dir", model_dir, "--steps", str(steps)]
+                   "--model-dir", model_dir, "--steps", str(steps), *task_args]
+        if audit and mode == "secure":
+            command.append("--audit")
         out.write(f"{mode}: training on the cluster; task logs in {log_dir}/\n")
         out.flush()
         # Task output goes to one file per task and the launcher's own lines to launch.log,
         # so the comparison table is not buried; a failing task's last lines are shown.
         with open(os.path.join(log_dir, "launch.log"), "w", encoding="utf-8") as launch_log:
-            status = Launcher(command, workers=workers, evaluator=True, protocol=protocol,
-                              task_cwd=os.path.join(workdir, "{job}-{index}"), out=launch_log,
-                              log_dir=log_dir, cluster_mode="in-graph", isolate=isolate_tls,
-                              tls=isolate_tls).run()
+            launcher = Launcher(command, workers=workers, evaluator=True, protocol=protocol,
+                                task_cwd=os.path.join(workdir, "{job}-{index}"), out=launch_log,
+                                log_dir=log_dir, cluster_mode="in-graph", isolate=isolate_tls,
+                                tls=isolate_tls)
+            status = launcher.run()
         if status != 0:
             with open(os.path.join(log_dir, "launch.log"), encoding="utf-8") as launch_log:
                 out.write("".join(launch_log.readlines()[-40:]))
             raise RuntimeError(f"the {mode} cluster run failed with status {status}; task logs are in {log_dir}")
         results[mode] = _read_result(model_dir, x_test, y_test)
-        results[mode]["model_dir"] = model_dir
+        results[mode].update(model_dir=model_dir, log_dir=log_dir, launcher=launcher)
     return results
 
 
