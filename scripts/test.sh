@@ -7,7 +7,8 @@
 #    $TEST_WORKERS pytest-xdist workers (default 2, one per core; 1 runs it
 #    serially in this process). `--dist loadfile` sends a whole test file to one
 #    worker: a file's module-scoped fixtures (servers, trained models) are built
-#    once, as without workers.
+#    once, as without workers. Files go out in collection order
+#    (`--no-loadscope-reorder`), longest first (tests/conftest.py).
 # 2. The `multiprocess` tests (loopback clusters of several processes, whose
 #    deadlines assume they have the machine) one after the other, without workers.
 #
@@ -25,7 +26,7 @@ if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
 fi
 
 parallel=()
-[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 
 "$python" -m pytest "$@" -m "not multiprocess" "${parallel[@]}"
 in_process=$?

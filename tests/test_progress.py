@@ -21,8 +21,10 @@ def test_the_hook_prints_the_step_and_the_loss_it_read_every_n_runs():
     out = io.StringIO()
     with tf.Graph().as_default():
         step = tf.compat.v1.train.get_or_create_global_step()
-        loss = tf.cast(step, tf.float32) * 0.5 + 1.0  # the loss at the step each run reads
-        train_op = tf.compat.v1.assign_add(step, 1)
+        read = tf.compat.v1.get_default_graph().as_graph_element(step)  # the op a fetch of the step runs
+        loss = tf.cast(read, tf.float32) * 0.5 + 1.0  # the loss at the step each run reads
+        with tf.control_dependencies([read]):  # else a run may read the step after its own update (1 in ~150)
+            train_op = tf.compat.v1.assign_add(step, 1)
         with tf.compat.v1.train.MonitoredSession(hooks=[ProgressHook(loss, every_n_steps=3, stream=out)]) as sess:
             for _ in range(9):
                 sess.run(train_op)
