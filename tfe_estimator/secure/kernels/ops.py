@@ -98,12 +98,7 @@ def reveal_sum(share0, share1, dtype: tf.DType, ring_bits: int, fraction_bits: i
     if (share1 is None) == (key is None):
         raise ValueError("reveal_sum needs two parts: share1, or key (a blinded share's key), not both")
     shares = [share0] if share1 is None else [share0, share1]
-    keys = [] if key is None else [key]
-    attrs = dict(ring_bits=ring_bits, fraction_bits=fraction_bits, divisor=_divisor(scale))
-    if shapes is None:
-        return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=1, **attrs)[0]
-    shapes = [tf.TensorShape(s) for s in shapes]
-    return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=len(shapes), shapes=shapes, **attrs)
+    return _reveal(shares, [] if key is None else [key], dtype, ring_bits, fraction_bits, scale, shapes)
 
 
 def decode_sum(revealed, dtype: tf.DType, ring_bits: int, fraction_bits: int, scale: float = 1.0,
@@ -117,11 +112,17 @@ def decode_sum(revealed, dtype: tf.DType, ring_bits: int, fraction_bits: int, sc
 
         total = decode_sum(revealed_words, tf.float32, ring_bits=64, fraction_bits=32, shapes=[[3, 2], [2]])
     """
+    return _reveal([revealed], [], dtype, ring_bits, fraction_bits, scale, shapes)
+
+
+def _reveal(shares, keys, dtype, ring_bits, fraction_bits, scale, shapes):
+    """`TfeRevealSum` of `shares` and `keys` (two parts, or one revealed part): one vector, or one tensor per
+    shape of `shapes`."""
     attrs = dict(ring_bits=ring_bits, fraction_bits=fraction_bits, divisor=_divisor(scale))
     if shapes is None:
-        return kernels.load().tfe_reveal_sum([revealed], [], T=dtype, N=1, **attrs)[0]
+        return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=1, **attrs)[0]
     shapes = [tf.TensorShape(s) for s in shapes]
-    return kernels.load().tfe_reveal_sum([revealed], [], T=dtype, N=len(shapes), shapes=shapes, **attrs)
+    return kernels.load().tfe_reveal_sum(shares, keys, T=dtype, N=len(shapes), shapes=shapes, **attrs)
 
 
 def _log2(bound: float) -> int:
