@@ -4,7 +4,8 @@ Each owner (not each of its local replicas) adds its discrete Gaussian part to i
 before masking, sized against t colluding owners of N = the number of owners; epsilon is
 accounted with N = owners. The unit tests check the numbers on a graph built without the service;
 the cluster tests (`Launcher(cluster_mode="service")`) train 2 owners with Poisson-sampled batches
-and compare the accuracy with tensorflow-privacy's central DP-SGD on the union of their data.
+and compare the accuracy with tensorflow-privacy's central DP-SGD on the union of their data. One
+launch serves them all: each owner trains the tests' runs one after the other (`dp_launch`).
 """
 import io
 import json
@@ -198,15 +199,15 @@ def _rows(rng, n):
     return np.column_stack([x, y]).astype(np.float32)
 
 
-def _write_data(workdir, owners):
+def _write_data(workdir, owners, run):
     rng = np.random.RandomState(0)
     test = _rows(rng, TEST_ROWS)
     data = {}
     for owner in owners:
         data[owner] = _rows(rng, OWNER_ROWS)
-        os.makedirs(os.path.join(workdir, owner))
-        np.savetxt(os.path.join(workdir, owner, "train.csv"), data[owner], delimiter=",", fmt="%.8g")
-        np.savetxt(os.path.join(workdir, owner, "test.csv"), test, delimiter=",", fmt="%.8g")
+        os.makedirs(os.path.join(workdir, owner, run))
+        np.savetxt(os.path.join(workdir, owner, run, "train.csv"), data[owner], delimiter=",", fmt="%.8g")
+        np.savetxt(os.path.join(workdir, owner, run, "test.csv"), test, delimiter=",", fmt="%.8g")
     return np.concatenate(list(data.values())), test
 
 
@@ -227,28 +228,64 @@ def _central_dp_sgd_accuracy(train, test, batch):
     return model.evaluate(test[:, :DIMS], test[:, DIMS:], verbose=0)[1]
 
 
-def _run(workdir, *flags, steps=STEPS, learning_rate=LEARNING_RATE):
+#: The runs of the one launch the cluster tests share, each owner training them one after the other in its
+#: process (name, steps, learning rate, local replicas): DP-SGD near central DP-SGD, the same with 2 local replicas
+#: per owner, and one step on all-zero features (the noise's scale).
+RUNS = (("central", STEPS, LEARNING_RATE, 1), ("replicas", STEPS, LEARNING_RATE, 2), ("noise", 1, 1.0, 1))
+OWNERS = ("chief-0", "worker-0")
+NOISE_DIMS = 3000
+
+
+@pytest.fixture(scope="module")
+def dp_launch(tmp_path_factory):
+    """One service-mode launch of 2 owners for every cluster test: {run: (data, results, that run's log lines)}.
+
+    A launch per test cost ~25 s of CI each (4 processes importing TensorFlow, servers, handshakes).
+    """
     from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
 
+    workdir = str(tmp_path_factory.mktemp("service_dp"))
+    data = {run: _write_data(workdir, OWNERS, run) for run in ("central", "replicas")}
+    # All-zero features, label 1: only the noise moves the kernel.
+    rows = np.column_stack([np.zeros((OWNER_ROWS, NOISE_DIMS)), np.ones(OWNER_ROWS)])
+    for owner in OWNERS:
+        os.makedirs(os.path.join(workdir, owner, "noise"))
+        for name in ("train.csv", "test.csv"):
+            np.savetxt(os.path.join(workdir, owner, "noise", name), rows[:40] if name == "test.csv" else rows,
+                       delimiter=",", fmt="%g")
     out = io.StringIO()
     num_examples = 2 * OWNER_ROWS
-    launcher = Launcher([sys.executable, SCRIPT, str(steps), str(learning_rate), str(CLIP), str(MULTIPLIER), str(Q),
-                         str(num_examples), *flags], workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"),
-                        out=out, cluster_mode="service", down_timeout=120)
+    launcher = Launcher([sys.executable, SCRIPT, str(CLIP), str(MULTIPLIER), str(Q), str(num_examples),
+                         *(":".join(map(str, run)) for run in RUNS)], workers=1,
+                        task_cwd=os.path.join(workdir, "{job}-{index}"), out=out, cluster_mode="service",
+                        down_timeout=120)
     status = launcher.run()
     log = out.getvalue()
     assert status == 0, log[-6000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in log.splitlines() if "RESULT {" in line]
-    assert len(results) == 2, log[-6000:]
-    return results, log
+    runs = {}
+    for name, *_ in RUNS:
+        results = [json.loads(line.split(f"RESULT {name} ", 1)[1]) for line in log.splitlines()
+                   if f"RESULT {name} {{" in line]
+        assert len(results) == 2, log[-6000:]
+        runs[name] = (data.get(name), results, _run_lines(log, name))
+    return runs
+
+
+def _run_lines(log, name):
+    """The owners' lines of run `name`: each owner's lines after its previous run's RESULT, up to this one's."""
+    lines = []
+    for task in ("chief:0", "worker:0"):
+        own = [line for line in log.splitlines() if line.startswith(f"[{task}] ")]
+        end = next(i for i, line in enumerate(own) if f"RESULT {name} {{" in line)
+        begin = max([i + 1 for i, line in enumerate(own[:end]) if "RESULT " in line], default=0)
+        lines += own[begin:end + 1]
+    return "\n".join(lines)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_owners_train_dp_sgd_through_the_service_near_central_dp_sgd(tmp_path):
-    workdir = str(tmp_path)
-    train, test = _write_data(workdir, ["chief-0", "worker-0"])
-    results, log = _run(workdir)
+def test_two_owners_train_dp_sgd_through_the_service_near_central_dp_sgd(dp_launch):
+    (train, test), results, log = dp_launch["central"]
     num_examples, batch = len(train), round(Q * len(train))
     colluders = tfe_estimator.dp_epsilon(MULTIPLIER, batch, num_examples, STEPS, 1e-5)
     outsiders = tfe_estimator.dp_epsilon(MULTIPLIER * math.sqrt(2), batch, num_examples, STEPS, 1e-5)
@@ -270,10 +307,8 @@ def test_two_owners_train_dp_sgd_through_the_service_near_central_dp_sgd(tmp_pat
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_two_owners_with_two_local_replicas_each_train_dp_sgd(tmp_path):
-    workdir = str(tmp_path)
-    train, _ = _write_data(workdir, ["chief-0", "worker-0"])
-    results, log = _run(workdir, "--num-replicas", "2")
+def test_two_owners_with_two_local_replicas_each_train_dp_sgd(dp_launch):
+    (train, _), results, log = dp_launch["replicas"]
     colluders = tfe_estimator.dp_epsilon(MULTIPLIER, round(Q * len(train)), len(train), STEPS, 1e-5)
     for result in results:
         assert result["step"] == STEPS and result["finite"]
@@ -288,21 +323,15 @@ def test_two_owners_with_two_local_replicas_each_train_dp_sgd(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_one_step_through_the_service_carries_each_owners_noise_at_the_stated_scale(tmp_path):
+def test_one_step_through_the_service_carries_each_owners_noise_at_the_stated_scale(dp_launch):
     # All-zero features: the kernel's clipped gradients are 0, so after one SGD step (learning rate 1)
     # from zero weights the kernel is the summed noise / expected_batch_size: two owners' parts of
     # sigma^2 / (N - t) = sigma^2 each (N = 2 owners, t = 1), std sqrt(2) sigma / 40.
-    workdir, dims = str(tmp_path), 3000
-    rows = np.column_stack([np.zeros((OWNER_ROWS, dims)), np.ones(OWNER_ROWS)])
-    for owner in ("chief-0", "worker-0"):
-        os.makedirs(os.path.join(workdir, owner))
-        for name in ("train.csv", "test.csv"):
-            np.savetxt(os.path.join(workdir, owner, name), rows[:40] if name == "test.csv" else rows,
-                       delimiter=",", fmt="%g")
-    results, _ = _run(workdir, steps=1, learning_rate=1.0)
+    _, results, _ = dp_launch["noise"]
     weights = np.array(results[0]["weights"])
+    assert weights.shape == (NOISE_DIMS,)
     np.testing.assert_array_equal(weights, results[1]["weights"])
     expected = math.sqrt(2) * MULTIPLIER * CLIP / round(Q * 2 * OWNER_ROWS)
     # Standard error of the sample std: expected / sqrt(2n), 1.3 % at n = 3000; tolerance 4.5 (alpha < 1e-5).
-    assert abs(weights.std() - expected) < 4.5 * expected / math.sqrt(2 * dims), (weights.std(), expected)
-    assert abs(weights.mean()) < 4.5 * expected / math.sqrt(dims)
+    assert abs(weights.std() - expected) < 4.5 * expected / math.sqrt(2 * NOISE_DIMS), (weights.std(), expected)
+    assert abs(weights.mean()) < 4.5 * expected / math.sqrt(NOISE_DIMS)
