@@ -36,9 +36,16 @@ def _progress(workdir, owner):
         return 0
 
 
+def _checkpoint_step(workdir, owner):
+    """The step of `owner`'s latest checkpoint; -1 before the first."""
+    checkpoint = tf.train.latest_checkpoint(os.path.join(workdir, owner, "model"))
+    return int(checkpoint.rsplit("-", 1)[1]) if checkpoint else -1
+
+
 def _kill_mid_training(workdir, victim, steps, *flags, join_secs=180, then=None, **kwargs):
     """Launches 2 owners in service mode, kills `victim` (a task name or several) once both trained 5 steps, and
-    `then` (a task name, optional) once both trained 5 more steps after that; (status, log)."""
+    `then` (a task name, optional) once both wrote a checkpoint after that and trained 5 steps past it; (status,
+    log). With `then`, the owners save checkpoints more often than at the end (service_owner.py --checkpoint-steps)."""
     launcher = Launcher([sys.executable, SCRIPT, str(steps), str(LEARNING_RATE), "--step-seconds", "0.05", *flags],
                         workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"), out=io.StringIO(),
                         grace_seconds=5, cluster_mode="service", **kwargs)
@@ -48,10 +55,16 @@ def _kill_mid_training(workdir, victim, steps, *flags, join_secs=180, then=None,
                   "both owners training")
         for name in (victim,) if isinstance(victim, str) else victim:
             _kill(launcher, name)
-        killed_at = {o: _progress(workdir, o) for o in OWNERS}
-        if then is not None:  # the first victims' step failed: 5 more steps mean they are back and serving
-            _wait_for(lambda: all(_progress(workdir, o) >= killed_at[o] + 5 for o in OWNERS), launcher, runner, 120,
-                      f"both owners training again after {victim} was killed")
+        if then is not None:
+            # The first victims failed a step and the owners rewound to their checkpoint. Once both wrote a later
+            # checkpoint (the first victims are back and serving) and trained 5 steps past it, `then` is killed: the
+            # owners rewind to that checkpoint, so the steps trained since the first restart stay in the weights.
+            before = {o: _checkpoint_step(workdir, o) for o in OWNERS}
+            _wait_for(lambda: all(_checkpoint_step(workdir, o) > before[o] for o in OWNERS), launcher, runner, 120,
+                      f"both owners' next checkpoint after {victim} was killed")
+            since = {o: _progress(workdir, o) for o in OWNERS}
+            _wait_for(lambda: all(_progress(workdir, o) >= since[o] + 5 for o in OWNERS), launcher, runner, 120,
+                      "both owners training past their checkpoint")
             _kill(launcher, then)
     finally:
         runner.join(timeout=join_secs)
@@ -72,13 +85,15 @@ def test_without_restarts_a_killed_owner_or_server_is_named_and_nothing_survives
 
 
 def test_each_server_restarted_mid_training_in_turn_recovers_to_the_undisturbed_weights(tmp_path):
-    """tfe:0 is killed mid-training and restarted while tfe:1 keeps its state; once both owners trained 5 steps
-    more, tfe:1 is killed and restarted while the restarted tfe:0 keeps its own. Each restart is named and the run
-    ends with the undisturbed run's weights (one launch for what were the [tfe:0] and [tfe:1] cases, ~25 s each)."""
+    """tfe:0 is killed mid-training and restarted while tfe:1 keeps its state; once both owners wrote their
+    step-20 checkpoint after that and trained 5 steps more, tfe:1 is killed and restarted while the restarted
+    tfe:0 keeps its own. Each restart is named, and the run ends with the undisturbed run's weights, to which the
+    steps trained after each restart contribute (the second restart rewinds the owners to step 20, not 0). One
+    launch for what were the [tfe:0] and [tfe:1] cases (~27 s of CI each)."""
     workdir = str(tmp_path)
     data = _owner_data(workdir, OWNERS)
-    status, log = _kill_mid_training(workdir, "tfe:0", 40, "--step-timeout-secs", "30", then="tfe:1",
-                                     max_restarts=1, down_timeout=60)
+    status, log = _kill_mid_training(workdir, "tfe:0", 40, "--step-timeout-secs", "30", "--checkpoint-steps", "20",
+                                     then="tfe:1", max_restarts=1, down_timeout=60)
     for victim in ("tfe:0", "tfe:1"):
         assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
     assert status == [0], _why(log)  # the owners' error lines first: one CI run in two saw a bare traceback

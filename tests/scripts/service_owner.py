@@ -5,9 +5,11 @@ Run by `tfe-estimator launch --cluster-mode service` in each owner's own directo
 and, per contribution op (the only op that talks to the service), the ops its inputs come from.
 Usage: service_owner.py STEPS LEARNING_RATE [--num-replicas L] [--step-timeout-secs S] [--step-seconds S]
                         [--second-model STEPS] [--learning-rate-in TASK_DIR LR] [--dp MULTIPLIER]
+                        [--checkpoint-steps K]
 --second-model: then trains a second, larger LinearRegressor (x and x**2) into ./model2 in the same launch, and a
   fresh copy of the first (the same model record) on other data (labels doubled) into ./model3.
 --learning-rate-in: the owner running in directory TASK_DIR (e.g. worker-0) uses LR instead.
+--checkpoint-steps: a checkpoint every K steps (default: only at the end, after step STEPS).
 --dp: DP-SGD instead (model_fns.linear_regression with `DistributedDP(l2_norm_clip=1, MULTIPLIER)`, full
   batches of every owner's 64 rows: num_examples 128); --step-seconds then also writes, per process, how many
   answers of each channel were fresh releases and how many replays (./answers-<pid>.json).
@@ -106,12 +108,14 @@ class SlowSteps(tf.estimator.SessionRunHook):
 
 def main(argv):
     steps, learning_rate = int(argv[1]), float(argv[2])
-    options, hooks, dp = {}, [GraphAudit()], None
+    options, hooks, dp, checkpoint_steps = {}, [GraphAudit()], None, steps
     for flag, value in zip(argv, argv[1:]):
         if flag == "--step-seconds":  # slow steps, so a test can look at the processes mid-training
             hooks.append(SlowSteps(float(value)))
         if flag == "--step-timeout-secs":
             options["step_timeout_secs"] = float(value)
+        if flag == "--checkpoint-steps":
+            checkpoint_steps = int(value)
         if flag == "--num-replicas":
             options["num_replicas"] = int(value)
         if flag == "--second-model":
@@ -132,8 +136,8 @@ def main(argv):
                                                                             drop_remainder=dp is not None)
         return dataset.take(replicas).repeat() if replicas > 1 else dataset.repeat()
 
-    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=steps, dp=dp,
-                                        **options)
+    config = tfe_estimator.TfeRunConfig(model_dir="model", tf_random_seed=7, save_checkpoints_steps=checkpoint_steps,
+                                        dp=dp, **options)
     columns = [tf.feature_column.numeric_column("x", shape=[x.shape[1]])]
     if dp is not None:  # DP-SGD: the model_fns' DP path (per-example clipping, each owner's noise in the sum)
         estimator = tf.estimator.Estimator(linear_regression.model_fn, config=config, params={
