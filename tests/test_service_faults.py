@@ -42,10 +42,21 @@ def _checkpoint_step(workdir, owner):
     return int(checkpoint.rsplit("-", 1)[1]) if checkpoint else -1
 
 
-def _kill_mid_training(workdir, victim, steps, *flags, join_secs=180, then=None, **kwargs):
+def _checkpoint_after(workdir, before):
+    """A predicate: both owners wrote a checkpoint later than `before` ({owner: checkpoint step})."""
+    return lambda: all(_checkpoint_step(workdir, o) > before[o] for o in OWNERS)
+
+
+def _trained_since(workdir, before, steps=5):
+    """A predicate: both owners' processes trained `steps` steps more than `before` ({owner: progress})."""
+    return lambda: all(_progress(workdir, o) >= before[o] + steps for o in OWNERS)
+
+
+def _kill_mid_training(workdir, victim, steps, *flags, join_secs=180, then=(), **kwargs):
     """Launches 2 owners in service mode, kills `victim` (a task name or several) once both trained 5 steps, and
-    `then` (a task name, optional) once both wrote a checkpoint after that and trained 5 steps past it; (status,
-    log). With `then`, the owners save checkpoints more often than at the end (service_owner.py --checkpoint-steps)."""
+    each wave of `then` (a task name or several) once both wrote a checkpoint after the wave before it and trained
+    5 steps past it; (status, log). With `then`, the owners save checkpoints more often than at the end
+    (service_owner.py --checkpoint-steps)."""
     launcher = Launcher([sys.executable, SCRIPT, str(steps), str(LEARNING_RATE), "--step-seconds", "0.05", *flags],
                         workers=1, task_cwd=os.path.join(workdir, "{job}-{index}"), out=io.StringIO(),
                         grace_seconds=5, cluster_mode="service", **kwargs)
@@ -55,17 +66,16 @@ def _kill_mid_training(workdir, victim, steps, *flags, join_secs=180, then=None,
                   "both owners training")
         for name in (victim,) if isinstance(victim, str) else victim:
             _kill(launcher, name)
-        if then is not None:
-            # The first victims failed a step and the owners rewound to their checkpoint. Once both wrote a later
-            # checkpoint (the first victims are back and serving) and trained 5 steps past it, `then` is killed: the
-            # owners rewind to that checkpoint, so the steps trained since the first restart stay in the weights.
-            before = {o: _checkpoint_step(workdir, o) for o in OWNERS}
-            _wait_for(lambda: all(_checkpoint_step(workdir, o) > before[o] for o in OWNERS), launcher, runner, 120,
-                      f"both owners' next checkpoint after {victim} was killed")
-            since = {o: _progress(workdir, o) for o in OWNERS}
-            _wait_for(lambda: all(_progress(workdir, o) >= since[o] + 5 for o in OWNERS), launcher, runner, 120,
-                      "both owners training past their checkpoint")
-            _kill(launcher, then)
+        for wave in then:
+            # The wave before failed a step and the owners rewound to their checkpoint. Once both wrote a later
+            # checkpoint (that wave's tasks are back and serving) and trained 5 steps past it, this wave is killed:
+            # the owners rewind to that checkpoint, so the steps trained since the wave before stay in the weights.
+            _wait_for(_checkpoint_after(workdir, {o: _checkpoint_step(workdir, o) for o in OWNERS}), launcher,
+                      runner, 120, f"both owners' next checkpoint before killing {wave}")
+            _wait_for(_trained_since(workdir, {o: _progress(workdir, o) for o in OWNERS}), launcher, runner, 120,
+                      f"both owners training past their checkpoint before killing {wave}")
+            for name in (wave,) if isinstance(wave, str) else wave:
+                _kill(launcher, name)
     finally:
         runner.join(timeout=join_secs)
     log = launcher._out.getvalue()  # pylint: disable=protected-access
@@ -84,23 +94,30 @@ def test_without_restarts_a_killed_owner_or_server_is_named_and_nothing_survives
                      "stopping the cluster", log), log[-5000:]
 
 
-def test_each_server_restarted_mid_training_in_turn_recovers_to_the_undisturbed_weights(tmp_path):
-    """tfe:0 is killed mid-training and restarted while tfe:1 keeps its state; once both owners wrote their
-    step-20 checkpoint after that and trained 5 steps more, tfe:1 is killed and restarted while the restarted
-    tfe:0 keeps its own. Each restart is named, and the run ends with the undisturbed run's weights, to which the
-    steps trained after each restart contribute (the second restart rewinds the owners to step 20, not 0). One
-    launch for what were the [tfe:0] and [tfe:1] cases (~27 s of CI each)."""
-    workdir = str(tmp_path)
+def test_restarted_owners_then_each_server_in_turn_recover_to_the_undisturbed_weights(tmp_path):
+    """Without DP, restarted owners catch up from the replay window, and each restarted server recovers.
+
+    In one launch: after 5 steps both owners are killed and restart from their step-0 checkpoint, replaying the
+    released steps from the servers' window; once both wrote their step-10 checkpoint and trained 5 steps more,
+    tfe:0 is killed and restarted while tfe:1 keeps its state; at step 20's checkpoint and 5 steps more, tfe:1
+    while the restarted tfe:0 keeps its own. Every restart is named, and the owners end bit-identical with the
+    undisturbed run's (the plaintext twin's) weights, to which the steps after each restart contribute (each
+    server restart rewinds the owners to the checkpoint written after the restart before it, not to step 0).
+    One launch for what were the replay window's both-owners case without DP and the server-restart [tfe:0] and
+    [tfe:1] cases (~39, 27 and 26 s of CI).
+    """
+    workdir, steps = str(tmp_path), 40
     data = _owner_data(workdir, OWNERS)
-    status, log = _kill_mid_training(workdir, "tfe:0", 40, "--step-timeout-secs", "30", "--checkpoint-steps", "20",
-                                     then="tfe:1", max_restarts=1, down_timeout=60)
-    for victim in ("tfe:0", "tfe:1"):
+    status, log = _kill_mid_training(workdir, ("chief:0", "worker:0"), steps, "--step-timeout-secs", "120",
+                                     "--checkpoint-steps", "10", then=("tfe:0", "tfe:1"), join_secs=240,
+                                     max_restarts=1, down_timeout=120)
+    for victim in ("chief:0", "worker:0", "tfe:0", "tfe:1"):
         assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
     assert status == [0], _why(log)  # the owners' error lines first: one CI run in two saw a bare traceback
-    assert log.count("owner finished at step 40") == 2, _why(log)
-    weights = {owner: _weights(os.path.join(workdir, owner, "model"), 40) for owner in OWNERS}
-    np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
-    np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, 40), atol=1e-5)
+    assert log.count(f"owner finished at step {steps}") == 2, _why(log)
+    weights = {owner: _weights(os.path.join(workdir, owner, "model"), steps) for owner in OWNERS}
+    np.testing.assert_array_equal(weights["chief-0"], weights["worker-0"])  # bit-identical
+    np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, steps), atol=1e-5)
 
 
 def _why(log):
@@ -133,30 +150,24 @@ def _checkpoint(model_dir, steps):
     return {name: tf.train.load_variable(checkpoint, name) for name, _ in tf.train.list_variables(checkpoint)}
 
 
-@pytest.mark.parametrize("victims, dp", [(("worker:0",), True), (("chief:0", "worker:0"), False),
-                                         (("chief:0", "worker:0"), True)])
-def test_restarted_owners_catch_up_from_the_replay_window(victims, dp, tmp_path):
+@pytest.mark.parametrize("victims", [("worker:0",), ("chief:0", "worker:0")])
+def test_restarted_owners_catch_up_from_the_replay_window_under_dp(victims, tmp_path):
     # After 5 steps the worker (alone, or every owner) dies and restarts from its step-0 checkpoint: it replays
     # the released steps from the servers' window (nothing summed or released again) and joins the step the
     # others wait in; the owners end with the same weights, those of an undisturbed run. Alone, the chief never
     # restarts: it IS the undisturbed run. Under DP every step is released once (the owners' clients count fresh
-    # releases and replays) and epsilon counts each step once, as dp-accounting does.
+    # releases and replays) and epsilon counts each step once, as dp-accounting does. (Without DP, every owner
+    # restarted: test_restarted_owners_then_each_server_in_turn_recover_to_the_undisturbed_weights.)
     workdir, steps, multiplier = str(tmp_path), 40, 4.0
-    data = _owner_data(workdir, OWNERS)
-    flags = ("--dp", str(multiplier)) if dp else ()
-    status, log = _kill_mid_training(workdir, victims, steps, "--step-timeout-secs", "120", *flags, join_secs=240,
-                                     max_restarts=1, down_timeout=120)
+    _owner_data(workdir, OWNERS)
+    status, log = _kill_mid_training(workdir, victims, steps, "--step-timeout-secs", "120", "--dp", str(multiplier),
+                                     join_secs=240, max_restarts=1, down_timeout=120)
     for victim in victims:
         assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
     if "chief:0" not in victims:
         assert "chief:0 died" not in log, _why(log)
     assert status == [0], _why(log)
     assert log.count(f"owner finished at step {steps}") == 2, log[-5000:]
-    if not dp:
-        weights = {owner: _weights(os.path.join(workdir, owner, "model"), steps) for owner in OWNERS}
-        np.testing.assert_array_equal(weights["chief-0"], weights["worker-0"])  # bit-identical
-        np.testing.assert_allclose(weights["chief-0"], _plaintext_twin(data, steps), atol=1e-5)
-        return
     # Bit-identical owners. Restarted alone, the worker ends on the chief's weights: those of the uninterrupted
     # run. With every owner restarted, the replayed steps are the first run's releases (its noise, from the
     # window) and the later steps are released once with fresh noise: a run in which every step was released once,
