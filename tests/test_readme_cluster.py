@@ -146,11 +146,24 @@ def test_the_deployment_page_for_two_hospitals_leaves_each_checkpoint_where_its_
 
 
 def _stop_group(proc):
-    """Stops every process of `proc`'s process group (bash's background jobs stay in it): TERM, then KILL."""
+    """Stops every process of `proc`'s process group (bash's background jobs stay in it): TERM, then KILL after
+    2 s (polled: no fixed wait once the group is gone)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break
-        time.sleep(2)
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and _group_alive(proc):
+            time.sleep(0.05)
     proc.wait()
+
+
+def _group_alive(proc):
+    """Whether a process of `proc`'s group (other than `proc` itself, reaped by `proc.wait`) is still running."""
+    proc.poll()  # reap the bash process if it has exited: a zombie still counts for killpg
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
