@@ -21,8 +21,8 @@ EXTRAS_tf221 := test
 #  - the launcher's own process handling;
 #  - the ABY3 launch: ABY3 on TF 2.9 is test_estimator_training's aby3 cases (canned Estimators equal their
 #    plaintext twins); the launch differs from the Pond one only by the launcher starting a third server;
-#  - the restart of a data owner after 25 s: the same session recovery as the server's restart, plus the
-#    launcher's restart delay (Python) and 25 s of waiting.
+#  - the restart of a data owner after a delay: the same session recovery as the server's restart, plus the
+#    launcher's restart delay (Python); test_faults' restart test does it (every role, 2 s each).
 # The whole suite on the default stack but one case: test_launch's killed aggregation server restarted at once
 # ([tfe-0.0]) is there for the old stack's subset; here test_faults' restart test kills tfe:0 and tfe:2 (and
 # every other role) in one launch and asserts the same restart and a converged model.

@@ -171,8 +171,44 @@ with tf.Graph().as_default():
 """
 
 
+#: The sources a mutant library is built from (`_run_mutant`).
+_MUTANT_SOURCES = ("noise_ops.cc", "random_ops.cc")
+
+#: Read by a mutant library built with several mutations (`_switched`): which one is planted in this process.
+_MUTATION_ENV = "TFE_TEST_MUTATION"
+_MUTATION_SWITCH = """
+#include <cstdlib>
+// Test build: which planted mutation runs ($TFE_TEST_MUTATION; 0: none).
+static int TfeTestMutation() {
+  static const int planted = std::getenv("TFE_TEST_MUTATION") ? std::atoi(std::getenv("TFE_TEST_MUTATION")) : 0;
+  return planted;
+}
+"""
+
+
+def _switched(old, new, number):
+    """C++ that runs `new` (verbatim) where mutation `number` is planted and `old` otherwise.
+
+    A declaration ``const T x = ...;`` keeps one declaration and chooses its initializer; another statement
+    becomes ``if (...) { new } else { old }``; an expression becomes ``(... ? (new) : (old))``.
+    """
+    on = f"TfeTestMutation() == {number}"
+    if old.startswith("const ") and old.endswith(";"):
+        (lhs, old_rhs), (new_lhs, new_rhs) = old[:-1].split(" = ", 1), new[:-1].split(" = ", 1)
+        assert lhs == new_lhs, (old, new)
+        return f"{lhs} = {on} ? ({new_rhs}) : ({old_rhs});"
+    if old.endswith(";"):
+        return f"if ({on}) {{ {new} }} else {{ {old} }}"
+    return f"({on} ? ({new}) : ({old}))"
+
+
 def _run_mutant(tmp_path, old, new, runner, args, timeout):
-    """Stdout of `runner` (a script: kernel source dir, then `args`) on a copy of the kernels with `old` -> `new`."""
+    """Stdout of `runner` (a script: kernel source dir, then `args`) on the kernels with `old` -> `new`.
+
+    A mutation in `SWITCHED_MUTATIONS` runs in one library built with all of them, each behind a test-only
+    switch (`_switched`) that this process sets to it alone: one compile of noise_ops.cc serves them all. Any
+    other mutation (a constant expression) is planted by plain replacement and compiled on its own.
+    """
     import os  # pylint: disable=import-outside-toplevel
     import shutil  # pylint: disable=import-outside-toplevel
     import subprocess  # pylint: disable=import-outside-toplevel
@@ -180,14 +216,25 @@ def _run_mutant(tmp_path, old, new, runner, args, timeout):
 
     from tfe_estimator.secure.kernels import _build  # pylint: disable=import-outside-toplevel
 
+    # Only what the runner loads: the noise op and the AES self-test `kernels.load()` runs (random_ops.cc), with
+    # the headers; the secure-sum sources would only add compile time to the first mutant.
     src = tmp_path / "src"
-    shutil.copytree(_build.SOURCE_DIR, src)
+    src.mkdir()
+    for path in [*_build.SOURCE_DIR.glob("*.h"), *(_build.SOURCE_DIR / name for name in _MUTANT_SOURCES)]:
+        shutil.copy(path, src)
     code = (src / "noise_ops.cc").read_text()
-    assert code.count(old) == 1, "the mutation no longer applies: update the test with the sampler"
-    (src / "noise_ops.cc").write_text(code.replace(old, new))
+    plant = SWITCHED_MUTATIONS if (old, new) in SWITCHED_MUTATIONS else [(old, new)]
+    for number, (was, planted) in enumerate(plant, 1):
+        assert code.count(was) == 1, "the mutation no longer applies: update the test with the sampler"
+        code = code.replace(was, _switched(was, planted, number) if plant is SWITCHED_MUTATIONS else planted)
+    if plant is SWITCHED_MUTATIONS:
+        code = code.replace('#include "common.h"\n', '#include "common.h"\n' + _MUTATION_SWITCH, 1)
+    (src / "noise_ops.cc").write_text(code)
     # One cache for every mutant of this session (beside the tests' own directories): the sources a mutation
-    # leaves alone compile once, and each mutant compiles only its noise_ops.cc.
+    # leaves alone compile once, the switched library once (its key is its sources' contents, not their
+    # directory), and a mutant of its own compiles only its noise_ops.cc.
     env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path.parent / "mutant-kernel-cache"))
+    env[_MUTATION_ENV] = str(SWITCHED_MUTATIONS.index((old, new)) + 1 if plant is SWITCHED_MUTATIONS else 0)
     return subprocess.run([sys.executable, "-c", runner, str(src), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=timeout, check=True).stdout
 
@@ -343,6 +390,11 @@ with tf.Graph().as_default():
 #: the unmutated sampler.
 REGION_END_MUTATION = ("ok &= (m < Ceil(k + 1)) & !((m == 0) & negative);",
                        "ok &= (m + (width_ > 64) < Ceil(k + 1)) & !((m == 0) & negative);")
+
+#: The mutations one switched library serves (`_run_mutant`); the k table's regions above one change a
+#: constant expression (kRNum) and build on their own.
+SWITCHED_MUTATIONS = [OVERFLOW_MUTATION, K_TABLE_MUTATION, REGION_END_MUTATION] + [
+    FAST_PATH_MUTATIONS[name][:2] for name in ("exp_upper_bound_without_remainder", "k_table_decides_inside_the_band")]
 
 
 @pytest.mark.slow
