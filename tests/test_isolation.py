@@ -2,12 +2,15 @@
 
 In-graph mode, the TensorFlow-runtime mode (one organisation): every task
 runs in its own network namespace on a private bridge that the test creates
-(in a hub namespace of its own: nothing is routed anywhere else). Needs root, iproute2, iptables and stunnel4 (CI runs as root;
-``scripts/system-deps.sh`` installs them); elsewhere these tests skip naming
-what is missing. Each security check has its mutation beside it: without
-``--tls`` the same attacks get through, and a firewall left open on IPv6 lets
-them through TensorFlow's port on the IPv6 link-local address. (Service
-mode's isolation is tests/test_service_isolation.py.)
+(in a hub namespace of its own: nothing is routed anywhere else). Needs root,
+iproute2, iptables and stunnel4 (CI runs as root; ``scripts/system-deps.sh``
+installs them); elsewhere these tests skip naming what is missing. Each
+security check has its mutation beside it: without ``--tls`` the same attacks
+get through, and a firewall left open on IPv6 lets them through TensorFlow's
+port on the IPv6 link-local address. One launch serves the training with TLS
+and the attacks on it, one more the training and the attacks without TLS (the
+module's fixtures `tls_run` and `plain_run`). (Service mode's isolation is
+tests/test_service_isolation.py.)
 """
 import io
 import json
@@ -33,6 +36,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow,
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 SERVING_OWNER = os.path.join(SCRIPTS, "serving_owner.py")
 CAPTURE = os.path.join(SCRIPTS, "capture.py")
+TRAIN_THEN_SERVE = os.path.join(SCRIPTS, "train_then_serve.py")
 #: What plaintext gRPC between TensorFlow tasks shows on the wire: HTTP/2's client preface,
 #: and device names inside RunGraph/RecvTensor requests.
 PLAINTEXT_MARKERS = (b"PRI * HTTP/2.0", b"/job:tfe/replica:0/task:")
@@ -90,32 +94,110 @@ class _Background:
         return self.status
 
 
-def _attack(workdir, tls):
-    """Launches serving stand-ins for every task, runs `tfe-estimator attack`, stops the cluster."""
+def _write_secret(workdir):
     secret = os.path.join(workdir, "owner-secret.csv")
     with open(secret, "w") as f:
         f.write(SECRET)
+    return secret
+
+
+def _run_attack(cluster, secret):
+    """`tfe-estimator attack` against a running cluster: its result."""
+    return subprocess.run([sys.executable, "-m", "tfe_estimator.tools.cli", "attack", "--network",
+                           cluster.network_file, "--read-file", secret],
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def _stop(cluster, workdir, others):
+    """Stops a cluster of tasks that serve until ./stop exists, the chief first (in-graph, a worker that ends
+    while the chief runs is a failure)."""
+    open(os.path.join(workdir, "chief-0", "stop"), "w").close()
+    chief = next(t for t in cluster.launcher.tasks if t.job == "chief")
+    deadline = time.monotonic() + 60
+    while chief.process is not None and chief.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for task in others:
+        open(os.path.join(workdir, task, "stop"), "w").close()
+
+
+def _attack(workdir, tls):
+    """Launches serving stand-ins for every task, runs `tfe-estimator attack`, stops the cluster."""
+    secret = _write_secret(workdir)
     cluster = _Background(workdir, [sys.executable, SERVING_OWNER], tls, workers=1, evaluator=True)
     try:
         network = cluster.network()
         cluster.wait_serving(network)
-        attack = subprocess.run([sys.executable, "-m", "tfe_estimator.tools.cli", "attack", "--network",
-                                 cluster.network_file, "--read-file", secret],
-                                capture_output=True, text=True, timeout=300, check=False)
-    finally:  # the chief first: in-graph, a worker that ends while the chief runs is a failure
-        open(os.path.join(workdir, "chief-0", "stop"), "w").close()
-        chief = next(t for t in cluster.launcher.tasks if t.job == "chief")
-        deadline = time.monotonic() + 60
-        while chief.process is not None and chief.process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for task in ("worker-0", "evaluator-0"):
-            open(os.path.join(workdir, task, "stop"), "w").close()
+        attack = _run_attack(cluster, secret)
+    finally:
+        _stop(cluster, workdir, ("worker-0", "evaluator-0"))
     assert cluster.join() == 0, cluster.out.getvalue()[-3000:]
     return attack
 
 
-def test_no_attack_gets_through_tls_isolation(tmp_path):
-    attack = _attack(str(tmp_path), tls=True)
+def _train_capture_and_attack(workdir, tls, steps=60):
+    """A 2-owner in-graph training run (the demo's cluster script) with every frame on the chief's link captured,
+    then `tfe-estimator attack` against the same cluster, every task still serving: (weights, wire, attack).
+
+    The owners run tests/scripts/train_then_serve.py (the demo's task, then serving until ./stop); the evaluator
+    only serves. The capture stops when the chief has trained, before the attack sends anything.
+    """
+    _owner_data(workdir)
+    secret = _write_secret(workdir)
+    command = [sys.executable, TRAIN_THEN_SERVE, "--mode", "secure", "--model-dir", os.path.join(workdir, "model"),
+               "--steps", str(steps), "--learning-rate", "0.1"]
+    cluster = _Background(workdir, command, tls, workers=1, evaluator=True)
+    try:
+        network = cluster.network()
+        frames, stop = os.path.join(workdir, "frames.bin"), os.path.join(workdir, "stop-capture")
+        chief_link = next(t["hub_port"] for t in network["tasks"] if t["name"] == "chief-0")
+        capture = subprocess.Popen(["ip", "netns", "exec", network["hub"], sys.executable, CAPTURE, chief_link,
+                                    frames, stop], stdout=subprocess.PIPE, text=True)
+        try:
+            assert capture.stdout.readline().strip() == "capturing"
+            trained = os.path.join(workdir, "chief-0", "trained")
+            while not os.path.exists(trained):
+                assert cluster.thread.is_alive(), cluster.out.getvalue()[-5000:]
+                time.sleep(0.2)
+        finally:
+            open(stop, "w").close()
+            capture.wait(timeout=30)
+        with open(trained, encoding="utf-8") as f:
+            assert f.read() == "0", cluster.out.getvalue()[-5000:]  # the chief's training returned 0
+        cluster.wait_serving(network)  # every task (the chief too, its training done) still serves
+        attack = _run_attack(cluster, secret)
+    finally:
+        _stop(cluster, workdir, ("evaluator-0",))  # the worker serves the chief's sessions: the launcher ends it
+    assert cluster.join() == 0, cluster.out.getvalue()[-5000:]
+    with open(frames, "rb") as f:
+        wire = f.read()
+    return _weights(os.path.join(workdir, "model")), wire, attack
+
+
+@pytest.fixture(scope="module")
+def tls_run(tmp_path_factory):
+    """Training through `launch --isolate --tls`, then the attacks on that cluster: (weights, wire, attack)."""
+    return _train_capture_and_attack(str(tmp_path_factory.mktemp("tls")), tls=True)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The same with `--isolate` alone (plaintext gRPC on the bridge): the mutation of `tls_run`."""
+    return _train_capture_and_attack(str(tmp_path_factory.mktemp("plain")), tls=False)
+
+
+def test_training_through_tls_matches_and_the_wire_shows_no_plaintext_grpc(tls_run, plain_run):
+    (secure, wire, _), (plain, plain_wire, _) = tls_run, plain_run
+    np.testing.assert_allclose(secure, plain, atol=1e-6)  # TLS changes the transport, not the training
+    np.testing.assert_allclose(secure, _true_weights(), atol=1.0)  # learned from both owners' files
+    assert len(wire) > 20_000 and len(plain_wire) > 20_000  # the capture saw the training's traffic
+    for marker in PLAINTEXT_MARKERS:
+        assert marker not in wire, marker
+        assert marker in plain_wire, marker  # mutation: without TLS the capture shows plaintext gRPC
+
+
+def test_no_attack_gets_through_tls_isolation(tls_run):
+    """On the cluster that has just trained through TLS (`tls_run`), every task still serving."""
+    attack = tls_run[2]
     assert attack.returncode == 0, attack.stdout + attack.stderr[-3000:]
     lines = attack.stdout.splitlines()
     for kind in ("tcp", "grpc", "readfile", "no-cert", "foreign-ca"):
@@ -130,9 +212,9 @@ def test_no_attack_gets_through_tls_isolation(tmp_path):
     assert "0 went the wrong way" in attack.stdout
 
 
-def test_without_tls_the_same_attacks_get_through(tmp_path):
-    """Mutation: isolation alone (plaintext gRPC on the bridge): the attack script must report it."""
-    attack = _attack(str(tmp_path), tls=False)
+def test_without_tls_the_same_attacks_get_through(plain_run):
+    """Mutation: isolation alone (plaintext gRPC on the bridge, `plain_run`): the attack script must report it."""
+    attack = plain_run[2]
     assert attack.returncode == 1, attack.stdout + attack.stderr[-3000:]
     assert f"readfile 10.213.0.2:7000: GOT THROUGH (read {len(SECRET)} bytes" in attack.stdout, attack.stdout
     assert "tcp 10.213.0.5:7003: GOT THROUGH" in attack.stdout  # a server's TF port
@@ -149,38 +231,3 @@ def test_a_firewall_left_open_on_ipv6_is_caught(tmp_path, monkeypatch):
                      attack.stdout), attack.stdout
     assert re.search(r"tfe-0 tcp \[fe80:[0-9a-f:]+%eth0\]:7003: GOT THROUGH", attack.stdout), attack.stdout
     assert not re.search(r"readfile 10\.213\.0\.\d+:\d+: GOT THROUGH", attack.stdout)  # IPv4 still closed
-
-
-def _train_and_capture(workdir, tls, steps=60):
-    """A 2-owner in-graph training run (the demo's cluster script), every frame on the chief's link captured."""
-    _owner_data(workdir)
-    command = [sys.executable, "-m", "tfe_estimator.tools.demo_cluster", "--mode", "secure", "--model-dir",
-               os.path.join(workdir, "model"), "--steps", str(steps), "--learning-rate", "0.1"]
-    cluster = _Background(workdir, command, tls, workers=1)
-    network = cluster.network()
-    frames, stop = os.path.join(workdir, "frames.bin"), os.path.join(workdir, "stop-capture")
-    chief_link = next(t["hub_port"] for t in network["tasks"] if t["name"] == "chief-0")
-    capture = subprocess.Popen(["ip", "netns", "exec", network["hub"], sys.executable, CAPTURE, chief_link, frames,
-                                stop],
-                               stdout=subprocess.PIPE, text=True)
-    try:
-        assert capture.stdout.readline().strip() == "capturing"
-        status = cluster.join()
-    finally:
-        open(stop, "w").close()
-        capture.wait(timeout=30)
-    assert status == 0, cluster.out.getvalue()[-5000:]
-    with open(frames, "rb") as f:
-        wire = f.read()
-    return _weights(os.path.join(workdir, "model")), wire
-
-
-def test_training_through_tls_matches_and_the_wire_shows_no_plaintext_grpc(tmp_path):
-    secure, wire = _train_and_capture(str(tmp_path / "tls"), tls=True)
-    plain, plain_wire = _train_and_capture(str(tmp_path / "plain"), tls=False)
-    np.testing.assert_allclose(secure, plain, atol=1e-6)  # TLS changes the transport, not the training
-    np.testing.assert_allclose(secure, _true_weights(), atol=1.0)  # learned from both owners' files
-    assert len(wire) > 20_000 and len(plain_wire) > 20_000  # the capture saw the training's traffic
-    for marker in PLAINTEXT_MARKERS:
-        assert marker not in wire, marker
-        assert marker in plain_wire, marker  # mutation: without TLS the capture shows plaintext gRPC

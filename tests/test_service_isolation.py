@@ -11,7 +11,8 @@ found). Nothing may answer on an owner, only the service port and the data
 port on a server (both mutual TLS: the tool's TLS attacks cover both), and
 from the first server's own namespace no owner port answers either. The
 mutation plants an IPv6-only listener in an owner's namespace: the tool must
-name it. Needs root and iproute2 (CI has both); skipped otherwise, naming what
+name it, and nothing else (one run of the tool, with the listener planted,
+serves both tests: the fixture `attacked`). Needs root and iproute2 (CI has both); skipped otherwise, naming what
 is missing.
 
 The data-plane attacks themselves (`tools.attack_service`: frames through TLS
@@ -111,20 +112,55 @@ def cluster(tmp_path_factory):
     assert f"tfe-{run_id}-" not in _namespaces()  # every namespace (and its links) removed
 
 
-@isolated
-def test_an_outsider_on_the_bridge_reaches_no_owner_port_on_ipv4_or_ipv6_and_the_servers_only_with_mtls(cluster):
+#: The port of the IPv6-only listener the mutation plants in worker-0's namespace.
+PLANTED = 7777
+
+
+@pytest.fixture(scope="module")
+def attacked(cluster):
+    """The tool's one run against `cluster`, with the mutation planted: an IPv6-only listener on port PLANTED in
+    worker-0's namespace (the leak the issue found: a port an IPv4-only view misses).
+
+    Returns (tool result, network, worker-0's IPv6 host in brackets, progress before, progress after). One run
+    serves both tests: the planted port must be the only thing found, so everything else the tool tried is
+    the unplanted cluster's answer.
+    """
     _, network_file, workdir = cluster
     with open(network_file, encoding="utf-8") as f:
         network = json.load(f)
+    worker = next(t for t in network["isolation"]["tasks"] if t["name"] == "worker-0")
+    code = ("import socket, time; s = socket.socket(socket.AF_INET6); "
+            f"s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); s.bind(('::', {PLANTED})); s.listen(); "
+            "print('listening', flush=True); time.sleep(300)")
+    listener = subprocess.Popen(["ip", "netns", "exec", worker["namespace"], sys.executable, "-c", code],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "listening"
+        before = _progress(workdir)
+        tool = _run_tool(network_file)
+        after = _progress(workdir)
+    finally:
+        listener.kill()
+        listener.wait(timeout=30)
+    return tool, network, f"[{worker['ipv6_link_local']}%eth0]", before, after
+
+
+@isolated
+def test_an_outsider_on_the_bridge_reaches_no_owner_port_on_ipv4_or_ipv6_and_the_servers_only_with_mtls(attacked):
+    """Everything the tool tried is refused but the planted listener (`attacked`): on worker-0's link-local
+    address the scans find it and nothing else; the tool's verdict counts only those two scans as wrong."""
+    tool, network, planted_host, before, after = attacked
     tasks = {t["name"]: t for t in network["isolation"]["tasks"]}
     assert set(tasks) == {"chief-0", "worker-0", "tfe-0", "tfe-1"}
     assert all(t["ipv6_link_local"].startswith("fe80:") for t in tasks.values()), tasks  # IPv6 is there to try
-    before = _progress(workdir)
-    tool = _run_tool(network_file)
-    after = _progress(workdir)
-    assert tool.returncode == 0, tool.stdout + tool.stderr
+    assert tool.returncode == 1, tool.stdout + tool.stderr  # 1: the planted port (the mutation's test)
     lines = _attack_lines(tool.stdout)
+    planted = [line for line in lines if f"-> worker:0 owner-port {planted_host}" in line]
+    assert len(planted) == 2 and all(f"65535 ports tried: 1 open [{PLANTED}], 65534 refused" in line
+                                     for line in planted), planted  # it, and nothing else on worker-0's IPv6
+    lines = [line for line in lines if line not in planted]
     assert lines and all(": refused (" in line for line in lines), tool.stdout
+    assert f"[attack] {len(lines) + 2 + 4} attempts, 2 went the wrong way" in tool.stdout  # 4: the controls
     kinds = {line.split()[4] for line in lines}
     assert {"put-as-other-owner", "non-owner-cert", "no-cert", "foreign-ca", "plaintext", "owner-port",
             "server-ports"} <= kinds, tool.stdout
@@ -134,7 +170,8 @@ def test_an_outsider_on_the_bridge_reaches_no_owner_port_on_ipv4_or_ipv6_and_the
         for owner in ("chief:0", "worker:0"):
             name = owner.replace(":", "-")
             for host in (tasks[name]["address"], f"[{tasks[name]['ipv6_link_local']}%eth0]"):
-                assert [line for line in scans if line.startswith(f"[attack] {origin} -> {owner} owner-port {host}")
+                assert [line for line in scans + planted
+                        if line.startswith(f"[attack] {origin} -> {owner} owner-port {host}")
                         ], (origin, owner, host, tool.stdout)
     assert all("65535 ports tried: 0 open [], 65535 refused" in line for line in scans), scans
     servers = [line for line in lines if " server-ports " in line]
@@ -156,27 +193,13 @@ def test_an_outsider_on_the_bridge_reaches_no_owner_port_on_ipv4_or_ipv6_and_the
 
 
 @isolated
-def test_mutation_an_owner_listening_on_ipv6_only_is_found_from_outside_and_from_the_server(cluster):
-    """The leak the issue found: a port an IPv4-only view misses. Planted in worker-0's namespace."""
-    _, network_file, _ = cluster
-    with open(network_file, encoding="utf-8") as f:
-        worker = next(t for t in json.load(f)["isolation"]["tasks"] if t["name"] == "worker-0")
-    code = ("import socket, time; s = socket.socket(socket.AF_INET6); "
-            "s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1); s.bind(('::', 7777)); s.listen(); "
-            "print('listening', flush=True); time.sleep(300)")
-    listener = subprocess.Popen(["ip", "netns", "exec", worker["namespace"], sys.executable, "-c", code],
-                                stdout=subprocess.PIPE, text=True)
-    try:
-        assert listener.stdout.readline().strip() == "listening"
-        tool = _run_tool(network_file)
-    finally:
-        listener.kill()
-        listener.wait(timeout=30)
+def test_mutation_an_owner_listening_on_ipv6_only_is_found_from_outside_and_from_the_server(attacked):
+    """The leak the issue found: a port an IPv4-only view misses. Planted in worker-0's namespace (`attacked`)."""
+    tool, _, host, _, _ = attacked
     assert tool.returncode == 1, tool.stdout + tool.stderr
     through = [line for line in _attack_lines(tool.stdout) if "GOT THROUGH" in line]
-    host = f"[{worker['ipv6_link_local']}%eth0]"
     assert sorted(line.split(" -> ")[0] for line in through) == ["[attack] outside", "[attack] tfe:0"], through
-    assert all(f"worker:0 owner-port {host}" in line and "1 open [7777]" in line for line in through), through
+    assert all(f"worker:0 owner-port {host}" in line and f"1 open [{PLANTED}]" in line for line in through), through
 
 
 # ------------------------------------------------------------------ the data-plane attacks, in process (fast)
