@@ -229,6 +229,53 @@ def test_an_owner_behind_is_waited_for_and_one_ahead_is_not_compared():
     assert weight_check.compare("chief:0", OWNERS, 12, 1, rows, key) == (None, [])
 
 
+
+def _checked_steps(monkeypatch, readings, hook_class=None):
+    """The steps a `WeightCheckHook` (every 4 steps) compares at over 12 runs, when each run's fetched step is
+    read before (`"before"`) or after (`"after"`) the run's own increment, as `readings(run)` says."""
+    from tfe_estimator.owner import estimator  # pylint: disable=import-outside-toplevel
+
+    checked = []
+    monkeypatch.setattr(weight_check, "check_weights", lambda binding, client, model, step, values, wait: checked.append(step))
+    with tf.Graph().as_default():
+        step = tf.compat.v1.train.get_or_create_global_step()
+        tf.compat.v1.get_variable("w", [2])
+        hook = (hook_class or estimator.WeightCheckHook)(None, None, {"model": 7}, 4)
+        hook.begin()
+        increment = step.assign_add(1)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            for run in range(12):
+                before = int(session.run(step))
+                session.run(increment)  # the run's training op
+                stale = before if readings(run) == "before" else before + 1
+                hook.after_run(tf.compat.v1.train.SessionRunContext((), session),
+                               tf.compat.v1.train.SessionRunValues(stale, None, None))
+    return checked
+
+
+@pytest.mark.parametrize("readings", [lambda run: "before", lambda run: "after", lambda run: ("before", "after")[run % 2],
+                                      lambda run: ("after", "before")[run % 2]],
+                         ids=["before", "after", "alternating", "alternating-other"])
+def test_every_owner_checks_its_weights_at_the_same_steps_whichever_way_its_step_read_raced(monkeypatch, readings):
+    # Owners compare at checkpoint steps (every 4 here): each must pick the same steps, or the one that checks
+    # waits out the other (a service-mode run lost a comparison and 108 s that way: step 39 on one owner, 40
+    # on the other, when the fetched step was read after the run's increment on one and before it on the other).
+    assert _checked_steps(monkeypatch, readings) == [4, 8, 12]
+
+
+def test_mutation_a_check_step_decided_from_the_fetched_step_differs_between_owners(monkeypatch):
+    """Mutation: the hint decides (no fresh read): the owner whose reads came after the increment checks at 3,
+    7, 11, the other at 4, 8, 12 (or, hinted twice, at both)."""
+    from tfe_estimator.owner import estimator  # pylint: disable=import-outside-toplevel
+
+    class HintDecides(estimator.WeightCheckHook):
+        def _check(self, session, wait_secs=None, only_every=False):
+            super()._check(session, wait_secs, only_every=False)
+
+    assert _checked_steps(monkeypatch, lambda run: "after", HintDecides) != [4, 8, 12]
+
+
 # ------------------------------------------------------------ training runs --
 
 from tfe_estimator.owner import training_run  # noqa: E402

@@ -156,20 +156,27 @@ class WeightCheckHook(tf.compat.v1.train.SessionRunHook):
         return None if self._every is None else tf.compat.v1.train.SessionRunArgs(self._step)
 
     def after_run(self, run_context, run_values):
-        if self._every is not None and (int(run_values.results) + 1) % self._every == 0:
-            self._check(run_context.session)
+        # The step fetched with the training op is read before or after that op's own increment (nothing orders
+        # them), so it is only a hint, as in Estimator's CheckpointSaverHook: a check step decided from it would
+        # differ between owners (one checking at step 39, the other at 40, each waiting out the other). The
+        # hint covers both readings; the step read afresh decides.
+        if self._every is None:
+            return
+        stale = int(run_values.results)
+        if stale % self._every == 0 or (stale + 1) % self._every == 0:
+            self._check(run_context.session, only_every=True)
 
     def end(self, session):
         self._check(session, wait_secs=weight_check.end_wait_secs(self._binding))
 
-    def _check(self, session, wait_secs: Optional[float] = None):
+    def _check(self, session, wait_secs: Optional[float] = None, only_every: bool = False):
         if self._model.get("model") is None:
             return
-        step, values = session.run([self._step, self._variables])
-        step = int(step)
-        if step == self._checked:
+        step = int(session.run(self._step))
+        if step == self._checked or (only_every and step % self._every != 0):
             return
         self._checked = step
+        values = session.run(self._variables)
         weight_check.check_weights(self._binding, self._client, self._model["model"], step, values, wait_secs)
 
 
