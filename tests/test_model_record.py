@@ -236,7 +236,8 @@ def _checked_steps(monkeypatch, readings, hook_class=None):
     from tfe_estimator.owner import estimator  # pylint: disable=import-outside-toplevel
 
     checked = []
-    monkeypatch.setattr(weight_check, "check_weights", lambda binding, client, model, step, values, wait: checked.append(step))
+    monkeypatch.setattr(weight_check, "check_weights",
+                        lambda binding, client, model, step, values, wait: checked.append(step))
     with tf.Graph().as_default():
         step = tf.compat.v1.train.get_or_create_global_step()
         tf.compat.v1.get_variable("w", [2])
@@ -254,8 +255,8 @@ def _checked_steps(monkeypatch, readings, hook_class=None):
     return checked
 
 
-@pytest.mark.parametrize("readings", [lambda run: "before", lambda run: "after", lambda run: ("before", "after")[run % 2],
-                                      lambda run: ("after", "before")[run % 2]],
+@pytest.mark.parametrize("readings", [lambda run: "before", lambda run: "after",
+                                      lambda run: ("before", "after")[run % 2], lambda run: ("after", "before")[run % 2]],
                          ids=["before", "after", "alternating", "alternating-other"])
 def test_every_owner_checks_its_weights_at_the_same_steps_whichever_way_its_step_read_raced(monkeypatch, readings):
     # Owners compare at checkpoint steps (every 4 here): each must pick the same steps, or the one that checks
