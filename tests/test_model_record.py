@@ -256,7 +256,8 @@ def _checked_steps(monkeypatch, readings, hook_class=None):
 
 
 @pytest.mark.parametrize("readings", [lambda run: "before", lambda run: "after",
-                                      lambda run: ("before", "after")[run % 2], lambda run: ("after", "before")[run % 2]],
+                                      lambda run: ("before", "after")[run % 2],
+                                      lambda run: ("after", "before")[run % 2]],
                          ids=["before", "after", "alternating", "alternating-other"])
 def test_every_owner_checks_its_weights_at_the_same_steps_whichever_way_its_step_read_raced(monkeypatch, readings):
     # Owners compare at checkpoint steps (every 4 here): each must pick the same steps, or the one that checks
