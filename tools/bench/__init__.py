@@ -175,6 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            f"{row['bytes_per_owner_per_step']['up']:,.0f} B up, "
                            f"{row['bytes_per_owner_per_step']['down']:,.0f} B down; predicted "
                            + ", ".join(f"{v:.1f} ms/step at {k}" for k, v in row["predicted_ms_per_step"].items()))
+                service += report.floors_text(row)
                 if "relayed_owner_links" in row:
                     r = row["relayed_owner_links"]
                     service += (f"; owners' links through the relay at {r['rtt_ms']:g} ms: predicted "
@@ -182,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             anchor = "MultiWorkerMirroredStrategy" if case.service else "plaintext"
             print(f"[bench] {case.name:>20}: {case.describe()}: secure {row['secure_ms_per_step']:.2f} ms/step, "
                   f"{anchor} {row['plaintext_ms_per_step']:.2f} ms/step, ratio {row['ratio']:.2f} "
-                  f"(target <= {report.target_of(row):.2f}), upload "
+                  f"({report.target_text(row)}), upload "
                   f"{row['upload_bytes_per_param_per_replica_per_step']:.3f} B/param/replica/step, download "
                   f"{row['download_bytes_per_param_per_replica_per_step']:.3f}{service}", flush=True)
             report.write_json(os.path.join(out, "results.json"), results)

@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import portpicker
 
+from tools.bench.floors import measure_costs, role_floors
 from tools.bench.service_case import process_cpu_seconds
 
 __all__ = ["main", "measure", "floor"]
@@ -70,85 +71,26 @@ def _start_relays(addresses: List[str], rtt_ms: float, bandwidth_mbps: Optional[
     return relay, [f"localhost:{p}" for p in line.split()[-1].split(",")]
 
 
-def _seconds_per_byte(run, nbytes: int, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best / nbytes
-
-
-def tls_costs(certs_dir: str, nbytes: int = 64 << 20) -> Dict[str, float]:
-    """CPU seconds per byte of the data plane's transport on this machine: Python's `ssl` (the servers' and
-    owners' own contexts, `TlsFiles.ssl_server_context`/``ssl_client_context``) on a loopback TCP connection,
-    ``send`` (encrypt, TCP send) and ``recv`` (TCP receive, decrypt, OpenSSL's copy into our buffer), each
-    measured on its own thread (``time.thread_time``: its kernel time included) over `nbytes`."""
-    import socket  # pylint: disable=import-outside-toplevel
-    from tfe_estimator.service.tls import TlsFiles, server_name  # pylint: disable=import-outside-toplevel
-
-    server_tls, client_tls = TlsFiles.from_dir(certs_dir, "tfe", 1), TlsFiles.from_dir(certs_dir, "chief", 0)
-    listener = socket.create_server(("127.0.0.1", 0))
-    out: Dict[str, float] = {}
-
-    def receive():
-        raw, _ = listener.accept()
-        with server_tls.ssl_server_context().wrap_socket(raw, server_side=True) as conn:
-            view, got = memoryview(bytearray(8 << 20)), 0
-            start = time.thread_time()
-            while got < nbytes:
-                got += conn.recv_into(view[got % view.nbytes:], view.nbytes - got % view.nbytes)
-            out["recv"] = (time.thread_time() - start) / nbytes
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    raw = socket.create_connection(listener.getsockname())
-    with client_tls.ssl_client_context(1).wrap_socket(raw, server_hostname=server_name(client_tls, 1)) as conn:
-        block = memoryview(bytearray(8 << 20))
-        start = time.thread_time()
-        for _ in range(nbytes // block.nbytes):
-            conn.sendall(block)
-        out["send"] = (time.thread_time() - start) / nbytes
-        thread.join()
-    listener.close()
-    return out
-
-
 def floor(owners: int, certs_dir: Optional[str] = None) -> Dict[str, float]:
     """Each role's floor in ns per parameter (per owner for ``client``) at 64-bit ring words on this CPU, one core.
 
-    Measured here on 1 MiB blocks (cache-resident, like ``openssl speed``): AES-128-GCM (TLS records) and
-    AES-128-CTR (key expansion) with `cryptography`, and NumPy's uint64 addition. With N owners, per parameter:
-    server1 decrypts 8 (N + 1) B (the shares and server0's part), encrypts 8 N B (w to each owner) and adds
-    N + 1 vectors; server0 expands N + 1 keys (the owners' and its blind key), adds them and encrypts its
-    8 B forward; an owner's client encrypts 8 B and decrypts 8 B. Copies, the kernel and gRPC come on top.
+    Measured here (`tools.bench.floors.measure_costs`, cache-resident 1 MiB blocks, like ``openssl speed``):
+    AES-128-GCM (TLS records) and AES-128-CTR (key expansion) with `cryptography`, and NumPy's uint64 addition.
+    With N owners, per parameter: server1 decrypts 8 (N + 1) B (the shares and server0's part), encrypts 8 N B
+    (w to each owner) and adds N + 1 vectors; server0 expands N + 1 keys (the owners' and its blind key), adds
+    them and encrypts its 8 B forward; an owner's client encrypts 8 B and decrypts 8 B
+    (`tools.bench.floors.role_floors`). Copies, the kernel and gRPC come on top.
 
     With `certs_dir`, also each role's transport floor (``*_tls``): the same bytes at the measured cost of
-    the data plane's TLS on loopback TCP (`tls_costs`: the kernel's socket copies and OpenSSL's included),
-    plus the ring sums and key expansion: what the data plane cannot go below with TLS on TCP here.
+    the data plane's TLS on loopback TCP (`tools.bench.floors.tls_costs`: the kernel's socket copies and
+    OpenSSL's included), plus the ring sums and key expansion: what the data plane cannot go below with TLS
+    on TCP here.
     """
-    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes  # pylint: disable=import-outside-toplevel
-
-    block, out = bytes(1 << 20), bytearray((1 << 20) + 15)
-
-    def speed(mode) -> float:  # seconds per byte, into a preallocated buffer (no allocation timed)
-        encryptor = Cipher(algorithms.AES(bytes(16)), mode).encryptor()
-        return _seconds_per_byte(lambda: [encryptor.update_into(block, out) for _ in range(8)], 8 * len(block))
-
-    gcm_s, ctr_s = speed(modes.GCM(bytes(12))), speed(modes.CTR(bytes(16)))
-    a, b = np.zeros(1 << 17, np.uint64), np.ones(1 << 17, np.uint64)
-    add_s = _seconds_per_byte(lambda: [np.add(a, b, out=a) for _ in range(8)], 8 * a.nbytes)
-    ns = 1e9
-    out = {"server0": ns * 8 * ((owners + 1) * (ctr_s + add_s) + gcm_s),
-           "server1": ns * 8 * ((2 * owners + 1) * gcm_s + (owners + 1) * add_s),
-           "client": ns * 8 * 2 * gcm_s,
-           "gcm_gb_s": 1 / gcm_s / 1e9, "ctr_gb_s": 1 / ctr_s / 1e9}
+    costs = measure_costs(certs_dir)
+    out = dict(role_floors(costs, owners, 8, "cipher"), gcm_gb_s=1 / costs.gcm, ctr_gb_s=1 / costs.ctr)
     if certs_dir is not None:
-        tls = tls_costs(certs_dir)
-        out.update(server0_tls=ns * 8 * ((owners + 1) * (ctr_s + add_s) + tls["send"]),
-                   server1_tls=ns * 8 * ((owners + 1) * (tls["recv"] + add_s) + owners * tls["send"]),
-                   client_tls=ns * 8 * (tls["send"] + tls["recv"]),
-                   tls_send_ns_b=ns * tls["send"], tls_recv_ns_b=ns * tls["recv"])
+        out.update({f"{role}_tls": ns for role, ns in role_floors(costs, owners, 8, "transport").items()},
+                   tls_send_ns_b=costs.tls_send, tls_recv_ns_b=costs.tls_recv)
     return out
 
 

@@ -98,6 +98,7 @@ def run_service_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
     )
     row.update(_service_figures(launches, params, rounds))
     row.update(_distance_figures(row))
+    row["floors"] = _floor_figures(row, workload, workdir)
     if RELAYED in launches:  # checked: the same cluster with each owner's links through a delaying relay
         rtt = settings["relay_rtt_ms"]
         relayed = statistics.median(r["chief"]["ms_per_step"] for r in launches[RELAYED])
@@ -128,6 +129,41 @@ def _distance_figures(row: Dict) -> Dict:
                 row["secure_ms_per_step"], round_trips, up, down, DISTANCE_RTT_MS),
                 f"rtt {DISTANCE_RTT_MS:g} ms, {DISTANCE_MBPS:g} Mbit/s": predict_step_ms(
                 row["secure_ms_per_step"], round_trips, up, down, DISTANCE_RTT_MS, DISTANCE_MBPS * 1e6 / 8)}}
+
+
+def _floor_figures(row: Dict, workload: Workload, workdir: str) -> Dict:
+    """Each role's CPU per parameter beside its floors, and the owner's and the step's floors (`tools.bench.floors`).
+
+    The per-byte costs are measured now, right after the case's launches, on certificates of its own: they
+    move with the machine's load like the case's figures. Measured ns/param are CPU ms per step / params (per
+    owner for the owners); the targets are the case's step target (`report.target_of`) and the owner's
+    (`report.TARGET_SERVICE_OWNER_CPU`), each said to be below a floor when it is.
+    """
+    from tfe_estimator.cluster import certs  # pylint: disable=import-outside-toplevel
+    from tools.bench import floors, report  # pylint: disable=import-outside-toplevel
+
+    certs_dir = os.path.join(workdir, "floor-certs")
+    certs.make_cluster_certs(certs_dir, [("chief", 0), ("tfe", 1)], cluster="bench-floors")
+    costs = floors.measure_costs(certs_dir)
+    cpu, params, cores = row["cpu_ms_per_step"], row["params"], floors.machine_cores()
+    per_param = lambda ms: None if ms is None else 1e6 * ms / params  # noqa: E731
+    mwms = list(cpu["mwms_owners"].values())
+    figures = floors.case_floors(costs, params=params, owners=workload.replicas,
+                                 word_bytes=workload.update_ring_bits // 8,
+                                 up_bytes=row["upload_bytes_per_step"], down_bytes=row["download_bytes_per_step"],
+                                 mwms_owner_cpu_ms=mwms, mwms_ms=row["plaintext_ms_per_step"], cores=cores)
+    service_owner = statistics.mean(cpu["service_owners"].values())
+    targets = {"step": report.target_of(row), "step_moonshot": report.moonshot_of(row),
+               "owner_cpu": report.TARGET_SERVICE_OWNER_CPU}
+    steps = [t for t in (targets["step"], targets["step_moonshot"]) if t is not None]
+    return {"ns_per_byte": dataclasses.asdict(costs), "cores": cores,
+            "measured_ns_per_param": {
+                "servers": [per_param(ms) for ms in cpu["servers"]],
+                "owners": {o: per_param(ms) for o, ms in cpu["service_owners"].items()},
+                "mwms_owners": {o: per_param(ms) for o, ms in cpu["mwms_owners"].items()}},
+            "owner_cpu_ratio": service_owner / statistics.mean(mwms),
+            **figures, "targets": targets,
+            "below_floor": floors.below_floor(figures, steps, targets["owner_cpu"])}
 
 
 def _service_figures(launches: Dict[str, List[Dict]], params: int, rounds: int) -> Dict:
