@@ -34,6 +34,14 @@ def test_quick_benchmark_reports_every_case(tmp_path):
     # The service-mode case beside both plaintext anchors: MWMS and the in-graph MirroredStrategy of linear-1e2.
     assert "| in-graph MirroredStrategy ms/step |" in report and "(linear-1e2) |" in report, report
     assert results["machine"]["cores"] >= 1
+    # The service case beside this machine's floors, from per-byte costs measured in the same run.
+    (service,) = [c for c in results["cases"] if c.get("service")]
+    floors = service["floors"]
+    assert all(v > 0 for v in floors["ns_per_byte"].values()) and floors["cores"] >= 1, floors
+    for kind in ("cipher", "transport"):
+        assert floors[kind]["step_ratio"] >= 1.0 and floors[kind]["owner_ratio"] > 1.0, floors
+        assert floors[kind]["cpu_ratio"] > 1.0 and floors[kind]["ns_per_param"]["server1"] > 0, floors
+    assert "| step CPU x MWMS (floors) |" in report and f"| {service['name']} | {floors['cores']} |" in report
 
 
 def test_the_service_alone_reports_cpu_per_parameter_and_leaves_no_server(capsys):

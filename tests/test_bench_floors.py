@@ -32,18 +32,18 @@ def test_the_owners_and_the_steps_floor_add_every_role():
     # Execute
     got = floors.case_floors(COSTS, **CASE)
     # Assert: cipher: an owner's security = masks 2 x 8 B x 0.25 + 16 B x 0.5 = 12 ns/param = 12 ms per step;
-    # the step's CPU = MWMS owners 100 + 2 owners x 12 + server0 13 + server1 23 = 160 ms: over 2 cores 80 ms
-    # (1.28x the MWMS step), over the 1.6 cores MWMS kept busy 100 ms (1.6x).
+    # the step's CPU = MWMS owners 100 + 2 owners x 12 + server0 13 + server1 23 = 160 ms (1.6x MWMS's CPU):
+    # over 2 cores 80 ms, 1.28x the MWMS step.
     cipher = got["cipher"]
     assert cipher["ns_per_param"] == {"server0": 13.0, "server1": 23.0, "owner_security": 12.0}
     assert cipher["owner_security_ms"] == 12.0 and cipher["owner_cpu_ms"] == 62.0 and cipher["owner_ratio"] == 1.24
     assert cipher["step_cpu_ms"] == 160.0 and cipher["step_ms"] == 80.0 and cipher["step_ratio"] == 1.28
-    assert cipher["busy_cores"] == 1.6 and cipher["busy_step_ratio"] == pytest.approx(1.6, rel=1e-12)
+    assert cipher["cpu_ratio"] == 1.6
     # transport: security = 4 + 8 x 1 + 8 x 2 = 28 ns/param; step CPU = 100 + 56 + 17 + 67 = 240 ms -> 120 ms.
     transport = got["transport"]
     assert transport["ns_per_param"] == {"server0": 17.0, "server1": 67.0, "owner_security": 28.0}
     assert transport["owner_ratio"] == 78.0 / 50.0 and transport["step_cpu_ms"] == 240.0
-    assert transport["step_ratio"] == 1.92 and transport["busy_step_ratio"] == pytest.approx(2.4, rel=1e-12)
+    assert transport["step_ratio"] == 1.92 and transport["cpu_ratio"] == 2.4
 
 
 def test_the_step_floor_uses_the_owners_measured_bytes_and_each_mwms_owner():
@@ -58,25 +58,19 @@ def test_the_step_floor_uses_the_owners_measured_bytes_and_each_mwms_owner():
 
 
 def test_the_step_floor_is_never_below_the_mwms_step_on_many_cores():
-    # 64 cores: the CPU over them is far below the MWMS step, which bounds the floor; the busy cores stay 1.6.
+    # 64 cores: the CPU over them is far below the MWMS step, which bounds the floor; the CPU floor stays.
     got = floors.case_floors(COSTS, **dict(CASE, cores=64))
     assert got["cipher"]["step_ms"] == 62.5 and got["cipher"]["step_ratio"] == 1.0
-    assert got["transport"]["step_ratio"] == 1.0 and got["transport"]["busy_step_ratio"] == pytest.approx(2.4)
-    # An MWMS step that kept every core busy: both floors agree.
-    full = floors.case_floors(COSTS, **dict(CASE, mwms_ms=50.0))["transport"]
-    assert full["busy_cores"] == 2 and full["busy_step_ratio"] == full["step_ratio"] == 2.4
+    assert got["transport"]["step_ratio"] == 1.0 and got["transport"]["cpu_ratio"] == 2.4
 
 
 def test_targets_below_a_floor_are_said_and_targets_above_are_not():
-    # step floors 1.28x / 1.92x on 2 cores, 1.6x / 2.4x on MWMS's busy cores; owner floors 1.24x / 1.56x
-    got = floors.case_floors(COSTS, **CASE)
+    got = floors.case_floors(COSTS, **CASE)  # step floors 1.28x / 1.92x, owner floors 1.24x / 1.56x
     said = floors.below_floor(got, [1.5, 1.25], 1.25)
-    assert said == ["the step target 1.50x is below the cipher floor at MWMS's busy cores 1.60x, the transport "
-                    "floor 1.92x, the transport floor at MWMS's busy cores 2.40x",
-                    "the step target 1.25x is below the cipher floor 1.28x, the cipher floor at MWMS's busy cores "
-                    "1.60x, the transport floor 1.92x, the transport floor at MWMS's busy cores 2.40x",
+    assert said == ["the step target 1.50x is below the transport floor 1.92x",
+                    "the step target 1.25x is below the cipher floor 1.28x and the transport floor 1.92x",
                     "the owner CPU target 1.25x is below the transport floor 1.56x"]
-    assert floors.below_floor(got, [2.5], 1.56) == []
+    assert floors.below_floor(got, [1.92], 1.56) == []
 
 
 def test_without_the_tls_costs_only_the_cipher_floor_is_given_and_the_transport_floor_is_refused():
@@ -113,7 +107,7 @@ def test_the_report_prints_and_tabulates_each_roles_floors_and_the_targets_below
            "floors": {"ns_per_byte": vars(COSTS), "cores": 2, "owner_cpu_ratio": 1.6,
                       "measured_ns_per_param": {"servers": [20.0, 60.0], "owners": {"chief": 80.0, "worker-0": 82.0},
                                                 "mwms_owners": {"chief": 50.0, "worker-0": 50.0}},
-                      **figures, "targets": {"step": 1.5, "step_moonshot": 1.3, "owner_cpu": 1.25},
+                      "cpu_ratio": 2.5, **figures, "targets": {"step": 1.5, "step_moonshot": 1.3, "owner_cpu": 1.25},
                       "below_floor": floors.below_floor(figures, [1.5, 1.3], 1.25)}}
     # Execute
     text = report.floors_text(row)
@@ -122,12 +116,12 @@ def test_the_report_prints_and_tabulates_each_roles_floors_and_the_targets_below
     assert "server0 20.0 (13.0 / 17.0), server1 60.0 (23.0 / 67.0)" in text, text
     assert "owners 80.0, 82.0 (MWMS 50.0, 50.0, + security 12.0 / 28.0)" in text, text
     assert "owner CPU 1.60x MWMS (floor 1.24 / 1.56, target 1.25)" in text, text
-    assert ("step floor 1.28 / 1.92x MWMS on 2 cores, 1.60 / 2.40x on the 1.60 MWMS kept busy (target 1.50, "
-            "moonshot 1.30)") in text, text
-    assert "the step target 1.30x is below the cipher floor at MWMS's busy cores 1.60x, the transport" in text, text
+    assert ("step floor 1.28 / 1.92x MWMS on 2 cores (target 1.50, moonshot 1.30); step CPU 2.50x MWMS's (floor "
+            "1.60 / 2.40)") in text, text
+    assert "the step target 1.30x is below the transport floor 1.92x" in text, text
     assert ("| svc-linear-1e6 | 2 | 0.50, 0.25, 1.00 / 2.00 | 20.0 (13.0 / 17.0) | 60.0 (23.0 / 67.0) | "
             "80.0, 82.0 (50.0, 50.0; + 12.0 / 28.0) | **1.60** (1.24 / 1.56; 1.25) | **1.80** (1.28 / 1.92; "
-            "1.60 / 2.40 on 1.60; 1.50, moonshot 1.30) | the step target 1.50x") in table, table
+            "1.50, moonshot 1.30) | **2.50** (1.60 / 2.40) | the step target 1.50x") in table, table
 
 
 def test_this_machines_costs_are_measured_with_the_data_planes_tls(tmp_path):

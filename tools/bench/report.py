@@ -94,9 +94,8 @@ def floors_text(case: Dict) -> str:
             f"{', '.join(f'{v:.1f}' for v in measured['mwms_owners'].values())}, + security "
             f"{_pair(f, lambda d: d['ns_per_param']['owner_security'])}); owner CPU {f['owner_cpu_ratio']:.2f}x "
             f"MWMS (floor {_pair(f, lambda d: d['owner_ratio'])}, target {targets['owner_cpu']:.2f}); step floor "
-            f"{_pair(f, lambda d: d['step_ratio'])}x MWMS on {f['cores']} cores, "
-            f"{_pair(f, lambda d: d['busy_step_ratio'])}x on the {f['cipher']['busy_cores']:.2f} MWMS kept busy "
-            f"({goal})")
+            f"{_pair(f, lambda d: d['step_ratio'])}x MWMS on {f['cores']} cores ({goal}); step CPU "
+            f"{f['cpu_ratio']:.2f}x MWMS's (floor {_pair(f, lambda d: d['cpu_ratio'])})")
     return text + ("; " + "; ".join(f["below_floor"]) if f["below_floor"] else "")
 
 
@@ -233,7 +232,7 @@ def _service_floors(cases) -> list:
                     f"{servers[1]} | {owners} ({mwms}; + {_pair(f, lambda d: d['ns_per_param']['owner_security'])})"
                     f" | **{f['owner_cpu_ratio']:.2f}** ({_pair(f, lambda d: d['owner_ratio'])}; "
                     f"{targets['owner_cpu']:.2f}) | **{c['ratio']:.2f}** ({_pair(f, lambda d: d['step_ratio'])}; "
-                    f"{_pair(f, lambda d: d['busy_step_ratio'])} on {f['cipher']['busy_cores']:.2f}; {goal}) | "
+                    f"{goal}) | **{f['cpu_ratio']:.2f}** ({_pair(f, lambda d: d['cpu_ratio'])}) | "
                     f"{'; '.join(f['below_floor']) or 'none'} |")
     if not rows:
         return []
@@ -245,14 +244,15 @@ def _service_floors(cases) -> list:
         "on loopback TCP as measured, plus the same AES-CTR and sums). Per parameter: each role's CPU beside "
         "its floors; an owner's CPU beside the MWMS owner's plus its security floor (masks, unmasks, its "
         "client's bytes). Ratios to MWMS: an owner's CPU (floor: (MWMS owner + security floor) / MWMS owner) "
-        "and the step (floor: max(every process's floor CPU / cores, the MWMS step) / the MWMS step; then the "
-        "same on the cores the MWMS twin kept busy, its owners' CPU / its step, the floor to read when other "
-        "processes load the machine):",
+        "and the step (floor: max(every process's floor CPU / cores, the MWMS step) / the MWMS step: it falls "
+        "towards 1 when other processes load the machine); every process's CPU per step (owners and servers) "
+        "over the MWMS owners' (floor: every process's floor CPU over the MWMS owners' CPU; CPU seconds, so it "
+        "holds under load):",
         "",
         "| case | cores | ns/B: GCM, CTR, TLS send / recv | server0 ns/param (floors) | server1 ns/param "
         "(floors) | owners ns/param (MWMS owners; + security floors) | owner CPU x MWMS (floors; goal) | "
-        "step x MWMS (floors; on MWMS's busy cores; goal) | targets below a floor |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "step x MWMS (floors; goal) | step CPU x MWMS (floors) | targets below a floor |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         *rows,
     ]
 

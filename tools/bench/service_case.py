@@ -136,7 +136,8 @@ def _floor_figures(row: Dict, workload: Workload, workdir: str) -> Dict:
 
     The per-byte costs are measured now, right after the case's launches, on certificates of its own: they
     move with the machine's load like the case's figures. Measured ns/param are CPU ms per step / params (per
-    owner for the owners); the targets are the case's step target (`report.target_of`) and the owner's
+    owner for the owners); ``cpu_ratio`` is every process's CPU per step (owners and servers) over the MWMS
+    owners'; the targets are the case's step target (`report.target_of`) and the owner's
     (`report.TARGET_SERVICE_OWNER_CPU`), each said to be below a floor when it is.
     """
     from tfe_estimator.cluster import certs  # pylint: disable=import-outside-toplevel
@@ -162,6 +163,8 @@ def _floor_figures(row: Dict, workload: Workload, workdir: str) -> Dict:
                 "owners": {o: per_param(ms) for o, ms in cpu["service_owners"].items()},
                 "mwms_owners": {o: per_param(ms) for o, ms in cpu["mwms_owners"].items()}},
             "owner_cpu_ratio": service_owner / statistics.mean(mwms),
+            "cpu_ratio": (sum(cpu["service_owners"].values()) + sum(v for v in cpu["servers"] if v is not None))
+                         / sum(mwms),
             **figures, "targets": targets,
             "below_floor": floors.below_floor(figures, steps, targets["owner_cpu"])}
 
