@@ -2,7 +2,8 @@
 
 - `tools.bench`: secure vs plaintext step time and bytes (``python -m tools.bench``, ``make bench``);
   `tools.bench.sampler_compare` compares two versions of the DP noise kernel; `tools.bench.service_alone`
-  measures the aggregation service's CPU per parameter without TensorFlow; `tools.bench.distance` predicts its
+  measures the aggregation service's CPU per parameter without TensorFlow; `tools.bench.floors` gives each
+  service case's floors on this machine (AES alone, TLS on TCP); `tools.bench.distance` predicts its
   step at a round-trip time and bandwidth and checks it through `tools.bench.relay` (a delaying TCP relay).
 - `tools.attack`: tries what ``launch --isolate --tls`` must stop (``python -m tools.attack``);
   `tools.attack_service` what a service-mode cluster (``launch --cluster-mode service``) must stop;
