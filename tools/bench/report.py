@@ -71,6 +71,16 @@ def target_text(case: Dict) -> str:
     return f"target <= {target_of(case):.2f}" + (f", moonshot {moonshot:.2f}" if moonshot is not None else "")
 
 
+def _goal(targets: Dict) -> str:
+    """A service case's step target, and its moonshot where it has one."""
+    moonshot = targets.get("step_moonshot")
+    return f"{targets['step']:.2f}" + (f", moonshot {moonshot:.2f}" if moonshot is not None else "")
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _pair(floors: Dict, pick) -> str:
     """``cipher / transport`` of one figure of a case's floors (``-`` for a floor not measured)."""
     return " / ".join(f"{pick(floors[kind]):.{2 if pick(floors[kind]) < 10 else 1}f}" if kind in floors else "-"
@@ -86,16 +96,14 @@ def floors_text(case: Dict) -> str:
            else "TLS not measured")
     servers = ", ".join(f"server{k} {ns:.1f} ({_pair(f, lambda d, k=k: d['ns_per_param'][f'server{k}'])})"
                         for k, ns in enumerate(measured["servers"]) if ns is not None)
-    goal = f"target {targets['step']:.2f}" + (f", moonshot {targets['step_moonshot']:.2f}"
-                                              if targets.get("step_moonshot") is not None else "")
     text = (f"; ns/param beside AES / TLS-on-TCP floors (ns/B here: GCM {costs['gcm']:.2f}, CTR {costs['ctr']:.2f}, "
             f"{tls}; {f['cores']} cores): {servers + ', ' if servers else ''}owners "
             f"{', '.join(f'{v:.1f}' for v in measured['owners'].values())} (MWMS "
             f"{', '.join(f'{v:.1f}' for v in measured['mwms_owners'].values())}, + security "
             f"{_pair(f, lambda d: d['ns_per_param']['owner_security'])}); owner CPU {f['owner_cpu_ratio']:.2f}x "
             f"MWMS (floor {_pair(f, lambda d: d['owner_ratio'])}, target {targets['owner_cpu']:.2f}); step floor "
-            f"{_pair(f, lambda d: d['step_ratio'])}x MWMS on {f['cores']} cores ({goal}); step CPU "
-            f"{f['cpu_ratio']:.2f}x MWMS's (floor {_pair(f, lambda d: d['cpu_ratio'])})")
+            f"{_pair(f, lambda d: d['step_ratio'])}x MWMS on {f['cores']} cores (target {_goal(targets)}); step CPU "
+            f"{_ratio(f['cpu_ratio'])}x MWMS's (floor {_pair(f, lambda d: d['cpu_ratio'])})")
     return text + ("; " + "; ".join(f["below_floor"]) if f["below_floor"] else "")
 
 
@@ -226,13 +234,11 @@ def _service_floors(cases) -> list:
                    else "-" for k, ns in enumerate((measured["servers"] + [None, None])[:2])]
         owners = ", ".join(f"{v:.1f}" for v in measured["owners"].values())
         mwms = ", ".join(f"{v:.1f}" for v in measured["mwms_owners"].values())
-        goal = f"{targets['step']:.2f}" + (f", moonshot {targets['step_moonshot']:.2f}"
-                                           if targets.get("step_moonshot") is not None else "")
         rows.append(f"| {c['name']} | {f['cores']} | {costs['gcm']:.2f}, {costs['ctr']:.2f}, {tls} | {servers[0]} | "
                     f"{servers[1]} | {owners} ({mwms}; + {_pair(f, lambda d: d['ns_per_param']['owner_security'])})"
                     f" | **{f['owner_cpu_ratio']:.2f}** ({_pair(f, lambda d: d['owner_ratio'])}; "
                     f"{targets['owner_cpu']:.2f}) | **{c['ratio']:.2f}** ({_pair(f, lambda d: d['step_ratio'])}; "
-                    f"{goal}) | **{f['cpu_ratio']:.2f}** ({_pair(f, lambda d: d['cpu_ratio'])}) | "
+                    f"{_goal(targets)}) | **{_ratio(f['cpu_ratio'])}** ({_pair(f, lambda d: d['cpu_ratio'])}) | "
                     f"{'; '.join(f['below_floor']) or 'none'} |")
     if not rows:
         return []

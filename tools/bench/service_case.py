@@ -163,8 +163,9 @@ def _floor_figures(row: Dict, workload: Workload, workdir: str) -> Dict:
                 "owners": {o: per_param(ms) for o, ms in cpu["service_owners"].items()},
                 "mwms_owners": {o: per_param(ms) for o, ms in cpu["mwms_owners"].items()}},
             "owner_cpu_ratio": service_owner / statistics.mean(mwms),
-            "cpu_ratio": (sum(cpu["service_owners"].values()) + sum(v for v in cpu["servers"] if v is not None))
-                         / sum(mwms),
+            # every process's CPU: None without both servers' (never a ratio that leaves a server out)
+            "cpu_ratio": ((sum(cpu["service_owners"].values()) + sum(cpu["servers"])) / sum(mwms)
+                          if len(cpu["servers"]) == 2 and None not in cpu["servers"] else None),
             **figures, "targets": targets,
             "below_floor": floors.below_floor(figures, steps, targets["owner_cpu"])}
 
