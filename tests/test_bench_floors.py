@@ -80,6 +80,14 @@ def test_without_the_tls_costs_only_the_cipher_floor_is_given_and_the_transport_
         floors.role_floors(cipher_only, 2, 8, "transport")
 
 
+def test_the_least_of_several_measurements_is_each_costs_minimum():
+    # Before and after a case's launches: a burst of load on one measurement must not raise the floor.
+    before = ByteCosts(gcm=0.5, ctr=0.25, add=0.125, tls_send=2.0, tls_recv=1.0)
+    after = ByteCosts(gcm=0.25, ctr=0.5, add=0.125, tls_send=1.0)
+    assert floors.least(before, after) == ByteCosts(gcm=0.25, ctr=0.25, add=0.125, tls_send=1.0, tls_recv=1.0)
+    assert floors.least(ByteCosts(1.0, 1.0, 1.0)).tls_send is None
+
+
 def test_bad_case_inputs_are_named():
     with pytest.raises(ValueError, match=r"one positive MWMS owner CPU per owner \(2: got \[50.0\]\)"):
         floors.case_floors(COSTS, **dict(CASE, mwms_owner_cpu_ms=[50.0]))

@@ -55,7 +55,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["ByteCosts", "measure_costs", "tls_costs", "role_floors", "case_floors", "below_floor", "machine_cores"]
+__all__ = ["ByteCosts", "measure_costs", "least", "tls_costs", "role_floors", "case_floors", "below_floor",
+           "machine_cores"]
 
 #: The two floors, in the order reported.
 KINDS = ("cipher", "transport")
@@ -160,6 +161,16 @@ def measure_costs(certs_dir: Optional[str] = None, tls_repeats: int = 3) -> Byte
     ns = 1e9
     return ByteCosts(gcm=ns * gcm_s, ctr=ns * ctr_s, add=ns * add_s,
                      tls_send=ns * tls["send"] if tls else None, tls_recv=ns * tls["recv"] if tls else None)
+
+
+def least(*measured: ByteCosts) -> ByteCosts:
+    """Each cost's least over several `measure_costs` of one case (e.g. before and after its launches): a floor
+    is the cheapest the machine's load let a byte cost."""
+    def lowest(name: str) -> Optional[float]:
+        values = [getattr(m, name) for m in measured if getattr(m, name) is not None]
+        return min(values) if values else None
+
+    return ByteCosts(**{f.name: lowest(f.name) for f in dataclasses.fields(ByteCosts)})
 
 
 def role_floors(costs: ByteCosts, owners: int, word_bytes: int = 8, kind: str = "cipher") -> Dict[str, float]:

@@ -67,6 +67,7 @@ def run_service_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
     timed = settings["steps"] * 3
     if workload.features >= _SHORT_PARAMS:  # "it works": one short launch per twin
         rounds, timed, settings = 1, min(timed, 6), dict(settings, warmup=min(settings["warmup"], 2))
+    costs_before = _measure_costs(workdir)  # this machine's per-byte costs, before and after the launches
     launches: Dict[str, List[Dict]] = {twin: [] for twin in twins}
     for k in range(rounds):
         for twin in (twins if k % 2 == 0 else tuple(reversed(twins))):
@@ -98,7 +99,7 @@ def run_service_case(workload: Workload, settings: Dict, workdir: str) -> Dict:
     )
     row.update(_service_figures(launches, params, rounds))
     row.update(_distance_figures(row))
-    row["floors"] = _floor_figures(row, workload, workdir)
+    row["floors"] = _floor_figures(row, workload, costs_before, _measure_costs(workdir))
     if RELAYED in launches:  # checked: the same cluster with each owner's links through a delaying relay
         rtt = settings["relay_rtt_ms"]
         relayed = statistics.median(r["chief"]["ms_per_step"] for r in launches[RELAYED])
@@ -131,21 +132,31 @@ def _distance_figures(row: Dict) -> Dict:
                 row["secure_ms_per_step"], round_trips, up, down, DISTANCE_RTT_MS, DISTANCE_MBPS * 1e6 / 8)}}
 
 
-def _floor_figures(row: Dict, workload: Workload, workdir: str) -> Dict:
+def _measure_costs(workdir: str):
+    """This machine's per-byte costs now (`tools.bench.floors.measure_costs`), on certificates of their own."""
+    from tfe_estimator.cluster import certs  # pylint: disable=import-outside-toplevel
+    from tools.bench import floors  # pylint: disable=import-outside-toplevel
+
+    certs_dir = os.path.join(workdir, "floor-certs")
+    os.makedirs(workdir, exist_ok=True)
+    if not os.path.exists(certs_dir):
+        certs.make_cluster_certs(certs_dir, [("chief", 0), ("tfe", 1)], cluster="bench-floors")
+    return floors.measure_costs(certs_dir)
+
+
+def _floor_figures(row: Dict, workload: Workload, *measured) -> Dict:
     """Each role's CPU per parameter beside its floors, and the owner's and the step's floors (`tools.bench.floors`).
 
-    The per-byte costs are measured now, right after the case's launches, on certificates of its own: they
-    move with the machine's load like the case's figures. Measured ns/param are CPU ms per step / params (per
+    The per-byte costs are the least of those `measured` just before and just after the case's launches (each
+    the best of a few runs): they move with the machine's load like the case's figures, and a transient burst of
+    load on the measurement would raise a floor. Measured ns/param are CPU ms per step / params (per
     owner for the owners); ``cpu_ratio`` is every process's CPU per step (owners and servers) over the MWMS
     owners'; the targets are the case's step target (`report.target_of`) and the owner's
     (`report.TARGET_SERVICE_OWNER_CPU`), each said to be below a floor when it is.
     """
-    from tfe_estimator.cluster import certs  # pylint: disable=import-outside-toplevel
     from tools.bench import floors, report  # pylint: disable=import-outside-toplevel
 
-    certs_dir = os.path.join(workdir, "floor-certs")
-    certs.make_cluster_certs(certs_dir, [("chief", 0), ("tfe", 1)], cluster="bench-floors")
-    costs = floors.measure_costs(certs_dir)
+    costs = floors.least(*measured)
     cpu, params, cores = row["cpu_ms_per_step"], row["params"], floors.machine_cores()
     per_param = lambda ms: None if ms is None else 1e6 * ms / params  # noqa: E731
     mwms = list(cpu["mwms_owners"].values())
