@@ -121,7 +121,8 @@ inline void BlockDot(const T* x, const uint32_t* const raw[kRows], int64_t count
 // negative x_i. Each product of a coefficient (c < 2**20) and a 32-bit half is below 2**52, so a block's 4096 of
 // them sum below 2**64: L, H and G are exact in unsigned 64-bit lanes of SSE2's 32 x 32 -> 64-bit multiply
 // (every x86-64 CPU has it), folded into 128 bits once per block.
-static_assert(kPassElements <= 4096, "a block's sums of 52-bit products stay below 2**64");
+static_assert(kPassElements <= 4096, "a block's sums of 52-bit products stay below 2**64 (and, on the 32-bit ring, "
+                                    "its sums of coefficients below 2**32)");
 
 struct Lanes {
   __m128i low = _mm_setzero_si128(), high = _mm_setzero_si128(), negative = _mm_setzero_si128();
@@ -168,6 +169,42 @@ inline void BlockDot<uint64_t>(const uint64_t* x, const uint32_t* const raw[kRow
     }
     sums->a[row] += static_cast<Int128>(low) + (static_cast<Int128>(high) << 32) -
                     (static_cast<Int128>(negative) << 64);
+  }
+}
+// The 32-bit ring's products, in SSE2 lanes like the 64-bit ones (the scalar loop above cost the 32-bit ring's
+// passes more than their two keystreams): with x the element's 32-bit word and signed(x) = x - 2**32 [top bit of
+// x], sum_i c_i signed(x_i) = L - 2**32 G with L = sum c_i x_i and G = sum of c_i over the negative x_i. Each
+// product of a coefficient (c < 2**20) and a word is below 2**52, so a block's 4096 of them sum below 2**64: L is
+// exact in unsigned 64-bit lanes of SSE2's 32 x 32 -> 64-bit multiply (even lanes, then odd lanes shifted down);
+// a block's G is below 4096 * 2**20 = 2**32, exact in 32-bit lanes (each holds a quarter of them).
+template <>
+inline void BlockDot<uint32_t>(const uint32_t* x, const uint32_t* const raw[kRows], int64_t count, Sums* sums) {
+  __m128i low[kRows], negative[kRows];
+  for (int row = 0; row < kRows; ++row) low[row] = negative[row] = _mm_setzero_si128();
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    const __m128i x0123 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    const __m128i x13 = _mm_srli_epi64(x0123, 32);  // the odd words in the even lanes
+    const __m128i s = _mm_srai_epi32(x0123, 31);     // all-ones lanes where x is negative
+    for (int row = 0; row < kRows; ++row) {
+      const __m128i c =
+          _mm_srli_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(raw[row] + i)), kCoefficientShift);
+      const __m128i c13 = _mm_srli_epi64(c, 32);
+      low[row] = _mm_add_epi64(low[row], _mm_add_epi64(_mm_mul_epu32(x0123, c), _mm_mul_epu32(x13, c13)));
+      negative[row] = _mm_add_epi32(negative[row], _mm_and_si128(s, c));
+    }
+  }
+  for (int row = 0; row < kRows; ++row) {
+    uint64_t sum = LaneSum(low[row]);
+    uint32_t lane[4];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lane), negative[row]);
+    uint64_t negatives = uint64_t{lane[0]} + lane[1] + lane[2] + lane[3];
+    for (int64_t j = i; j < count; ++j) {
+      const uint64_t c = raw[row][j] >> kCoefficientShift;
+      sum += uint64_t{x[j]} * c;
+      negatives += (x[j] >> 31) * c;
+    }
+    sums->a[row] += static_cast<Int128>(sum) - (static_cast<Int128>(negatives) << 32);
   }
 }
 #endif
