@@ -11,7 +11,12 @@ after restarts, a certificate from another CA or an altered wrapped seed refused
 """
 import base64
 import json
+import os
+import pathlib
 import secrets
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import portpicker
@@ -23,6 +28,7 @@ from service_helpers import OWNER_TASKS, WAIT_SECS, cert_dirs, in_threads, owner
 from tfe_estimator.owner import check_seed, contribution, riders, sum_check
 from tfe_estimator.owner.sum_check import CHECK_WORDS, PRIMES, SumCheck, SumIntegrityError
 from tfe_estimator.secure.fused_sum import Encoding
+from tfe_estimator.secure.kernels import _build
 from tfe_estimator.secure.kernels.check_pass import check_pass
 from tfe_estimator.service import AggregationServer, OwnerClient, TlsFiles, ring, wire
 
@@ -214,6 +220,77 @@ def test_the_kernel_pass_computes_the_numpy_definition_exactly(ring_bits):
                 element = sum_check._element  # pylint: disable=protected-access
                 expected = element(words if copy and i < given else (plain if i < given else stream), i, ring_bits)
                 assert element(out, i, ring_bits) == expected, (n, copy, i)
+
+
+def _extremes(n, ring_bits):
+    """`n` ring elements alternately the ring's largest positive and most negative signed value (uint64 words of
+    n + CHECK_WORDS elements: the check words' places hold 0)."""
+    per = ring_bits // 32  # 32-bit lanes per element
+    words = np.zeros(ring.ring_words(n + CHECK_WORDS, ring_bits), np.uint64)
+    lanes = words.view("<u4")[:n * per].reshape(n, per)
+    lanes[0::2] = 0xFFFFFFFF
+    lanes[0::2, per - 1] = 0x7FFFFFFF
+    lanes[1::2, per - 1] = 0x80000000
+    return words
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_definition(ring_bits):
+    # The vectorised products (4 elements a step, a scalar tail) at their exactness bounds: every element the
+    # ring's largest positive or most negative value, over odd sizes whose blocks end mid-step (a tail of 1-3).
+    check = SumCheck(SEED)
+    key = np.arange(4, dtype=np.int32)
+    coefficient_key = sum_check._derive(SEED, "sum_1", 5)  # pylint: disable=protected-access
+    for n in (5, 4096 + 7, 2 * 4096 + 1):
+        plain = _extremes(n, ring_bits)
+        words = ring.sub_into(plain.copy(), ring.keystream_words(key, plain.size), ring_bits)
+        expected = SumCheck.values(check.coefficients("sum_1", 5, n), plain, n, ring_bits)
+        out = np.empty(words.size, np.uint64)
+        assert check_pass(words, n + CHECK_WORDS, n + CHECK_WORDS, n, ring_bits, key, coefficient_key, out,
+                          copy=False) == expected, n
+        np.testing.assert_array_equal(out[:ring.ring_words(n, ring_bits)], plain[:ring.ring_words(n, ring_bits)])
+
+
+#: A 32-bit pass that skips the odd elements' products (planted in a test-only copy of the kernels: `_run_mutant`).
+SKIPPED_WORD_MUTATION = ("_mm_add_epi64(_mm_mul_epu32(x0123, c), _mm_mul_epu32(x13, c13))",
+                         "_mm_mul_epu32(x0123, c)")
+
+_PASS_MUTANT_RUNNER = r"""
+import pathlib, sys
+from tfe_estimator.secure.kernels import _build
+_build.SOURCE_DIR = pathlib.Path(sys.argv[1])
+_build.OPTIMIZATION = "-O1"  # the mutant compiles ~3x faster; same values
+sys.path.insert(0, sys.argv[2])
+import test_sum_check
+for name in ("test_the_kernel_pass_computes_the_numpy_definition_exactly",
+             "test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_definition"):
+    try:
+        getattr(test_sum_check, name)(32)
+        print(name, "PASSED")
+    except AssertionError:
+        print(name, "FAILED")
+"""
+
+
+@pytest.mark.slow
+def test_mutation_a_32_bit_pass_skipping_a_word_fails_both_equality_tests(tmp_path):
+    # Each equality test above, run on kernels whose 32-bit pass leaves the odd elements out of the check values
+    # (a server's change to any of them would pass every check), fails.
+    src = tmp_path / "src"
+    src.mkdir()
+    # the pass, and the AES self-test `kernels.load()` runs (random_ops.cc), with the headers
+    for path in [*_build.SOURCE_DIR.glob("*.h"), *(_build.SOURCE_DIR / name for name in ("sum_check_pass.cc",
+                                                                                          "random_ops.cc"))]:
+        shutil.copy(path, src)
+    code = (src / "sum_check_pass.cc").read_text()
+    old, new = SKIPPED_WORD_MUTATION
+    assert code.count(old) == 1, "the mutation no longer applies: update the test with the pass"
+    (src / "sum_check_pass.cc").write_text(code.replace(old, new))
+    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path.parent / "mutant-kernel-cache"))
+    out = subprocess.run([sys.executable, "-c", _PASS_MUTANT_RUNNER, str(src), str(pathlib.Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, timeout=600, check=True).stdout
+    assert "test_the_kernel_pass_computes_the_numpy_definition_exactly FAILED" in out, out
+    assert "test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_definition FAILED" in out, out
 
 
 def test_the_revealed_sum_is_aligned_for_tensorflow_to_take_it_without_a_copy():
