@@ -28,7 +28,7 @@ from service_helpers import OWNER_TASKS, WAIT_SECS, cert_dirs, in_threads, owner
 from tfe_estimator.owner import check_seed, contribution, riders, sum_check
 from tfe_estimator.owner.sum_check import CHECK_WORDS, PRIMES, SumCheck, SumIntegrityError
 from tfe_estimator.secure.fused_sum import Encoding
-from tfe_estimator.secure.kernels import _build
+from tfe_estimator.secure.kernels import _build, ops
 from tfe_estimator.secure.kernels.check_pass import check_pass
 from tfe_estimator.service import AggregationServer, OwnerClient, TlsFiles, ring, wire
 
@@ -249,6 +249,64 @@ def test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_de
         assert check_pass(words, n + CHECK_WORDS, n + CHECK_WORDS, n, ring_bits, key, coefficient_key, out,
                           copy=False) == expected, n
         np.testing.assert_array_equal(out[:ring.ring_words(n, ring_bits)], plain[:ring.ring_words(n, ring_bits)])
+
+
+def _decode_sum(words, dtype, ring_bits, fraction_bits, scale, shapes):
+    """`ops.decode_sum` (TfeRevealSum of one revealed part) of ring `words`, run in a graph of its own."""
+    with tf.Graph().as_default():
+        parts = ops.decode_sum(tf.constant(words.view(np.int64).reshape(-1 if ring_bits < 128 else (-1, 2))), dtype,
+                               ring_bits, fraction_bits, scale, shapes)
+        with tf.compat.v1.Session() as session:
+            return session.run(parts)
+
+
+def _honest_sum(check, channel, step, n, ring_bits, rng):
+    """A revealed sum's ring words (n random elements, the ring's extremes first, then its check words) and the
+    same masked under the key ``0, 1, 2, 3``: ``(plain, masked, key)``."""
+    plain = rng.integers(0, 2**64, ring.ring_words(n + CHECK_WORDS, ring_bits), dtype=np.uint64)
+    plain[:ring.ring_words(4, ring_bits)] = _extremes(4, ring_bits)[:ring.ring_words(4, ring_bits)]
+    values = SumCheck.values(check.coefficients(channel, step, n), plain, n, ring_bits)
+    for j, residue in enumerate(check.residues(values, ring_bits)):
+        sum_check._set_element(plain, n + j, ring_bits, residue)  # pylint: disable=protected-access
+    key = np.arange(4, dtype=np.int32)
+    return plain, ring.sub_into(plain.copy(), ring.keystream_words(key, plain.size), ring_bits), key
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_a_sum_decoded_in_the_checking_pass_equals_decode_sum_bit_for_bit(ring_bits):
+    # verify's decoded arrays (one per shape, 64-byte aligned for TensorFlow) against the graph's decode_sum of
+    # the same revealed words, and on rings 32 and 64 against NumPy: float(double(signed(x)) * factor); the ring's
+    # extremes first, odd sizes, an empty shape; the check words after them are those verify returns undecoded.
+    check = SumCheck(SEED)
+    shapes = [[3, 5], [4096], [2], [0], [1]]
+    sizes = [int(np.prod(s)) for s in shapes]
+    n = sum(sizes)
+    plain, masked, key = _honest_sum(check, "sum_2", 9, n, ring_bits, np.random.default_rng(ring_bits))
+    whole = check.verify("sum_2", 9, ring_bits, n, key, masked).copy()
+    for dtype, fraction_bits, scale in ((tf.float32, 32, 1.0), (tf.float64, 20, 1.0 / 3), (tf.float32, 0, 0.5)):
+        arrays = sum_check._decoded_arrays(dtype.as_numpy_dtype, sizes)  # pylint: disable=protected-access
+        factor = ops.decode_factor(fraction_bits, scale)
+        tail = check.verify("sum_2", 9, ring_bits, n, key, masked, arrays, factor)
+        for i in range(n, n + CHECK_WORDS):
+            element = sum_check._element  # pylint: disable=protected-access
+            assert element(tail, i, ring_bits) == element(whole, i, ring_bits)
+        expected = _decode_sum(plain[:ring.ring_words(n, ring_bits)], dtype, ring_bits, fraction_bits, scale, shapes)
+        for got, want, shape in zip(arrays, expected, shapes):
+            assert got.size == 0 or got.ctypes.data % 64 == 0
+            np.testing.assert_array_equal(got.reshape(shape).view(np.uint8), want.view(np.uint8))
+        if ring_bits < 128:
+            numpy = (_signed(plain, n, ring_bits).astype(np.float64) * factor).astype(dtype.as_numpy_dtype)
+            np.testing.assert_array_equal(np.concatenate(arrays).view(np.uint8), numpy.view(np.uint8))
+
+
+def test_a_tampered_sum_decoded_in_the_checking_pass_is_refused():
+    # Decoding in the pass changes nothing of the check: one element altered fails verify, decoded or not.
+    check = SumCheck(SEED)
+    plain, masked, key = _honest_sum(check, "sum_2", 9, 1001, 64, np.random.default_rng(5))
+    masked[700] += 1
+    arrays = sum_check._decoded_arrays(np.float32, [1000, 1])  # pylint: disable=protected-access
+    with pytest.raises(SumIntegrityError, match="failed 4 of 4 integrity checks"):
+        check.verify("sum_2", 9, 64, 1001, key, masked, arrays, 1.0)
 
 
 #: A 32-bit pass that skips the odd elements' products (planted in a test-only copy of the kernels: `_run_mutant`).
@@ -674,9 +732,9 @@ def test_mutation_a_check_over_the_host_elements_only_accepts_a_tampered_rider(c
 
 
 def _host_only_check_pass(real, host_elements):
-    def check_host_only(words, in_elements, total, n, ring_bits, mask_key, coefficient_key, out, copy):
+    def check_host_only(words, in_elements, total, n, ring_bits, mask_key, coefficient_key, out, copy, **decode):
         return real(words, in_elements, total, min(n, host_elements), ring_bits, mask_key, coefficient_key, out,
-                    copy)
+                    copy, **decode)
 
     return check_host_only
 
