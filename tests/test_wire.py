@@ -171,12 +171,12 @@ def test_the_32_bit_ring_sums_clipped_updates_to_its_resolution():
     np.testing.assert_allclose(got, xs[0] + xs[1], rtol=0, atol=len(REPLICAS) * 2.0**-encoding.fraction_bits + 1e-7)
 
 
-def _rounding_bias_in_units(monkeypatch=None):
-    """Mean error of a sum of values a quarter unit above the grid, in units of 2**-F (expected 0)."""
+def _rounding_bias_in_units(monkeypatch=None, grid_point=1000):
+    """Mean error of a sum of values a quarter unit above `grid_point` units, in units of 2**-F (expected 0)."""
     clip = 64.0  # 22 fraction bits; the values' norm (0.05) is far below it: nothing is scaled
     unit = 2.0**-narrow_update_encoding(clip, len(REPLICAS)).fraction_bits
     n = 40_000
-    x = np.full(n, (1000 + 0.25) * unit, np.float32)  # exact in float32
+    x = np.full(n, (grid_point + 0.25) * unit, np.float32)  # exact in float32
     got = _narrow_sum([x, x], clip=clip)
     return float(np.mean(got.astype(np.float64) - 2 * x.astype(np.float64)) / unit)
 
@@ -185,6 +185,12 @@ def test_the_random_rounding_is_unbiased():
     # Each replica rounds up with probability 1/4: the sum's error has mean 0 and
     # standard deviation sqrt(2 * 3/16) = 0.61 units per element, 0.0031 over 40,000.
     assert abs(_rounding_bias_in_units()) < 5 * 0.0031
+
+
+def test_the_random_rounding_of_negative_values_is_unbiased():
+    # Below zero the kernel's floor is a truncation corrected by one (-999.75 units: floor -1000, up with 1/4);
+    # a floor that truncated toward zero would never round up here: biased by +3/4 unit.
+    assert abs(_rounding_bias_in_units(grid_point=-1000)) < 5 * 0.0031
 
 
 def test_the_rounding_check_catches_truncation(monkeypatch):

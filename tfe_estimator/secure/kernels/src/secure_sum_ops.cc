@@ -313,13 +313,17 @@ class MaskShareOp : public OpKernel {
         if (ring_bits_ == 32) {
           uint32_t* d = reinterpret_cast<uint32_t*>(dst) + at;
           const uint32_t* u = reinterpret_cast<const uint32_t*>(coins.get()) + at;
+          // No library call per element (std::floor and std::ldexp were 3/4 of this op's time on the 32-bit
+          // ring): floor by truncation, corrected below 0 (|v| < 2**30: exact), and u * 2**-32 (exact).
+          constexpr double kCoinScale = 1.0 / 4294967296.0;
           for (int64_t j = 0; j < len; ++j) {
             const bool ok = InRange(xs[j], bound);
             bad |= !ok;
             const double v = ok ? static_cast<double>(xs[j]) * scale : 0.0;
-            const double low = std::floor(v);
+            int64_t low = static_cast<int64_t>(v);
+            low -= static_cast<double>(low) > v;  // floor(v)
             // Up with probability v - low: E[enc] = v (to 2**-32).
-            const int64_t enc = static_cast<int64_t>(low) + (std::ldexp(static_cast<double>(u[j]), -32) < v - low);
+            const int64_t enc = low + (static_cast<double>(u[j]) * kCoinScale < v - static_cast<double>(low));
             d[j] = static_cast<uint32_t>(enc) - d[j];  // d[j] held the mask
           }
         } else if (words == 1) {
