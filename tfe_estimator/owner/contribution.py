@@ -172,7 +172,7 @@ def service_sum(
     host = riders.Host(encoding.ring_bits) if not eager and stateful else None
     # floats are decoded in the pass that unmasks and checks the answer (`sum_check.checked_contribute`)
     decode = (dtype.as_numpy_dtype, ops.decode_factor(encoding.fraction_bits, scale),
-              [s.num_elements() for s in shapes]) if dtype.is_floating else None
+              [s.num_elements() for s in shapes]) if dtype in (tf.float32, tf.float64) else None
     begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks, host, decode)
     # In a tf.function (Keras) automatic control dependencies chain every stateful op without a resource input
     # in program order (mask, contribution, answer, next mask, ...): one round trip per sum, and a cycle with
