@@ -193,6 +193,39 @@ def test_the_random_rounding_of_negative_values_is_unbiased():
     assert abs(_rounding_bias_in_units(grid_point=-1000)) < 5 * 0.0031
 
 
+def _masked_32(values, fraction_bits=20, bound=16.0):
+    """The 32-bit ring's plain encoding of float32 `values` by the mask op (share + the key's keystream, int32)."""
+    from tfe_estimator.service import ring  # pylint: disable=import-outside-toplevel
+
+    with tf.Graph().as_default():
+        share, key = kernel_ops.mask_share(tf.constant(values, tf.float32), bound, 32, fraction_bits, "owner 0", "-")
+        with tf.compat.v1.Session() as session:
+            share, key = session.run([share, key])
+    words = share.view(np.uint64).copy()
+    ring.add_into(words, ring.keystream_words(key, words.size), 32)
+    return words.view(np.int32)[:len(values)]
+
+
+def test_the_32_bit_ring_encodes_grid_values_exactly_in_every_lane_and_the_tail():
+    # 11 values: two steps of four lanes and a tail of three; on the grid (no rounding): exactly x * 2**F, both signs
+    # and the largest magnitudes below the bound.
+    unit = 2.0**-20
+    values = np.array([0.0, -0.0, 1.5, -1.5, 16 - unit, -(16 - unit), 3 * unit, -7 * unit, 2.25, -2.25, -16 + unit],
+                      np.float32)
+    np.testing.assert_array_equal(_masked_32(values), (values.astype(np.float64) * 2.0**20).astype(np.int32))
+
+
+@pytest.mark.parametrize("bad", [16.0, -16.0, np.nan, np.inf], ids=["bound", "-bound", "nan", "inf"])
+def test_the_32_bit_ring_refuses_a_value_it_cannot_carry_in_any_lane(bad):
+    # Each of the 11 places (the four lanes of two steps, the tail) in turn: the op refuses, naming no value.
+    message = "NaN or infinite" if not np.isfinite(bad) else "magnitude is not below the fixed-point limit 16"
+    for place in range(11):
+        values = np.full(11, 0.5, np.float32)
+        values[place] = bad
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            _masked_32(values)
+
+
 def test_the_rounding_check_catches_truncation(monkeypatch):
     """Mutation: values truncated to the grid before the op (what round-toward-zero does): biased by 1/2 unit."""
     real = kernel_ops.mask_share
