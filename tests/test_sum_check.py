@@ -309,46 +309,67 @@ def test_a_tampered_sum_decoded_in_the_checking_pass_is_refused():
         check.verify("sum_2", 9, 64, 1001, key, masked, arrays, 1.0)
 
 
-#: A 32-bit pass that skips the odd elements' products (planted in a test-only copy of the kernels: `_run_mutant`).
-SKIPPED_WORD_MUTATION = ("_mm_add_epi64(_mm_mul_epu32(x0123, c), _mm_mul_epu32(x13, c13))",
-                         "_mm_mul_epu32(x0123, c)")
-
-_PASS_MUTANT_RUNNER = r"""
-import pathlib, sys
+#: Mutations of the owner's kernels, each planted in one test-only library behind a switch (`run_kernel_mutant`):
+#: a 32-bit check pass that skips the odd elements' products; a 32-bit mask op whose lanes' range checks are lost.
+KERNEL_MUTATIONS = [
+    ("sum_check_pass.cc", "_mm_add_epi64(_mm_mul_epu32(x0123, c), _mm_mul_epu32(x13, c13))",
+     "_mm_mul_epu32(x0123, c)"),
+    ("secure_sum_ops.cc", "all_ok = _mm_and_pd(all_ok, ok);", "(void)ok;"),
+]
+_MUTANT_SWITCH = """
+#include <cstdlib>
+// Test build: which planted mutation runs ($TFE_TEST_MUTATION; 0: none).
+static int TfeTestMutation() {
+  static const int planted = std::getenv("TFE_TEST_MUTATION") ? std::atoi(std::getenv("TFE_TEST_MUTATION")) : 0;
+  return planted;
+}
+"""
+_KERNEL_MUTANT_RUNNER = r"""
+import importlib, pathlib, sys
 from tfe_estimator.secure.kernels import _build
 _build.SOURCE_DIR = pathlib.Path(sys.argv[1])
 _build.OPTIMIZATION = "-O1"  # the mutant compiles ~3x faster; same values
 sys.path.insert(0, sys.argv[2])
-import test_sum_check
-for name in ("test_the_kernel_pass_computes_the_numpy_definition_exactly",
-             "test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_definition"):
+for test in sys.argv[3:]:
+    module, name, *args = test.split(":")
     try:
-        getattr(test_sum_check, name)(32)
-        print(name, "PASSED")
-    except AssertionError:
-        print(name, "FAILED")
+        getattr(importlib.import_module(module), name)(*[eval(a) for a in args])
+        print(test, "PASSED")
+    except BaseException as e:  # an assertion, or pytest's Failed ("DID NOT RAISE")
+        print(test, "FAILED", type(e).__name__)
 """
+
+
+def run_kernel_mutant(tmp_path, mutation: int, tests) -> str:
+    """Stdout of running `tests` (``module:function[:arg]``) on the kernels with `KERNEL_MUTATIONS[mutation - 1]`
+    planted: one library, built once per session (its key is its sources' contents), serves every mutation."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in [*_build.SOURCE_DIR.glob("*.h"), *(_build.SOURCE_DIR / name for name in (
+            "sum_check_pass.cc", "secure_sum_ops.cc", "random_ops.cc"))]:
+        shutil.copy(path, src)
+    for number, (source, old, new) in enumerate(KERNEL_MUTATIONS, 1):
+        code = (src / source).read_text()
+        assert code.count(old) == 1, f"the mutation no longer applies to {source}: update the test with it"
+        on = f"TfeTestMutation() == {number}"
+        planted = f"if ({on}) {{ {new} }} else {{ {old} }}" if old.endswith(";") else f"({on} ? ({new}) : ({old}))"
+        code = code.replace(old, planted).replace('#include "aes_ctr.h"\n', '#include "aes_ctr.h"\n' + _MUTANT_SWITCH, 1)
+        (src / source).write_text(code)
+    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path.parent / "mutant-kernel-cache"),
+               TFE_TEST_MUTATION=str(mutation))
+    return subprocess.run([sys.executable, "-c", _KERNEL_MUTANT_RUNNER, str(src), str(pathlib.Path(__file__).parent),
+                           *tests], env=env, capture_output=True, text=True, timeout=900, check=True).stdout
 
 
 @pytest.mark.slow
 def test_mutation_a_32_bit_pass_skipping_a_word_fails_both_equality_tests(tmp_path):
     # Each equality test above, run on kernels whose 32-bit pass leaves the odd elements out of the check values
     # (a server's change to any of them would pass every check), fails.
-    src = tmp_path / "src"
-    src.mkdir()
-    # the pass, and the AES self-test `kernels.load()` runs (random_ops.cc), with the headers
-    for path in [*_build.SOURCE_DIR.glob("*.h"), *(_build.SOURCE_DIR / name for name in ("sum_check_pass.cc",
-                                                                                          "random_ops.cc"))]:
-        shutil.copy(path, src)
-    code = (src / "sum_check_pass.cc").read_text()
-    old, new = SKIPPED_WORD_MUTATION
-    assert code.count(old) == 1, "the mutation no longer applies: update the test with the pass"
-    (src / "sum_check_pass.cc").write_text(code.replace(old, new))
-    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path.parent / "mutant-kernel-cache"))
-    out = subprocess.run([sys.executable, "-c", _PASS_MUTANT_RUNNER, str(src), str(pathlib.Path(__file__).parent)],
-                         env=env, capture_output=True, text=True, timeout=600, check=True).stdout
-    assert "test_the_kernel_pass_computes_the_numpy_definition_exactly FAILED" in out, out
-    assert "test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_definition FAILED" in out, out
+    tests = ["test_sum_check:test_the_kernel_pass_computes_the_numpy_definition_exactly:32",
+             "test_sum_check:test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_definition:32"]
+    out = run_kernel_mutant(tmp_path, 1, tests)
+    for test in tests:
+        assert f"{test} FAILED" in out, out
 
 
 def test_the_revealed_sum_is_aligned_for_tensorflow_to_take_it_without_a_copy():
