@@ -341,8 +341,10 @@ def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel:
     Raises:
       SumIntegrityError: the revealed sum fails its checks (`SumCheck.verify`).
     """
-    if decode is not None and not reveal:
-        raise ValueError("a sum is decoded only where it is revealed: call checked_contribute with reveal=True.")
+    if decode is not None and (not reveal or sum(decode[2]) != n):
+        raise ValueError(f"a sum is decoded only where it is revealed (reveal={reveal}) and whole: sizes "
+                         f"{list(decode[2])} for {n} elements; call checked_contribute with reveal=True and sizes "
+                         "summing to n.")
     if not reveal:  # the answer is handed back: in a buffer of its own
         return _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders)
     # revealed here, into a new array: the answer's bytes can land in this thread's reused buffer
