@@ -39,9 +39,12 @@ Cost: per contribution and answer one pass of the kernel library
 (`tfe_estimator.secure.kernels.check_pass`, C++): per cache-sized block, the
 AES expansions of the coefficients and of the key (to read the owner's own
 vector back from its share, or the sum from its answer) and the exact
-products in 128-bit integers; about 4 ns per element each on this project's
-2-core machine, against 12 for the NumPy definition below (`coefficients`,
-`values`), which the tests hold it to. tools/bench/check_cost.py measures it.
+products (SSE2 lanes on the 32- and 64-bit rings, 128-bit integers on the
+128-bit ring); the answer's pass also decodes a float sum into the arrays
+TensorFlow takes (`checked_contribute`'s `decode`). About 3-5 ns per element
+each on this project's 2-core machine, against 12 for the NumPy definition
+below (`coefficients`, `values`), which the tests hold it to.
+tools/bench/owner_kernels.py times each stage beside the AES-CTR floor.
 
 Example::
 
