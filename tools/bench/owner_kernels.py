@@ -12,8 +12,8 @@ or 32 with ``update_ring_bits=32``):
 - ``decode``: `TfeRevealSum` turning the revealed ring words into floats, as the graph builds it (``decode
   (zeros_like)``: two parts, the second a fresh zero tensor; ``decode (one part)``: the revealed words alone);
 - ``verify + decode (one pass)``: where the checkout has it, `SumCheck.verify` decoding the floats in its pass
-  into the arrays TensorFlow takes, and ``... + hand-off``: the answer op handing them over (what replaces
-  verify, hand-off and decode for a float sum).
+  into the arrays TensorFlow takes (in the call's thread), and ``hand-off (decoded floats -> tensor)``: the
+  answer op handing them over; together they replace verify, hand-off and decode for a float sum.
 
 Beside them, on the same vector size and in the same run: AES-128-CTR keystream alone (`cryptography`, into a
 reused buffer: the floor of every pass that draws a mask or coefficients), our kernels' keystream (the check
@@ -136,10 +136,11 @@ def _stages(n: int, ring_bits: int = 64) -> Dict[str, Callable[[], object]]:
             check.verify("c", 7, ring_bits, n, blind, masked, arrays, factor)
             return arrays
 
-        with graph.as_default():
-            fused = tf.numpy_function(verify_decoded, [], [tf.float32], stateful=True)[0][:1]
+        decoded = verify_decoded()
+        with graph.as_default():  # as the answer op does: the arrays the call decoded, handed to TensorFlow
+            fused = tf.numpy_function(lambda: decoded, [], [tf.float32], stateful=True)[0][:1]
         stages["verify + decode (one pass)"] = verify_decoded
-        stages["verify + decode (one pass) + hand-off"] = lambda: session.run(fused)
+        stages["hand-off (decoded floats -> tensor)"] = lambda: session.run(fused)
     return stages
 
 
