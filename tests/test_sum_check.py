@@ -11,7 +11,12 @@ after restarts, a certificate from another CA or an altered wrapped seed refused
 """
 import base64
 import json
+import os
+import pathlib
 import secrets
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import portpicker
@@ -23,6 +28,7 @@ from service_helpers import OWNER_TASKS, WAIT_SECS, cert_dirs, in_threads, owner
 from tfe_estimator.owner import check_seed, contribution, riders, sum_check
 from tfe_estimator.owner.sum_check import CHECK_WORDS, PRIMES, SumCheck, SumIntegrityError
 from tfe_estimator.secure.fused_sum import Encoding
+from tfe_estimator.secure.kernels import _build, ops
 from tfe_estimator.secure.kernels.check_pass import check_pass
 from tfe_estimator.service import AggregationServer, OwnerClient, TlsFiles, ring, wire
 
@@ -214,6 +220,156 @@ def test_the_kernel_pass_computes_the_numpy_definition_exactly(ring_bits):
                 element = sum_check._element  # pylint: disable=protected-access
                 expected = element(words if copy and i < given else (plain if i < given else stream), i, ring_bits)
                 assert element(out, i, ring_bits) == expected, (n, copy, i)
+
+
+def _extremes(n, ring_bits):
+    """`n` ring elements alternately the ring's largest positive and most negative signed value (uint64 words of
+    n + CHECK_WORDS elements: the check words' places hold 0)."""
+    per = ring_bits // 32  # 32-bit lanes per element
+    words = np.zeros(ring.ring_words(n + CHECK_WORDS, ring_bits), np.uint64)
+    lanes = words.view("<u4")[:n * per].reshape(n, per)
+    lanes[0::2] = 0xFFFFFFFF
+    lanes[0::2, per - 1] = 0x7FFFFFFF
+    lanes[1::2, per - 1] = 0x80000000
+    return words
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_definition(ring_bits):
+    # The vectorised products (4 elements a step, a scalar tail) at their exactness bounds: every element the
+    # ring's largest positive or most negative value, over odd sizes whose blocks end mid-step (a tail of 1-3).
+    check = SumCheck(SEED)
+    key = np.arange(4, dtype=np.int32)
+    coefficient_key = sum_check._derive(SEED, "sum_1", 5)  # pylint: disable=protected-access
+    for n in (5, 4096 + 7, 2 * 4096 + 1):
+        plain = _extremes(n, ring_bits)
+        words = ring.sub_into(plain.copy(), ring.keystream_words(key, plain.size), ring_bits)
+        expected = SumCheck.values(check.coefficients("sum_1", 5, n), plain, n, ring_bits)
+        out = np.empty(words.size, np.uint64)
+        assert check_pass(words, n + CHECK_WORDS, n + CHECK_WORDS, n, ring_bits, key, coefficient_key, out,
+                          copy=False) == expected, n
+        np.testing.assert_array_equal(out[:ring.ring_words(n, ring_bits)], plain[:ring.ring_words(n, ring_bits)])
+
+
+def _decode_sum(words, dtype, ring_bits, fraction_bits, scale, shapes):
+    """`ops.decode_sum` (TfeRevealSum of one revealed part) of ring `words`, run in a graph of its own."""
+    with tf.Graph().as_default():
+        parts = ops.decode_sum(tf.constant(words.view(np.int64).reshape(-1 if ring_bits < 128 else (-1, 2))), dtype,
+                               ring_bits, fraction_bits, scale, shapes)
+        with tf.compat.v1.Session() as session:
+            return session.run(parts)
+
+
+def _honest_sum(check, channel, step, n, ring_bits, rng):
+    """A revealed sum's ring words (n random elements, the ring's extremes first, then its check words) and the
+    same masked under the key ``0, 1, 2, 3``: ``(plain, masked, key)``."""
+    plain = rng.integers(0, 2**64, ring.ring_words(n + CHECK_WORDS, ring_bits), dtype=np.uint64)
+    plain[:ring.ring_words(4, ring_bits)] = _extremes(4, ring_bits)[:ring.ring_words(4, ring_bits)]
+    values = SumCheck.values(check.coefficients(channel, step, n), plain, n, ring_bits)
+    for j, residue in enumerate(check.residues(values, ring_bits)):
+        sum_check._set_element(plain, n + j, ring_bits, residue)  # pylint: disable=protected-access
+    key = np.arange(4, dtype=np.int32)
+    return plain, ring.sub_into(plain.copy(), ring.keystream_words(key, plain.size), ring_bits), key
+
+
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_a_sum_decoded_in_the_checking_pass_equals_decode_sum_bit_for_bit(ring_bits):
+    # verify's decoded arrays (one per shape, 64-byte aligned for TensorFlow) against the graph's decode_sum of
+    # the same revealed words, and on rings 32 and 64 against NumPy: float(double(signed(x)) * factor); the ring's
+    # extremes first, odd sizes, an empty shape; the check words after them are those verify returns undecoded.
+    check = SumCheck(SEED)
+    shapes = [[3, 5], [4096], [2], [0], [1]]
+    sizes = [int(np.prod(s)) for s in shapes]
+    n = sum(sizes)
+    plain, masked, key = _honest_sum(check, "sum_2", 9, n, ring_bits, np.random.default_rng(ring_bits))
+    whole = check.verify("sum_2", 9, ring_bits, n, key, masked).copy()
+    for dtype, fraction_bits, scale in ((tf.float32, 32, 1.0), (tf.float64, 20, 1.0 / 3), (tf.float32, 0, 0.5)):
+        arrays = sum_check._decoded_arrays(dtype.as_numpy_dtype, sizes)  # pylint: disable=protected-access
+        factor = ops.decode_factor(fraction_bits, scale)
+        tail = check.verify("sum_2", 9, ring_bits, n, key, masked, arrays, factor)
+        for i in range(n, n + CHECK_WORDS):
+            element = sum_check._element  # pylint: disable=protected-access
+            assert element(tail, i, ring_bits) == element(whole, i, ring_bits)
+        expected = _decode_sum(plain[:ring.ring_words(n, ring_bits)], dtype, ring_bits, fraction_bits, scale, shapes)
+        for got, want, shape in zip(arrays, expected, shapes):
+            assert got.size == 0 or got.ctypes.data % 64 == 0
+            np.testing.assert_array_equal(got.reshape(shape).view(np.uint8), want.view(np.uint8))
+        if ring_bits < 128:
+            numpy = (_signed(plain, n, ring_bits).astype(np.float64) * factor).astype(dtype.as_numpy_dtype)
+            np.testing.assert_array_equal(np.concatenate(arrays).view(np.uint8), numpy.view(np.uint8))
+
+
+def test_a_tampered_sum_decoded_in_the_checking_pass_is_refused():
+    # Decoding in the pass changes nothing of the check: one element altered fails verify, decoded or not.
+    check = SumCheck(SEED)
+    plain, masked, key = _honest_sum(check, "sum_2", 9, 1001, 64, np.random.default_rng(5))
+    masked[700] += 1
+    arrays = sum_check._decoded_arrays(np.float32, [1000, 1])  # pylint: disable=protected-access
+    with pytest.raises(SumIntegrityError, match="failed 4 of 4 integrity checks"):
+        check.verify("sum_2", 9, 64, 1001, key, masked, arrays, 1.0)
+
+
+#: Mutations of the owner's kernels, each planted in one test-only library behind a switch (`run_kernel_mutant`):
+#: a 32-bit check pass that skips the odd elements' products; a 32-bit mask op whose lanes' range checks are lost.
+KERNEL_MUTATIONS = [
+    ("sum_check_pass.cc", "_mm_add_epi64(_mm_mul_epu32(x0123, c), _mm_mul_epu32(x13, c13))",
+     "_mm_mul_epu32(x0123, c)"),
+    ("secure_sum_ops.cc", "all_ok = _mm_and_pd(all_ok, ok);", "(void)ok;"),
+]
+_MUTANT_SWITCH = """
+#include <cstdlib>
+// Test build: which planted mutation runs ($TFE_TEST_MUTATION; 0: none).
+static int TfeTestMutation() {
+  static const int planted = std::getenv("TFE_TEST_MUTATION") ? std::atoi(std::getenv("TFE_TEST_MUTATION")) : 0;
+  return planted;
+}
+"""
+_KERNEL_MUTANT_RUNNER = r"""
+import importlib, pathlib, sys
+from tfe_estimator.secure.kernels import _build
+_build.SOURCE_DIR = pathlib.Path(sys.argv[1])
+_build.OPTIMIZATION = "-O1"  # the mutant compiles ~3x faster; same values
+sys.path.insert(0, sys.argv[2])
+for test in sys.argv[3:]:
+    module, name, *args = test.split(":")
+    try:
+        getattr(importlib.import_module(module), name)(*[eval(a) for a in args])
+        print(test, "PASSED")
+    except BaseException as e:  # an assertion, or pytest's Failed ("DID NOT RAISE")
+        print(test, "FAILED", type(e).__name__)
+"""
+
+
+def run_kernel_mutant(tmp_path, mutation: int, tests) -> str:
+    """Stdout of running `tests` (``module:function[:arg]``) on the kernels with `KERNEL_MUTATIONS[mutation - 1]`
+    planted: one library, built once per session (its key is its sources' contents), serves every mutation."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in [*_build.SOURCE_DIR.glob("*.h"), *(_build.SOURCE_DIR / name for name in (
+            "sum_check_pass.cc", "secure_sum_ops.cc", "random_ops.cc"))]:
+        shutil.copy(path, src)
+    for number, (source, old, new) in enumerate(KERNEL_MUTATIONS, 1):
+        code = (src / source).read_text()
+        assert code.count(old) == 1, f"the mutation no longer applies to {source}: update the test with it"
+        on = f"TfeTestMutation() == {number}"
+        planted = f"if ({on}) {{ {new} }} else {{ {old} }}" if old.endswith(";") else f"({on} ? ({new}) : ({old}))"
+        code = code.replace(old, planted).replace('#include "aes_ctr.h"\n', '#include "aes_ctr.h"\n' + _MUTANT_SWITCH, 1)
+        (src / source).write_text(code)
+    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path.parent / "mutant-kernel-cache"),
+               TFE_TEST_MUTATION=str(mutation))
+    return subprocess.run([sys.executable, "-c", _KERNEL_MUTANT_RUNNER, str(src), str(pathlib.Path(__file__).parent),
+                           *tests], env=env, capture_output=True, text=True, timeout=900, check=True).stdout
+
+
+@pytest.mark.slow
+def test_mutation_a_32_bit_pass_skipping_a_word_fails_both_equality_tests(tmp_path):
+    # Each equality test above, run on kernels whose 32-bit pass leaves the odd elements out of the check values
+    # (a server's change to any of them would pass every check), fails.
+    tests = ["test_sum_check:test_the_kernel_pass_computes_the_numpy_definition_exactly:32",
+             "test_sum_check:test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_definition:32"]
+    out = run_kernel_mutant(tmp_path, 1, tests)
+    for test in tests:
+        assert f"{test} FAILED" in out, out
 
 
 def test_the_revealed_sum_is_aligned_for_tensorflow_to_take_it_without_a_copy():
@@ -597,9 +753,9 @@ def test_mutation_a_check_over_the_host_elements_only_accepts_a_tampered_rider(c
 
 
 def _host_only_check_pass(real, host_elements):
-    def check_host_only(words, in_elements, total, n, ring_bits, mask_key, coefficient_key, out, copy):
+    def check_host_only(words, in_elements, total, n, ring_bits, mask_key, coefficient_key, out, copy, **decode):
         return real(words, in_elements, total, min(n, host_elements), ring_bits, mask_key, coefficient_key, out,
-                    copy)
+                    copy, **decode)
 
     return check_host_only
 

@@ -171,12 +171,12 @@ def test_the_32_bit_ring_sums_clipped_updates_to_its_resolution():
     np.testing.assert_allclose(got, xs[0] + xs[1], rtol=0, atol=len(REPLICAS) * 2.0**-encoding.fraction_bits + 1e-7)
 
 
-def _rounding_bias_in_units(monkeypatch=None):
-    """Mean error of a sum of values a quarter unit above the grid, in units of 2**-F (expected 0)."""
+def _rounding_bias_in_units(monkeypatch=None, grid_point=1000):
+    """Mean error of a sum of values a quarter unit above `grid_point` units, in units of 2**-F (expected 0)."""
     clip = 64.0  # 22 fraction bits; the values' norm (0.05) is far below it: nothing is scaled
     unit = 2.0**-narrow_update_encoding(clip, len(REPLICAS)).fraction_bits
     n = 40_000
-    x = np.full(n, (1000 + 0.25) * unit, np.float32)  # exact in float32
+    x = np.full(n, (grid_point + 0.25) * unit, np.float32)  # exact in float32
     got = _narrow_sum([x, x], clip=clip)
     return float(np.mean(got.astype(np.float64) - 2 * x.astype(np.float64)) / unit)
 
@@ -185,6 +185,56 @@ def test_the_random_rounding_is_unbiased():
     # Each replica rounds up with probability 1/4: the sum's error has mean 0 and
     # standard deviation sqrt(2 * 3/16) = 0.61 units per element, 0.0031 over 40,000.
     assert abs(_rounding_bias_in_units()) < 5 * 0.0031
+
+
+def test_the_random_rounding_of_negative_values_is_unbiased():
+    # Below zero the kernel's floor is a truncation corrected by one (-999.75 units: floor -1000, up with 1/4);
+    # a floor that truncated toward zero would never round up here: biased by +3/4 unit.
+    assert abs(_rounding_bias_in_units(grid_point=-1000)) < 5 * 0.0031
+
+
+def _masked_32(values, fraction_bits=20, bound=16.0):
+    """The 32-bit ring's plain encoding of float32 `values` by the mask op (share + the key's keystream, int32)."""
+    from tfe_estimator.service import ring  # pylint: disable=import-outside-toplevel
+
+    with tf.Graph().as_default():
+        share, key = kernel_ops.mask_share(tf.constant(values, tf.float32), bound, 32, fraction_bits, "owner 0", "-")
+        with tf.compat.v1.Session() as session:
+            share, key = session.run([share, key])
+    words = share.view(np.uint64).copy()
+    ring.add_into(words, ring.keystream_words(key, words.size), 32)
+    return words.view(np.int32)[:len(values)]
+
+
+def test_the_32_bit_ring_encodes_grid_values_exactly_in_every_lane_and_the_tail():
+    # 11 values: two steps of four lanes and a tail of three; on the grid (no rounding): exactly x * 2**F, both signs
+    # and the largest magnitudes below the bound.
+    unit = 2.0**-20
+    values = np.array([0.0, -0.0, 1.5, -1.5, 16 - unit, -(16 - unit), 3 * unit, -7 * unit, 2.25, -2.25, -16 + unit],
+                      np.float32)
+    np.testing.assert_array_equal(_masked_32(values), (values.astype(np.float64) * 2.0**20).astype(np.int32))
+
+
+@pytest.mark.parametrize("bad", [16.0, -16.0, np.nan, np.inf], ids=["bound", "-bound", "nan", "inf"])
+def test_the_32_bit_ring_refuses_a_value_it_cannot_carry_in_any_lane(bad):
+    # Each of the 11 places (the four lanes of two steps, the tail) in turn: the op refuses, naming no value.
+    message = "NaN or infinite" if not np.isfinite(bad) else "magnitude is not below the fixed-point limit 16"
+    for place in range(11):
+        values = np.full(11, 0.5, np.float32)
+        values[place] = bad
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            _masked_32(values)
+
+
+@pytest.mark.slow
+def test_mutation_32_bit_lanes_that_lose_their_range_check_fail_the_refusal_test(tmp_path):
+    # A mask op whose four-lane path drops its range checks (only the tail's remain): a value out of range in a
+    # lane would be encoded as 0 and go on without an error; the refusal test above fails on it.
+    from test_sum_check import run_kernel_mutant  # pylint: disable=import-outside-toplevel
+
+    test = "test_wire:test_the_32_bit_ring_refuses_a_value_it_cannot_carry_in_any_lane:16.0"
+    out = run_kernel_mutant(tmp_path, 2, [test])
+    assert f"{test} FAILED" in out, out
 
 
 def test_the_rounding_check_catches_truncation(monkeypatch):

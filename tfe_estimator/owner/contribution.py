@@ -11,13 +11,14 @@ to which it only connects out. Per sum and step, in the owner's graph::
                            op that sends anything outside the process); server0 expands every owner's key,
                            subtracts the keystream of a fresh blind key and forwards that part to server1;
                            server1 adds it to the owners' shares: w = enc(sum) - AES(blind_key)
-    owner (its device):    y = dec(w + AES(blind_key))      unmasked in the call, decoded by
-                                                            `decode_sum`, then copied to the local replicas
+    owner (its device):    y = dec(w + AES(blind_key))      unmasked and decoded in the call (floats; other
+                                                            dtypes by `decode_sum`), then copied to the local
+                                                            replicas
 
 With `checks` (service mode's training sums: the owners' check seed from the
 handshake, `check_seed`), the owner appends `sum_check.CHECK_WORDS` check
 words to its masked share inside the call and verifies them on the
-revealed sum before it goes on to `decode_sum`: a sum a server altered stops
+revealed sum in the pass that decodes it: a sum a server altered stops
 the session run (`sum_check.SumIntegrityError`), nothing of it applied.
 
 Nothing but a fresh key and a masked share leaves the graph; what comes back
@@ -169,7 +170,10 @@ def service_sum(
     last, answers = _LAST.setdefault(graph, {}), _ANSWERS.setdefault(graph, {}).setdefault(_CHAIN[0], [])
     after = [last[_CHAIN[0]]] if _CHAIN[0] in last and not eager else []
     host = riders.Host(encoding.ring_bits) if not eager and stateful else None
-    begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks, host)
+    # floats are decoded in the pass that unmasks and checks the answer (`sum_check.checked_contribute`)
+    decode = (dtype.as_numpy_dtype, ops.decode_factor(encoding.fraction_bits, scale),
+              [s.num_elements() for s in shapes]) if dtype in (tf.float32, tf.float64) else None
+    begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks, host, decode)
     # In a tf.function (Keras) automatic control dependencies chain every stateful op without a resource input
     # in program order (mask, contribution, answer, next mask, ...): one round trip per sum, and a cycle with
     # the edges below. There both call ops are stateless (PyFuncStateless): each has inputs of its own (no
@@ -183,14 +187,25 @@ def service_sum(
     if host is not None:
         _HOSTS.setdefault(graph, {})[_CHAIN[0]] = (ticket.op, host, checks is not None)
     with tf.device(sources[0]):
-        revealed = tf.numpy_function(functools.partial(_finish, tuple(share.shape.as_list())), [ticket], tf.int64,
-                                     stateful=stateful, name=ANSWER_OP_NAME)
+        if decode is not None:  # the decoded sum, one array per shape
+            parts = tf.numpy_function(_finish_decoded, [ticket], [dtype] * len(shapes), stateful=stateful,
+                                      name=ANSWER_OP_NAME)
+        else:
+            parts = [tf.numpy_function(functools.partial(_finish, tuple(share.shape.as_list())), [ticket],
+                                       tf.int64, stateful=stateful, name=ANSWER_OP_NAME)]
     if not eager:
-        answers.append(revealed.op)
-    revealed.set_shape(share.shape)
+        answers.append(parts[0].op)
+    if decode is None:
+        parts[0].set_shape(share.shape)
+        with tf.device(sources[0]), tf.name_scope("service_reveal"):
+            # The sum's ring words are unmasked in the call (its checks need them): decode them.
+            total = ops.decode_sum(parts[0], dtype, encoding.ring_bits, encoding.fraction_bits, scale, shapes)
+        return _on_targets(total, targets)
     with tf.device(sources[0]), tf.name_scope("service_reveal"):
-        # The sum's ring words are unmasked in the call (its checks need them): decode them.
-        total = ops.decode_sum(revealed, dtype, encoding.ring_bits, encoding.fraction_bits, scale, shapes)
+        total = []
+        for part, shape in zip(parts, shapes):
+            part.set_shape([shape.num_elements()])
+            total.append(tf.reshape(part, shape))
     return _on_targets(total, targets)
 
 
@@ -272,7 +287,7 @@ def ancestors(op: tf.Operation) -> set:
     return seen
 
 
-def _begin(contribute, channel, ring_bits, num_elements, checks, host, step, key, share) -> np.ndarray:
+def _begin(contribute, channel, ring_bits, num_elements, checks, host, decode, step, key, share) -> np.ndarray:
     """The numpy side of the contribution op: starts one call to the service (`in_flight.TICKETS`) with this
     owner's key and masked share (check words appended first); returns its ticket (int64 scalar).
 
@@ -281,12 +296,13 @@ def _begin(contribute, channel, ring_bits, num_elements, checks, host, step, key
     mid-call, is put again with the SAME key and masked share (a fresh mask is drawn only by a new session
     run): server0 may already have released the step with this key, and server1 refuses a share of another
     key for it; nothing was released for the aborted step, so the servers learn nothing new. A released step
-    is answered from the servers' replay window, so a restored owner replays bit-identically.
+    is answered from the servers' replay window, so a restored owner replays bit-identically. With `decode`
+    (`sum_check.checked_contribute`'s), the call's answer is the decoded sum.
     """
     check = checks() if checks is not None else None
     # `key` and `share` alias the op's input tensors, whose buffers they keep alive after the op returns
     call = functools.partial(sum_check.checked_contribute, contribute, check, channel, int(step), ring_bits,
-                             num_elements, key, share, reveal=True)
+                             num_elements, key, share, reveal=True, decode=decode)
     if host is not None and host.riders:
         call = functools.partial(_carrying, call, host.take(), ring_bits, num_elements)
     return np.int64(in_flight.TICKETS.begin(channel, call))
@@ -301,6 +317,9 @@ def _carrying(call, taken, ring_bits, num_elements) -> np.ndarray:
     except BaseException as e:
         settle(None, num_elements, e)
         raise
+    if isinstance(revealed, tuple):  # decoded: (the host's arrays, the revealed words after them)
+        settle(revealed[1], num_elements, None)
+        return revealed
     settle(revealed, num_elements, None)
     own = revealed[:ring.ring_words(num_elements, ring_bits)]
     if ring_bits == 32 and num_elements % 2:  # the last word's upper lane held the first rider element
@@ -321,6 +340,11 @@ def _finish(shape, ticket) -> np.ndarray:
     (a sum a server altered) fails it the same way.
     """
     return in_flight.TICKETS.finish(int(ticket)).reshape(shape)  # the share's shape (128-bit ring: (n, 2))
+
+
+def _finish_decoded(ticket) -> List[np.ndarray]:
+    """`_finish` for a sum decoded in the call: its decoded arrays, one per shape of the sum."""
+    return in_flight.TICKETS.finish(int(ticket))[0]
 
 
 @contextlib.contextmanager

@@ -39,9 +39,12 @@ Cost: per contribution and answer one pass of the kernel library
 (`tfe_estimator.secure.kernels.check_pass`, C++): per cache-sized block, the
 AES expansions of the coefficients and of the key (to read the owner's own
 vector back from its share, or the sum from its answer) and the exact
-products in 128-bit integers; about 4 ns per element each on this project's
-2-core machine, against 12 for the NumPy definition below (`coefficients`,
-`values`), which the tests hold it to. tools/bench/check_cost.py measures it.
+products (SSE2 lanes on the 32- and 64-bit rings, 128-bit integers on the
+128-bit ring); the answer's pass also decodes a float sum into the arrays
+TensorFlow takes (`checked_contribute`'s `decode`). About 3-5 ns per element
+each on this project's 2-core machine, against 12 for the NumPy definition
+below (`coefficients`, `values`), which the tests hold it to.
+tools/bench/owner_kernels.py times each stage beside the AES-CTR floor.
 
 Example::
 
@@ -53,7 +56,7 @@ import hashlib
 import logging
 import sys
 import threading
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes
@@ -138,6 +141,20 @@ def _set_element(words: np.ndarray, index: int, ring_bits: int, value: int) -> N
         lanes[index * per + i] = (value >> (32 * i)) & 0xFFFFFFFF
 
 
+def _unheld(pool: List[np.ndarray], size: int) -> np.ndarray:
+    """A uint8 array of `size` bytes from `pool` that nothing else references (TensorFlow holds a reference to an
+    array while a tensor uses its memory), else a new one added to it (at most `_REUSED` kept)."""
+    for raw in pool:
+        # references: the pool's, this loop's and getrefcount's argument; any view (a tensor's) adds one
+        if raw.size == size and sys.getrefcount(raw) <= 3:
+            return raw
+    raw = np.empty(size, np.uint8)
+    pool.append(raw)
+    if len(pool) > _REUSED:
+        pool.pop(0)
+    return raw
+
+
 class SumCheck:
     """The owners' integrity checks of their sums under one check seed (module docstring).
 
@@ -168,17 +185,7 @@ class SumCheck:
         """A uint64 array of `words` words for TensorFlow to take without a copy (`_for_tensorflow`): one of this
         thread's earlier ones that nothing references any more (TensorFlow holds a reference to the array while a
         tensor uses its memory, and drops it when the tensor dies), else a new one; at most `_REUSED` kept."""
-        pool = self._scratch_arrays.__dict__.setdefault("revealed", [])
-        size = 8 * words + _TF_ALIGN
-        for raw in pool:
-            # references: the pool's, this loop's and getrefcount's argument; any view (a tensor's) adds one
-            if raw.size == size and sys.getrefcount(raw) <= 3:
-                break
-        else:
-            raw = np.empty(size, np.uint8)
-            pool.append(raw)
-            if len(pool) > _REUSED:
-                pool.pop(0)
+        raw = _unheld(self._scratch_arrays.__dict__.setdefault("revealed", []), 8 * words + _TF_ALIGN)
         start = -raw.ctypes.data % _TF_ALIGN
         return raw[start:start + 8 * words].view(np.uint64)
 
@@ -281,9 +288,12 @@ class SumCheck:
         return rows
 
     def verify(self, channel: str, step: int, ring_bits: int, n: int, blind_key: np.ndarray,
-               masked: np.ndarray) -> np.ndarray:
+               masked: np.ndarray, decoded: Sequence[np.ndarray] = (), factor: float = 1.0) -> np.ndarray:
         """Checks the revealed sum ``masked + AES(blind_key)`` (``n + CHECK_WORDS`` elements); returns it
         (uint64 ring words, its check words included).
+
+        With `decoded` (`check_pass`'s: float arrays, `factor`), its first elements are decoded into them in the
+        same pass instead: the words returned (this thread's scratch) hold only the elements after those.
 
         Raises:
           SumIntegrityError: naming the step, the channel, how many checks failed and the servers' operators.
@@ -295,9 +305,10 @@ class SumCheck:
                 f"the sum released for step {step} on channel {channel} has {answer.size} ring words, not the "
                 f"{ring.ring_words(total, ring_bits)} of {n} elements and {CHECK_WORDS} check words: a server "
                 f"altered it (server operators: {self.operators}); training stopped, nothing of it applied.")
-        revealed = self._for_tensorflow(answer.size)  # handed to TensorFlow: one nobody holds any more
+        # handed to TensorFlow (one nobody holds any more), unless decoded
+        revealed = self._scratch("after_decoded", answer.size) if decoded else self._for_tensorflow(answer.size)
         values = check_pass(answer, total, total, n, ring_bits, blind_key, _derive(self._seed, channel, step),
-                            revealed, copy=False)
+                            revealed, copy=False, decoded=decoded, factor=factor)
         expected = self.residues(values, ring_bits)
         primes = PRIMES[ring_bits] * ROWS
         failed = sum(_element(revealed, n + j, ring_bits) % p != e for j, (p, e) in enumerate(zip(primes, expected)))
@@ -315,7 +326,8 @@ class SumCheck:
 
 
 def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel: str, step: int, ring_bits: int,
-                       n: int, key: np.ndarray, share: np.ndarray, reveal: bool = False, riders: Sequence[int] = ()):
+                       n: int, key: np.ndarray, share: np.ndarray, reveal: bool = False, riders: Sequence[int] = (),
+                       decode: Optional[Tuple[np.dtype, float, Sequence[int]]] = None):
     """One contribution through `contribute` (`OwnerClient.contribute`'s signature), checked with `check`.
 
     Returns ``(blind_key, w)`` with w of the share's n elements (``ring_words(n)`` words), as without checks
@@ -324,15 +336,24 @@ def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel:
     With `riders` (plain ring elements that ride in this contribution, masked with the same key after the
     share's n elements: `tfe_estimator.owner.riders`), the vector and what is returned have
     ``n + len(riders)`` elements; `reveal` is then required.
+    With `decode` ``(dtype, factor, sizes)`` (`reveal` required; float32 or float64, `check_pass`'s factor, sizes
+    summing to n), the revealed sum's n elements are decoded in the pass that unmasks and checks it, into arrays of
+    those sizes TensorFlow takes without a copy; returns ``(arrays, words)``, `words` the revealed ring words of
+    which only the elements after the n (the riders') are set.
 
     Raises:
       SumIntegrityError: the revealed sum fails its checks (`SumCheck.verify`).
     """
+    if decode is not None and (not reveal or sum(decode[2]) != n):
+        raise ValueError(f"a sum is decoded only where it is revealed (reveal={reveal}) and whole: sizes "
+                         f"{list(decode[2])} for {n} elements; call checked_contribute with reveal=True and sizes "
+                         "summing to n.")
     if not reveal:  # the answer is handed back: in a buffer of its own
         return _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders)
     # revealed here, into a new array: the answer's bytes can land in this thread's reused buffer
     with _reply_buffer(ring.ring_words(n + len(riders) + (CHECK_WORDS if check is not None else 0), ring_bits)):
-        return _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders)
+        return _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders,
+                                   decode)
 
 
 #: Per thread, the buffer server1's answers land in (`client.reply_into`), reused from call to call.
@@ -359,30 +380,63 @@ def _reply_buffer(words: int):
         raise
 
 
-def _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders):
+def _checked_contribute(contribute, check, channel, step, ring_bits, n, key, share, reveal, riders, decode=None):
     if riders and not reveal:
         raise ValueError("riders come back only in a revealed sum: call checked_contribute with reveal=True.")
+    arrays = [] if decode is None else _decoded_arrays(decode[0], decode[2])
+    factor = 1.0 if decode is None else decode[1]
     if riders and check is None:
         share, n = _with_riders(key, share, n, ring_bits, riders), n + len(riders)
     elif riders:
         extended = check.extend(channel, step, ring_bits, n, key, share, riders)
         n += len(riders)
         blind_key, masked = contribute(channel, step, ring_bits, n + CHECK_WORDS, key, extended)
-        return check.verify(channel, step, ring_bits, n, blind_key, masked)[:ring.ring_words(n, ring_bits)].view(
-            np.int64)
+        revealed = check.verify(channel, step, ring_bits, n, blind_key, masked, arrays, factor)
+        return _revealed(revealed, n, ring_bits, decode, arrays)
     words = ring.ring_words(n, ring_bits)
     if check is None:
         blind_key, masked = contribute(channel, step, ring_bits, n, key, share)
         if not reveal:
             return blind_key, masked
         answer = np.asarray(masked).reshape(-1).view(np.uint64)
+        if decode is not None:  # unmasked and decoded in one pass (nothing checked)
+            revealed = np.empty(words, np.uint64)
+            check_pass(answer, n, n, 0, ring_bits, blind_key, bytes(ring.KEY_BYTES), revealed, copy=False,
+                       decoded=arrays, factor=factor)
+            return arrays, revealed.view(np.int64)
         return _plus(answer, ring.keystream_words(np.asarray(blind_key), words), ring_bits).view(np.int64)
     extended = check.extend(channel, step, ring_bits, n, key, share)
     blind_key, masked = contribute(channel, step, ring_bits, n + CHECK_WORDS, key, extended)
-    revealed = check.verify(channel, step, ring_bits, n, blind_key, masked)
+    revealed = check.verify(channel, step, ring_bits, n, blind_key, masked, arrays, factor)
     if reveal:
-        return revealed[:words].view(np.int64)
+        return _revealed(revealed, n, ring_bits, decode, arrays)
     return blind_key, np.asarray(masked).reshape(-1)[:words]
+
+
+def _revealed(revealed: np.ndarray, n: int, ring_bits: int, decode, arrays: List[np.ndarray]):
+    """What a checked, revealed contribution returns: its n elements' ring words (int64), or with `decode`
+    ``(arrays, words)`` (`checked_contribute`)."""
+    words = revealed[:ring.ring_words(n, ring_bits)].view(np.int64)
+    return words if decode is None else (arrays, words)
+
+
+#: Per thread, the buffers of decoded sums handed to TensorFlow (`_decoded_arrays`), reused once nothing holds them.
+_DECODED = threading.local()
+
+
+def _decoded_arrays(dtype, sizes: Sequence[int]) -> List[np.ndarray]:
+    """Arrays of `dtype` and `sizes` for a decoded sum, each aligned for TensorFlow to take it without a copy, in
+    one buffer of this thread's that nothing references any more (the pool of `SumCheck._for_tensorflow`: at most
+    `_REUSED` kept), else a new one."""
+    dtype = np.dtype(dtype)
+    starts, size = [], 0
+    for count in sizes:
+        starts.append(size)
+        size += -(-int(count) * dtype.itemsize // _TF_ALIGN) * _TF_ALIGN
+    raw = _unheld(_DECODED.__dict__.setdefault("pool", []), size + _TF_ALIGN)
+    base = -raw.ctypes.data % _TF_ALIGN
+    return [raw[base + start:base + start + int(count) * dtype.itemsize].view(dtype)
+            for start, count in zip(starts, sizes)]
 
 
 def _signed(value: int, ring_bits: int) -> int:

@@ -7,7 +7,8 @@ values ``sum_i r_mi x_i`` under the coefficients of the step. `check_pass`
 does both in one cache-resident pass in C++ (BoringSSL's AES-128-CTR, exact
 128-bit sums), called through `ctypes` on the library `kernels.load` built and
 self-tested: no TensorFlow op, so no graph or eager dispatch inside the
-contribution's `tf.numpy_function`.
+contribution's `tf.numpy_function`. A revealed sum's elements can be decoded
+in the same pass (`decoded`), into the arrays the answer op hands TensorFlow.
 
 Example::
 
@@ -18,7 +19,7 @@ Example::
 """
 import ctypes
 import threading
-from typing import List
+from typing import List, Sequence
 
 import numpy as np
 
@@ -50,7 +51,9 @@ def _function():
             function = ctypes.CDLL(str(kernels.library_path())).tfe_sum_check_pass
             function.restype = ctypes.c_int
             function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                 ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+                                 ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int64]
             _FUNCTION = function
     return _FUNCTION
 
@@ -67,8 +70,29 @@ def _ring_words(elements: int, ring_bits: int) -> int:
     return (elements + 1) // 2 if ring_bits == 32 else elements * (ring_bits // 64)
 
 
+#: The decoded arrays' dtypes, as the pass names them.
+_DECODED_TYPES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2}
+
+
+def _decoded(decoded: Sequence[np.ndarray], total: int, copy: bool, source: np.ndarray, out: np.ndarray):
+    """The pass's arguments for `decoded` (`check_pass`): its type, the arrays' addresses and sizes."""
+    pointers = np.array([a.ctypes.data for a in decoded], np.uint64) if decoded else np.zeros(1, np.uint64)
+    sizes = np.array([a.size for a in decoded], np.int64) if decoded else np.zeros(1, np.int64)
+    if not decoded:
+        return 0, pointers, sizes
+    dtypes = {a.dtype for a in decoded if isinstance(a, np.ndarray)}
+    if copy or len(dtypes) != 1 or next(iter(dtypes)) not in _DECODED_TYPES or \
+            not all(a.flags.c_contiguous and a.flags.writeable for a in decoded) or sizes.sum() > total:
+        raise ValueError(f"decoded must be writable contiguous float32 or float64 arrays of one dtype, at most "
+                         f"{total} elements in all, and only without copy; got {len(decoded)} arrays of "
+                         f"{sorted(str(d) for d in dtypes)}, {int(sizes.sum())} elements, copy={copy}.")
+    if any(np.may_share_memory(a, b) for a in decoded for b in (source, out)):
+        raise ValueError("decoded must not overlap the input or out.")
+    return _DECODED_TYPES[next(iter(dtypes))], pointers, sizes
+
+
 def check_pass(words: np.ndarray, in_elements: int, total: int, n: int, ring_bits: int, mask_key, coefficient_key,
-               out: np.ndarray, copy: bool) -> List[int]:
+               out: np.ndarray, copy: bool, decoded: Sequence[np.ndarray] = (), factor: float = 1.0) -> List[int]:
     """One pass over a ring vector; returns per row the exact check value of its first `n` plain elements.
 
     Args:
@@ -82,6 +106,10 @@ def check_pass(words: np.ndarray, in_elements: int, total: int, n: int, ring_bit
       out: a writable contiguous uint64 array of ``ring_words(total)`` words: the input (`copy`) or the plain
         vector ``words + AES(mask_key)`` below `in_elements`, and the keystream (plain) after.
       copy: write the input, not the plain vector, below `in_elements`.
+      decoded: without `copy`, float32 or float64 arrays (one dtype, contiguous, writable) whose sizes sum to at
+        most `total`: the vector's first elements, in order, decoded into them as ``TfeRevealSum`` decodes one
+        revealed part (``float(double(signed(x)) * factor)``) instead of written to `out` (a revealed sum
+        unmasked, checked and decoded in one pass); factor: ``2**-fraction_bits / divisor``.
 
     Returns:
       ``[sum_i r_0i x_i, sum_i r_1i x_i]`` over the plain elements ``x_i`` read as signed integers.
@@ -102,10 +130,12 @@ def check_pass(words: np.ndarray, in_elements: int, total: int, n: int, ring_bit
                          f"got {getattr(out, 'dtype', type(out))} of {getattr(out, 'size', '?')}.")
     if source.size and np.shares_memory(source, out):
         raise ValueError("out must not overlap the input.")
+    decoded_type, pointers, sizes = _decoded(decoded, total, copy, source, out)
     sums = np.zeros(4 * ROWS, np.int64)
     status = _function()(source.ctypes.data, in_elements, total, n, ring_bits, _key(mask_key, "mask_key"),
                          _key(coefficient_key, "coefficient_key"), int(bool(copy)), out.ctypes.data,
-                         sums.ctypes.data)
+                         sums.ctypes.data, decoded_type, int(sizes.sum()), float(factor),
+                         pointers.ctypes.data, sizes.ctypes.data, len(decoded))
     if status != 0:
         raise CheckPassError(f"the integrity-check pass failed with status {status} (-1: the cipher library "
                              "reported an error; -2: arguments outside the contract).")

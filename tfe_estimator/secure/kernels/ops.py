@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tfe_estimator.secure import kernels
 
-__all__ = ["mask_share", "server_sum", "blinded_server_sum", "reveal_sum", "decode_sum", "keystream",
+__all__ = ["mask_share", "server_sum", "blinded_server_sum", "reveal_sum", "decode_sum", "decode_factor", "keystream",
            "discrete_gaussian"]
 
 
@@ -113,6 +113,17 @@ def decode_sum(revealed, dtype: tf.DType, ring_bits: int, fraction_bits: int, sc
         total = decode_sum(revealed_words, tf.float32, ring_bits=64, fraction_bits=32, shapes=[[3, 2], [2]])
     """
     return _reveal([revealed], [], dtype, ring_bits, fraction_bits, scale, shapes)
+
+
+def decode_factor(fraction_bits: int, scale: float = 1.0) -> float:
+    """What `decode_sum` multiplies a revealed sum's signed elements by (``2**-fraction_bits / divisor``, in
+    double, as the op computes it): for a decoding outside the graph (`check_pass`'s) to give the same floats.
+
+    Example::
+
+        decode_factor(32, 0.5) == 2.0**-33
+    """
+    return math.ldexp(1.0 / _divisor(scale), -fraction_bits)
 
 
 def _reveal(shares, keys, dtype, ring_bits, fraction_bits, scale, shapes):

@@ -41,6 +41,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "aes_ctr.h"
 #include "common.h"
 #include "tensorflow/core/framework/op.h"
@@ -174,6 +178,71 @@ inline int64_t Encode64(T x, double scale) {
   return std::is_floating_point<T>::value ? static_cast<int64_t>(static_cast<double>(x) * scale)
                                           : static_cast<int64_t>(x);
 }
+
+// The 32-bit ring's encoding of `len` values with random rounding, masked (module comment): per element
+// v = x * scale (0 if |x| >= bound or NaN), enc = floor(v) + [u * 2**-32 < v - floor(v)], d = enc - d (d held
+// the mask). Only int32 <-> double conversions (|v| < 2**30), no library call per element: floor(v) by
+// truncation, lowered by one where that is above v; the coin double(u) as double(u - 2**31) + 2**31. Returns
+// false if an element was out of range (or NaN).
+template <typename T>
+inline bool RoundAndMask32Scalar(const T* xs, const uint32_t* u, uint32_t* d, int64_t begin, int64_t len,
+                                 double scale, double bound) {
+  constexpr double kCoinScale = 1.0 / 4294967296.0;
+  bool bad = false;
+  for (int64_t j = begin; j < len; ++j) {
+    const bool ok = InRange(xs[j], bound);
+    bad |= !ok;
+    const double v = ok ? static_cast<double>(xs[j]) * scale : 0.0;
+    int32_t low = static_cast<int32_t>(v);
+    low -= static_cast<double>(low) > v;  // floor(v)
+    const double coin = static_cast<double>(static_cast<int32_t>(u[j] ^ 0x80000000u)) + 2147483648.0;
+    // Up with probability v - low: E[enc] = v (to 2**-32).
+    const uint32_t up = coin * kCoinScale < v - static_cast<double>(low);
+    d[j] = static_cast<uint32_t>(low) + up - d[j];
+  }
+  return !bad;
+}
+
+template <typename T>
+inline bool RoundAndMask32(const T* xs, const uint32_t* u, uint32_t* d, int64_t len, double scale, double bound) {
+  return RoundAndMask32Scalar(xs, u, d, 0, len, scale, bound);
+}
+
+#if defined(__SSE2__)
+// Float values (a model's gradients) four at a time in SSE2's double lanes: the same operations and roundings
+// as the loop above, element by element (tests/test_wire.py holds the rounding to its expectation).
+template <>
+inline bool RoundAndMask32<float>(const float* xs, const uint32_t* u, uint32_t* d, int64_t len, double scale,
+                                  double bound) {
+  const __m128d magnitude = _mm_castsi128_pd(_mm_set1_epi64x(0x7FFFFFFFFFFFFFFFLL));
+  const __m128d bounds = _mm_set1_pd(bound), scales = _mm_set1_pd(scale), one = _mm_set1_pd(1.0);
+  const __m128d coin_scale = _mm_set1_pd(1.0 / 4294967296.0), half_range = _mm_set1_pd(2147483648.0);
+  const __m128i flip = _mm_set1_epi32(static_cast<int>(0x80000000u));
+  __m128d all_ok = _mm_castsi128_pd(_mm_set1_epi32(-1));
+  // one pair of elements: their encodings as two int32 in the low half
+  auto pair = [&](__m128d x, __m128i coins) {
+    const __m128d ok = _mm_cmplt_pd(_mm_and_pd(x, magnitude), bounds);  // false for NaN
+    all_ok = _mm_and_pd(all_ok, ok);
+    const __m128d v = _mm_and_pd(_mm_mul_pd(x, scales), ok);
+    const __m128d truncated = _mm_cvtepi32_pd(_mm_cvttpd_epi32(v));
+    const __m128d low = _mm_sub_pd(truncated, _mm_and_pd(_mm_cmpgt_pd(truncated, v), one));  // floor(v)
+    const __m128d coin = _mm_add_pd(_mm_cvtepi32_pd(_mm_xor_si128(coins, flip)), half_range);
+    const __m128d up = _mm_and_pd(_mm_cmplt_pd(_mm_mul_pd(coin, coin_scale), _mm_sub_pd(v, low)), one);
+    return _mm_cvttpd_epi32(_mm_add_pd(low, up));  // exact: an integer below 2**30 + 1 in magnitude
+  };
+  int64_t j = 0;
+  for (; j + 4 <= len; j += 4) {
+    const __m128 x = _mm_loadu_ps(xs + j);
+    const __m128i coins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + j));
+    const __m128i enc01 = pair(_mm_cvtps_pd(x), coins);
+    const __m128i enc23 = pair(_mm_cvtps_pd(_mm_movehl_ps(x, x)), _mm_shuffle_epi32(coins, 0xEE));
+    __m128i* out = reinterpret_cast<__m128i*>(d + j);
+    _mm_storeu_si128(out, _mm_sub_epi32(_mm_unpacklo_epi64(enc01, enc23), _mm_loadu_si128(out)));
+  }
+  const bool tail_ok = RoundAndMask32Scalar(xs, u, d, j, len, scale, bound);
+  return tail_ok && _mm_movemask_pd(all_ok) == 3;
+}
+#endif
 
 // ---------------------------------------------------------------- replica --
 
@@ -313,15 +382,7 @@ class MaskShareOp : public OpKernel {
         if (ring_bits_ == 32) {
           uint32_t* d = reinterpret_cast<uint32_t*>(dst) + at;
           const uint32_t* u = reinterpret_cast<const uint32_t*>(coins.get()) + at;
-          for (int64_t j = 0; j < len; ++j) {
-            const bool ok = InRange(xs[j], bound);
-            bad |= !ok;
-            const double v = ok ? static_cast<double>(xs[j]) * scale : 0.0;
-            const double low = std::floor(v);
-            // Up with probability v - low: E[enc] = v (to 2**-32).
-            const int64_t enc = static_cast<int64_t>(low) + (std::ldexp(static_cast<double>(u[j]), -32) < v - low);
-            d[j] = static_cast<uint32_t>(enc) - d[j];  // d[j] held the mask
-          }
+          bad |= !RoundAndMask32(xs, u, d, len, scale, bound);
         } else if (words == 1) {
           uint64_t* d = reinterpret_cast<uint64_t*>(dst) + at;
           const int64_t* nz = ns ? ns + at : nullptr;

@@ -10,6 +10,9 @@
 //   plain_i = in_i + AES(mask_key)_i      (in_i = 0 for i >= in_elements)
 //   out_i   = copy && i < in_elements ? in_i : plain_i
 //
+// or, for the first elements of a revealed sum (!copy), instead of out_i its
+// decoding float(double(signed(plain_i)) * factor) (TfeRevealSum's) into the
+// caller's float or double arrays: unmasked, checked and decoded in one pass;
 // and, over the first n elements, per check row m the exact integer
 // sum_i r_mi * signed(plain_i) with the coefficients
 // r_mi = (u32 keystream word m*n + i of coefficient_key) >> 12, the
@@ -121,7 +124,8 @@ inline void BlockDot(const T* x, const uint32_t* const raw[kRows], int64_t count
 // negative x_i. Each product of a coefficient (c < 2**20) and a 32-bit half is below 2**52, so a block's 4096 of
 // them sum below 2**64: L, H and G are exact in unsigned 64-bit lanes of SSE2's 32 x 32 -> 64-bit multiply
 // (every x86-64 CPU has it), folded into 128 bits once per block.
-static_assert(kPassElements <= 4096, "a block's sums of 52-bit products stay below 2**64");
+static_assert(kPassElements <= 4096, "a block's sums of 52-bit products stay below 2**64 (and, on the 32-bit ring, "
+                                    "its sums of coefficients below 2**32)");
 
 struct Lanes {
   __m128i low = _mm_setzero_si128(), high = _mm_setzero_si128(), negative = _mm_setzero_si128();
@@ -170,11 +174,84 @@ inline void BlockDot<uint64_t>(const uint64_t* x, const uint32_t* const raw[kRow
                     (static_cast<Int128>(negative) << 64);
   }
 }
+// The 32-bit ring's products, in SSE2 lanes like the 64-bit ones (the scalar loop above cost the 32-bit ring's
+// passes more than their two keystreams): with x the element's 32-bit word and signed(x) = x - 2**32 [top bit of
+// x], sum_i c_i signed(x_i) = L - 2**32 G with L = sum c_i x_i and G = sum of c_i over the negative x_i. Each
+// product of a coefficient (c < 2**20) and a word is below 2**52, so a block's 4096 of them sum below 2**64: L is
+// exact in unsigned 64-bit lanes of SSE2's 32 x 32 -> 64-bit multiply (even lanes, then odd lanes shifted down);
+// a block's G is below 4096 * 2**20 = 2**32, exact in 32-bit lanes (each holds a quarter of them).
+template <>
+inline void BlockDot<uint32_t>(const uint32_t* x, const uint32_t* const raw[kRows], int64_t count, Sums* sums) {
+  __m128i low[kRows], negative[kRows];
+  for (int row = 0; row < kRows; ++row) low[row] = negative[row] = _mm_setzero_si128();
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    const __m128i x0123 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    const __m128i x13 = _mm_srli_epi64(x0123, 32);  // the odd words in the even lanes
+    const __m128i s = _mm_srai_epi32(x0123, 31);     // all-ones lanes where x is negative
+    for (int row = 0; row < kRows; ++row) {
+      const __m128i c =
+          _mm_srli_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(raw[row] + i)), kCoefficientShift);
+      const __m128i c13 = _mm_srli_epi64(c, 32);
+      low[row] = _mm_add_epi64(low[row], _mm_add_epi64(_mm_mul_epu32(x0123, c), _mm_mul_epu32(x13, c13)));
+      negative[row] = _mm_add_epi32(negative[row], _mm_and_si128(s, c));
+    }
+  }
+  for (int row = 0; row < kRows; ++row) {
+    uint64_t sum = LaneSum(low[row]);
+    uint32_t lane[4];
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lane), negative[row]);
+    uint64_t negatives = uint64_t{lane[0]} + lane[1] + lane[2] + lane[3];
+    for (int64_t j = i; j < count; ++j) {
+      const uint64_t c = raw[row][j] >> kCoefficientShift;
+      sum += uint64_t{x[j]} * c;
+      negatives += (x[j] >> 31) * c;
+    }
+    sums->a[row] += static_cast<Int128>(sum) - (static_cast<Int128>(negatives) << 32);
+  }
+}
 #endif
+
+inline double Signed(uint32_t x) { return static_cast<double>(static_cast<int32_t>(x)); }
+inline double Signed(uint64_t x) { return static_cast<double>(static_cast<int64_t>(x)); }
+inline double Signed(Pair x) {
+  return static_cast<double>(static_cast<Int128>((static_cast<UInt128>(x.high) << 64) | x.low));
+}
+
+// The decoding of a revealed sum's first `elements` elements (secure_sum_ops.cc's TfeRevealSum of one part:
+// float(double(signed(x)) * factor), the same roundings) into `count` output arrays of float (type 1) or double
+// (type 2), `sizes[k]` elements each, in order.
+struct Decode {
+  int type = 0;  // 0: nothing decoded
+  int64_t elements = 0;
+  double factor = 1.0;
+  void* const* outputs = nullptr;
+  const int64_t* sizes = nullptr;
+  int64_t count = 0;
+  int64_t array = 0, at = 0;  // the next element's output array and index in it
+
+  template <typename T, typename Out>
+  void Into(const T* plain, int64_t n) {
+    for (int64_t i = 0; i < n;) {
+      while (at == sizes[array]) ++array, at = 0;
+      const int64_t run = std::min(n - i, sizes[array] - at);
+      Out* y = static_cast<Out*>(outputs[array]) + at;
+      for (int64_t j = 0; j < run; ++j) y[j] = static_cast<Out>(Signed(plain[i + j]) * factor);
+      i += run;
+      at += run;
+    }
+  }
+
+  template <typename T>
+  void Next(const T* plain, int64_t n) {
+    if (type == 1) Into<T, float>(plain, n);
+    if (type == 2) Into<T, double>(plain, n);
+  }
+};
 
 template <typename T>
 int Pass(const T* in, int64_t in_elements, int64_t total, int64_t n, const uint8_t* mask_key,
-         const uint8_t* coefficient_key, bool copy, T* out, Sums* sums) {
+         const uint8_t* coefficient_key, bool copy, T* out, Sums* sums, Decode* decode) {
   static_assert(sizeof(T) * kPassElements <= Stream::kZeroBytes, "a block's keystream is read from zeros");
   std::vector<T> plain(kPassElements);
   std::vector<uint32_t> coefficients[kRows];
@@ -195,7 +272,10 @@ int Pass(const T* in, int64_t in_elements, int64_t total, int64_t n, const uint8
       std::memcpy(out + s, in + s, given * sizeof(T));
       std::memcpy(out + s + given, plain.data() + given, (count - given) * sizeof(T));
     } else {
-      std::memcpy(out + s, plain.data(), count * sizeof(T));
+      // the decoded elements are not written as words
+      const int64_t decoded = std::max<int64_t>(0, std::min(count, decode->elements - s));
+      if (decoded > 0) decode->Next(plain.data(), decoded);
+      std::memcpy(out + s + decoded, plain.data() + decoded, (count - decoded) * sizeof(T));
     }
     const int64_t checked = std::max<int64_t>(0, std::min(count, n - s));
     if (checked == 0) continue;
@@ -214,23 +294,46 @@ int Pass(const T* in, int64_t in_elements, int64_t total, int64_t n, const uint8
 //   in: in_elements elements; out: total elements (the 32-bit ring's padding lane of an odd total is set to 0);
 //   0 <= n <= in_elements <= total (or n <= total when !copy); sums: kRows * 4 int64, per row the little-endian
 //   words of A (signed) then of B (unsigned).
+//   decoded_type 0: nothing decoded; 1 (float) or 2 (double), only when !copy: the first decoded_elements
+//   elements are decoded into the num_decoded arrays decoded[k] of decoded_sizes[k] elements (summing to
+//   decoded_elements <= total) and not written to out.
 extern "C" __attribute__((visibility("default"))) int tfe_sum_check_pass(
     const void* in, int64_t in_elements, int64_t total, int64_t n, int ring_bits, const uint8_t* mask_key,
-    const uint8_t* coefficient_key, int copy, void* out, int64_t* sums_out) {
+    const uint8_t* coefficient_key, int copy, void* out, int64_t* sums_out, int decoded_type,
+    int64_t decoded_elements, double factor, void* const* decoded, const int64_t* decoded_sizes,
+    int64_t num_decoded) {
   using namespace tfe_estimator;  // NOLINT
   if (in_elements < 0 || total < in_elements || n < 0 || n > total || n > (int64_t{1} << 40)) return -2;
+  Decode decode;
+  if (decoded_type != 0) {
+    int64_t sizes = 0;
+    for (int64_t k = 0; k < num_decoded; ++k) {
+      if (decoded_sizes[k] < 0 || decoded[k] == nullptr) return -2;
+      sizes += decoded_sizes[k];
+    }
+    if ((decoded_type != 1 && decoded_type != 2) || copy != 0 || decoded_elements < 0 ||
+        decoded_elements > total || sizes != decoded_elements) {
+      return -2;
+    }
+    decode.type = decoded_type;
+    decode.elements = decoded_elements;
+    decode.factor = factor;
+    decode.outputs = decoded;
+    decode.sizes = decoded_sizes;
+    decode.count = num_decoded;
+  }
   Sums sums;
   int status = -2;
   if (ring_bits == 32) {
     status = Pass(static_cast<const uint32_t*>(in), in_elements, total, n, mask_key, coefficient_key, copy != 0,
-                  static_cast<uint32_t*>(out), &sums);
+                  static_cast<uint32_t*>(out), &sums, &decode);
     if (status == 0 && total % 2 == 1) static_cast<uint32_t*>(out)[total] = 0;
   } else if (ring_bits == 64) {
     status = Pass(static_cast<const uint64_t*>(in), in_elements, total, n, mask_key, coefficient_key, copy != 0,
-                  static_cast<uint64_t*>(out), &sums);
+                  static_cast<uint64_t*>(out), &sums, &decode);
   } else if (ring_bits == 128) {
     status = Pass(static_cast<const Pair*>(in), in_elements, total, n, mask_key, coefficient_key, copy != 0,
-                  static_cast<Pair*>(out), &sums);
+                  static_cast<Pair*>(out), &sums, &decode);
   }
   if (status != 0) return status;
   for (int row = 0; row < kRows; ++row) {
