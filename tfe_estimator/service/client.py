@@ -115,9 +115,9 @@ class _CallError(grpc.RpcError):
 
 
 class _Put:
-    """One Contribute to one server, on a thread of the client's pool (`thread_pool`), read like a gRPC future (``done``, ``result``,
-    ``cancel``, ``add_done_callback``, ``trailing_metadata``): on the server's data plane if it has one
-    (`OwnerClient._plane`), else on gRPC."""
+    """One Contribute to one server, on a thread of the client's pool (`thread_pool`), read like a gRPC future
+    (``done``, ``result``, ``cancel``, ``add_done_callback``, ``trailing_metadata``): on the server's data plane if
+    it has one (`OwnerClient._plane`), else on gRPC."""
 
     def __init__(self, client: "OwnerClient", server: int, fields: dict, meta, payload, timeout: float,
                  into: Optional[bytearray] = None):
