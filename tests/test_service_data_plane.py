@@ -1288,11 +1288,13 @@ def test_answers_land_in_one_reused_buffer_per_thread_and_sums_stay_exact(make_s
     service = make_service(owner_names(2))
     clients = service.clients_of(2)
     check = sum_check.SumCheck(bytes(range(32)))
-    buffers = []
+    buffers, put_threads = [], []
     real_call = DataLink.call
 
     def call(self, method, head, meta, payload, timeout, started=None, into=None):
         code, replayed, message = real_call(self, method, head, meta, payload, timeout, started, into=into)
+        if method == "Contribute":
+            put_threads.append(threading.current_thread())  # kept: a thread object is never reused
         if method == "Contribute" and into is not None:
             buffers.append((threading.current_thread().name, id(into), isinstance(message, memoryview)))
         return code, replayed, message
@@ -1314,6 +1316,9 @@ def test_answers_land_in_one_reused_buffer_per_thread_and_sums_stay_exact(make_s
             np.testing.assert_array_equal(revealed, np.arange(n) * 3 + 2 * step)
     assert len(buffers) == 6 and all(viewed for _, _, viewed in buffers), buffers
     assert len({buffer for _, buffer, _ in buffers}) == 2, buffers  # one buffer per owner's thread, reused
+    # 12 puts (2 owners, 3 steps, 2 servers) on threads kept from put to put (2 per owner; a put that starts
+    # before the previous one's thread is idle again gets another), not on a thread each
+    assert len(put_threads) == 12 and len(set(map(id, put_threads))) <= 8, put_threads
 
     class Refused(Exception):
         pass

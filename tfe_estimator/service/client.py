@@ -28,6 +28,7 @@ import numpy as np
 from tfe_estimator.service import frames, ring, wire
 from tfe_estimator.service import tls as tls_lib
 from tfe_estimator.service.data_link import DataLink, LinkError, PlaneLink
+from tfe_estimator.service.thread_pool import ThreadPool
 from tfe_estimator.service.tls import TlsFiles, server_name, server_name_option
 
 __all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "live_clients", "release_client",
@@ -114,9 +115,9 @@ class _CallError(grpc.RpcError):
 
 
 class _Put:
-    """One Contribute to one server, in a thread of its own, read like a gRPC future (``done``, ``result``,
-    ``cancel``, ``add_done_callback``, ``trailing_metadata``): on the server's data plane if it has one
-    (`OwnerClient._plane`), else on gRPC."""
+    """One Contribute to one server, on a thread of the client's pool (`thread_pool`), read like a gRPC future
+    (``done``, ``result``, ``cancel``, ``add_done_callback``, ``trailing_metadata``): on the server's data plane if
+    it has one (`OwnerClient._plane`), else on gRPC."""
 
     def __init__(self, client: "OwnerClient", server: int, fields: dict, meta, payload, timeout: float,
                  into: Optional[bytearray] = None):
@@ -130,7 +131,7 @@ class _Put:
         self._cancelled = False
         self._reply = self._error = None
         self._trailing: tuple = ()
-        threading.Thread(target=self._run, name=f"tfe-put{server}", daemon=True).start()
+        client._put_threads.run(self._run)  # pylint: disable=protected-access
 
     def _run(self) -> None:
         try:
@@ -278,6 +279,8 @@ class OwnerClient:
         self._links = [PlaneLink(lambda timeout, k=k: self._data_port(k, timeout), address.rpartition(":")[0],
                                  lambda k=k: tls.ssl_client_context(k), server_name(tls, k))
                        for k, address in enumerate(addresses)]
+        #: Threads the puts run on, kept from call to call (`thread_pool`).
+        self._put_threads = ThreadPool("tfe-put")
         # A method no server serves: its answer (UNIMPLEMENTED) proves the server is there, with no side effect.
         self._probes = [channel.unary_unary(f"/{wire.SERVICE_NAME}/Probe", request_serializer=bytes,
                                             response_deserializer=bytes) for channel in self._channels]
@@ -489,7 +492,8 @@ class OwnerClient:
             self._call(server, "Rewind", self._messages["RewindRequest"](step=step))
 
     def close(self) -> None:
-        """Closes both channels and the data-plane links."""
+        """Closes both channels and the data-plane links, and ends the idle put threads."""
+        self._put_threads.close()
         for channel in self._channels:
             channel.close()
         for plane in self._links:

@@ -147,6 +147,7 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
+@functools.lru_cache(maxsize=None)  # a fact of the fixed API, looked up per message sent and received
 def _payload_field(message: str) -> int:
     fields = dict(MESSAGES)[message]
     number = dict((name, n) for name, _, n in fields)["payload"]
