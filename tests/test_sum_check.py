@@ -309,6 +309,62 @@ def test_a_tampered_sum_decoded_in_the_checking_pass_is_refused():
         check.verify("sum_2", 9, 64, 1001, key, masked, arrays, 1.0)
 
 
+def _own_sums(checked=True):
+    """``(sum, calls)``: `sum(values, channel, step)` is `contribution.service_sum` of one owner (float32, 16
+    fraction bits) whose service answers its own vector back (blind key = its key, the masked share it sent),
+    checked or not; `calls` lists each call's ``(channel, step)``."""
+    calls, check = [], SumCheck(SEED)
+
+    def contribute(channel, step, ring_bits, n, key, share):
+        calls.append((channel, int(step)))
+        return np.asarray(key).copy(), np.asarray(share).copy()
+
+    def total(values, channel, step):
+        return contribution.service_sum([values], ["/cpu:0"], ["/cpu:0"], Encoding(64, 16, 2.0**20), tf.float32,
+                                        "chief:0", "clip", 1.0, channel, step, contribute,
+                                        checks=(lambda: check) if checked else None)[0]
+
+    return total, calls
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_float_sum_is_decoded_in_the_answers_pass_eagerly_and_in_a_tf_function_too(checked):
+    # Keras reads a metric across owners eagerly (a scalar: one decoded array) and trains in a tf.function. Eagerly
+    # tf.numpy_function returns a one-element output list unwrapped: the scalar's read failed after its call was
+    # made (the owner died, and its restart was refused as a fresh training answered from the replay window).
+    total, calls = _own_sums(checked)
+    step = tf.constant(3, tf.int64)
+    assert [t.numpy() for t in total([tf.constant(2.5)], "eager_sum_0", step)] == [2.5]
+    vector = total([tf.constant([1.0, -2.25])], "eager_sum_1", step)
+    assert len(vector) == 1 and vector[0].numpy().tolist() == [1.0, -2.25]
+    assert [t.numpy().tolist() for t in total([tf.constant([[1.0, 2.0]]), tf.constant(-0.5)], "eager_sum_2",
+                                              step)] == [[[1.0, 2.0]], -0.5]
+
+    @tf.function
+    def train_step(x, step):
+        return total([x, tf.reduce_sum(x)], "sum_0", step), total([tf.reduce_mean(x)], "sum_1", step)
+
+    held = [train_step(tf.constant([1.0, 2.0, 3.0]) * (s + 1), tf.constant(s, tf.int64)) for s in range(3)]
+    for s, (grads, loss) in enumerate(held):  # earlier steps' tensors keep their values (their arrays not reused)
+        assert grads[0].numpy().tolist() == [s + 1.0, 2 * (s + 1.0), 3 * (s + 1.0)] and grads[1].numpy() == 6 * (s + 1)
+        assert loss[0].numpy() == 2 * (s + 1)
+    # each sum called once per step, keyed by its step (the calls of two channels run in two threads: any order)
+    assert sorted(calls) == sorted([(f"eager_sum_{i}", 3) for i in range(3)] +
+                                   [(f"sum_{i}", s) for s in range(3) for i in (0, 1)]), calls
+    graph = train_step.get_concrete_function(tf.constant([1.0, 2.0, 3.0]), tf.constant(0, tf.int64)).graph
+    types = [op.type for op in graph.get_operations()]
+    assert "TfeRevealSum" not in types and types.count("PyFuncStateless") == 4, types  # 2 sums: call, answer
+    from tfe_estimator.audit.owner_graph import audit_owner_graph  # pylint: disable=import-outside-toplevel
+
+    assert audit_owner_graph(graph) == 2
+
+
+def test_mutation_reusing_a_decoded_array_still_held_overwrites_an_earlier_steps_sum(monkeypatch):
+    monkeypatch.setattr(sum_check.sys, "getrefcount", lambda obj: 0)  # plant it: every array looks free
+    with pytest.raises(AssertionError):
+        test_a_float_sum_is_decoded_in_the_answers_pass_eagerly_and_in_a_tf_function_too(True)
+
+
 #: Mutations of the owner's kernels, each planted in one test-only library behind a switch (`run_kernel_mutant`):
 #: a 32-bit check pass that skips the odd elements' products; a 32-bit mask op whose lanes' range checks are lost.
 KERNEL_MUTATIONS = [

@@ -170,13 +170,9 @@ def service_sum(
     last, answers = _LAST.setdefault(graph, {}), _ANSWERS.setdefault(graph, {}).setdefault(_CHAIN[0], [])
     after = [last[_CHAIN[0]]] if _CHAIN[0] in last and not eager else []
     host = riders.Host(encoding.ring_bits) if not eager and stateful else None
-    # floats are decoded in the pass that unmasks and checks the answer (`sum_check.checked_contribute`), in a
-    # session's graph (Estimator, TF1 loops). Keras' tf.function and eager reads keep `decode_sum`: with the
-    # decoded answer op there, tests/test_keras_service.py's launch failed (a worker's checked metric sum
-    # 'sum_2' of step 0 was answered from the servers' replay window); why is not yet understood.
+    # floats are decoded in the pass that unmasks and checks the answer (`sum_check.checked_contribute`)
     decode = (dtype.as_numpy_dtype, ops.decode_factor(encoding.fraction_bits, scale),
-              [s.num_elements() for s in shapes]) if dtype in (tf.float32, tf.float64) and stateful and not eager \
-        else None
+              [s.num_elements() for s in shapes]) if dtype in (tf.float32, tf.float64) else None
     begin = functools.partial(_begin, contribute, channel, encoding.ring_bits, num_elements, checks, host, decode)
     # In a tf.function (Keras) automatic control dependencies chain every stateful op without a resource input
     # in program order (mask, contribution, answer, next mask, ...): one round trip per sum, and a cycle with
@@ -194,6 +190,10 @@ def service_sum(
         if decode is not None:  # the decoded sum, one array per shape
             parts = tf.numpy_function(_finish_decoded, [ticket], [dtype] * len(shapes), stateful=stateful,
                                       name=ANSWER_OP_NAME)
+            # Eagerly (Keras reading a metric across owners) TensorFlow runs the function at once and returns a
+            # list of one result unwrapped (script_ops.py_func_common: "Mimic the automatic unwrapping"), unlike
+            # the op in a graph: a scalar's one tensor, not a list of it.
+            parts = [parts] if tf.is_tensor(parts) else parts
         else:
             parts = [tf.numpy_function(functools.partial(_finish, tuple(share.shape.as_list())), [ticket],
                                        tf.int64, stateful=stateful, name=ANSWER_OP_NAME)]
