@@ -359,6 +359,20 @@ def test_a_float_sum_is_decoded_in_the_answers_pass_eagerly_and_in_a_tf_function
     assert audit_owner_graph(graph) == 2
 
 
+def test_an_unchecked_decoded_sum_with_riders_reuses_its_words_and_hands_back_the_riders():
+    # The words after the decoded elements (the riders') land in this thread's scratch, not a fresh array per call.
+    key, share = _masked([5 << 16, -(3 << 16)], 64)
+
+    def contribute(channel, step, ring_bits, n, key, share):
+        return np.asarray(key).copy(), np.asarray(share).copy()
+
+    results = [sum_check.checked_contribute(contribute, None, "sum_0", s, 64, 2, key, share, reveal=True,
+                                            riders=[7, 2**64 - 9], decode=(np.float32, 2.0**-16, [2])) for s in (0, 1)]
+    for arrays, words in results:
+        assert arrays[0].tolist() == [5.0, -3.0] and words[2:4].tolist() == [7, -9]
+    assert results[0][1].ctypes.data == results[1][1].ctypes.data
+
+
 def test_mutation_reusing_a_decoded_array_still_held_overwrites_an_earlier_steps_sum(monkeypatch):
     monkeypatch.setattr(sum_check.sys, "getrefcount", lambda obj: 0)  # plant it: every array looks free
     with pytest.raises(AssertionError):

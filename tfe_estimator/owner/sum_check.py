@@ -44,7 +44,8 @@ products (SSE2 lanes on the 32- and 64-bit rings, 128-bit integers on the
 TensorFlow takes (`checked_contribute`'s `decode`). About 3-5 ns per element
 each on this project's 2-core machine, against 12 for the NumPy definition
 below (`coefficients`, `values`), which the tests hold it to.
-tools/bench/owner_kernels.py times each stage beside the AES-CTR floor.
+``python -m tools.bench.owner_kernels`` times each stage beside the AES-CTR floor;
+``python -m tools.bench.check_cost``, a checked owner's step beside an unchecked one through real servers.
 
 Example::
 
@@ -141,6 +142,14 @@ def _set_element(words: np.ndarray, index: int, ring_bits: int, value: int) -> N
         lanes[index * per + i] = (value >> (32 * i)) & 0xFFFFFFFF
 
 
+def _scratch(arrays: threading.local, name: str, words: int) -> np.ndarray:
+    """The calling thread's reusable uint64 array `name` of `words` words in `arrays` (its contents are stale)."""
+    array = arrays.__dict__.get(name)
+    if array is None or array.size != words:
+        array = arrays.__dict__[name] = np.empty(words, np.uint64)
+    return array
+
+
 def _unheld(pool: List[np.ndarray], size: int) -> np.ndarray:
     """A uint8 array of `size` bytes from `pool` that nothing else references (TensorFlow holds a reference to an
     array while a tensor uses its memory), else a new one added to it (at most `_REUSED` kept)."""
@@ -175,11 +184,7 @@ class SumCheck:
 
     def _scratch(self, name: str, words: int) -> np.ndarray:
         """This thread's reusable uint64 array `name` of `words` words (its contents are stale)."""
-        arrays = self._scratch_arrays.__dict__
-        array = arrays.get(name)
-        if array is None or array.size != words:
-            array = arrays[name] = np.empty(words, np.uint64)
-        return array
+        return _scratch(self._scratch_arrays, name, words)
 
     def _for_tensorflow(self, words: int) -> np.ndarray:
         """A uint64 array of `words` words for TensorFlow to take without a copy (`_for_tensorflow`): one of this
@@ -339,7 +344,7 @@ def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel:
     With `decode` ``(dtype, factor, sizes)`` (`reveal` required; float32 or float64, `check_pass`'s factor, sizes
     summing to n), the revealed sum's n elements are decoded in the pass that unmasks and checks it, into arrays of
     those sizes TensorFlow takes without a copy; returns ``(arrays, words)``, `words` the revealed ring words of
-    which only the elements after the n (the riders') are set.
+    which only the elements after the n (the riders') are set (this thread's scratch: read before its next call).
 
     Raises:
       SumIntegrityError: the revealed sum fails its checks (`SumCheck.verify`).
@@ -400,7 +405,8 @@ def _checked_contribute(contribute, check, channel, step, ring_bits, n, key, sha
             return blind_key, masked
         answer = np.asarray(masked).reshape(-1).view(np.uint64)
         if decode is not None:  # unmasked and decoded in one pass (nothing checked)
-            revealed = np.empty(words, np.uint64)
+            # the words after the decoded elements (riders'), read before the call returns: this thread's scratch
+            revealed = _scratch(_DECODED, "after_decoded", words)
             check_pass(answer, n, n, 0, ring_bits, blind_key, bytes(ring.KEY_BYTES), revealed, copy=False,
                        decoded=arrays, factor=factor)
             return arrays, revealed.view(np.int64)

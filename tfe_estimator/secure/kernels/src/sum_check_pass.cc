@@ -219,15 +219,14 @@ inline double Signed(Pair x) {
 }
 
 // The decoding of a revealed sum's first `elements` elements (secure_sum_ops.cc's TfeRevealSum of one part:
-// float(double(signed(x)) * factor), the same roundings) into `count` output arrays of float (type 1) or double
-// (type 2), `sizes[k]` elements each, in order.
+// float(double(signed(x)) * factor), the same roundings) into its output arrays of float (type 1) or double
+// (type 2), `sizes[k]` elements each, in order (the sizes sum to `elements`: checked by tfe_sum_check_pass).
 struct Decode {
   int type = 0;  // 0: nothing decoded
   int64_t elements = 0;
   double factor = 1.0;
   void* const* outputs = nullptr;
   const int64_t* sizes = nullptr;
-  int64_t count = 0;
   int64_t array = 0, at = 0;  // the next element's output array and index in it
 
   template <typename T, typename Out>
@@ -320,7 +319,6 @@ extern "C" __attribute__((visibility("default"))) int tfe_sum_check_pass(
     decode.factor = factor;
     decode.outputs = decoded;
     decode.sizes = decoded_sizes;
-    decode.count = num_decoded;
   }
   Sums sums;
   int status = -2;
