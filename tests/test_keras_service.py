@@ -198,8 +198,22 @@ def launched(tmp_path_factory):
     dp = ("--then-dp", str(DP_NOISE)) if _HAS_PRIVACY else ()
     status, log = _launch(workdir, "--refused-first", "worker-0", "0.5", "--crash-in", "worker-0", "5", "2",
                           "--then-evaluate", *dp, "--then-loop", max_restarts=1)
-    assert status == 0, log[-5000:]
+    assert status == 0, _first_error(log) + log[-5000:]
     return workdir, data, log
+
+
+def _first_error(log):
+    """The launch's first traceback (its task's lines up to the exception), then "...": a later one may only be its
+    consequence (an owner that died in its first session restarts as a fresh training, and the servers' replay
+    window answers it: refused)."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith("Traceback (most recent call last):"):
+            task = line[:line.index("Traceback")]
+            block = [other for other in lines[i:] if other.startswith(task)]
+            end = next((j for j, other in enumerate(block[1:], 1) if not other[len(task):].startswith(" ")), 0)
+            return "\n".join(block[:end + 1])[-4000:] + "\n...\n"
+    return ""
 
 
 def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_through_a_restart(launched):
