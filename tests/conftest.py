@@ -29,6 +29,17 @@ def _fresh_default_graph():
     yield
 
 
+@pytest.fixture(scope="session")
+def mutant_kernel_cache(tmp_path_factory):
+    """The kernel cache (`TFE_ESTIMATOR_KERNEL_CACHE`) of every planted-mutation library this run builds
+    (test_dp.py, test_sum_check.py, test_wire.py): one directory for every pytest-xdist worker of the run (a
+    worker's base temporary directory is inside the run's), so a library or object file that tests on two
+    workers need compiles once; `_build`'s file lock makes the other worker wait for it. Its entries are keyed by
+    their sources' contents and flags, and the directory is new in each run."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "mutant-kernel-cache"
+
+
 @pytest.fixture
 def linear_data():
     """A small noiseless linear regression problem: y = x . w + b."""
