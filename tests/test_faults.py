@@ -14,7 +14,7 @@ run. Cheap launcher policies (a task that never comes back, a port taken
 meanwhile, an evaluator that outlives the chief) run with stand-in tasks.
 
 Cost: 3 short clusters that stop at their first checkpoint (the evaluator's
-finishes its 100 steps) plus one of 400 slowed-down steps, about 4 minutes of
+finishes its 200 steps) plus one of 400 slowed-down steps, about 4 minutes of
 CI on 2 cores.
 """
 import io
