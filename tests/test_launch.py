@@ -124,7 +124,7 @@ def test_train_and_evaluate_on_loopback_cluster_matches_plaintext_and_keeps_data
 def test_aby3_cluster_trains_and_keeps_plaintext_off_the_servers(tmp_path):
     workdir = str(tmp_path)
     _owner_data(workdir)
-    launcher = _launcher(workdir, "secure", steps=60, protocol="aby3")  # 60: SGD at 0.1 is within 0.5 well before
+    launcher = _launcher(workdir, "secure", steps=120, protocol="aby3")
     status = launcher.run()
     log = launcher._out.getvalue()
     assert status == 0, log[-5000:]
