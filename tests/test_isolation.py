@@ -121,19 +121,15 @@ def _stop(cluster, workdir, others):
 
 
 def _attack(workdir, tls):
-    """Launches serving stand-ins for every task, runs `tfe-estimator attack`, stops the cluster.
-
-    No evaluator: every task's firewall and sidecar are the same code, the chief's and the servers' stand for it
-    (`tls_run` attacks an evaluator too); one TensorFlow process, sidecar and namespace less.
-    """
+    """Launches serving stand-ins for every task, runs `tfe-estimator attack`, stops the cluster."""
     secret = _write_secret(workdir)
-    cluster = _Background(workdir, [sys.executable, SERVING_OWNER], tls, workers=1, evaluator=False)
+    cluster = _Background(workdir, [sys.executable, SERVING_OWNER], tls, workers=1, evaluator=True)
     try:
         network = cluster.network()
         cluster.wait_serving(network)
         attack = _run_attack(cluster, secret)
     finally:
-        _stop(cluster, workdir, ("worker-0",))
+        _stop(cluster, workdir, ("worker-0", "evaluator-0"))
     assert cluster.join() == 0, cluster.out.getvalue()[-3000:]
     return attack
 
