@@ -202,8 +202,9 @@ def _switched(old, new, number):
     return f"({on} ? ({new}) : ({old}))"
 
 
-def _run_mutant(tmp_path, old, new, runner, args, timeout):
-    """Stdout of `runner` (a script: kernel source dir, then `args`) on the kernels with `old` -> `new`.
+def _run_mutant(tmp_path, cache, old, new, runner, args, timeout):
+    """Stdout of `runner` (a script: kernel source dir, then `args`) on the kernels with `old` -> `new`, built in
+    `cache` (conftest's `mutant_kernel_cache`).
 
     A mutation in `SWITCHED_MUTATIONS` runs in one library built with all of them, each behind a test-only
     switch (`_switched`) that this process sets to it alone: one compile of noise_ops.cc serves them all. Any
@@ -230,18 +231,18 @@ def _run_mutant(tmp_path, old, new, runner, args, timeout):
     if plant is SWITCHED_MUTATIONS:
         code = code.replace('#include "common.h"\n', '#include "common.h"\n' + _MUTATION_SWITCH, 1)
     (src / "noise_ops.cc").write_text(code)
-    # One cache for every mutant of this session (beside the tests' own directories): the sources a mutation
+    # One cache for every mutant of this run (every xdist worker's too): the sources a mutation
     # leaves alone compile once, the switched library once (its key is its sources' contents, not their
     # directory), and a mutant of its own compiles only its noise_ops.cc.
-    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path.parent / "mutant-kernel-cache"))
+    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(cache))
     env[_MUTATION_ENV] = str(SWITCHED_MUTATIONS.index((old, new)) + 1 if plant is SWITCHED_MUTATIONS else 0)
     return subprocess.run([sys.executable, "-c", runner, str(src), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=timeout, check=True).stdout
 
 
-def _mutant_std(tmp_path, old, new, variance, n):
+def _mutant_std(tmp_path, cache, old, new, variance, n):
     """Std / sqrt(variance) of `n` samples from a copy of the kernels with `old` replaced by `new`."""
-    out = _run_mutant(tmp_path, old, new, _MUTANT_RUNNER, (repr(variance), n), timeout=600)
+    out = _run_mutant(tmp_path, cache, old, new, _MUTANT_RUNNER, (repr(variance), n), timeout=600)
     return float(out.split("STD")[-1])
 
 
@@ -254,10 +255,10 @@ OVERFLOW_MUTATION = ("return ToDouble(static_cast<u128>(c) * c - KSquaredV(k)) *
 
 
 @pytest.mark.slow
-def test_mutation_a_64_bit_product_fails_the_sampler_test_at_2_88(tmp_path):
+def test_mutation_a_64_bit_product_fails_the_sampler_test_at_2_88(tmp_path, mutant_kernel_cache):
     # The correct kernel gives std / sqrt(v) = 1 at 2**88 (tested above, 5 standard errors);
     # with k^2 v wrapped modulo 2^64 it does not (at 2**40 the mutation is inert).
-    std = _mutant_std(tmp_path, *OVERFLOW_MUTATION, 2.0**88, 2000)
+    std = _mutant_std(tmp_path, mutant_kernel_cache, *OVERFLOW_MUTATION, 2.0**88, 2000)
     with pytest.raises(AssertionError):
         assert abs(std - 1.0) < 5 / math.sqrt(2 * 2000), std
 
@@ -294,9 +295,9 @@ with tf.Graph().as_default():
 """
 
 
-def _mutant_check(tmp_path, old, new, variance, margin_log2):
+def _mutant_check(tmp_path, cache, old, new, variance, margin_log2):
     """The op's check_fast_paths run ("ok" or "failed: <message>") on a copy of the kernels with `old` -> `new`."""
-    out = _run_mutant(tmp_path, old, new, _CHECK_RUNNER, (repr(variance), margin_log2), timeout=600)
+    out = _run_mutant(tmp_path, cache, old, new, _CHECK_RUNNER, (repr(variance), margin_log2), timeout=600)
     return out.split("RESULT ")[-1].strip()
 
 
@@ -317,9 +318,9 @@ FAST_PATH_MUTATIONS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mutation", sorted(FAST_PATH_MUTATIONS))
-def test_mutation_of_a_sampler_fast_path_fails_its_check(tmp_path, mutation):
+def test_mutation_of_a_sampler_fast_path_fails_its_check(tmp_path, mutant_kernel_cache, mutation):
     old, new, variance, margin_log2, message = FAST_PATH_MUTATIONS[mutation]
-    result = _mutant_check(tmp_path, old, new, variance, margin_log2)
+    result = _mutant_check(tmp_path, mutant_kernel_cache, old, new, variance, margin_log2)
     assert result.startswith("failed") and message in result, result
 
 
@@ -330,8 +331,8 @@ K_TABLE_MUTATION = ("const uint64_t n = static_cast<uint64_t>(i) * i;",
 
 
 @pytest.mark.slow
-def test_mutation_of_the_sampler_k_table_fails_the_variance_test(tmp_path):
-    std = _mutant_std(tmp_path, *K_TABLE_MUTATION, 30.0, 20000)
+def test_mutation_of_the_sampler_k_table_fails_the_variance_test(tmp_path, mutant_kernel_cache):
+    std = _mutant_std(tmp_path, mutant_kernel_cache, *K_TABLE_MUTATION, 30.0, 20000)
     with pytest.raises(AssertionError):
         assert abs(std - 1.0) < 5 / math.sqrt(2 * 20000), std
 
@@ -398,10 +399,10 @@ SWITCHED_MUTATIONS = [OVERFLOW_MUTATION, K_TABLE_MUTATION, REGION_END_MUTATION] 
 
 
 @pytest.mark.slow
-def test_mutation_dropping_the_last_integer_of_each_region_fails_the_boundary_count(tmp_path):
+def test_mutation_dropping_the_last_integer_of_each_region_fails_the_boundary_count(tmp_path, mutant_kernel_cache):
     path = tmp_path / "samples.npy"
-    _run_mutant(tmp_path, *REGION_END_MUTATION, _BOUNDARY_RUNNER, (repr(BOUNDARY_VARIANCE), 3_000_000, path),
-                timeout=600)
+    _run_mutant(tmp_path, mutant_kernel_cache, *REGION_END_MUTATION, _BOUNDARY_RUNNER,
+                (repr(BOUNDARY_VARIANCE), 3_000_000, path), timeout=600)
     samples = np.load(path)
     _assert_gaussian_with_variance(samples[:200000], BOUNDARY_VARIANCE)  # the mutant passes this test
     with pytest.raises(AssertionError, match="last"):

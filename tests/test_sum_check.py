@@ -410,9 +410,10 @@ for test in sys.argv[3:]:
 """
 
 
-def run_kernel_mutant(tmp_path, mutation: int, tests) -> str:
+def run_kernel_mutant(tmp_path, cache, mutation: int, tests) -> str:
     """Stdout of running `tests` (``module:function[:arg]``) on the kernels with `KERNEL_MUTATIONS[mutation - 1]`
-    planted: one library, built once per session (its key is its sources' contents), serves every mutation."""
+    planted: one library, built once per run in `cache` (conftest's `mutant_kernel_cache`; its key is its
+    sources' contents), serves every mutation."""
     src = tmp_path / "src"
     src.mkdir()
     for path in [*_build.SOURCE_DIR.glob("*.h"), *(_build.SOURCE_DIR / name for name in (
@@ -425,19 +426,19 @@ def run_kernel_mutant(tmp_path, mutation: int, tests) -> str:
         planted = f"if ({on}) {{ {new} }} else {{ {old} }}" if old.endswith(";") else f"({on} ? ({new}) : ({old}))"
         code = code.replace(old, planted).replace('#include "aes_ctr.h"\n', '#include "aes_ctr.h"\n' + _MUTANT_SWITCH, 1)
         (src / source).write_text(code)
-    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(tmp_path.parent / "mutant-kernel-cache"),
+    env = dict(os.environ, TFE_ESTIMATOR_KERNEL_CACHE=str(cache),
                TFE_TEST_MUTATION=str(mutation))
     return subprocess.run([sys.executable, "-c", _KERNEL_MUTANT_RUNNER, str(src), str(pathlib.Path(__file__).parent),
                            *tests], env=env, capture_output=True, text=True, timeout=900, check=True).stdout
 
 
 @pytest.mark.slow
-def test_mutation_a_32_bit_pass_skipping_a_word_fails_both_equality_tests(tmp_path):
+def test_mutation_a_32_bit_pass_skipping_a_word_fails_both_equality_tests(tmp_path, mutant_kernel_cache):
     # Each equality test above, run on kernels whose 32-bit pass leaves the odd elements out of the check values
     # (a server's change to any of them would pass every check), fails.
     tests = ["test_sum_check:test_the_kernel_pass_computes_the_numpy_definition_exactly:32",
              "test_sum_check:test_the_kernel_pass_at_the_largest_values_and_odd_sizes_equals_the_numpy_definition:32"]
-    out = run_kernel_mutant(tmp_path, 1, tests)
+    out = run_kernel_mutant(tmp_path, mutant_kernel_cache, 1, tests)
     for test in tests:
         assert f"{test} FAILED" in out, out
 

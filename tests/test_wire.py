@@ -227,13 +227,13 @@ def test_the_32_bit_ring_refuses_a_value_it_cannot_carry_in_any_lane(bad):
 
 
 @pytest.mark.slow
-def test_mutation_32_bit_lanes_that_lose_their_range_check_fail_the_refusal_test(tmp_path):
+def test_mutation_32_bit_lanes_that_lose_their_range_check_fail_the_refusal_test(tmp_path, mutant_kernel_cache):
     # A mask op whose four-lane path drops its range checks (only the tail's remain): a value out of range in a
     # lane would be encoded as 0 and go on without an error; the refusal test above fails on it.
     from test_sum_check import run_kernel_mutant  # pylint: disable=import-outside-toplevel
 
     test = "test_wire:test_the_32_bit_ring_refuses_a_value_it_cannot_carry_in_any_lane:16.0"
-    out = run_kernel_mutant(tmp_path, 2, [test])
+    out = run_kernel_mutant(tmp_path, mutant_kernel_cache, 2, [test])
     assert f"{test} FAILED" in out, out
 
 
