@@ -51,6 +51,18 @@ def test_ring_add_and_sub_equal_integer_arithmetic_modulo_the_ring(ring_bits):
     assert _ring_value(diff, ring_bits, n) == [(x - y) % mod for x, y in zip(va, vb)]
 
 
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_ring_elements_read_and_write_a_slice_of_elements_as_integers(ring_bits):
+    n = 7  # odd: the 32-bit ring's last word holds one element and a zero lane
+    words = np.random.RandomState(ring_bits).randint(0, 2**63, ring.ring_words(n, ring_bits), np.int64).view(np.uint64)
+    reference = _ring_value(words, ring_bits, n)
+    assert ring.elements(words, 0, n, ring_bits) == reference
+    assert ring.elements(words, 2, 4, ring_bits) == reference[2:6]
+    written = [2**ring_bits - 1, 0, 2**(ring_bits - 1), 12345]  # the ring's extremes, the sign bit alone, a small one
+    ring.set_elements(words, 3, written, ring_bits)
+    assert _ring_value(words, ring_bits, n) == reference[:3] + written + reference[7:]
+
+
 def test_ring_refuses_bad_arguments_naming_them():
     with pytest.raises(ValueError, match="ring_bits=48"):
         ring.ring_words(3, 48)

@@ -216,10 +216,11 @@ def test_the_kernel_pass_computes_the_numpy_definition_exactly(ring_bits):
             values = check_pass(words, given, total, n, ring_bits, key, coefficient_key, out, copy=copy)
             plain = sum_check._plus(words, stream, ring_bits)  # pylint: disable=protected-access
             assert values == SumCheck.values(coefficients, plain, n, ring_bits), (n, copy)
-            for i in range(total):
-                element = sum_check._element  # pylint: disable=protected-access
-                expected = element(words if copy and i < given else (plain if i < given else stream), i, ring_bits)
-                assert element(out, i, ring_bits) == expected, (n, copy, i)
+            rest = total - given
+            assert ring.elements(out, 0, given, ring_bits) == \
+                ring.elements(words if copy else plain, 0, given, ring_bits), (n, copy)
+            assert ring.elements(out, given, rest, ring_bits) == \
+                ring.elements(stream, given, rest, ring_bits), (n, copy)
 
 
 def _extremes(n, ring_bits):
@@ -266,8 +267,7 @@ def _honest_sum(check, channel, step, n, ring_bits, rng):
     plain = rng.integers(0, 2**64, ring.ring_words(n + CHECK_WORDS, ring_bits), dtype=np.uint64)
     plain[:ring.ring_words(4, ring_bits)] = _extremes(4, ring_bits)[:ring.ring_words(4, ring_bits)]
     values = SumCheck.values(check.coefficients(channel, step, n), plain, n, ring_bits)
-    for j, residue in enumerate(check.residues(values, ring_bits)):
-        sum_check._set_element(plain, n + j, ring_bits, residue)  # pylint: disable=protected-access
+    ring.set_elements(plain, n, check.residues(values, ring_bits), ring_bits)
     key = np.arange(4, dtype=np.int32)
     return plain, ring.sub_into(plain.copy(), ring.keystream_words(key, plain.size), ring_bits), key
 
@@ -287,9 +287,7 @@ def test_a_sum_decoded_in_the_checking_pass_equals_decode_sum_bit_for_bit(ring_b
         arrays = sum_check._decoded_arrays(dtype.as_numpy_dtype, sizes)  # pylint: disable=protected-access
         factor = ops.decode_factor(fraction_bits, scale)
         tail = check.verify("sum_2", 9, ring_bits, n, key, masked, arrays, factor)
-        for i in range(n, n + CHECK_WORDS):
-            element = sum_check._element  # pylint: disable=protected-access
-            assert element(tail, i, ring_bits) == element(whole, i, ring_bits)
+        assert ring.elements(tail, n, CHECK_WORDS, ring_bits) == ring.elements(whole, n, CHECK_WORDS, ring_bits)
         expected = _decode_sum(plain[:ring.ring_words(n, ring_bits)], dtype, ring_bits, fraction_bits, scale, shapes)
         for got, want, shape in zip(arrays, expected, shapes):
             assert got.size == 0 or got.ctypes.data % 64 == 0
@@ -768,10 +766,10 @@ def _rider_round(c, checks, step, ring_bits, values, rider_values, rider_ring=12
         revealed = sum_check.checked_contribute(c.clients[o].contribute, checks[o], "sum_0", step, ring_bits, n, key,
                                                 share, reveal=True, riders=limbs)
         words = np.asarray(revealed).view(np.uint64)
-        sums = [sum_check._element(words, n + i, ring_bits) for i in range(len(limbs))]  # pylint: disable=W0212
+        sums = ring.elements(words, n, len(limbs), ring_bits)
         total = riders.from_limbs(sums, m, rider_ring, ring_bits).view(np.uint64)
-        return _signed(words, n, ring_bits), [sum_check._signed(sum_check._element(total, i, rider_ring),  # noqa
-                                                                rider_ring) for i in range(m)]
+        return _signed(words, n, ring_bits), [sum_check._signed(v, rider_ring)  # pylint: disable=protected-access
+                                              for v in ring.elements(total, 0, m, rider_ring)]
 
     return in_threads([lambda o=o: owner(o) for o in range(len(values))])
 

@@ -48,6 +48,8 @@ import queue
 import threading
 from typing import Callable, Dict, Optional
 
+from tfe_estimator.service.thread_pool import next_job
+
 __all__ = ["Tickets", "TICKETS", "IDLE_SECS", "MAX_IN_FLIGHT"]
 
 #: A channel's worker thread ends after this long without a call.
@@ -113,14 +115,9 @@ class Tickets:
 
     def _work(self, channel: str, calls: "queue.SimpleQueue[_Call]") -> None:
         while True:
-            try:
-                call = calls.get(timeout=self._idle_secs)
-            except queue.Empty:
-                with self._lock:
-                    if calls.empty():  # a call handed over meanwhile keeps this worker
-                        del self._workers[channel]
-                        return
-                continue
+            call = next_job(calls, self._idle_secs, self._lock, lambda: self._workers.pop(channel))
+            if call is None:  # none for `IDLE_SECS`: this worker ends (a call handed over meanwhile keeps it)
+                return
             try:
                 call.result = call.work()
             except BaseException as e:  # pylint: disable=broad-except  # re-raised by `finish`

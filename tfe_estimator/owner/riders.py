@@ -61,15 +61,14 @@ def limbs_per_element(rider_ring: int, host_ring: int) -> int:
 
 def to_limbs(words: np.ndarray, n: int, rider_ring: int, host_ring: int) -> List[int]:
     """The `n` elements of ring vector `words` as nonnegative limbs of ``host_ring / 2`` bits, low limb first."""
+    return _split(ring.elements(words, 0, n, rider_ring), rider_ring, host_ring)
+
+
+def _split(values: List[int], rider_ring: int, host_ring: int) -> List[int]:
+    """`to_limbs` of elements given as integers below 2**rider_ring."""
     bits = host_ring // 2
-    per = limbs_per_element(rider_ring, host_ring)
-    lanes = np.asarray(words).reshape(-1).view("<u4")
-    out = []
-    for i in range(n):
-        lane = rider_ring // 32
-        value = sum(int(v) << (32 * j) for j, v in enumerate(lanes[i * lane:(i + 1) * lane]))
-        out.extend((value >> (bits * k)) & ((1 << bits) - 1) for k in range(per))
-    return out
+    per, mask = limbs_per_element(rider_ring, host_ring), (1 << bits) - 1
+    return [(value >> (bits * k)) & mask for value in values for k in range(per)]
 
 
 def from_limbs(limbs: List[int], n: int, rider_ring: int, host_ring: int) -> np.ndarray:
@@ -77,12 +76,8 @@ def from_limbs(limbs: List[int], n: int, rider_ring: int, host_ring: int) -> np.
     bits = host_ring // 2
     per = limbs_per_element(rider_ring, host_ring)
     words = np.zeros(ring.ring_words(n, rider_ring), np.uint64)
-    lanes = words.view("<u4")
-    lane = rider_ring // 32
-    for i in range(n):
-        value = sum(int(s) << (bits * k) for k, s in enumerate(limbs[i * per:(i + 1) * per])) % (1 << rider_ring)
-        for j in range(lane):
-            lanes[i * lane + j] = (value >> (32 * j)) & 0xFFFFFFFF
+    ring.set_elements(words, 0, [sum(int(s) << (bits * k) for k, s in enumerate(limbs[i * per:(i + 1) * per]))
+                                 % (1 << rider_ring) for i in range(n)], rider_ring)
     return words.view(np.int64)
 
 
@@ -135,9 +130,7 @@ class Host:
             for answer in answers:
                 count = answer.n * limbs_per_element(answer.ring_bits, self.ring_bits)
                 if error is None:
-                    lanes, per = revealed.reshape(-1).view("<u4"), self.ring_bits // 32
-                    sums = [sum(int(v) << (32 * j) for j, v in enumerate(lanes[(s + k) * per:(s + k + 1) * per]))
-                            for s in [start] for k in range(count)]
+                    sums = ring.elements(revealed, start, count, self.ring_bits)
                     answer.words = from_limbs(sums, answer.n, answer.ring_bits, self.ring_bits)
                 answer.error = error
                 start += count
@@ -149,14 +142,16 @@ class Host:
 def ride(host: Host, index: int, ring_bits: int, n: int, key: np.ndarray, share: np.ndarray) -> int:
     """The rider's contribution: its plain ring elements (``share + AES(key)``, never sent as they are) left as
     limbs for `host`'s call; returns its ticket for `finish`."""
-    words = np.asarray(share).reshape(-1).view(np.uint64)
-    plain = words.copy()
-    ring.add_into(plain, ring.keystream_words(np.asarray(key), plain.size), ring_bits)
+    # a few elements: one keystream of n elements and Python integers, no vector arithmetic
+    per, modulus = ring_bits // 8, 1 << ring_bits
+    stream = ring.keystream_bytes_at(key, 0, n * per)
+    plain = [(v + int.from_bytes(stream[i * per:(i + 1) * per], "little")) % modulus
+             for i, v in enumerate(ring.elements(share, 0, n, ring_bits))]
     answer = _Ride(host, index, ring_bits, n)
     with _LOCK:
         ticket = next(_IDS)
         _RIDES[ticket] = answer
-    host._put(index, to_limbs(plain, n, ring_bits, host.ring_bits), answer, ticket)  # pylint: disable=W0212
+    host._put(index, _split(plain, ring_bits, host.ring_bits), answer, ticket)  # pylint: disable=W0212
     return ticket
 
 

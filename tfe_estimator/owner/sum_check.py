@@ -128,20 +128,6 @@ def _plus(a: np.ndarray, b: np.ndarray, ring_bits: int) -> np.ndarray:
     return ring.add_into(out, b, ring_bits)
 
 
-def _element(words: np.ndarray, index: int, ring_bits: int) -> int:
-    """Element `index` of a ring vector as an unsigned integer below 2**ring_bits."""
-    per = ring_bits // 32
-    lanes = words.view("<u4")[index * per:(index + 1) * per]
-    return sum(int(v) << (32 * i) for i, v in enumerate(lanes))
-
-
-def _set_element(words: np.ndarray, index: int, ring_bits: int, value: int) -> None:
-    per = ring_bits // 32
-    lanes = words.view("<u4")
-    for i in range(per):
-        lanes[index * per + i] = (value >> (32 * i)) & 0xFFFFFFFF
-
-
 def _scratch(arrays: threading.local, name: str, words: int) -> np.ndarray:
     """The calling thread's reusable uint64 array `name` of `words` words in `arrays` (its contents are stale)."""
     array = arrays.__dict__.get(name)
@@ -182,6 +168,15 @@ class SumCheck:
         # faults that doubled the checks' time at 1e5); never the arrays handed back to the caller.
         self._scratch_arrays = threading.local()
 
+    def _coefficient_key(self, channel: str, step: int) -> bytes:
+        """The AES key of `channel`'s coefficients at `step` (`_derive`), derived once per channel and step in a
+        thread: a contribution's `extend` and its answer's `verify` run in the same thread (its channel's)."""
+        arrays = self._scratch_arrays.__dict__
+        cached = arrays.get("coefficient_key")
+        if cached is None or cached[0] != (channel, step):
+            cached = arrays["coefficient_key"] = ((channel, step), _derive(self._seed, channel, step))
+        return cached[1]
+
     def _scratch(self, name: str, words: int) -> np.ndarray:
         """This thread's reusable uint64 array `name` of `words` words (its contents are stale)."""
         return _scratch(self._scratch_arrays, name, words)
@@ -207,7 +202,7 @@ class SumCheck:
         one cache-sized block at a time into float64, instead of a (ROWS, n) float64 array.
         The array is this thread's scratch: the next call in the thread overwrites it.
         """
-        key = _derive(self._seed, channel, step)
+        key = self._coefficient_key(channel, step)
         stream = ring.keystream_into(key, self._scratch("coefficients", (ROWS * n + 1) // 2)).view("<u4")[:ROWS * n]
         np.right_shift(stream, np.uint32(32 - COEFFICIENT_BITS), out=stream)
         return stream.reshape(ROWS, n)
@@ -266,30 +261,31 @@ class SumCheck:
         total = covered + CHECK_WORDS
         # reused per thread (the result is only sent: `contribute_checked`)
         out = self._scratch("out", ring.ring_words(total, ring_bits))
-        key_c = _derive(self._seed, channel, step)
+        key_c = self._coefficient_key(channel, step)
         # the pass reads the riders' elements as 0: it checks their keystream, corrected below to the riders
         values = check_pass(np.asarray(share).reshape(-1), n, total, covered, ring_bits, key, key_c, out, copy=True)
         modulus = 1 << ring_bits
         if riders:
             stream = self._rider_coefficients(key_c, n, covered)
-            for i, rider in enumerate(riders):  # out's element n + i is AES(key)'s
-                pad = _element(out, n + i, ring_bits)
-                change = _signed(int(rider) % modulus, ring_bits) - _signed(pad, ring_bits)
-                values = [v + int(stream[m][i]) * change for m, v in enumerate(values)]
-                _set_element(out, n + i, ring_bits, (int(rider) - pad) % modulus)
-        for j, value in enumerate(self.residues(values, ring_bits)):  # out's element covered + j is AES(key)'s
-            _set_element(out, covered + j, ring_bits, (value - _element(out, covered + j, ring_bits)) % modulus)
+            pads = ring.elements(out, n, len(riders), ring_bits)  # out's element n + i is AES(key)'s
+            plain = [int(rider) % modulus for rider in riders]
+            changes = [_signed(r, ring_bits) - _signed(pad, ring_bits) for r, pad in zip(plain, pads)]
+            values = [v + sum(c * change for c, change in zip(row, changes)) for v, row in zip(values, stream)]
+            ring.set_elements(out, n, [(r - pad) % modulus for r, pad in zip(plain, pads)], ring_bits)
+        pads = ring.elements(out, covered, CHECK_WORDS, ring_bits)  # out's element covered + j is AES(key)'s
+        ring.set_elements(out, covered, [(value - pad) % modulus for value, pad
+                                         in zip(self.residues(values, ring_bits), pads)], ring_bits)
         return out.view(np.int64)
 
     @staticmethod
-    def _rider_coefficients(coefficient_key: bytes, n: int, covered: int) -> List[np.ndarray]:
+    def _rider_coefficients(coefficient_key: bytes, n: int, covered: int) -> List[List[int]]:
         """Per row, the coefficients of elements ``n .. covered - 1`` of a check over `covered` elements (those
         of `coefficients` there), without expanding the others."""
         count = covered - n
         rows = []
         for m in range(ROWS):
             data = ring.keystream_bytes_at(coefficient_key, 4 * (m * covered + n), 4 * count)
-            rows.append(np.frombuffer(data, "<u4") >> np.uint32(32 - COEFFICIENT_BITS))
+            rows.append([v >> (32 - COEFFICIENT_BITS) for v in np.frombuffer(data, "<u4").tolist()])
         return rows
 
     def verify(self, channel: str, step: int, ring_bits: int, n: int, blind_key: np.ndarray,
@@ -312,11 +308,12 @@ class SumCheck:
                 f"altered it (server operators: {self.operators}); training stopped, nothing of it applied.")
         # handed to TensorFlow (one nobody holds any more), unless decoded
         revealed = self._scratch("after_decoded", answer.size) if decoded else self._for_tensorflow(answer.size)
-        values = check_pass(answer, total, total, n, ring_bits, blind_key, _derive(self._seed, channel, step),
+        values = check_pass(answer, total, total, n, ring_bits, blind_key, self._coefficient_key(channel, step),
                             revealed, copy=False, decoded=decoded, factor=factor)
         expected = self.residues(values, ring_bits)
         primes = PRIMES[ring_bits] * ROWS
-        failed = sum(_element(revealed, n + j, ring_bits) % p != e for j, (p, e) in enumerate(zip(primes, expected)))
+        failed = sum(word % p != e for word, p, e in zip(ring.elements(revealed, n, CHECK_WORDS, ring_bits), primes,
+                                                         expected))
         if failed:
             raise SumIntegrityError(
                 f"the sum released for step {step} on channel {channel} failed {failed} of {CHECK_WORDS} integrity "
@@ -461,7 +458,6 @@ def _with_riders(key, share: np.ndarray, n: int, ring_bits: int, riders: Sequenc
     pads = ring.keystream_bytes_at(key, n * ring_bits // 8, len(riders) * ring_bits // 8)
     per = ring_bits // 8
     modulus = 1 << ring_bits
-    for i, rider in enumerate(riders):
-        pad = int.from_bytes(pads[i * per:(i + 1) * per], "little")
-        _set_element(out, n + i, ring_bits, (int(rider) - pad) % modulus)
+    ring.set_elements(out, n, [(int(rider) - int.from_bytes(pads[i * per:(i + 1) * per], "little")) % modulus
+                               for i, rider in enumerate(riders)], ring_bits)
     return out.view(np.int64)

@@ -209,6 +209,11 @@ class _Put:
             raise self._error
         return self._reply
 
+    def exception(self) -> Optional[grpc.RpcError]:
+        """The call's error (None: it answered), once it is done (like `grpc.Future.exception`)."""
+        self._done.wait()
+        return self._error
+
     def trailing_metadata(self):
         return self._trailing
 
@@ -303,22 +308,27 @@ class OwnerClient:
             return mismatch or reason
         return None
 
-    def _await(self, method: str, what: str, calls: Dict[int, "grpc.Future"], start: float) -> None:
-        """Waits until a call in `calls` is done (its failure may be retried at once); names a server that does
-        not answer within seconds and every ~10 s after (WARNING), e.g. ``waiting for aggregation server0 at
-        host:port: connection refused (20 s)``."""
+    def _await(self, method: str, what: str, calls: Dict[int, "grpc.Future"], start: float,
+               any_of: Sequence[int] = ()) -> None:
+        """Waits until every call in `calls` is done, one of them failed (it may be retried at once), or a call of
+        a server in `any_of` is done (its answer is acted on at once); names a server that does not answer within
+        seconds and every ~10 s after (WARNING), e.g. ``waiting for aggregation server0 at host:port: connection
+        refused (20 s)``. The waiting thread wakes once per call when all goes well (each wake-up costs CPU)."""
         next_check = start + _FIRST_CHECK_SECS
         done = threading.Event()
+
+        def ended(call) -> None:
+            if all(c.done() for c in calls.values()) or call.exception() is not None or \
+                    any(calls.get(k) is call for k in any_of):
+                done.set()
+
         for call in calls.values():
-            call.add_done_callback(lambda _: done.set())
-        while True:
-            pending = {k: c for k, c in calls.items() if not c.done()}
-            if len(pending) < len(calls):
-                return
+            call.add_done_callback(ended)
+        while not done.is_set():
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _NOTICE_SECS
-                for server in pending:
+                for server in (k for k, c in calls.items() if not c.done()):
                     why = self.unreachable(server)
                     if why is not None:
                         _LOG.warning("service mode: %s of %s waits for aggregation server%d at %s: %s (%.0f s)",
@@ -400,7 +410,9 @@ class OwnerClient:
         recheck = False  # server1 failed before server0 answered: put on server0 again once it answers
         answered = {}  # server0's first answer's call: its replay flag counts (the same key put again is flagged)
         while len(replies) < 2:
-            self._await("Contribute", what, {k: c for k, c in calls.items() if k not in replies}, start)
+            # server0's answer is acted on at once while `recheck` (server1 may wait for the part it forwards again)
+            self._await("Contribute", what, {k: c for k, c in calls.items() if k not in replies}, start,
+                        any_of=(0,) if recheck else ())
             for server, call in calls.items():
                 if server in replies or not call.done():
                     continue

@@ -20,12 +20,14 @@ Example::
 """
 import hashlib
 import sys
+from typing import List, Sequence
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 __all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "keystream_into", "add_into", "copy_into",
-           "negate", "sub_into", "keystream_apply", "keystream_bytes_at", "key_digest", "KEY_METADATA",
+           "negate", "sub_into", "keystream_apply", "keystream_bytes_at", "key_digest", "elements", "set_elements",
+           "KEY_METADATA",
            "DIGESTS_METADATA", "REPLAYED_METADATA"]
 
 RING_BITS = (32, 64, 128)
@@ -126,6 +128,36 @@ def keystream_bytes_at(key16, offset: int, size: int) -> bytes:
     block, skip = divmod(int(offset), 16)
     encryptor = Cipher(algorithms.AES(key), modes.CTR(block.to_bytes(16, "big"))).encryptor()
     return encryptor.update(bytes(skip + int(size)))[skip:]
+
+
+def elements(words: np.ndarray, start: int, count: int, ring_bits: int) -> List[int]:
+    """Elements ``start .. start + count - 1`` of ring vector `words` as unsigned integers below 2**ring_bits (a
+    few elements, e.g. check words: one slice, no per-element indexing).
+
+    Example::
+
+        elements(words, n, 4, 128)    # the four elements after the first n, as Python integers
+    """
+    flat = np.asarray(words).reshape(-1)
+    if _check_ring_bits(ring_bits) == 32:
+        return flat.view("<u4")[start:start + count].tolist()
+    per = ring_bits // 64
+    parts = flat.view("<u8")[per * start:per * (start + count)].tolist()
+    return parts if per == 1 else [low | (high << 64) for low, high in zip(parts[0::2], parts[1::2])]
+
+
+def set_elements(words: np.ndarray, start: int, values: Sequence[int], ring_bits: int) -> None:
+    """Writes `values` (each below 2**ring_bits) to elements ``start, start + 1, ...`` of ring vector `words` (a
+    writable contiguous array of 64-bit words), in one slice assignment."""
+    count = len(values)
+    if _check_ring_bits(ring_bits) == 32:
+        words.view("<u4")[start:start + count] = np.array(values, np.uint32)
+    elif ring_bits == 64:
+        words.view("<u8")[start:start + count] = np.array(values, np.uint64)
+    else:
+        mask = (1 << 64) - 1
+        words.view("<u8")[2 * start:2 * (start + count)] = np.array(
+            [part for v in values for part in (v & mask, v >> 64)], np.uint64)
 
 
 def key_digest(key16) -> bytes:

@@ -16,12 +16,36 @@ Example::
 """
 import queue
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
-__all__ = ["ThreadPool", "IDLE_SECS"]
+__all__ = ["ThreadPool", "IDLE_SECS", "next_job"]
 
 #: A pool thread ends after this long without a job.
 IDLE_SECS = 60.0
+
+
+_Job = TypeVar("_Job")
+
+
+def next_job(jobs: "queue.SimpleQueue[_Job]", idle_secs: float, lock: threading.Lock,
+             retire: Callable[[], None]) -> Optional[_Job]:
+    """An idle worker thread's wait: the next item of `jobs`; None once none came for `idle_secs` and none is
+    waiting, after `retire()` ran under `lock` (whoever hands jobs over holds it: one handed over meanwhile keeps
+    the thread). `ThreadPool`'s threads and `tfe_estimator.owner.in_flight`'s channel workers wait here.
+
+    Example::
+
+        while (job := next_job(jobs, 60.0, lock, lambda: workers.remove(me))) is not None:
+            job()
+    """
+    while True:
+        try:
+            return jobs.get(timeout=idle_secs)
+        except queue.Empty:
+            with lock:
+                if jobs.empty():
+                    retire()
+                    return None
 
 
 class ThreadPool:
@@ -57,15 +81,10 @@ class ThreadPool:
                 if self._closed:
                     return
                 self._idle += 1
-            while True:
-                try:
-                    job = self._jobs.get(timeout=self._idle_secs)
-                    break
-                except queue.Empty:
-                    with self._lock:
-                        if self._jobs.empty():  # no job is waiting for an idle thread: this one ends
-                            self._idle -= 1
-                            return
+            job = next_job(self._jobs, self._idle_secs, self._lock, self._retire)  # None: idle too long, or closed
+
+    def _retire(self) -> None:
+        self._idle -= 1  # no job is waiting for an idle thread: this one ends (under the lock)
 
     def close(self) -> None:
         """Ends the idle threads; jobs running finish on theirs, later jobs each get a thread of their own."""
