@@ -209,6 +209,10 @@ class _Put:
             raise self._error
         return self._reply
 
+    def cancelled(self) -> bool:
+        """False: a put cancelled ends with an error, ``CANCELLED`` (`exception`), unlike a `grpc.Future`."""
+        return False
+
     def exception(self) -> Optional[grpc.RpcError]:
         """The call's error (None: it answered), once it is done (like `grpc.Future.exception`)."""
         self._done.wait()
@@ -317,14 +321,14 @@ class OwnerClient:
         next_check = start + _FIRST_CHECK_SECS
         done = threading.Event()
 
-        def ended(call) -> None:
-            if all(c.done() for c in calls.values()) or call.exception() is not None or \
-                    any(calls.get(k) is call for k in any_of):
-                done.set()
+        def settled(call) -> bool:  # `call` is done: may the waiting thread act?
+            return (all(c.done() for c in calls.values()) or call.cancelled() or call.exception() is not None
+                    or any(calls.get(k) is call for k in any_of))
 
         for call in calls.values():
-            call.add_done_callback(ended)
-        while not done.is_set():
+            call.add_done_callback(lambda c: settled(c) and done.set())
+        # the loop's own look (at least every second) also ends the wait should a callback not have set `done`
+        while not done.is_set() and not any(c.done() and settled(c) for c in calls.values()):
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _NOTICE_SECS
