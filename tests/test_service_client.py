@@ -110,3 +110,57 @@ def test_a_server_restarted_mid_step_is_waited_out_with_the_same_contribution(ma
 def test_without_patience_a_restarted_server_fails_the_waiting_owner(make_service, cert_dirs):
     service = make_service(owner_names(2), step_timeout_secs=15.0)
     assert isinstance(_restart_server0_mid_step(service, cert_dirs[0], retry_secs=0.0)[0], ServiceError)
+
+
+def _awaiting(calls, any_of=()):
+    """Runs `OwnerClient._await` on `calls` (futures) in a thread; returns an Event set once it returned."""
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    import threading  # pylint: disable=import-outside-toplevel
+    import types  # pylint: disable=import-outside-toplevel
+
+    assert all(isinstance(c, concurrent.futures.Future) for c in calls.values())
+    owner = types.SimpleNamespace(unreachable=lambda server: None, _addresses={0: "s0", 1: "s1"})
+    returned = threading.Event()
+
+    def wait():
+        client_module.OwnerClient._await(owner, "Contribute", "step 0 of 'c'", calls, time.monotonic(),  # noqa: SLF001
+                                         any_of=any_of)
+        returned.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    return returned
+
+
+def test_an_owner_waits_for_both_answers_and_acts_at_once_on_a_failure_or_on_server0_while_rechecking():
+    """The owner's call thread wakes once per call: when both servers answered, when one call failed (it is put
+    again at once), or, while a server1 failure is rechecked, when server0 answered (`any_of`); not before."""
+    from concurrent.futures import Future  # pylint: disable=import-outside-toplevel
+
+    # both answers: not after the first alone
+    calls = {0: Future(), 1: Future()}
+    returned = _awaiting(calls)
+    calls[0].set_result("answer 0")
+    assert not returned.wait(0.5)
+    calls[1].set_result("answer 1")
+    assert returned.wait(5)
+    # a failure ends the wait while the other call is pending
+    calls = {0: Future(), 1: Future()}
+    returned = _awaiting(calls)
+    calls[1].set_exception(RuntimeError("server1 restarted"))
+    assert returned.wait(5)
+    # while rechecking, server0's answer ends it; server1's alone does not
+    calls = {0: Future(), 1: Future()}
+    returned = _awaiting(calls, any_of=(0,))
+    assert not returned.wait(0.3)
+    calls[0].set_result("answer 0")
+    assert returned.wait(5)
+    calls = {0: Future(), 1: Future()}
+    returned = _awaiting(calls, any_of=(0,))
+    calls[1].set_result("answer 1")
+    assert not returned.wait(0.5)
+    calls[0].set_result("answer 0")
+    assert returned.wait(5)
+    # already done (a callback added to a done call runs at once)
+    done = Future()
+    done.set_result("answer")
+    assert _awaiting({0: done}).wait(5)
