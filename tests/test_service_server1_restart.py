@@ -29,12 +29,26 @@ def _reveal(result):
     return (w.view(np.uint64) + ring.keystream_words(blind, w.size)).view(np.int64)
 
 
-def _server1_killed_after_it_released(service, cert_dir, monkeypatch, keys, x):
+def _server1_killed_after_it_released(service, cert_dir, monkeypatch, keys, x, server0_answers_late=False):
     """Both owners put step 0 (`keys`); server1 releases it and takes server0's part, and dies before it answers
-    the owners; a new server1 starts at its address. Returns the owners' clients and results."""
+    the owners; a new server1 starts at its address. `server0_answers_late`: server0's answer to each owner leaves
+    only once that owner put its share on the new server1 (server1 failed before server0 answered). Returns the
+    owners' clients and results."""
     old, server0 = service.servers
     forwarded, killed = threading.Event(), threading.Event()
     contribute, send = old._contribute, server0._send_forward  # pylint: disable=protected-access
+    on_fresh = {name: threading.Event() for name in service.owners}  # the owner put on the new server1
+    if server0_answers_late:
+        answer0, held = server0._contribute, set()  # pylint: disable=protected-access
+
+        def answer_after_the_owner_put_on_the_new_server1(identity, *args):
+            answer = answer0(identity, *args)
+            if identity not in held:  # its first answer only; the same key put again is answered at once
+                held.add(identity)
+                assert on_fresh[identity].wait(30)
+            return answer
+
+        monkeypatch.setattr(server0, "_contribute", answer_after_the_owner_put_on_the_new_server1)
 
     def answer_never_sent(*args):  # the step's answer is there; the process dies before it is sent
         answer = contribute(*args)
@@ -59,6 +73,9 @@ def _server1_killed_after_it_released(service, cert_dir, monkeypatch, keys, x):
         killed.set()
         fresh = AggregationServer(1, service.addresses[1], service.owners, TlsFiles.from_dir(cert_dir, "tfe", 1),
                                   step_timeout_secs=8.0, data_address="localhost:0")
+        taken = fresh._contribute  # pylint: disable=protected-access
+        monkeypatch.setattr(fresh, "_contribute",
+                            lambda identity, *args: (on_fresh[identity].set(), taken(identity, *args))[1])
         fresh.start()
         service.servers.append(fresh)
 
@@ -78,6 +95,26 @@ def test_server1_killed_after_it_released_gets_server0s_same_part_again(make_ser
         np.testing.assert_array_equal(_reveal(result), 2 * x)
     assert bytes(results[0][0]) == bytes(results[1][0])  # one blind key: the release server0 answered
     assert [o.answers["c"] for o in owners] == [[1, 0], [1, 0]]  # each owner got the step once, fresh
+    assert [step for step, _ in service.forwards] == [0, 0] and service.forwards[0] == service.forwards[1]
+
+
+def test_server1_killed_before_server0_answered_gets_server0s_part_again_once_server0_answers(
+        make_service, cert_dirs, monkeypatch):
+    # Server1 fails before server0 answers the step: the owner puts its same share on the new server1 (which waits
+    # for server0's part) and must act on server0's answer while that put still waits, putting its same key on
+    # server0 again so that server0 forwards the part again (`OwnerClient.contribute`'s `any_of=(0,)`). Waiting
+    # for both answers instead, the put on the new server1 waits out the owner's deadline: ServiceError
+    # DEADLINE_EXCEEDED after 8 s, nothing forwarded again.
+    service = make_service(owner_names(2), step_timeout_secs=8.0)
+    keys = [np.frombuffer(os.urandom(16), np.int32) for _ in range(2)]
+    x = np.arange(8, dtype=np.int64)
+    owners, results = _server1_killed_after_it_released(service, cert_dirs[0], monkeypatch, keys, x,
+                                                        server0_answers_late=True)
+    for result in results:
+        assert isinstance(result, tuple), result
+        np.testing.assert_array_equal(_reveal(result), 2 * x)
+    assert bytes(results[0][0]) == bytes(results[1][0])
+    assert [o.answers["c"] for o in owners] == [[1, 0], [1, 0]]
     assert [step for step, _ in service.forwards] == [0, 0] and service.forwards[0] == service.forwards[1]
 
 
