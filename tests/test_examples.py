@@ -9,6 +9,8 @@ import pathlib
 
 import pytest
 
+from launch_log import report
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -79,7 +81,7 @@ def test_linear_regressor_cluster_example_runs_as_documented(tmp_path, monkeypat
     out = io.StringIO()
     launcher = Launcher(command + ["--steps", "30"], workers=args.workers, evaluator=args.evaluator,
                         task_cwd=args.task_cwd, cluster_mode=args.cluster_mode, out=out, final_eval_timeout=120)
-    assert launcher.run() == 0, out.getvalue()[-5000:]
+    assert launcher.run() == 0, report(out.getvalue())
     assert "Saving dict for global step 30" in out.getvalue()  # the evaluator read the chief's model_dir
     for owner in ("chief-0", "worker-0"):  # each owner its own checkpoints, claimed
         model_dir = tmp_path / "owners" / owner / "model"

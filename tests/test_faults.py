@@ -30,6 +30,7 @@ import pytest
 
 from tfe_estimator.tools.demo_cluster import COLUMNS
 from tfe_estimator.cluster.launcher import Launcher
+from launch_log import report
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_launch import _assert_all_gone, _owner_data, _true_weights, _weights  # noqa: E402
@@ -54,8 +55,8 @@ def _checkpoint(model_dir, step):
 def _wait_for(predicate, launcher, runner, seconds, what):
     deadline = time.monotonic() + seconds
     while not predicate():
-        assert runner.is_alive(), f"the run ended before {what}:\n" + launcher._out.getvalue()[-6000:]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + launcher._out.getvalue()[-6000:]
+        assert runner.is_alive(), f"the run ended before {what}:\n" + report(launcher._out.getvalue(), 6000)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n" + report(launcher._out.getvalue(), 6000)
         time.sleep(0.1)
 
 
@@ -96,20 +97,20 @@ def test_without_restarts_a_killed_task_is_named_and_nothing_survives(victim, tm
         runner.join(timeout=300)
     log = launcher._out.getvalue()
     # Assert: the run stopped (or, for the evaluator, finished training) naming the task.
-    assert not runner.is_alive(), log[-5000:]
+    assert not runner.is_alive(), report(log)
     if victim == "evaluator:0":
-        assert status == [-9], log[-5000:]
+        assert status == [-9], report(log)
         assert "evaluator:0 died with status -9 (killed by SIGKILL) and has used its 0 restarts" in log
         assert "the chief finished, but evaluator:0 failed with status -9" in log
         assert _checkpoint(model_dir, 200), "an evaluator's death stopped training"
         np.testing.assert_allclose(_weights(model_dir), _true_weights(), atol=0.05)
     elif victim == "chief:0":
-        assert status == [-9], log[-5000:]
+        assert status == [-9], report(log)
         assert "chief:0 died with status -9 (killed by SIGKILL); stopping the cluster" in log
     else:
-        assert status == [-9], log[-5000:]
+        assert status == [-9], report(log)
         assert re.search(rf"{victim} died with status -9 \(killed by SIGKILL\) while the chief was training"
-                         rf"{_CHIEF_TOO}; stopping", log), log[-5000:]
+                         rf"{_CHIEF_TOO}; stopping", log), report(log)
     _assert_all_gone(launcher)
 
 
@@ -137,7 +138,7 @@ def test_with_restarts_every_role_can_die_and_the_model_is_an_uninterrupted_runs
         runner.join(timeout=600)
     log = launcher._out.getvalue()
     # Assert: every victim was restarted, training finished, and the model is the converged one.
-    assert status == [0], log[-8000:]
+    assert status == [0], report(log, 8000)
     for victim in killed:
         goes_on = "training goes on; " if victim == "evaluator:0" else ""
         assert re.search(rf"{victim} died with status -9 \(killed by SIGKILL\); {goes_on}restarting it at "

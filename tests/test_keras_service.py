@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from keras_dp_check import check_dp_noise, clipped_plaintext
+from launch_log import report
 from owner_data import _owner_data
 from tfe_estimator.cluster.launcher import Launcher
 from tfe_estimator.owner import model_record
@@ -76,11 +77,11 @@ def _check_progress(log, trained, keras_major):
     whose = "every owner's rows: a secure sum" if keras_major == 2 else "this owner's rows"
     first = {name: re.findall(rf"^\[{name}\] tfe_estimator: step 0, loss (\S+) \(this epoch's mean so far, "
                               rf"{re.escape(whose)}\)$", log, re.M) for name in ("chief:0", "worker:0")}
-    assert len(first["chief:0"]) == len(first["worker:0"]) == 1, (first, log[-5000:])
+    assert len(first["chief:0"]) == len(first["worker:0"]) == 1, (first, report(log))
     assert (first["chief:0"] == first["worker:0"]) == (keras_major == 2), first
-    assert "[worker:0] tfe_estimator: step 4, loss " in log, log[-5000:]  # the restarted worker's first step
+    assert "[worker:0] tfe_estimator: step 4, loss " in log, report(log)  # the restarted worker's first step
     ended = {name: _ended(log, name) for name in ("chief:0", "worker:0")}
-    assert ended["chief:0"][0] == ended["worker:0"][0] == (str(STEPS), _fingerprint(trained)), (ended, log[-5000:])
+    assert ended["chief:0"][0] == ended["worker:0"][0] == (str(STEPS), _fingerprint(trained)), (ended, report(log))
 
 
 def _check_evaluation(workdir, data, trained, log):
@@ -109,7 +110,7 @@ def _check_evaluation(workdir, data, trained, log):
         np.testing.assert_allclose(np.array(got["predictions"]).ravel(), x @ weights, rtol=1e-5, atol=1e-6)
     assert results["chief-0"]["union"] == results["worker-0"]["union"]  # every owner reads the same numbers
     for whose in ("all owners' data", "this owner's data only"):  # OwnerMetrics' lines, once on each owner
-        assert log.count(f"tfe_estimator: evaluation at step {STEPS}, {whose}: loss ") == 2, log[-5000:]
+        assert log.count(f"tfe_estimator: evaluation at step {STEPS}, {whose}: loss ") == 2, report(log)
     assert results["chief-0"]["own"] != results["worker-0"]["own"]
 
 
@@ -131,7 +132,7 @@ def _check_dp(workdir, data, log):
     assert chief.pop("loss") != worker.pop("loss")
     assert chief == worker and chief["iterations"] == DP_STEPS, (chief, worker)
     for name in ("chief:0", "worker:0"):  # fit's last line under DP too: the fingerprint of the noised weights
-        assert _ended(log, name)[1] == (str(DP_STEPS), _fingerprint(chief["trained"])), log[-5000:]
+        assert _ended(log, name)[1] == (str(DP_STEPS), _fingerprint(chief["trained"])), report(log)
         assert f"[{name}] tfe_estimator: step 0, loss " in log and "this epoch's mean so far, this owner's rows)" in log
     trained = np.append(np.array(chief["trained"][0]).ravel(), chief["trained"][1])
     expected = clipped_plaintext([data[o] for o in OWNERS], chief["initial"], DP_CLIP, DP_STEPS, LEARNING_RATE)
@@ -145,10 +146,10 @@ def _check_dp(workdir, data, log):
     line = (f"tfe_estimator: step {DP_STEPS}, DP epsilon {epsilon(DP_NOISE):.4g} at delta 1e-05 (against 1 "
             f"colluding owner(s) of 2; {epsilon(DP_NOISE * np.sqrt(2)):.4g} against outsiders)")
     for name in ("chief:0", "worker:0"):
-        assert f"[{name}] {line}" in log, log[-5000:]
-        assert f"[{name}] tfe_estimator: step 1, DP epsilon " in log, log[-5000:]
+        assert f"[{name}] {line}" in log, report(log)
+        assert f"[{name}] tfe_estimator: step 1, DP epsilon " in log, report(log)
     assert log.count(f"DistributedDP: {DP_STEPS} steps of global batch 16 over {DP_EXAMPLES} examples: epsilon = "
-                     f"{epsilon(DP_NOISE):.4g}") == 2, log[-5000:]
+                     f"{epsilon(DP_NOISE):.4g}") == 2, report(log)
 
 
 def _plaintext_loop(data, initial, steps):
@@ -198,22 +199,8 @@ def launched(tmp_path_factory):
     dp = ("--then-dp", str(DP_NOISE)) if _HAS_PRIVACY else ()
     status, log = _launch(workdir, "--refused-first", "worker-0", "0.5", "--crash-in", "worker-0", "5", "2",
                           "--then-evaluate", *dp, "--then-loop", max_restarts=1)
-    assert status == 0, _first_error(log) + log[-5000:]
+    assert status == 0, report(log)
     return workdir, data, log
-
-
-def _first_error(log):
-    """The launch's first traceback (its task's lines up to the exception), then "...": a later one may only be its
-    consequence (an owner that died in its first session restarts as a fresh training, and the servers' replay
-    window answers it: refused)."""
-    lines = log.splitlines()
-    for i, line in enumerate(lines):
-        if line.endswith("Traceback (most recent call last):"):
-            task = line[:line.index("Traceback")]
-            block = [other for other in lines[i:] if other.startswith(task)]
-            end = next((j for j, other in enumerate(block[1:], 1) if not other[len(task):].startswith(" ")), 0)
-            return "\n".join(block[:end + 1])[-4000:] + "\n...\n"
-    return ""
 
 
 def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_through_a_restart(launched):
@@ -221,18 +208,18 @@ def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_through_a_rest
     # First each owner fits a model whose learning rates differ (plain MultiWorkerMirroredStrategy would train with
     # the chief's): both are refused before its first step, naming the rate, with the handshake's own error.
     assert log.count("keras owner: first model refused: OwnersDisagreeError: Service handshake at step 0") == 2, \
-        log[-5000:]
-    assert "StagingError" not in log and "keras owner: first model trained" not in log, log[-5000:]
-    assert log.count("refused before the first step") >= 2, log[-5000:]
-    assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
+        report(log)
+    assert "StagingError" not in log and "keras owner: first model trained" not in log, report(log)
+    assert log.count("refused before the first step") >= 2, report(log)
+    assert "learning rate of the optimizer (SGD learning_rate): 0.5 on worker:0, 0.1 on chief:0" in log, report(log)
     assert "keras owner crashing after step 5" in log and "worker:0 died with status 3; restarting" in log
-    assert "[worker:0] tfe_estimator: service handshake at step 4: every owner trains model" in log, log[-5000:]
-    assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, log[-5000:]
+    assert "[worker:0] tfe_estimator: service handshake at step 4: every owner trains model" in log, report(log)
+    assert f"[chief:0] keras owner finished at step {STEPS}; 0 answers replayed" in log, report(log)
     # Step 4's sums, replayed: Keras 2 sums 5 values per step (gradients, loss, ...), Keras 3 1 (the gradients).
     import keras  # pylint: disable=import-outside-toplevel
 
     replayed = 5 if keras.__version__.startswith("2.") else 1
-    assert f"[worker:0] keras owner finished at step {STEPS}; {replayed} answers replayed" in log, log[-5000:]
+    assert f"[worker:0] keras owner finished at step {STEPS}; {replayed} answers replayed" in log, report(log)
     results = {}
     for owner in OWNERS:
         with open(os.path.join(workdir, owner, "keras_weights.json")) as f:
@@ -254,8 +241,8 @@ def test_keras_owners_are_refused_then_fit_to_the_plaintext_model_through_a_rest
     # more handshake each; so is each of the three custom loops that train (--then-loop).
     models = (2 if _HAS_PRIVACY else 1) + 3
     for name in ("chief:0", "worker:0"):
-        assert log.count(f"{name} rewound to step 0") == 2 * models, log[-5000:]
-    assert log.count("sums checked (check seed") == 2 * models + 1, log[-5000:]
+        assert log.count(f"{name} rewound to step 0") == 2 * models, report(log)
+    assert log.count("sums checked (check seed") == 2 * models + 1, report(log)
 
 
 def test_keras_owners_evaluate_the_union_and_their_own_data(launched):
@@ -283,7 +270,7 @@ def _check_custom_loops(workdir, data, log):
     owner's; each planted leak (strategy.reduce answered by the owner alone, the gradients summed over the owner's
     replicas only) fails that check."""
     refused = [line for line in log.splitlines() if "keras owner: custom loop refused: " in line]
-    assert len(refused) == 2 and "refused loop trained" not in log, refused or log[-5000:]
+    assert len(refused) == 2 and "refused loop trained" not in log, refused or report(log)
     assert all("OwnersDisagreeError: Service handshake at step 0" in line for line in refused), refused
     assert any(line.startswith("[chief:0]") and "learning rate of the optimizer (SGD learning_rate): 0.5 on "
                "worker:0, 0.1 on chief:0" in line for line in refused), refused

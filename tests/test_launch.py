@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from tfe_estimator.tools.demo_cluster import COLUMNS, TEST_FILE, TRAIN_FILE
 from tfe_estimator.cluster.launcher import Launcher
+from launch_log import report
 
 pytestmark = pytest.mark.multiprocess
 
@@ -117,8 +118,8 @@ def test_train_and_evaluate_on_loopback_cluster_matches_plaintext_and_keeps_data
     # load, 300 if it starts late); whatever it chose it evaluated (or said that rotation took it away, which
     # the evaluator's own tests cover), in order, and it ended on the last one.
     evaluated = [int(s) for s in re.findall(r"Saving dict for global step (\d+)", log["evaluator-0.log"])]
-    assert evaluated and evaluated == sorted(evaluated), log["evaluator-0.log"][-6000:]
-    assert evaluated[-1] == 300, log["evaluator-0.log"][-6000:]
+    assert evaluated and evaluated == sorted(evaluated), report(log["evaluator-0.log"], 6000)
+    assert evaluated[-1] == 300, report(log["evaluator-0.log"], 6000)
 
 
 def test_aby3_cluster_trains_and_keeps_plaintext_off_the_servers(tmp_path):
@@ -127,7 +128,7 @@ def test_aby3_cluster_trains_and_keeps_plaintext_off_the_servers(tmp_path):
     launcher = _launcher(workdir, "secure", steps=120, protocol="aby3")
     status = launcher.run()
     log = launcher._out.getvalue()
-    assert status == 0, log[-5000:]
+    assert status == 0, report(log)
     assert "cluster (aby3)" in log
     assert "none takes or produces a float tensor" in log  # the chief's audit of its training graph
     assert "audit of the partitioned graphs of run 1" in log  # and what the parties received
@@ -151,14 +152,14 @@ def test_a_dead_task_is_restarted_and_training_resumes(job, delay, tmp_path, mon
         model_dir = os.path.join(workdir, "model-secure")
         deadline = time.monotonic() + 240
         while not os.path.exists(os.path.join(model_dir, "model.ckpt-100.index")):
-            assert time.monotonic() < deadline and runner.is_alive(), launcher._out.getvalue()[-5000:]
+            assert time.monotonic() < deadline and runner.is_alive(), report(launcher._out.getvalue())
             time.sleep(0.2)
         victim = launcher.task(job, 1 if job == "tfe" else 0)
         os.killpg(victim.process.pid, signal.SIGKILL)
     finally:
         runner.join(timeout=600)
     log = launcher._out.getvalue()
-    assert status == [0], log[-5000:]
+    assert status == [0], report(log)
     assert f"{victim.name} died with status -9 (killed by SIGKILL); restarting it" in log
     assert "Saving dict for global step 400" in log
     np.testing.assert_allclose(_weights(model_dir), _true_weights(), atol=0.5)

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from launch_log import report
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 #: Lines a 2-owner launch may print beside the progress and evaluation lines (the launcher's own, starts,
@@ -51,7 +53,7 @@ def test_the_readme_train_py_trains_two_owners_with_the_launcher_as_written(tmp_
     proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     log = proc.stdout + proc.stderr
     (tmp_path / "launch.log").write_text(log)  # kept for a look after a failure
-    assert proc.returncode == 0, log[-5000:]
+    assert proc.returncode == 0, report(log)
     chief, worker = (_weights(tmp_path / "model" / owner) for owner in ("chief-0", "worker-0"))
     np.testing.assert_allclose(chief, worker, atol=1e-5)
     assert abs(float(chief[0])) > 1.0  # bmi predicts the target: it learned
@@ -66,7 +68,7 @@ def test_the_readme_train_py_trains_two_owners_with_the_launcher_as_written(tmp_
     assert abs(own[0][1] - own[1][1]) > 1e-3 * losses[0][1], (own, losses)  # not the federated loss
     assert (own[0][1] + own[1][1]) / 2 == pytest.approx(losses[0][1], rel=1e-5), (own, losses)
     for owner in ("chief:0", "worker:0"):  # each owner's terminal shows both
-        assert f"[{owner}] tfe_estimator: evaluation at step 300, all owners' data: average_loss" in log, log[-5000:]
+        assert f"[{owner}] tfe_estimator: evaluation at step 300, all owners' data: average_loss" in log, report(log)
         assert f"[{owner}] tfe_estimator: evaluation at step 300, this owner's data only: average_loss" in log
         assert f"[{owner}] tfe_estimator: step 200, loss" in log  # the progress line
     # A readable terminal (issue 35): beside the progress and evaluation lines, about what the README shows.
@@ -138,7 +140,7 @@ def test_the_deployment_page_for_two_hospitals_leaves_each_checkpoint_where_its_
             _stop_group(proc)  # the servers (and the owners, if they are still running)
     output = (tmp_path / "run.log").read_text()
     # Assert: each hospital's checkpoint is in the directory its command names, equal on both, and it learned.
-    assert returncode == 0, output[-5000:]
+    assert returncode == 0, report(output)
     weights = [_weights(tmp_path / hospital / "model") for hospital in ("hospital-a", "hospital-b")]
     np.testing.assert_array_equal(weights[0], weights[1])
     assert abs(float(weights[0][0])) > 1.0, weights

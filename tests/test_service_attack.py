@@ -21,6 +21,7 @@ import portpicker
 import pytest
 
 from service_helpers import cert_dirs, make_service, owner_names, small_owner_data  # noqa: F401
+from launch_log import report
 from tfe_estimator.service import TlsFiles, server as server_module
 from tfe_estimator.service.health import check_health
 from tools import CHECKOUT, attack
@@ -67,7 +68,7 @@ def test_every_service_attack_is_refused_on_a_cluster_in_training(tmp_path):
         progress = [os.path.join(workdir, owner, "progress") for owner in ("chief-0", "worker-0")]
         while not all(os.path.exists(p) for p in progress) and time.monotonic() < deadline and runner.is_alive():
             time.sleep(0.2)
-        assert all(os.path.exists(p) for p in progress), out.getvalue()[-5000:]
+        assert all(os.path.exists(p) for p in progress), report(out.getvalue())
         with open(network_file, encoding="utf-8") as f:
             network = json.load(f)
         assert network["mode"] == "service" and len(network["jobs"]["tfe"]) == 2

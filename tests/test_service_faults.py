@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 from tfe_estimator.cluster.launcher import Launcher
+from launch_log import report
 from test_faults import _CHIEF_TOO, _kill, _start, _wait_for
 from test_launch import _assert_all_gone
 from test_service_mode import LEARNING_RATE, SCRIPT, _owner_data, _owners, _plaintext_twin, _weights
@@ -80,7 +81,7 @@ def _kill_mid_training(workdir, victim, steps, *flags, join_secs=180, then=(), *
     finally:
         runner.join(timeout=join_secs)
     log = launcher._out.getvalue()  # pylint: disable=protected-access
-    assert not runner.is_alive(), log[-5000:]
+    assert not runner.is_alive(), report(log)
     _assert_all_gone(launcher)
     return status, log
 
@@ -93,9 +94,9 @@ def test_without_restarts_a_killed_owner_or_server_is_named_and_nothing_survives
     workdir = str(tmp_path)
     _owner_data(workdir, OWNERS)
     status, log = _kill_mid_training(workdir, victim, 400)
-    assert status == [-9], log[-5000:]
+    assert status == [-9], report(log)
     assert re.search(rf"{victim} died with status -9 \(killed by SIGKILL\) while the chief was training{_CHIEF_TOO}; "
-                     "stopping the cluster", log), log[-5000:]
+                     "stopping the cluster", log), report(log)
 
 
 def test_restarted_owners_then_each_server_in_turn_recover_to_the_undisturbed_weights(tmp_path):
@@ -116,7 +117,7 @@ def test_restarted_owners_then_each_server_in_turn_recover_to_the_undisturbed_we
                                      "--checkpoint-steps", "10", then=("tfe:0", "tfe:1"), join_secs=240,
                                      max_restarts=1, down_timeout=120)
     for victim in ("chief:0", "worker:0", "tfe:0", "tfe:1"):
-        assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, log[-5000:]
+        assert f"{victim} died with status -9 (killed by SIGKILL); restarting it" in log, report(log)
     assert status == [0], _why(log)  # the owners' error lines first: one CI run in two saw a bare traceback
     assert log.count(f"owner finished at step {steps}") == 2, _why(log)
     weights = {owner: _weights(os.path.join(workdir, owner, "model"), steps) for owner in OWNERS}
@@ -179,7 +180,7 @@ def test_restarted_owners_catch_up_from_the_replay_window_under_dp(tmp_path):
     # The worker's first death came before the chief's: it caught up alone while the chief waited.
     assert log.index("worker:0 died") < log.index("chief:0 died"), _why(log)
     assert status == [0], _why(log)
-    assert log.count(f"owner finished at step {steps}") == 2, log[-5000:]
+    assert log.count(f"owner finished at step {steps}") == 2, report(log)
     # Bit-identical owners: a run in which every step was released once, not a copy of some other run (the noise
     # comes from each owner's own RAND_bytes, never from a seed another party could know, so no two runs draw the
     # same noise).
@@ -213,7 +214,7 @@ def test_restarted_owners_catch_up_from_the_replay_window_under_dp(tmp_path):
             assert json.load(f)["dp_epsilon"] == pytest.approx(epsilon, rel=1e-12)
         task = owner.replace("-", ":")
         assert f"[{task}] tfe_estimator: step {steps}, DP epsilon {epsilon:.4g} at delta 1e-05 (against 1 " \
-               "colluding owner(s) of 2;" in log, log[-5000:]
+               "colluding owner(s) of 2;" in log, report(log)
         evaluation = re.search(rf"\[{task}\] tfe_estimator: evaluation at step {steps}, this owner's data only: .*",
                                log)
-        assert evaluation and f"dp_epsilon {epsilon:.6g}, " in evaluation.group(0), log[-5000:]
+        assert evaluation and f"dp_epsilon {epsilon:.6g}, " in evaluation.group(0), report(log)

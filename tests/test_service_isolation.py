@@ -34,6 +34,7 @@ import portpicker
 import pytest
 
 from service_helpers import CLUSTER, OWNER_TASKS, Service, owner_names, small_owner_data
+from launch_log import report
 from tfe_estimator.cluster import certs
 from tfe_estimator.cluster.isolation import IsolatedCluster
 from tfe_estimator.service import tls as tls_module
@@ -101,7 +102,7 @@ def cluster(tmp_path_factory):
         progress = [os.path.join(workdir, owner, "progress") for owner in OWNERS]
         while not all(os.path.exists(p) for p in progress) and time.monotonic() < deadline and runner.is_alive():
             time.sleep(0.2)
-        assert all(os.path.exists(p) for p in progress), out.getvalue()[-5000:]
+        assert all(os.path.exists(p) for p in progress), report(out.getvalue())
         assert "each task in its own network namespace" in out.getvalue()
         yield launcher, network_file, workdir
     finally:

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from owner_data import LEARNING_RATE, _owner_data, _plaintext_twin, _weights  # noqa: F401 (re-exported)
 from tfe_estimator.cluster.launcher import Launcher
+from launch_log import report
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -52,7 +53,7 @@ def _train(workdir, workers, *flags, steps=STEPS, mid_training=None):
             progress = [os.path.join(workdir, owner, "progress") for owner in _owners(workers)]
             while not all(os.path.exists(p) for p in progress) and time.monotonic() < deadline and runner.is_alive():
                 time.sleep(0.2)
-            assert all(os.path.exists(p) for p in progress), out.getvalue()[-5000:]
+            assert all(os.path.exists(p) for p in progress), report(out.getvalue())
             mid_training(launcher)
         finally:
             runner.join(timeout=600)
@@ -72,26 +73,26 @@ def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_
     ss = shutil.which("ss")
     status, log = _train(workdir, 1, "--second-model", "4", "--step-seconds", "0.2",
                          mid_training=_assert_listening_ports if ss else lambda launcher: None)
-    assert status == 0, log[-5000:]
-    assert log.count(f"owner finished at step {STEPS}") == 2, log[-5000:]
+    assert status == 0, report(log)
+    assert log.count(f"owner finished at step {STEPS}") == 2, report(log)
     weights = {owner: _weights(os.path.join(workdir, owner, "model"), STEPS) for owner in owners}
     np.testing.assert_allclose(weights["chief-0"], weights["worker-0"], atol=1e-5)
     # A second, larger model in the same launch trains too (its own model id: channels and handshake).
-    assert log.count("second model finished at step 4") == 2, log[-5000:]
+    assert log.count("second model finished at step 4") == 2, report(log)
     second = [tf.train.load_variable(os.path.join(workdir, owner, "model2"), "linear/linear_model/x/weights")
               for owner in owners]
     assert second[0].shape == (4, 1) and not np.allclose(second[0], 0.0)
     np.testing.assert_array_equal(second[0], second[1])
     # A fresh copy of the first model (the same model record) on labels doubled: its own training run and
     # channels, so its own sums (the first model's replay window would answer its steps with the first's sums).
-    assert log.count("copy of the first model finished at step 4") == 2, log[-5000:]
+    assert log.count("copy of the first model finished at step 4") == 2, report(log)
     doubled = {owner: np.column_stack([rows[:, :2], 2 * rows[:, 2]]) for owner, rows in data.items()}
     for owner in owners:
         np.testing.assert_allclose(_weights(os.path.join(workdir, owner, "model3"), 4), _plaintext_twin(doubled, 4),
                                    atol=1e-5)
     # Each owner's last lines name its weights' fingerprint, equal on both: they hold one model.
     ended = re.findall(r"training ended at step 4; weights fingerprint ([0-9a-f]{16})", log)  # model2, model3
-    assert len(ended) == 4 and ended[0] == ended[1] and ended[2] == ended[3], log[-5000:]
+    assert len(ended) == 4 and ended[0] == ended[1] and ended[2] == ended[3], report(log)
     np.testing.assert_allclose(weights["chief-0"], twin, atol=1e-5)
     assert not np.allclose(twin, 0.0, atol=0.1)  # it learned from the data
     # Federated evaluation: each owner evaluated its own rows; every owner reads the loss of the union.
@@ -130,9 +131,9 @@ def test_owners_with_different_learning_rates_are_refused_before_the_first_step(
     workdir = str(tmp_path)
     _owner_data(workdir, _owners(1))
     status, log = _train(workdir, 1, "--learning-rate-in", "worker-0", "0.5")
-    assert status != 0, log[-5000:]
-    assert "refused before the first step" in log and "0.5 on worker:0, 0.1 on chief:0" in log, log[-5000:]
-    assert "tfe_estimator: step 0, loss" not in log and "owner finished" not in log, log[-5000:]
+    assert status != 0, report(log)
+    assert "refused before the first step" in log and "0.5 on worker:0, 0.1 on chief:0" in log, report(log)
+    assert "tfe_estimator: step 0, loss" not in log and "owner finished" not in log, report(log)
 
 
 @pytest.mark.parametrize("workers, replicas, runs", [(1, 2, (1, 4)), (7, 1, (2,))])
@@ -149,7 +150,7 @@ def test_eight_owners_and_two_owners_with_two_local_replicas_equal_the_twin_also
     data = _owner_data(workdir, owners)
     for steps in runs:
         status, log = _train(workdir, workers, "--num-replicas", str(replicas), steps=steps)
-        assert status == 0, log[-5000:]
+        assert status == 0, report(log)
         twin = _plaintext_twin(data, steps)
         for owner in owners:
             np.testing.assert_allclose(_weights(os.path.join(workdir, owner, "model"), steps), twin, atol=1e-5)
@@ -163,7 +164,7 @@ def test_two_owners_with_their_replicas_on_two_gpus_each_equal_the_twin(tmp_path
     owners = _owners(1)
     data = _owner_data(workdir, owners)
     status, log = _train(workdir, 1, "--num-replicas", "2", steps=4)
-    assert status == 0, log[-5000:]
+    assert status == 0, report(log)
     for owner in owners:
         np.testing.assert_allclose(_weights(os.path.join(workdir, owner, "model"), 4), _plaintext_twin(data, 4),
                                    atol=1e-5)
