@@ -63,6 +63,21 @@ def test_ring_elements_read_and_write_a_slice_of_elements_as_integers(ring_bits)
     assert _ring_value(words, ring_bits, n) == reference[:3] + written + reference[7:]
 
 
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_keystream_elements_are_those_of_the_whole_keystream(ring_bits):
+    # The masks of a few elements (riders, check coefficients): the whole keystream's elements there, and what the
+    # riders' own loops read before (its bytes at element offsets, little-endian).
+    key = np.arange(4, dtype=np.int32)
+    n = 41  # odd: the 32-bit ring's elements 1, 3, ... are high lanes
+    whole = _ring_value(ring.keystream_words(key, ring.ring_words(n, ring_bits)), ring_bits, n)
+    per = ring_bits // 8
+    for start, count in ((0, n), (1, 3), (13, 1), (40, 1), (7, 0)):
+        pads = ring.keystream_elements(key, start, count, ring_bits)
+        assert pads == whole[start:start + count]
+        stream = ring.keystream_bytes_at(key, start * per, count * per)
+        assert pads == [int.from_bytes(stream[i * per:(i + 1) * per], "little") for i in range(count)]
+
+
 def test_ring_refuses_bad_arguments_naming_them():
     with pytest.raises(ValueError, match="ring_bits=48"):
         ring.ring_words(3, 48)

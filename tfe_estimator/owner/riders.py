@@ -143,10 +143,9 @@ def ride(host: Host, index: int, ring_bits: int, n: int, key: np.ndarray, share:
     """The rider's contribution: its plain ring elements (``share + AES(key)``, never sent as they are) left as
     limbs for `host`'s call; returns its ticket for `finish`."""
     # a few elements: one keystream of n elements and Python integers, no vector arithmetic
-    per, modulus = ring_bits // 8, 1 << ring_bits
-    stream = ring.keystream_bytes_at(key, 0, n * per)
-    plain = [(v + int.from_bytes(stream[i * per:(i + 1) * per], "little")) % modulus
-             for i, v in enumerate(ring.elements(share, 0, n, ring_bits))]
+    modulus = 1 << ring_bits
+    plain = [(v + pad) % modulus for v, pad in zip(ring.elements(share, 0, n, ring_bits),
+                                                    ring.keystream_elements(key, 0, n, ring_bits))]
     answer = _Ride(host, index, ring_bits, n)
     with _LOCK:
         ticket = next(_IDS)

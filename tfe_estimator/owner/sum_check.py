@@ -284,8 +284,8 @@ class SumCheck:
         count = covered - n
         rows = []
         for m in range(ROWS):
-            data = ring.keystream_bytes_at(coefficient_key, 4 * (m * covered + n), 4 * count)
-            rows.append([v >> (32 - COEFFICIENT_BITS) for v in np.frombuffer(data, "<u4").tolist()])
+            rows.append([v >> (32 - COEFFICIENT_BITS)
+                         for v in ring.keystream_elements(coefficient_key, m * covered + n, count, 32)])
         return rows
 
     def verify(self, channel: str, step: int, ring_bits: int, n: int, blind_key: np.ndarray,
@@ -455,9 +455,8 @@ def _with_riders(key, share: np.ndarray, n: int, ring_bits: int, riders: Sequenc
     source = np.asarray(share).reshape(-1).view(np.uint64)
     lanes = n * ring_bits // 32
     out.view("<u4")[:lanes] = source.view("<u4")[:lanes]
-    pads = ring.keystream_bytes_at(key, n * ring_bits // 8, len(riders) * ring_bits // 8)
-    per = ring_bits // 8
     modulus = 1 << ring_bits
-    ring.set_elements(out, n, [(int(rider) - int.from_bytes(pads[i * per:(i + 1) * per], "little")) % modulus
-                               for i, rider in enumerate(riders)], ring_bits)
+    ring.set_elements(out, n, [(int(rider) - pad) % modulus
+                               for rider, pad in zip(riders, ring.keystream_elements(key, n, len(riders), ring_bits))],
+                      ring_bits)
     return out.view(np.int64)

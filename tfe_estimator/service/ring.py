@@ -26,9 +26,8 @@ import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 __all__ = ["RING_BITS", "KEY_BYTES", "ring_words", "keystream_words", "keystream_into", "add_into", "copy_into",
-           "negate", "sub_into", "keystream_apply", "keystream_bytes_at", "key_digest", "elements", "set_elements",
-           "KEY_METADATA",
-           "DIGESTS_METADATA", "REPLAYED_METADATA"]
+           "negate", "sub_into", "keystream_apply", "keystream_bytes_at", "keystream_elements", "key_digest",
+           "elements", "set_elements", "KEY_METADATA", "DIGESTS_METADATA", "REPLAYED_METADATA"]
 
 RING_BITS = (32, 64, 128)
 KEY_BYTES = 16
@@ -128,6 +127,21 @@ def keystream_bytes_at(key16, offset: int, size: int) -> bytes:
     block, skip = divmod(int(offset), 16)
     encryptor = Cipher(algorithms.AES(key), modes.CTR(block.to_bytes(16, "big"))).encryptor()
     return encryptor.update(bytes(skip + int(size)))[skip:]
+
+
+def keystream_elements(key16, start: int, count: int, ring_bits: int) -> List[int]:
+    """Elements ``start .. start + count - 1`` of the keystream of `key16` on ring `ring_bits`, as unsigned
+    integers below 2**ring_bits (`elements` of `keystream_words`), expanding only their bytes: the masks of a few
+    elements, e.g. riders after a long vector.
+
+    Example::
+
+        pads = keystream_elements(key, n, 3, 128)
+        # == elements(keystream_words(key, ring_words(n + 3, 128)), n, 3, 128)
+    """
+    per = _check_ring_bits(ring_bits) // 8
+    return elements(np.frombuffer(keystream_bytes_at(key16, per * int(start), per * int(count)), np.uint8), 0,
+                    count, ring_bits)
 
 
 def elements(words: np.ndarray, start: int, count: int, ring_bits: int) -> List[int]:
