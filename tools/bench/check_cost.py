@@ -1,6 +1,7 @@
 """What the sums' integrity checks cost an owner (`tfe_estimator.owner.sum_check`), beside the unchecked path.
 
-Two `AggregationServer` processes (mutual TLS on loopback) and N owner
+Two `AggregationServer` processes (mutual TLS on loopback, with their data
+planes as users run them: `tools.bench.servers`) and N owner
 processes (as in service mode: each owner its own process). Per step each
 owner does what its contribution op does: masks its vector with a fresh key
 (share = x - AES(key), numpy), contributes through
@@ -24,7 +25,6 @@ share of the Estimator step of docs/benchmarks.md when given
 """
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,18 +33,9 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import portpicker
 
-__all__ = ["main", "measure"]
+from tools.bench import servers as bench_servers
 
-_SERVER = """
-import sys
-from tfe_estimator.service import AggregationServer, TlsFiles
-role, certs, addresses, owners = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
-server = AggregationServer(role, addresses[role], owners, TlsFiles.from_dir(certs, "tfe", role),
-                           peer_address=addresses[1] if role == 0 else None)
-server.start()
-print("up", flush=True)
-server.wait()
-"""
+__all__ = ["main", "measure"]
 
 
 class _Timed:
@@ -115,12 +106,7 @@ def measure(elements: int, rounds: int, steps: int, owners: int, certs_dir: str)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     try:
-        for role in (1, 0):
-            servers[role] = subprocess.Popen(  # pylint: disable=consider-using-with
-                [sys.executable, "-c", _SERVER, str(role), certs_dir, ",".join(addresses),
-                 ",".join(f"{j}:{i}" for j, i in tasks)], stdout=subprocess.PIPE, text=True)
-            if servers[role].stdout.readline().strip() != "up":
-                raise RuntimeError(f"aggregation server{role} did not start")
+        servers = bench_servers.start(certs_dir, addresses, [f"{j}:{i}" for j, i in tasks])  # data planes, as run
         procs = [context.Process(target=_owner, args=(k, task, addresses, certs_dir, elements, rounds, steps, owners,
                                                       results)) for k, task in enumerate(tasks)]
         for proc in procs:
@@ -132,9 +118,7 @@ def measure(elements: int, rounds: int, steps: int, owners: int, certs_dir: str)
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-        for server in servers.values():
-            server.terminate()
-            server.wait(timeout=30)
+        bench_servers.stop(servers)
     _, plain_times, checked_times, check_seconds = per_owner[0]  # the chief's view (owners move in lockstep)
     plain, checked = statistics.median(plain_times), statistics.median(checked_times)
     check_ms = 1e3 * statistics.mean(o[3] for o in per_owner)

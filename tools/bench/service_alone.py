@@ -34,23 +34,11 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import portpicker
 
+from tools.bench import servers as bench_servers
 from tools.bench.floors import measure_costs, role_floors
 from tools.bench.service_case import process_cpu_seconds
 
 __all__ = ["main", "measure", "floor"]
-
-_SERVER = """
-import sys
-from tfe_estimator.service import AggregationServer, TlsFiles
-role, certs, addresses, owners = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(",")
-server = AggregationServer(role, addresses[role], owners, TlsFiles.from_dir(certs, "tfe", role),
-                           peer_address=sys.argv[5] if role == 0 else None,
-                           data_address=sys.argv[6] if sys.argv[6] != "-" else None)
-server.start()
-print("up", flush=True)
-server.wait()
-"""
-
 
 def _start_relays(addresses: List[str], rtt_ms: float, bandwidth_mbps: Optional[float]):
     """A `tools.bench.relay` process relaying to each server; returns it and its addresses, in order."""
@@ -123,14 +111,8 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
     servers = {}
     clients: List = []
     try:
-        for role in (1, 0):  # server1 first: server0 connects to it
-            servers[role] = subprocess.Popen(  # pylint: disable=consider-using-with
-                [sys.executable, "-c", _SERVER, str(role), certs_dir, ",".join(addresses),
-                 ",".join(f"{j}:{i}" for j, i in tasks), reached[1], "localhost:0" if data_plane else "-"],
-                stdout=subprocess.PIPE, text=True,
-                env=with_huge_pages(os.environ) if huge_pages else None)
-            if servers[role].stdout.readline().strip() != "up":
-                raise RuntimeError(f"aggregation server{role} did not start")
+        servers = bench_servers.start(certs_dir, addresses, [f"{j}:{i}" for j, i in tasks], peer_address=reached[1],
+                                      data_plane=data_plane, env=with_huge_pages(os.environ) if huge_pages else None)
         clients = [OwnerClient(reached, TlsFiles.from_dir(certs_dir, job, index), data_plane=data_plane)
                    for job, index in tasks]
         rng = np.random.default_rng(0)
@@ -158,9 +140,7 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
     finally:
         for client in clients:
             client.close()
-        for server in servers.values():
-            server.terminate()
-            server.wait(timeout=30)
+        bench_servers.stop(servers)
         if relay is not None:
             relay.stdin.close()
             relay.wait(timeout=30)
