@@ -1,3 +1,4 @@
+# ruff: noqa: F811  # the fixtures imported from service_helpers are parameters of the tests
 """The owner's data-plane link in C (`service/native_link.py`, BoringSSL) against Python's (`DataLink`), in process.
 
 Servers are real: `AggregationServer` data planes on loopback, or (for the faults) a Python `ssl` server
