@@ -362,3 +362,11 @@ def test_a_silent_server_times_out_and_abort_ends_a_waiting_call(cert_dirs, kind
         link.close()
         server.close()
     assert _fds() == before
+
+
+def test_a_tensorflow_without_boringssl_headers_names_the_python_link(tmp_path, monkeypatch):
+    """A stack whose TensorFlow ships no BoringSSL headers runs on the Python link; asking for C says why."""
+    monkeypatch.setattr(native_build, "_tensorflow", lambda: (tmp_path, "2.9.1"))
+    with pytest.raises(native_build.NativeLinkUnavailable, match=r"ships no BoringSSL headers.*"
+                                                                 r"TFE_ESTIMATOR_DATA_LINK=python"):
+        native_build.build()

@@ -11,6 +11,9 @@
 // default paths), the server's DNS name (SSL_set1_host, no partial wildcards), the owner's certificate chain
 // and key presented, TLS 1.2 with forward-secret AEAD suites only, or TLS 1.3.
 //
+// Writes to a socket the server closed raise SIGPIPE, which Python ignores (its default since 2.x); a host
+// process that does not must ignore it too.
+//
 // Mutations for tests only (compile-time, never in a shipped build): TFE_LINK_MUTATION_NO_NAME_CHECK skips
 // SSL_set1_host; TFE_LINK_MUTATION_NO_CA_CHECK accepts a chain that does not reach the pinned CA.
 #include <errno.h>
@@ -43,7 +46,7 @@ namespace {
 const char kTls12Ciphers[] =
     "ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-RSA-AES128-GCM-SHA256:ECDHE-ECDSA-AES256-GCM-SHA384:"
     "ECDHE-RSA-AES256-GCM-SHA384:ECDHE-ECDSA-CHACHA20-POLY1305:ECDHE-RSA-CHACHA20-POLY1305";
-const char kRequestMagic[4] = {'T', 'F', 'R', '1'};  // a reply's magic (frames.REPLY)
+const char kReplyMagic[4] = {'T', 'F', 'R', '1'};  // a reply's magic (frames.REPLY)
 
 // Status of tfe_link_call / tfe_link_read.
 enum { kOk = 0, kLarger = 1, kFailed = -1, kTimeout = -2, kEnded = -3 };
@@ -139,6 +142,7 @@ int WriteAll(tfe_conn* conn, const uint8_t* data, uint64_t len, double deadline,
   while (len > 0) {
     int chunk = len > (1u << 30) ? (1 << 30) : static_cast<int>(len);
     ERR_clear_error();
+    errno = 0;  // SSL_ERROR_SYSCALL reads it
     int n = SSL_write(conn->ssl, data, chunk);
     if (n > 0) {
       data += n;
@@ -158,6 +162,7 @@ int ReadAll(tfe_conn* conn, uint8_t* data, uint64_t len, double deadline, uint64
     uint64_t left = len - *got;
     int chunk = left > (1u << 30) ? (1 << 30) : static_cast<int>(left);
     ERR_clear_error();
+    errno = 0;  // SSL_ERROR_SYSCALL reads it
     int n = SSL_read(conn->ssl, data + *got, chunk);
     if (n > 0) {
       *got += static_cast<uint64_t>(n);
@@ -292,16 +297,16 @@ tfe_conn* tfe_link_connect(tfe_link_ctx* ctx, const char* host, int port, double
   if (!ready) why = "cannot set up the connection: " + TlsErrors();
   while (ready) {
     ERR_clear_error();
+    errno = 0;  // SSL_ERROR_SYSCALL reads it
     int ret = SSL_connect(ssl);
     if (ret == 1) break;
-    int error = SSL_get_error(ssl, ret);
     long verify = SSL_get_verify_result(ssl);
     int status = Retry(conn, ret, deadline, &why);
     if (status == kOk) continue;
     if (status == kTimeout) why = "the handshake timed out";
-    if (verify != X509_V_OK) why += std::string(" (certificate verify failed: ") +
-                                    X509_verify_cert_error_string(verify) + ")";
-    (void)error;
+    if (status == kFailed && verify != X509_V_OK && verify != X509_V_ERR_INVALID_CALL) {
+      why += std::string(" (certificate verify failed: ") + X509_verify_cert_error_string(verify) + ")";
+    }
     ready = false;
   }
   if (!ready) {
@@ -351,7 +356,7 @@ int tfe_link_call(tfe_conn* conn, const uint8_t* prefix, uint64_t prefix_len, co
                                          : "the server closed the connection inside its answer's header";
   }
   if (status == kOk) {
-    if (memcmp(header, kRequestMagic, 4) != 0 || header[6] != 0 || header[7] != 0) {
+    if (memcmp(header, kReplyMagic, 4) != 0 || header[6] != 0 || header[7] != 0) {
       why = "the server's answer is not a data-plane reply (magic " + std::string(reinterpret_cast<char*>(header), 4) +
             ")";
       status = kFailed;
