@@ -59,15 +59,24 @@ def _tensorflow() -> Tuple[pathlib.Path, str]:
     return directory, version
 
 
+def _standard(version: str) -> str:
+    """C++17 (newer BoringSSL headers need it), C++14 below TensorFlow 2.10 (as `kernels._build`)."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return "-std=c++17"
+    return "-std=c++14" if (major, minor) < (2, 10) else "-std=c++17"
+
+
 def _command(output: pathlib.Path, defines: Sequence[str]) -> list:
-    tf_dir, _ = _tensorflow()
+    tf_dir, version = _tensorflow()
     include = tf_dir / "include" / "external" / "boringssl" / "src" / "include"
     if not (include / "openssl" / "ssl.h").is_file() or not (tf_dir / _FRAMEWORK).is_file():
         raise NativeLinkUnavailable(
             f"TensorFlow at {tf_dir} ships no BoringSSL headers ({include}/openssl/ssl.h) or no {_FRAMEWORK}: "
             "the C data-plane link cannot be built. Use the Python link (TFE_ESTIMATOR_DATA_LINK=python, the "
             "default) or a TensorFlow wheel that ships its headers (the `tensorflow` package).")
-    return [os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O2", "-std=c++14", "-Wall",
+    return [os.environ.get("CXX", "g++"), "-shared", "-fPIC", "-O2", _standard(version), "-Wall",
             "-Werror=unused-result", *[f"-D{d}" for d in defines], f"-I{include}", str(SOURCE), "-o", str(output),
             f"-L{tf_dir}", f"-l:{_FRAMEWORK}", f"-Wl,-rpath,{tf_dir}", "-Wl,--no-undefined"]
 
