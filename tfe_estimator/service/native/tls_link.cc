@@ -8,14 +8,14 @@
 // which releases the GIL for each call.
 //
 // Pinning (the same as TlsFiles.ssl_client_context + server_hostname): the server's operator's CA only (no
-// default paths), the server's DNS name (SSL_set1_host, no partial wildcards), the owner's certificate chain
+// default paths), the server's DNS name (X509_VERIFY_PARAM_set1_host, no partial wildcards), the owner's certificate chain
 // and key presented, TLS 1.2 with forward-secret AEAD suites only, or TLS 1.3.
 //
 // Writes to a socket the server closed raise SIGPIPE, which Python ignores (its default since 2.x); a host
 // process that does not must ignore it too.
 //
 // Mutations for tests only (compile-time, never in a shipped build): TFE_LINK_MUTATION_NO_NAME_CHECK skips
-// SSL_set1_host; TFE_LINK_MUTATION_NO_CA_CHECK accepts a chain that does not reach the pinned CA.
+// the name check; TFE_LINK_MUTATION_NO_CA_CHECK accepts a chain that does not reach the pinned CA.
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -290,8 +290,10 @@ tfe_conn* tfe_link_connect(tfe_link_ctx* ctx, const char* host, int port, double
                SSL_set_tlsext_host_name(ssl, ctx->hostname.c_str()) == 1;
 #ifndef TFE_LINK_MUTATION_NO_NAME_CHECK
   if (ready) {
-    SSL_set_hostflags(ssl, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
-    ready = SSL_set1_host(ssl, ctx->hostname.c_str()) == 1;
+    // The name check (X509_VERIFY_PARAM: older BoringSSL, e.g. TensorFlow 2.9's, has no SSL_set1_host).
+    X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
+    X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
+    ready = X509_VERIFY_PARAM_set1_host(param, ctx->hostname.data(), ctx->hostname.size()) == 1;
   }
 #endif
   if (!ready) why = "cannot set up the connection: " + TlsErrors();
