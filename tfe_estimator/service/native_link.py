@@ -85,6 +85,9 @@ class _Conn:
         if handle:
             self._lib.tfe_link_close(handle)
 
+    def __del__(self):  # a connection dropped without close (a link never closed): its fd goes, like a socket's
+        self.close()
+
 
 class NativeLink:
     """Connections to one server's data plane, TLS by BoringSSL from C (thread-safe: each call holds one
