@@ -78,7 +78,8 @@ setup(
     ],
     python_requires=">=3.10,<3.12",
     packages=find_packages(include=["tfe_estimator", "tfe_estimator.*", "model_fns", "input_fns"]),
-    package_data={"tfe_estimator.secure.kernels": ["src/*"]},  # built by `tfe-estimator build-kernels`
+    package_data={"tfe_estimator.secure.kernels": ["src/*"],  # built by `tfe-estimator build-kernels`
+                  "tfe_estimator.service": ["native/*.cc"]},  # the C data-plane link, built on first use
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
     entry_points={"console_scripts": ["tfe-estimator=tfe_estimator.tools.cli:main"]},

@@ -63,6 +63,17 @@ def test_the_service_alone_reports_cpu_per_parameter_and_leaves_no_server(capsys
         assert subprocess.run(["ps", "-p", ",".join(pids)], capture_output=True, check=False).returncode == 1
 
 
+def test_the_link_cost_reports_both_links_per_byte(capsys):
+    import re
+
+    from tools.bench import link_cost
+
+    assert link_cost.main(["--megabytes", "1", "--repeats", "1"]) == 0
+    line = capsys.readouterr().out.strip()
+    figures = re.search(r"python link (\d+\.\d+) ns/B, c link (\d+\.\d+) ns/B, c/python (\d+\.\d+)", line)
+    assert figures and all(float(v) > 0 for v in figures.groups()), line
+
+
 def test_the_flower_comparison_names_the_missing_virtualenv_and_the_make_target(tmp_path):
     from tools.bench import flower_compare
 

@@ -24,6 +24,7 @@ def test_wheel_has_no_developer_tools(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     # Assert
     assert "tfe_estimator/tools/cli.py" in names and "tfe_estimator/secure/kernels/src/aes_ctr.h" in names
+    assert "tfe_estimator/service/native/tls_link.cc" in names  # the C data-plane link, built on first use
     tools = [n for n in names if "bench" in n or "attack" in n or n.startswith("tools/")]
     assert tools == [], tools
 

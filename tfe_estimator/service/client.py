@@ -27,6 +27,7 @@ import numpy as np
 
 from tfe_estimator.service import frames, ring, wire
 from tfe_estimator.service import tls as tls_lib
+from tfe_estimator.service import native_link
 from tfe_estimator.service.data_link import DataLink, LinkError, PlaneLink
 from tfe_estimator.service.thread_pool import ThreadPool
 from tfe_estimator.service.tls import TlsFiles, server_name, server_name_option
@@ -249,6 +250,9 @@ class OwnerClient:
       data_plane: put contributions on a server's data plane when it has one (`data_plane`: the same
         rules and certificates without gRPC's copies); False: always gRPC (a server with a data plane reads no
         gRPC message above `wire.CONTROL_MESSAGE_BYTES`: larger shares are refused RESOURCE_EXHAUSTED unread).
+      data_link: the data plane's client: ``"python"`` (Python's ssl, `data_link.DataLink`) or ``"c"``
+        (BoringSSL from C, `native_link.NativeLink`); default: the environment variable
+        ``TFE_ESTIMATOR_DATA_LINK``, else ``"python"``.
 
     Example::
 
@@ -257,7 +261,8 @@ class OwnerClient:
     """
 
     def __init__(self, addresses: Sequence[str], tls: TlsFiles, timeout_secs: float = 600.0,
-                 wait_for_ready: bool = True, retry_secs: Optional[float] = None, data_plane: bool = True):
+                 wait_for_ready: bool = True, retry_secs: Optional[float] = None, data_plane: bool = True,
+                 data_link: Optional[str] = None):
         addresses = tuple(addresses)
         if len(addresses) != 2 or not all(isinstance(a, str) and a for a in addresses):
             raise ValueError(f"addresses={addresses!r} must be (server0 address, server1 address).")
@@ -269,6 +274,7 @@ class OwnerClient:
         self._retry = float(timeout_secs if retry_secs is None else retry_secs)
         self._tls = tls
         self._use_plane = bool(data_plane)
+        self.data_link = native_link.link_choice(data_link)
         #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
         #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
         self.bytes_sent = self.bytes_received = self.contributions = 0
@@ -286,7 +292,9 @@ class OwnerClient:
                                                     response_deserializer=wire.decoder(m.reply))
                         for m in wire.METHODS} for channel in self._channels]
         self._links = [PlaneLink(lambda timeout, k=k: self._data_port(k, timeout), address.rpartition(":")[0],
-                                 lambda k=k: tls.ssl_client_context(k), server_name(tls, k))
+                                 lambda k=k: tls.ssl_client_context(k), server_name(tls, k),
+                                 native_link.make_link_factory(self.data_link, tls, k, server_name(tls, k))
+                                 if self._use_plane else None)
                        for k, address in enumerate(addresses)]
         #: Threads the puts run on, kept from call to call (`thread_pool`).
         self._put_threads = ThreadPool("tfe-put")

@@ -187,6 +187,8 @@ class PlaneLink:
       ask: ``ask(timeout) -> port`` (0: the server has no data plane); raises ``grpc.RpcError``.
       host: the server's host (its gRPC address's).
       context: ``() -> ssl.SSLContext`` of this caller pinned to the server; hostname: its certificate's name.
+      link_factory: ``(host, port) -> link`` making the link instead of a `DataLink` of `context` (e.g.
+        `native_link.make_link_factory`: the C link).
 
     Example::
 
@@ -195,8 +197,9 @@ class PlaneLink:
     """
 
     def __init__(self, ask: Callable[[float], int], host: str, context: Callable[[], ssl.SSLContext],
-                 hostname: str):
+                 hostname: str, link_factory: Optional[Callable[[str, int], Any]] = None):
         self._ask, self._host, self._context, self._hostname = ask, host, context, hostname
+        self._factory = link_factory or (lambda host, port: DataLink(host, port, self._context(), self._hostname))
         self._lock = threading.Lock()
         self._asked_now = threading.Condition(self._lock)
         self._asking = False
@@ -219,7 +222,7 @@ class PlaneLink:
         try:
             port = self._port = self._ask(timeout)
             if port:
-                link = DataLink(self._host, port, self._context(), self._hostname)
+                link = self._factory(self._host, port)
         except grpc.RpcError:
             with self._lock:
                 self._asked = None

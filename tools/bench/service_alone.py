@@ -83,7 +83,8 @@ def floor(owners: int, certs_dir: Optional[str] = None) -> Dict[str, float]:
 
 
 def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Optional[float] = None,
-            bandwidth_mbps: Optional[float] = None, huge_pages: bool = False, data_plane: bool = False) -> Dict:
+            bandwidth_mbps: Optional[float] = None, huge_pages: bool = False, data_plane: bool = False,
+            data_link: Optional[str] = None) -> Dict:
     """Times `steps` secure sums of `elements` between `owners` owner threads and two server processes.
 
     With `rtt_ms`, every owner reaches each server, and server0 reaches server1, through a
@@ -91,7 +92,8 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
     With `data_plane`, the servers also serve their data planes (`tfe_estimator.service.data_plane`) and the
     owners and server0 put on them (not with `rtt_ms`: the relay relays the gRPC ports only).
     With `huge_pages`, the servers start with glibc's huge-page tunable, as deployed
-    (`tfe_estimator.cluster.huge_pages`).
+    (`tfe_estimator.cluster.huge_pages`). `data_link`: the owners' data-plane client (`OwnerClient`'s
+    ``data_link``: ``"python"`` or ``"c"``; None: ``$TFE_ESTIMATOR_DATA_LINK``, else Python's).
 
     Returns wall ``ms_per_step``; CPU ms per step of ``server_cpu_ms`` (server0, server1) and ``owners_cpu_ms``
     (all owner clients); per owner and step the Contribute calls (``calls_per_step``: one round trip to both
@@ -113,8 +115,8 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
     try:
         servers = bench_servers.start(certs_dir, addresses, [f"{j}:{i}" for j, i in tasks], peer_address=reached[1],
                                       data_plane=data_plane, env=with_huge_pages(os.environ) if huge_pages else None)
-        clients = [OwnerClient(reached, TlsFiles.from_dir(certs_dir, job, index), data_plane=data_plane)
-                   for job, index in tasks]
+        clients = [OwnerClient(reached, TlsFiles.from_dir(certs_dir, job, index), data_plane=data_plane,
+                               data_link=data_link) for job, index in tasks]
         rng = np.random.default_rng(0)
         shares = [rng.integers(-2**62, 2**62, elements, dtype=np.int64) for _ in tasks]
         key = np.arange(4, dtype=np.int32)
@@ -154,12 +156,14 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
 
 
 def _measure(elements: int, steps: int, owners: int, certs_dir: str, huge_pages: bool = False,
-             data_plane: bool = False) -> str:
-    m = measure(elements, steps, owners, certs_dir, huge_pages=huge_pages, data_plane=data_plane)
+             data_plane: bool = False, data_link: Optional[str] = None) -> str:
+    m = measure(elements, steps, owners, certs_dir, huge_pages=huge_pages, data_plane=data_plane,
+                data_link=data_link)
     low = floor(owners, certs_dir)
     server_ms, owners_ms, wall_ms = m["server_cpu_ms"], m["owners_cpu_ms"], m["ms_per_step"]
     per_param = [1e6 * ms / elements for ms in server_ms] + [1e6 * owners_ms / elements / owners]
-    return (f"{elements:,} elements, {owners} owners, {'data plane' if data_plane else 'gRPC'} "
+    return (f"{elements:,} elements, {owners} owners, "
+            f"{'data plane (' + (data_link or 'python') + ' link)' if data_plane else 'gRPC'} "
             f"(server pids {m['server_pids'][0]}, {m['server_pids'][1]}): "
             f"wall {wall_ms:.2f} ms/step; CPU ms/step server0 {server_ms[0]:.2f}, server1 {server_ms[1]:.2f}, owner "
             f"clients {owners_ms:.2f}; ns/param server0 {per_param[0]:.1f}, server1 {per_param[1]:.1f}, "
@@ -185,6 +189,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--transport", choices=("both", "data-plane", "grpc"), default="both",
                         help="the owners' and server0's puts: on the servers' data planes, on gRPC, or both side "
                              "by side (default)")
+    parser.add_argument("--link", choices=("python", "c"), nargs="+", default=[None],
+                        help="the owners' data-plane client, each in turn on every size: python (Python's ssl) or c "
+                             "(BoringSSL from C, tfe_estimator.service.native_link); default: "
+                             "$TFE_ESTIMATOR_DATA_LINK, else python")
     args = parser.parse_args(argv)
     planes = {"both": (True, False), "data-plane": (True,), "grpc": (False,)}[args.transport]
     from tfe_estimator.cluster import certs  # pylint: disable=import-outside-toplevel
@@ -194,8 +202,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         certs.make_cluster_certs(certs_dir, tasks, cluster="bench")
         for elements in args.elements:
             for plane in planes:
-                line = _measure(elements, args.steps, args.owners, certs_dir, args.huge_pages, plane)
-                print(f"[service-alone] {line}", flush=True)
+                for link in args.link if plane else [None]:
+                    line = _measure(elements, args.steps, args.owners, certs_dir, args.huge_pages, plane, link)
+                    print(f"[service-alone] {line}", flush=True)
     return 0
 
 
