@@ -25,7 +25,7 @@ import grpc
 
 from tfe_estimator.service import frames, wire
 
-__all__ = ["DataLink", "LinkError", "PlaneLink", "RETRY_SECS"]
+__all__ = ["DataLink", "LinkError", "LinkPool", "PlaneLink", "RETRY_SECS"]
 
 #: After a server's data port could not be reached, how long its caller stays on gRPC before trying it again.
 RETRY_SECS = 10.0
@@ -54,8 +54,91 @@ def _stale(conn: ssl.SSLSocket) -> bool:
         return True
 
 
-class DataLink:
-    """Connections to one server's data plane (thread-safe: each call holds one connection).
+class LinkPool:
+    """The connections of one link to one server's data plane, whatever makes them (thread-safe: each call holds
+    one): idle ones reused unless stale, a failed one closed, never reused. `DataLink` (Python's `ssl`) and
+    `native_link.NativeLink` (BoringSSL from C) make and use the connections; this keeps them.
+
+    A subclass sets ``host``, ``port`` and calls ``LinkPool.__init__``; it defines ``_connect()`` (a new
+    connection, or LinkError) and ``_stale(conn)``; a connection has ``close()`` and ``shutdown(how)``.
+
+    Example::
+
+        conn = self._take()
+        ok = False
+        try:
+            ...  # the call on conn; ok = True if it may carry the next one
+        finally:
+            self._settle(conn, ok)
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle: List[Any] = []
+        self._busy: set = set()
+        self._closed = False
+
+    def _connect(self) -> Any:
+        raise NotImplementedError
+
+    def _stale(self, conn) -> bool:
+        raise NotImplementedError
+
+    def _take(self):
+        """An idle connection that is not stale, else a new one; LinkError if the link is closed."""
+        with self._lock:
+            if self._closed:
+                raise LinkError(grpc.StatusCode.CANCELLED, "the link is closed")
+            while self._idle:
+                conn = self._idle.pop()
+                if not self._stale(conn):
+                    self._busy.add(conn)
+                    return conn
+                conn.close()
+        conn = self._connect()
+        with self._lock:
+            self._busy.add(conn)
+        return conn
+
+    def _settle(self, conn, ok: bool) -> None:
+        """Ends a call on `conn`: kept idle if `ok` (answered OK) and the link is open, else closed (a refused
+        call's connection too: the server closes it)."""
+        with self._lock:
+            self._busy.discard(conn)
+            if ok and not self._closed:
+                self._idle.append(conn)
+                conn = None
+        if conn is not None:
+            conn.close()
+
+    @staticmethod
+    def abort(started: List) -> None:
+        """Ends the call that put its connection in `started` (its `call` raises LinkError)."""
+        for conn in started:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def retire(self) -> None:
+        """Takes no new call and closes the idle connections; calls still running finish on theirs (one call's
+        failed connection says nothing of the others')."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def close(self) -> None:
+        """Closes every connection; calls still running end with LinkError."""
+        self.retire()
+        with self._lock:
+            busy = list(self._busy)
+        self.abort(busy)
+
+
+class DataLink(LinkPool):
+    """Connections to one server's data plane with Python's `ssl` (thread-safe: each call holds one connection).
 
     Args:
       host, port: the server's data plane.
@@ -66,13 +149,13 @@ class DataLink:
 
     def __init__(self, host: str, port: int, context: ssl.SSLContext, server_hostname: str,
                  connect_timeout_secs: float = 10.0):
+        super().__init__()
         self.host, self.port = host.strip("[]"), int(port)
         self._context, self._hostname = context, server_hostname
         self._connect_timeout = float(connect_timeout_secs)
-        self._lock = threading.Lock()
-        self._idle: List[ssl.SSLSocket] = []
-        self._busy: set = set()
-        self._closed = False
+
+    def _stale(self, conn) -> bool:
+        return _stale(conn)
 
     def _connect(self) -> ssl.SSLSocket:
         try:
@@ -87,21 +170,6 @@ class DataLink:
             raw.close()
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"TLS with the data plane at {self.host}:{self.port} "
                                                          f"failed: {e}") from None
-
-    def _take(self) -> ssl.SSLSocket:
-        with self._lock:
-            if self._closed:
-                raise LinkError(grpc.StatusCode.CANCELLED, "the link is closed")
-            while self._idle:
-                conn = self._idle.pop()
-                if not _stale(conn):
-                    self._busy.add(conn)
-                    return conn
-                conn.close()
-        conn = self._connect()
-        with self._lock:
-            self._busy.add(conn)
-        return conn
 
     def call(self, method: str, head: bytes, meta: bytes, payload, timeout: float,
              started: Optional[List] = None, into: Optional[bytearray] = None) -> Tuple[grpc.StatusCode, bool, Any]:
@@ -140,38 +208,7 @@ class DataLink:
             raise LinkError(grpc.StatusCode.UNAVAILABLE, f"the data plane at {self.host}:{self.port} failed: "
                                                          f"{e}", sent=True) from None
         finally:
-            with self._lock:
-                self._busy.discard(conn)
-                if ok and not self._closed:
-                    self._idle.append(conn)  # a refused call's connection is closed (the server closes it too)
-                    conn = None
-            if conn is not None:
-                conn.close()
-
-    @staticmethod
-    def abort(started: List) -> None:
-        """Ends the call that put its connection in `started` (its `call` raises LinkError)."""
-        for conn in started:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def retire(self) -> None:
-        """Takes no new call and closes the idle connections; calls still running finish on theirs (one call's
-        failed connection says nothing of the others')."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-    def close(self) -> None:
-        """Closes every connection; calls still running end with LinkError."""
-        self.retire()
-        with self._lock:
-            busy = list(self._busy)
-        self.abort(busy)
+            self._settle(conn, ok)
 
 
 class PlaneLink:

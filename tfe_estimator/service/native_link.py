@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from tfe_estimator.service import frames, native_build
-from tfe_estimator.service.data_link import DataLink, LinkError
+from tfe_estimator.service.data_link import DataLink, LinkError, LinkPool
 from tfe_estimator.service.tls import TlsFiles
 
 __all__ = ["NativeLink", "LINK_ENV", "LINKS", "link_choice", "make_link_factory"]
@@ -89,7 +89,7 @@ class _Conn:
         self.close()
 
 
-class NativeLink:
+class NativeLink(LinkPool):
     """Connections to one server's data plane, TLS by BoringSSL from C (thread-safe: each call holds one
     connection). Idle connections are reused, a stale one dropped, a failed one closed.
 
@@ -105,6 +105,7 @@ class NativeLink:
 
     def __init__(self, host: str, port: int, tls: TlsFiles, server: int, server_hostname: str,
                  connect_timeout_secs: float = 10.0, library: Optional[ctypes.CDLL] = None):
+        super().__init__()
         self._lib = library if library is not None else native_build.load()
         self.host, self.port = host.strip("[]"), int(port)
         self._connect_timeout = float(connect_timeout_secs)
@@ -115,10 +116,9 @@ class NativeLink:
         if not self._ctx:
             raise ValueError(f"TLS files of {tls.cert} cannot pin server{server} ({server_hostname}): "
                              f"{err.value.decode('utf-8', 'replace')}. Make them with `tfe-estimator certs`.")
-        self._lock = threading.Lock()
-        self._idle: List[_Conn] = []
-        self._busy: set = set()
-        self._closed = False
+
+    def _stale(self, conn: _Conn) -> bool:
+        return bool(self._lib.tfe_link_stale(conn.handle))
 
     def _connect(self) -> _Conn:
         err, stage = ctypes.create_string_buffer(_ERR), ctypes.c_int(0)
@@ -130,21 +130,6 @@ class NativeLink:
                     f"TLS with the data plane at {self.host}:{self.port} failed: ")
             raise LinkError(grpc.StatusCode.UNAVAILABLE, what + why)
         return _Conn(self._lib, handle)
-
-    def _take(self) -> _Conn:
-        with self._lock:
-            if self._closed:
-                raise LinkError(grpc.StatusCode.CANCELLED, "the link is closed")
-            while self._idle:
-                conn = self._idle.pop()
-                if not self._lib.tfe_link_stale(conn.handle):
-                    self._busy.add(conn)
-                    return conn
-                conn.close()
-        conn = self._connect()
-        with self._lock:
-            self._busy.add(conn)
-        return conn
 
     def call(self, method: str, head: bytes, meta: bytes, payload, timeout: float,
              started: Optional[List] = None, into: Optional[bytearray] = None) -> Tuple[grpc.StatusCode, bool, Any]:
@@ -183,30 +168,7 @@ class NativeLink:
             return _CODES[code.value], bool(flags.value & frames.REPLAYED), message
         finally:
             del payload_keep, into_keep
-            with self._lock:
-                self._busy.discard(conn)
-                if ok and not self._closed:
-                    self._idle.append(conn)  # a refused call's connection is closed (the server closes it too)
-                    conn = None
-            if conn is not None:
-                conn.close()
-
-    abort = staticmethod(DataLink.abort)
-
-    def retire(self) -> None:
-        """Takes no new call and closes the idle connections; calls still running finish on theirs."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-    def close(self) -> None:
-        """Closes every connection; calls still running end with LinkError."""
-        self.retire()
-        with self._lock:
-            busy = list(self._busy)
-        self.abort(busy)
+            self._settle(conn, ok)
 
     def __del__(self):
         ctx, self._ctx = getattr(self, "_ctx", None), None
