@@ -27,7 +27,8 @@ from service_helpers import WAIT_SECS, Service, cert_dirs, in_threads, make_serv
 from tfe_estimator.service import TlsFiles, frames, native_build, ring, wire
 from tfe_estimator.service.client import reply_into
 from tfe_estimator.service.data_link import DataLink, LinkError
-from tfe_estimator.service.native_link import NativeLink, link_choice
+from tfe_estimator.service import native_link
+from tfe_estimator.service.native_link import NativeLink, link_choice, resolve_link
 from tfe_estimator.service.tls import server_name
 
 KINDS = ("python", "c")
@@ -73,12 +74,34 @@ def _fds():
 
 def test_the_link_is_chosen_by_argument_or_environment(monkeypatch):
     monkeypatch.delenv("TFE_ESTIMATOR_DATA_LINK", raising=False)
-    assert link_choice() == "python"
+    assert link_choice() == "auto"
     monkeypatch.setenv("TFE_ESTIMATOR_DATA_LINK", "C")
     assert link_choice() == "c" and link_choice("python") == "python"
-    with pytest.raises(ValueError, match=r"TFE_ESTIMATOR_DATA_LINK='rust'.*\('python', 'c'\)"):
+    with pytest.raises(ValueError, match=r"TFE_ESTIMATOR_DATA_LINK='rust'.*\('auto', 'python', 'c'\)"):
         monkeypatch.setenv("TFE_ESTIMATOR_DATA_LINK", "rust")
         link_choice()
+
+
+def test_auto_takes_the_c_link_where_it_builds_else_pythons_and_says_why(monkeypatch, caplog):
+    # Where TensorFlow ships BoringSSL and a compiler is there (this machine), an owner's client takes the C link
+    # by default; where it cannot be built, Python's (the same pinning), said once in the log; asked for by name,
+    # the C link's absence is an error naming the Python link.
+    native_link._auto.cache_clear()  # pylint: disable=protected-access
+    assert resolve_link("auto") == "c" and resolve_link("python") == "python"
+
+    def unavailable(*args):
+        raise native_build.NativeLinkUnavailable("no C++ compiler 'g++' for the C data-plane link: install g++")
+
+    monkeypatch.setattr(native_build, "load", unavailable)
+    native_link._auto.cache_clear()  # pylint: disable=protected-access
+    try:
+        with caplog.at_level("INFO", logger="tfe_estimator"):
+            assert resolve_link("auto") == "python"
+        assert "data-plane link is Python's ssl: the C link is not available here (no C++ compiler" in caplog.text
+        with pytest.raises(native_build.NativeLinkUnavailable, match="no C\\+\\+ compiler"):
+            resolve_link("c")
+    finally:
+        native_link._auto.cache_clear()  # pylint: disable=protected-access
 
 
 def test_an_unknown_mutation_is_refused():

@@ -250,9 +250,10 @@ class OwnerClient:
       data_plane: put contributions on a server's data plane when it has one (`data_plane`: the same
         rules and certificates without gRPC's copies); False: always gRPC (a server with a data plane reads no
         gRPC message above `wire.CONTROL_MESSAGE_BYTES`: larger shares are refused RESOURCE_EXHAUSTED unread).
-      data_link: the data plane's client: ``"python"`` (Python's ssl, `data_link.DataLink`) or ``"c"``
-        (BoringSSL from C, `native_link.NativeLink`); default: the environment variable
-        ``TFE_ESTIMATOR_DATA_LINK``, else ``"python"``.
+      data_link: the data plane's client: ``"auto"`` (the C link where it builds, else Python's), ``"c"``
+        (BoringSSL from C, `native_link.NativeLink`) or ``"python"`` (Python's ssl, `data_link.DataLink`);
+        default: the environment variable ``TFE_ESTIMATOR_DATA_LINK``, else ``"auto"``. ``data_link`` (the
+        attribute) is the one taken: ``"c"`` or ``"python"``.
 
     Example::
 
@@ -274,7 +275,8 @@ class OwnerClient:
         self._retry = float(timeout_secs if retry_secs is None else retry_secs)
         self._tls = tls
         self._use_plane = bool(data_plane)
-        self.data_link = native_link.link_choice(data_link)
+        choice = native_link.link_choice(data_link)
+        self.data_link = native_link.resolve_link(choice) if self._use_plane else "python"
         #: Serialized bytes of the Contribute messages this client sent and received so far (both servers):
         #: what a contribution costs on the owner's link, before gRPC's framing and TLS records.
         self.bytes_sent = self.bytes_received = self.contributions = 0

@@ -115,7 +115,7 @@ def build(defines: Sequence[str] = ()) -> pathlib.Path:
                 raise NativeLinkUnavailable(
                     f"compiling the C data-plane link failed (exit {result.returncode}): {' '.join(command)}\n"
                     f"{tail}\nAn undefined SSL_* symbol: this TensorFlow does not export BoringSSL; use the Python "
-                    "link (TFE_ESTIMATOR_DATA_LINK=python, the default).")
+                    "link (TFE_ESTIMATOR_DATA_LINK=python).")
             os.replace(partial, target)
     return target
 

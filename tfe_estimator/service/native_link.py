@@ -10,9 +10,12 @@ TensorFlow ships it (`native_build`, `native/tls_link.cc`), pinned like
 name, the owner's certificate; TLS 1.2 with forward-secret AEAD suites, or 1.3.
 
 Which link an owner uses: `OwnerClient(data_link=...)`, else the environment
-variable ``TFE_ESTIMATOR_DATA_LINK`` (``python``, the default, or ``c``);
-`make_link_factory` reads it. Asking for ``c`` where TensorFlow lacks the
-BoringSSL headers or symbols raises `native_build.NativeLinkUnavailable`.
+variable ``TFE_ESTIMATOR_DATA_LINK``: ``auto`` (the default: the C link where it
+builds, else Python's, said once in the log), ``c`` or ``python``
+(`link_choice`, `resolve_link`). Asking for ``c`` where TensorFlow lacks the
+BoringSSL headers or symbols (or there is no C++ compiler) raises
+`native_build.NativeLinkUnavailable`. Both links pin the server alike; the C
+link costs an owner less CPU (docs/benchmarks.md).
 
 Example::
 
@@ -21,6 +24,8 @@ Example::
     link.close()
 """
 import ctypes
+import functools
+import logging
 import os
 import threading
 from typing import Any, Callable, List, Optional, Tuple
@@ -32,30 +37,57 @@ from tfe_estimator.service import frames, native_build
 from tfe_estimator.service.data_link import DataLink, LinkError, LinkPool
 from tfe_estimator.service.tls import TlsFiles
 
-__all__ = ["NativeLink", "LINK_ENV", "LINKS", "link_choice", "make_link_factory"]
+__all__ = ["NativeLink", "LINK_ENV", "LINKS", "link_choice", "resolve_link", "make_link_factory"]
 
 #: The environment variable that picks the owners' data-plane link when `OwnerClient` is not told.
 LINK_ENV = "TFE_ESTIMATOR_DATA_LINK"
-LINKS = ("python", "c")
+LINKS = ("auto", "python", "c")
 _OK, _LARGER, _FAILED, _TIMEOUT, _ENDED = 0, 1, -1, -2, -3
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _ERR = 512
+_LOG = logging.getLogger("tfe_estimator")
 
 
 def link_choice(choice: Optional[str] = None) -> str:
-    """`choice`, else ``$TFE_ESTIMATOR_DATA_LINK``, else ``"python"``; ValueError naming the value otherwise."""
+    """`choice`, else ``$TFE_ESTIMATOR_DATA_LINK``, else ``"auto"``; ValueError naming the value otherwise."""
     source = "data_link" if choice is not None else LINK_ENV
-    value = (choice if choice is not None else os.environ.get(LINK_ENV, "python")).strip().lower() or "python"
+    value = (choice if choice is not None else os.environ.get(LINK_ENV, "auto")).strip().lower() or "auto"
     if value not in LINKS:
-        raise ValueError(f"{source}={value!r} is not a data-plane link; pick one of {LINKS} (python: Python's ssl, "
-                         "c: BoringSSL from C, native_link).")
+        raise ValueError(f"{source}={value!r} is not a data-plane link; pick one of {LINKS} (auto: the C link where "
+                         "it builds, else Python's; python: Python's ssl; c: BoringSSL from C, native_link).")
     return value
 
 
-def make_link_factory(choice: str, tls: TlsFiles, server: int, hostname: str) -> Callable[[str, int], Any]:
-    """``(host, port) -> link`` of the chosen kind pinned to server `server` (``choice``: `link_choice`'s)."""
+def resolve_link(choice: str) -> str:
+    """The link a `link_choice` value gives here: ``"c"`` or ``"python"``. ``"c"`` builds the C link (or raises
+    `native_build.NativeLinkUnavailable` naming why); ``"auto"`` takes it where it builds, else Python's, and says
+    why once in the log.
+
+    Example::
+
+        kind = resolve_link(link_choice())     # "c" on a TensorFlow that ships BoringSSL, with a C++ compiler
+    """
+    if choice == "auto":
+        return _auto()
     if choice == "c":
         native_build.load()  # fails now, with its reason, rather than at the first put
+    return choice
+
+
+@functools.lru_cache(maxsize=None)
+def _auto() -> str:
+    try:
+        native_build.load()
+    except (native_build.NativeLinkUnavailable, OSError) as e:
+        _LOG.info("tfe_estimator: the owner's data-plane link is Python's ssl: the C link is not available here "
+                  "(%s). Both pin the servers alike; the C link costs less CPU.", str(e).splitlines()[0])
+        return "python"
+    return "c"
+
+
+def make_link_factory(choice: str, tls: TlsFiles, server: int, hostname: str) -> Callable[[str, int], Any]:
+    """``(host, port) -> link`` of the chosen kind pinned to server `server` (``choice``: `resolve_link`'s)."""
+    if resolve_link(choice) == "c":
         return lambda host, port: NativeLink(host, port, tls, server, hostname)
     return lambda host, port: DataLink(host, port, tls.ssl_client_context(server), hostname)
 
