@@ -45,6 +45,7 @@ from tfe_estimator.service import TlsFiles, budget as budget_module, data_plane,
 from tfe_estimator.service import server as server_module
 from tfe_estimator.service import tls as tls_module
 from tfe_estimator.service.data_link import DataLink, LinkError
+from tfe_estimator.service.native_link import make_link_factory
 from tfe_estimator.service.tls import server_name, server_name_option
 
 MESSAGES = wire.messages()
@@ -1060,7 +1061,7 @@ def test_a_data_port_that_cannot_be_reached_is_tried_again_only_after_a_while(ce
     asked = []
     tls = TlsFiles.from_dir(cert_dirs[0], "chief", 0)
     plane = data_link.PlaneLink(lambda timeout: asked.append(timeout) or portpicker.pick_unused_port(), "localhost",
-                                lambda: tls.ssl_client_context(1), server_name(tls, 1))
+                                make_link_factory("python", tls, 1, server_name(tls, 1)))
     link = plane.get(timeout=1.0)
     assert link is not None and len(asked) == 1
     with pytest.raises(LinkError) as refused:  # nothing listens there
@@ -1089,7 +1090,7 @@ def test_calls_that_start_together_wait_for_the_one_asking_for_the_port_and_all_
         return portpicker.pick_unused_port()
 
     tls = TlsFiles.from_dir(cert_dirs[0], "chief", 0)
-    plane = data_link.PlaneLink(ask, "localhost", lambda: tls.ssl_client_context(1), server_name(tls, 1))
+    plane = data_link.PlaneLink(ask, "localhost", make_link_factory("python", tls, 1, server_name(tls, 1)))
     threading.Timer(0.5, answering.set).start()  # the server answers while the second call waits
     links = in_threads([lambda: plane.get(timeout=5.0), lambda: (time.sleep(0.2), plane.get(timeout=5.0))[1]])
     assert links[0] is not None and links[1] is links[0] and len(asked) == 1

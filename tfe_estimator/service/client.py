@@ -294,9 +294,7 @@ class OwnerClient:
                                                     response_deserializer=wire.decoder(m.reply))
                         for m in wire.METHODS} for channel in self._channels]
         self._links = [PlaneLink(lambda timeout, k=k: self._data_port(k, timeout), address.rpartition(":")[0],
-                                 lambda k=k: tls.ssl_client_context(k), server_name(tls, k),
-                                 native_link.make_link_factory(self.data_link, tls, k, server_name(tls, k))
-                                 if self._use_plane else None)
+                                 native_link.make_link_factory(self.data_link, tls, k, server_name(tls, k)))
                        for k, address in enumerate(addresses)]
         #: Threads the puts run on, kept from call to call (`thread_pool`).
         self._put_threads = ThreadPool("tfe-put")

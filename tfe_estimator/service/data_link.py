@@ -223,28 +223,25 @@ class PlaneLink:
     Args:
       ask: ``ask(timeout) -> port`` (0: the server has no data plane); raises ``grpc.RpcError``.
       host: the server's host (its gRPC address's).
-      context: ``() -> ssl.SSLContext`` of this caller pinned to the server; hostname: its certificate's name.
-      link_factory: ``(host, port) -> link`` making the link instead of a `DataLink` of `context` (e.g.
-        `native_link.make_link_factory`: the C link).
+      make_link: ``(host, port) -> link`` pinned to the server (`native_link.make_link_factory`: a `DataLink`
+        or the C link), called for each port the server announces (renewed certificates are taken then).
 
     Example::
 
-        plane = PlaneLink(ask, "tfe1.example", lambda: tls.ssl_client_context(1), server_name(tls, 1))
+        plane = PlaneLink(ask, "tfe1.example", make_link_factory("python", tls, 1, server_name(tls, 1)))
         link = plane.get(timeout=5.0)        # None: use gRPC
     """
 
-    def __init__(self, ask: Callable[[float], int], host: str, context: Callable[[], ssl.SSLContext],
-                 hostname: str, link_factory: Optional[Callable[[str, int], Any]] = None):
-        self._ask, self._host, self._context, self._hostname = ask, host, context, hostname
-        self._factory = link_factory or (lambda host, port: DataLink(host, port, self._context(), self._hostname))
+    def __init__(self, ask: Callable[[float], int], host: str, make_link: Callable[[str, int], Any]):
+        self._ask, self._host, self._factory = ask, host, make_link
         self._lock = threading.Lock()
         self._asked_now = threading.Condition(self._lock)
         self._asking = False
-        self.link: Optional[DataLink] = None
+        self.link: Optional[LinkPool] = None
         self._asked: Optional[float] = None  # when the server was last asked for its port
         self._port, self._cause = 0, ""  # the port it announced last (0: none); why it could not be reached
 
-    def get(self, timeout: float) -> Optional[DataLink]:
+    def get(self, timeout: float) -> Optional[LinkPool]:
         """The link, asking the server for its port if due; None: use gRPC. A failed ask raises
         ``grpc.RpcError`` and is asked again at the next call. Callers that come while the server is being
         asked wait for that answer (within `timeout`), so concurrent first calls all take the data plane."""
@@ -274,7 +271,7 @@ class PlaneLink:
             link.close()
         return self.link
 
-    def failed(self, link: DataLink, error: LinkError) -> None:
+    def failed(self, link: LinkPool, error: LinkError) -> None:
         """Forgets `link` after `error` (its calls still running finish on their connections)."""
         with self._lock:
             if self.link is link:

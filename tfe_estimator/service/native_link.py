@@ -85,10 +85,13 @@ def _auto() -> str:
     return "c"
 
 
-def make_link_factory(choice: str, tls: TlsFiles, server: int, hostname: str) -> Callable[[str, int], Any]:
-    """``(host, port) -> link`` of the chosen kind pinned to server `server` (``choice``: `resolve_link`'s)."""
-    if resolve_link(choice) == "c":
+def make_link_factory(kind: str, tls: TlsFiles, server: int, hostname: str) -> Callable[[str, int], Any]:
+    """``(host, port) -> link`` of `kind` (``"c"`` or ``"python"``: `resolve_link`'s) pinned to server `server`,
+    its TLS context made for each link (renewed files are taken)."""
+    if kind == "c":
         return lambda host, port: NativeLink(host, port, tls, server, hostname)
+    if kind != "python":
+        raise ValueError(f"kind={kind!r} is not a data-plane link here; resolve it first (resolve_link).")
     return lambda host, port: DataLink(host, port, tls.ssl_client_context(server), hostname)
 
 

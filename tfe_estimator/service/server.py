@@ -43,7 +43,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import grpc
 import numpy as np
 
-from tfe_estimator.service import frames, ring, wire
+from tfe_estimator.service import frames, native_link, ring, wire
 from tfe_estimator.service.data_link import DataLink, LinkError, PlaneLink
 from tfe_estimator.service.data_plane import DataPlane, Refused
 from tfe_estimator.service.handshake_table import HandshakeTable
@@ -282,8 +282,8 @@ class AggregationServer:
                                          response_deserializer=classes["DataPlaneReply"].FromString)
             self._peer_plane = PlaneLink(
                 lambda timeout: ask(classes["DataPlaneRequest"](), timeout=timeout, wait_for_ready=True).port,
-                self._peer_address.rpartition(":")[0], lambda: self._tls.ssl_client_context(1),
-                server_name(self._tls, 1))
+                self._peer_address.rpartition(":")[0],
+                native_link.make_link_factory("python", self._tls, 1, server_name(self._tls, 1)))
         if self._data_address is not None:
             self._data_plane = DataPlane(self._tls, self._data_address, self._data_call,
                                          max_connections=self._max_waiting + 1,
