@@ -25,7 +25,7 @@ import pytest
 
 from service_helpers import WAIT_SECS, Service, cert_dirs, in_threads, make_service, owner_names  # noqa: F401
 from tfe_estimator.service import TlsFiles, frames, native_build, ring, wire
-from tfe_estimator.service.client import reply_into
+from tfe_estimator.service.client import REPLY_MARGIN_BYTES, reply_into
 from tfe_estimator.service.data_link import DataLink, LinkError
 from tfe_estimator.service import native_link
 from tfe_estimator.service.native_link import NativeLink, link_choice, resolve_link
@@ -118,7 +118,7 @@ def test_a_step_on_both_links_gives_the_same_exact_answer(make_service, n):
     clients = [service.client("chief", 0, data_link="python"), service.client("worker", 0, data_link="c")]
     assert type(clients[1]._links[1].get(WAIT_SECS)) is NativeLink  # pylint: disable=protected-access
     assert type(clients[0]._links[1].get(WAIT_SECS)) is DataLink  # pylint: disable=protected-access
-    buffers = [bytearray(8 * n + 64) for _ in clients]
+    buffers = [bytearray(8 * n + REPLY_MARGIN_BYTES) for _ in clients]
     rng = np.random.default_rng(n)
     for step in range(3):
         xs = [rng.integers(-2**62, 2**62, n, dtype=np.int64) for _ in clients]

@@ -2,8 +2,11 @@
 
 Server1 releases a step when server0's forwarded part arrives; server0 answers the owners with the step's blind
 key after that. A server0 killed in between used to restart without the key: server1 replays the step, and no
-owner could reveal it (the fault test's flake, `test_service_faults.py`). Server0 now records each release's
-blind key in its state directory before it forwards. In process, loopback, one step of 8 elements.
+owner could reveal it (the fault test's flake, `test_service_faults.py`). Server0 records each release's blind
+key in its state directory before it forwards. Server1's answer now carries the blind key sealed for each owner
+(`sealed_blind`), so the owners finish that step without server0; the record still answers an owner that restored
+a checkpoint and replays the step with a fresh key (its seal does not open), and everything in the step with a
+server0 that does not seal (``sealed=False``: an older server0). In process, loopback, one step of 8 elements.
 """
 import json
 import os
@@ -47,10 +50,13 @@ def _kill(server):
     plane.stop()
 
 
-def _killed_after_server1_released(make_service, cert_dir, state_dir, monkeypatch):
+def _killed_after_server1_released(make_service, cert_dir, state_dir, monkeypatch, sealed=True):
     """Both owners put step 0; server0 forwards it, server1 releases it, and server0 dies right then, before it
     answers the owners; a new server0 starts at its address on the same state directory. Returns the service,
-    the owners' clients and keys, and their results (their clients put the same contributions again)."""
+    the owners' clients and keys, and their results (without `sealed` blind keys in server1's answer, their
+    clients put the same contributions again)."""
+    if not sealed:
+        monkeypatch.setattr(AggregationServer, "_seal", staticmethod(lambda *args: ()))
     service = make_service(owner_names(2), step_timeout_secs=15.0, state_dir=state_dir)
     old = service.servers[1]
     forwarded, killed = threading.Event(), threading.Event()
@@ -76,10 +82,12 @@ def _killed_after_server1_released(make_service, cert_dir, state_dir, monkeypatc
     return service, owners, keys, results[:2]
 
 
+@pytest.mark.parametrize("sealed", [True, False])
 def test_server0_killed_after_server1_released_answers_the_step_with_its_recorded_blind_key(
-        make_service, cert_dirs, tmp_path, monkeypatch):
+        make_service, cert_dirs, tmp_path, monkeypatch, sealed):
     state = str(tmp_path / "state")
-    service, owners, _, results = _killed_after_server1_released(make_service, cert_dirs[0], state, monkeypatch)
+    service, owners, _, results = _killed_after_server1_released(make_service, cert_dirs[0], state, monkeypatch,
+                                                                 sealed)
     for result in results:
         assert isinstance(result, tuple), result
         np.testing.assert_array_equal(_reveal(result), 2 * X)
@@ -99,9 +107,26 @@ def test_server0_killed_after_server1_released_answers_the_step_with_its_recorde
 def test_mutation_without_the_record_the_owners_cannot_finish_the_step(make_service, cert_dirs, tmp_path,
                                                                          monkeypatch):
     monkeypatch.setattr(ReleaseLog, "write", lambda *args: None)
-    _, _, _, results = _killed_after_server1_released(make_service, cert_dirs[0], str(tmp_path / "s"), monkeypatch)
+    _, _, _, results = _killed_after_server1_released(make_service, cert_dirs[0], str(tmp_path / "s"), monkeypatch,
+                                                      sealed=False)
     for result in results:
         assert isinstance(result, ServiceError) and "lost its replay window" in result.details, result
+
+
+def test_mutation_without_the_record_a_restored_owner_cannot_replay_the_step(make_service, cert_dirs, tmp_path,
+                                                                            monkeypatch):
+    # The owners finish the step from server1's answer (the sealed blind key) without server0; a worker restored
+    # from a checkpoint replays it with a fresh key (its seal does not open), and a server0 that kept no record
+    # has no answer for it: the worker waits out its deadline.
+    monkeypatch.setattr(ReleaseLog, "write", lambda *args: None)
+    service, _, _, results = _killed_after_server1_released(make_service, cert_dirs[0], str(tmp_path / "s"),
+                                                            monkeypatch)
+    for result in results:
+        assert isinstance(result, tuple), result
+        np.testing.assert_array_equal(_reveal(result), 2 * X)
+    late = service.client("worker", 0, retry_secs=0.0, timeout_secs=3.0)
+    with pytest.raises(ServiceError, match="DEADLINE_EXCEEDED"):
+        _put(late, 0, np.frombuffer(os.urandom(16), np.int32))
 
 
 def test_mutation_server1_taking_a_part_of_another_blind_key_again_gives_the_owners_a_wrong_sum(
@@ -111,7 +136,8 @@ def test_mutation_server1_taking_a_part_of_another_blind_key_again_gives_the_own
     monkeypatch.setattr(ReleaseLog, "write", lambda *args: None)
     monkeypatch.setattr(StepChannel, "_same_release", staticmethod(
         lambda stored, digests, blind: [bytes(d) for d in digests] == [bytes(d) for d in stored.expected]))
-    _, _, _, results = _killed_after_server1_released(make_service, cert_dirs[0], str(tmp_path / "s"), monkeypatch)
+    _, _, _, results = _killed_after_server1_released(make_service, cert_dirs[0], str(tmp_path / "s"), monkeypatch,
+                                                      sealed=False)
     assert all(isinstance(r, tuple) for r in results), results
     assert not any(np.array_equal(_reveal(r), 2 * X) for r in results)
 

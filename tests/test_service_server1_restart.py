@@ -127,9 +127,14 @@ def test_server0_forwards_a_step_again_only_for_the_same_key_and_only_to_a_serve
     assert all(isinstance(r, tuple) for r in results), results
     forwarded = len(service.forwards)
     # The new server1 holds the release now: the same key put again is answered by both, nothing forwarded again.
+    # (The owner returns on server1's answer, which carries the blind key; server0's answer comes after it asked
+    # server1 whether it holds the release: waited for here, before server1 is killed again.)
+    server0, answered = service.servers[1], threading.Event()
+    answer0 = server0._contribute  # pylint: disable=protected-access
+    monkeypatch.setattr(server0, "_contribute", lambda *args: (answer0(*args), answered.set())[0])
     again = _put(owners[0], 0, keys[0], x)
     assert bytes(again[0]) == bytes(results[0][0]) and bytes(again[1]) == bytes(results[0][1])
-    assert len(service.forwards) == forwarded
+    assert answered.wait(8) and len(service.forwards) == forwarded
     # Server1 restarts again (it lost the release); an owner restored from a checkpoint puts step 0 with a fresh
     # key: server0 answers it from its window and forwards nothing (the part is the release's keys', not this
     # put's), so server1's step waits for the other owners and is aborted, naming server0's part as missing.

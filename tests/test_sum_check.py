@@ -2,7 +2,7 @@
 (`check_seed`).
 
 In-process servers (the real `AggregationServer`, mTLS on loopback) with a tampering server1 or server0: it
-adds to one element of one step's answer (1, and 2**63), replaces the blind key, answers two owners
+adds to one element of one step's answer (1, and 2**63), replaces the blind key (sealed or answered), answers two owners
 differently, or alters a replayed answer; every owner given a tampered answer fails that step with
 `SumIntegrityError`, and honest runs (many steps, channels, rings 32/64/128) never do. Mutations: the check
 skipped accepts the tampered sum; a server1 that knows the seed forges a change that passes. The seed
@@ -48,7 +48,8 @@ class TamperingServer(AggregationServer):
         message = classes["ContributeReply"].FromString(answer if isinstance(answer, bytes)
                                                         else answer.SerializeToString())
         payload = self.tamper(identity, request, message.payload)
-        return classes["ContributeReply"](step=message.step, payload=payload).SerializeToString()
+        return classes["ContributeReply"](step=message.step, payload=payload,
+                                          sealed_blinds=message.sealed_blinds).SerializeToString()
 
 
 class Cluster:
@@ -507,9 +508,17 @@ def test_the_check_skipped_accepts_the_tampered_sum(cluster):
         assert result[5] != truth[5] and np.array_equal(np.delete(result, 5), np.delete(truth, 5))
 
 
-def test_server0_replacing_the_blind_key_is_caught(cluster):
+@pytest.mark.parametrize("lie", ["sealed", "answered"])
+def test_server0_replacing_the_blind_key_is_caught(cluster, lie):
+    # Server0 seals another key than the one it blinded the sum with (server1's answer carries it); or, sealing
+    # none (an older server0), it answers another key itself.
     c = cluster(2)
-    c.server0.tamper = lambda identity, request, payload: secrets.token_bytes(16)
+    if lie == "sealed":
+        c.server0._seal = lambda channel, step, keys, blind: AggregationServer._seal(  # pylint: disable=protected-access
+            channel, step, keys, secrets.token_bytes(16))
+    else:
+        c.server0._seal = lambda *args: ()  # pylint: disable=protected-access
+        c.server0.tamper = lambda identity, request, payload: secrets.token_bytes(16)
     results = _sum_round(c, [SumCheck(SEED)] * 2, "sum_0", 0, 64, _values(np.random.default_rng(0), 2, 50, 64))
     assert all(isinstance(r, SumIntegrityError) for r in results), results
 

@@ -360,17 +360,15 @@ def checked_contribute(contribute: Callable, check: Optional[SumCheck], channel:
 
 #: Per thread, the buffer server1's answers land in (`client.reply_into`), reused from call to call.
 _REPLIES = threading.local()
-#: Bytes of a Contribute answer's message beyond its payload (its step and the payload's field header).
-_REPLY_HEADER_BYTES = 32
 
 
 @contextlib.contextmanager
 def _reply_buffer(words: int):
     """Lends this thread's reply buffer for answers of `words` ring words to the calls inside; a call that
     raised leaves it behind (a put of that call may still write into it)."""
-    from tfe_estimator.service.client import reply_into  # pylint: disable=import-outside-toplevel
+    from tfe_estimator.service.client import REPLY_MARGIN_BYTES, reply_into  # pylint: disable=import-outside-toplevel
 
-    size = 8 * words + _REPLY_HEADER_BYTES
+    size = 8 * words + REPLY_MARGIN_BYTES
     buffer = getattr(_REPLIES, "buffer", None)
     if buffer is None or len(buffer) != size:
         buffer = _REPLIES.buffer = bytearray(size)

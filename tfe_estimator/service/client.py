@@ -25,21 +25,25 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import grpc
 import numpy as np
 
-from tfe_estimator.service import frames, ring, wire
+from tfe_estimator.service import frames, ring, sealed_blind, wire
 from tfe_estimator.service import tls as tls_lib
 from tfe_estimator.service import native_link
 from tfe_estimator.service.data_link import DataLink, LinkError, PlaneLink
 from tfe_estimator.service.thread_pool import ThreadPool
 from tfe_estimator.service.tls import TlsFiles, server_name, server_name_option
 
-__all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "get_client", "live_clients", "release_client",
-           "reply_into"]
+__all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "REPLY_MARGIN_BYTES", "get_client", "live_clients",
+           "release_client", "reply_into"]
 
 #: Channel options of an owner: no size limit (1e7 parameters are 80 MB), reconnect within ~1 s once a server is
 #: up (gRPC's default backoff grows to 120 s), no keep-alive pings (the servers do not expect any).
 CLIENT_OPTIONS = (("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                   ("grpc.max_reconnect_backoff_ms", 1000))
+
+#: Bytes of server1's answer beyond its ring words, for a `reply_into` buffer: its step, the payload's field header
+#: and server0's blind key sealed for each owner (`sealed_blind`: 46 bytes per owner, so ~1,400 owners fit).
+REPLY_MARGIN_BYTES = 1 << 16
 
 _LOG = logging.getLogger("tfe_estimator")
 #: Per thread, the buffer `reply_into` lends to this thread's `OwnerClient.contribute` calls.
@@ -55,7 +59,7 @@ def reply_into(buffer: Optional[bytearray]):
 
     Example::
 
-        buffer = bytearray(8 * words + 64)
+        buffer = bytearray(8 * words + REPLY_MARGIN_BYTES)
         with reply_into(buffer):
             blind_key, w = client.contribute("sum_0", step, 64, n, key, share)
     """
@@ -296,6 +300,7 @@ class OwnerClient:
         self._links = [PlaneLink(lambda timeout, k=k: self._data_port(k, timeout), address.rpartition(":")[0],
                                  native_link.make_link_factory(self.data_link, tls, k, server_name(tls, k)))
                        for k, address in enumerate(addresses)]
+        self._unopened = False  # server1 answered sealed blind keys none of which opened (said once)
         #: Threads the puts run on, kept from call to call (`thread_pool`).
         self._put_threads = ThreadPool("tfe-put")
         # A method no server serves: its answer (UNIMPLEMENTED) proves the server is there, with no side effect.
@@ -421,15 +426,21 @@ class OwnerClient:
         replies = {}
         recheck = False  # server1 failed before server0 answered: put on server0 again once it answers
         answered = {}  # server0's first answer's call: its replay flag counts (the same key put again is flagged)
-        while len(replies) < 2:
-            # server0's answer is acted on at once while `recheck` (server1 may wait for the part it forwards again)
+        sealed = None  # the blind key, from server1's answer (sealed for this owner by server0): server0's not needed
+        while len(replies) < 2 and sealed is None:
+            # server1's answer is acted on at once (it carries the blind key sealed for this owner); server0's too
+            # while `recheck` (server1 may wait for the part it forwards again)
             self._await("Contribute", what, {k: c for k, c in calls.items() if k not in replies}, start,
-                        any_of=(0,) if recheck else ())
+                        any_of=(0, 1) if recheck else (1,))
             for server, call in calls.items():
                 if server in replies or not call.done():
                     continue
                 try:
                     replies[server] = call.result()
+                    if server == 1:
+                        sealed = self._sealed_blind(key_bytes, replies[1], fields, call.trailing_metadata())
+                        if sealed is not None:
+                            break  # server0's call ends on its own (its answer is the same key): not waited for
                     if server == 0 and recheck:
                         recheck = False
                         del replies[0]
@@ -465,17 +476,18 @@ class OwnerClient:
                     for other in calls.values():
                         other.cancel()
                     raise self._error("Contribute", server, e) from None
-        replies = [replies[0], replies[1]]
-        for server, reply in enumerate(replies):
+        for server, reply in replies.items():
             if reply.step != step:
                 raise ServiceError("Contribute", self._addresses[server], grpc.StatusCode.INTERNAL,
                                    f"the reply is for step {reply.step}, not for step {step}.")
-        payloads = [reply.payload for reply in replies]  # views of the received bytes (wire.decode): no copy
-        self.bytes_received += sum(wire.encoded_size("ContributeReply", len(p), step=r.step)
-                                   for p, r in zip(payloads, replies))
+        # views of the received bytes (wire.decode): no copy; the blind key sealed in server1's answer, if it was
+        payloads = [replies[0].payload if sealed is None else sealed, replies[1].payload]
+        self.bytes_received += sum(wire.encoded_size("ContributeReply", len(r.payload), step=r.step,
+                                                     sealed_blinds=list(r.sealed_blinds)) for r in replies.values())
         self.contributions += 1
+        # A step answered from the servers' replay window: server1's flag when its answer carried the blind key
         replayed = all((ring.REPLAYED_METADATA, "1") in tuple(answered.get(server, calls[server]).trailing_metadata()
-                                                              or ()) for server in (0, 1))
+                                                              or ()) for server in ((1,) if sealed else (0, 1)))
         self.answers.setdefault(channel, [0, 0])[1 if replayed else 0] += 1
         if len(payloads[0]) != ring.KEY_BYTES or len(payloads[1]) != 8 * words:
             raise ServiceError("Contribute", self._addresses[0 if len(payloads[0]) != ring.KEY_BYTES else 1],
@@ -485,6 +497,24 @@ class OwnerClient:
         blind_key = np.frombuffer(payloads[0], "<i4").copy()
         w = np.frombuffer(payloads[1], "<i8").reshape(share.shape)  # read-only, over the reply's own bytes
         return blind_key, w
+
+    def _sealed_blind(self, key: bytes, reply, fields: dict, trailing) -> Optional[bytes]:
+        """The blind key server0 sealed for this owner in server1's answer (`sealed_blind`); None if the answer
+        carries none (a server0 that does not seal) or none opens: a replay of a step released from another key
+        of this owner (it restored a checkpoint: server0 answers it from its window or log), or altered on the
+        way (said once per client). Then server0's own answer is waited for."""
+        entries = list(reply.sealed_blinds)
+        if not entries:
+            return None
+        blind = sealed_blind.open_own(key, entries, fields["channel"], fields["ring_bits"], fields["num_elements"],
+                                      fields["step"])
+        if blind is None and not self._unopened and (ring.REPLAYED_METADATA, "1") not in tuple(trailing or ()):
+            self._unopened = True
+            _LOG.warning("service mode: aggregation server1 at %s answered step %d of %r with %d sealed blind keys, "
+                         "none of which opens under this owner's key: waiting for server0's answer instead (one "
+                         "more server-to-server hop per step)", self._addresses[1], fields["step"],
+                         fields["channel"], len(entries))
+        return blind
 
     def handshake(self, step: int, descriptor,
                   model: int = 0) -> List[Tuple[int, Optional[np.ndarray], Optional[float]]]:

@@ -43,7 +43,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import grpc
 import numpy as np
 
-from tfe_estimator.service import frames, native_link, ring, wire
+from tfe_estimator.service import frames, native_link, ring, sealed_blind, wire
 from tfe_estimator.service.data_link import DataLink, LinkError, PlaneLink
 from tfe_estimator.service.data_plane import DataPlane, Refused
 from tfe_estimator.service.handshake_table import HandshakeTable
@@ -525,14 +525,17 @@ class AggregationServer:
 
     def _finish(self, channel: StepChannel, released: Released) -> None:
         """Computes a released step's answer outside the channel's lock (server0 also forwards); wakes the owners."""
+        sealed = ()
         if self._role == 1:
-            payload = released.acc
+            payload, sealed = released.acc, released.result.sealed or ()
         else:
             summed = [key_digest(released.parts[o]) for o in range(len(self._owners))]
             blind = self._blind(channel, released, summed)
             digests = ",".join(d.hex() for d in summed)
             try:
-                self._send_forward(channel, released, digests, key_digest(blind).hex())
+                self._send_forward(channel, released, digests, key_digest(blind).hex(),
+                                   self._seal(channel, released.step, [released.parts[o] for o in
+                                                                       range(len(self._owners))], blind))
             except _Forwarded as e:
                 channel.finish(released, None, StepRefused(
                     e.code.name, f"Service mode, {channel.label} step {released.step}: server0 could not forward "
@@ -542,7 +545,7 @@ class AggregationServer:
             released.result.keys = ([bytes(released.parts[o]) for o in range(len(self._owners))], blind)
             payload = blind
         # The one copy: the answer is bytes of its own, stored in the replay window while the buffer is reused.
-        channel.finish(released, wire.encode("ContributeReply", payload, step=released.step))
+        channel.finish(released, wire.encode("ContributeReply", payload, step=released.step, sealed_blinds=sealed))
         if self._metrics is not None:
             self._metrics.released()
         if self._ahead is not None and not self._stopped.is_set():
@@ -550,6 +553,13 @@ class AggregationServer:
                 self._ahead.submit(self._prepare, channel)
             except RuntimeError:  # stopping
                 pass
+
+    @staticmethod
+    def _seal(channel: StepChannel, step: int, keys: Sequence[bytes], blind: bytes) -> Tuple[bytes, ...]:
+        """Server0: its blind key sealed for each owner under that owner's key of the step (`sealed_blind`),
+        in owner order: server1 puts them in the step's answer, so the owners need not wait for server0's."""
+        return tuple(sealed_blind.seal(key, blind, channel.name, channel.ring_bits, channel.num_elements, step)
+                     for key in keys)
 
     def _blind(self, channel: StepChannel, released: Released, summed) -> bytes:
         """Server0: blinds a released step's sum (``acc -= AES(blind)``) and records the blind key before the
@@ -655,7 +665,8 @@ class AggregationServer:
                     ring.keystream_apply(key, acc, channel.ring_bits)
                 again = Released(result.step, acc, channel.ring_bits, channel.num_elements, result, {})
                 try:
-                    self._send_forward(channel, again, digests, blind_digest)
+                    self._send_forward(channel, again, digests, blind_digest,
+                                       self._seal(channel, result.step, keys, blind))
                 except _Forwarded as e:
                     _LOG.warning("aggregation server0: step %d of %s: server1 did not take the part forwarded "
                                  "again: %s: %s", result.step, channel.label, e.code.name, e.message)
@@ -723,8 +734,9 @@ class AggregationServer:
             answer = channel.wait(owner, ticket, alive=lambda: context.is_active() and not self._stopped.is_set())
             if self._role == 0 and ticket.replay is not None:
                 self._reforward(identity, channel, ticket.replay, owner, payload)
-            if ticket.replay is not None and not (  # the owner counts it apart from releases (OwnerClient.answers)
-                    self._role == 0 and channel.first_answer(ticket, owner, key_digest(payload))):
+            # the owner counts a replay apart from releases (OwnerClient.answers)
+            digest = key_digest(payload) if self._role == 0 else (_digests(context, KEY_METADATA) or [None])[0]
+            if ticket.replay is not None and not channel.first_answer(ticket, owner, digest):
                 context.set_trailing_metadata(((REPLAYED_METADATA, "1"),))
             return answer
         finally:
@@ -739,13 +751,20 @@ class AggregationServer:
         if any(key == _CONFIRM_METADATA for key, _ in context.invocation_metadata() or ()):
             return self._confirm(request, _digests(context, DIGESTS_METADATA), blind, reply)
         self._check_request(request, len(payload), "ForwardBlinded")
+        sealed = list(request.sealed_blinds)
+        if sealed and (len(sealed) != len(self._owners) or
+                       any(len(entry) != sealed_blind.SEALED_BYTES for entry in sealed)):
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"ForwardBlinded of step {request.step} of {request.channel!r}: {len(sealed)} sealed blind "
+                         f"keys of {sorted({len(e) for e in sealed})} bytes; server0 seals one of "
+                         f"{sealed_blind.SEALED_BYTES} bytes per owner ({len(self._owners)}).")
         self._enter(identity)
         try:
             _, channel = self._channel(None, request)
             forwarder = len(self._owners)
             try:
                 ticket = channel.put(forwarder, request.step, payload, np.frombuffer(payload, "<u8"),
-                                     _digests(context, DIGESTS_METADATA), blind)
+                                     _digests(context, DIGESTS_METADATA), blind, sealed=tuple(sealed) or None)
             finally:
                 self._unhold(channel)
             if ticket.released is not None:
@@ -845,10 +864,12 @@ class AggregationServer:
             raise _Forwarded(code, bytes(message).decode("utf-8", "replace"))
         return True, None
 
-    def _send_forward(self, channel: StepChannel, released: Released, digests: str, blind_digest: str) -> None:
-        """Forwards a released step's blinded part to server1: on its data plane if it has one, else gRPC."""
+    def _send_forward(self, channel: StepChannel, released: Released, digests: str, blind_digest: str,
+                      sealed: Sequence[bytes]) -> None:
+        """Forwards a released step's blinded part, with its blind key `sealed` for each owner, to server1: on its
+        data plane if it has one, else gRPC."""
         fields = dict(channel=channel.name, step=released.step, ring_bits=released.ring_bits,
-                      num_elements=released.num_elements)
+                      num_elements=released.num_elements, sealed_blinds=sealed)
         meta = ((DIGESTS_METADATA, digests), (_BLIND_METADATA, blind_digest))
         size = wire.encoded_size("ForwardRequest", released.acc.nbytes, **fields)
         for attempt in range(2):

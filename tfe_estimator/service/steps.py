@@ -114,6 +114,7 @@ class _Result:
         self.error: Optional[StepRefused] = None
         self.expected: Optional[Sequence[bytes]] = None  # server1: the digests of the owners' keys server0 summed
         self.blind_digest: Optional[bytes] = None  # server1: the digest of the key server0 blinded its part with
+        self.sealed: Optional[Sequence[bytes]] = None  # server1: server0's blind key sealed for each owner
         # server0: the owners' keys it summed (owner order) and its blind key, to forward the same part again to
         # a server1 that lost the release (restarted before it answered the owners); in memory only, with the step
         self.keys: Optional[Tuple[Sequence[bytes], bytes]] = None
@@ -147,6 +148,7 @@ class _Open:
         self.digests: Dict[int, bytes] = {}  # server1: owner -> the digest of the key its share was masked with
         self.expected: Optional[Sequence[bytes]] = None  # server1: per owner, the digest of the key server0 summed
         self.blind_digest: Optional[bytes] = None  # server1: the digest of server0's blind key (its forward says)
+        self.sealed: Optional[Sequence[bytes]] = None  # server1: server0's blind key sealed per owner (its forward)
 
 
 class Released(NamedTuple):
@@ -236,7 +238,8 @@ class StepChannel:
     # ----------------------------------------------------------------- put --
 
     def put(self, participant: int, step: int, payload: bytes, addend: np.ndarray,
-            digests: Optional[Sequence[bytes]] = None, blind_digest: Optional[bytes] = None) -> Ticket:
+            digests: Optional[Sequence[bytes]] = None, blind_digest: Optional[bytes] = None,
+            sealed: Optional[Sequence[bytes]] = None) -> Ticket:
         """Adds `participant`'s contribution to `step` (or finds its stored answer); see the module docstring.
 
         Args:
@@ -248,9 +251,11 @@ class StepChannel:
           blind_digest: server1 only, server0's forwarded part: the digest of the key it is blinded with. A
             forwarded part for a step already released is answered as a replay (nothing added) only when
             both its digests and this one are the release's: the same part (server0 restarted, `release_log`).
+          sealed: server1 only, server0's forwarded part: its blind key sealed for each owner (`sealed_blind`);
+            the step's answer carries them.
         """
         with self._cond:
-            return self._put(participant, step, payload, addend, digests, blind_digest)
+            return self._put(participant, step, payload, addend, digests, blind_digest, sealed)
 
     def _mismatch(self, current: _Open, participant: int, digest: Optional[bytes]) -> Optional[str]:
         if current is None or current.expected is None or digest is None or \
@@ -262,7 +267,7 @@ class StepChannel:
                 "contribution again; if it cannot, restart every owner from one checkpoint after that step, or "
                 "restart both servers.")
 
-    def _put(self, participant, step, payload, addend, digests=None, blind_digest=None):
+    def _put(self, participant, step, payload, addend, digests=None, blind_digest=None, sealed=None):
         me = self._names[participant]
         stored = self._window.get(step)
         if stored is not None:
@@ -320,7 +325,7 @@ class StepChannel:
         if mine is not None:
             current.digests[participant] = mine
         if participant >= len(self._owners):
-            current.blind_digest = blind_digest
+            current.blind_digest, current.sealed = blind_digest, sealed
         if participant >= len(self._owners) and digests and len(digests) == len(self._owners):
             current.expected = list(digests)
             for owner, digest in list(current.digests.items()):
@@ -355,7 +360,7 @@ class StepChannel:
             self._pending.pop(participant, None)
         current.charges.clear()
         result = current.result = self._window[current.step] = _Result(current.step)
-        result.expected, result.blind_digest = current.expected, current.blind_digest
+        result.expected, result.blind_digest, result.sealed = current.expected, current.blind_digest, current.sealed
         self._last_released = current.step if self._last_released is None else max(self._last_released,
                                                                                    current.step)
         self.ever_released = True
@@ -428,9 +433,11 @@ class StepChannel:
 
     @staticmethod
     def first_answer(ticket: Ticket, participant: int, digest: bytes) -> bool:
-        """Server0: whether a put answered from a restored release (`restore`) is the participant's same
-        contribution put again (its key's `digest` is the one summed): the answer it never received before
-        server0 restarted, not a replay of one it received."""
+        """Whether a put answered from the window is the participant's same contribution put again (its key's
+        `digest` is the one summed): the answer it never received, not a replay of one it received. Server1 knows
+        the digests of every release (server0's forward names them): an owner whose answer was lost on the way
+        puts again. Server0 knows them for a release restored from its log (`restore`) only: its owners put
+        the same key again, and their first answer is server1's (it carries the blind key, `sealed_blind`)."""
         expected = ticket.replay.expected if ticket.replay is not None else None
         return expected is not None and participant < len(expected) and bytes(expected[participant]) == digest
 

@@ -50,7 +50,7 @@ OWNERS, SERVER0, OWNERS_AND_SERVER0, PARTIES = "owners", "tfe:0", "owners and tf
 MESSAGES: Tuple[Tuple[str, Tuple[Tuple[str, str, int], ...]], ...] = (
     ("ContributeRequest", (("channel", "string", 1), ("step", "int64", 2), ("ring_bits", "int32", 3),
                            ("num_elements", "int64", 4), ("payload", "bytes", 5))),
-    ("ContributeReply", (("step", "int64", 1), ("payload", "bytes", 2))),
+    ("ContributeReply", (("step", "int64", 1), ("payload", "bytes", 2), ("sealed_blinds", "repeated bytes", 3))),
     ("HandshakeRequest", (("step", "int64", 1), ("descriptor", "repeated int64", 2), ("model", "int64", 3),
                           ("seed_part", "bytes", 4))),
     ("HandshakeReply", (("rows", "repeated int64", 1), ("lengths", "repeated int64", 2),
@@ -59,7 +59,7 @@ MESSAGES: Tuple[Tuple[str, Tuple[Tuple[str, str, int], ...]], ...] = (
     ("RewindRequest", (("step", "int64", 1),)),
     ("RewindReply", ()),
     ("ForwardRequest", (("channel", "string", 1), ("step", "int64", 2), ("ring_bits", "int32", 3),
-                        ("num_elements", "int64", 4), ("payload", "bytes", 5))),
+                        ("num_elements", "int64", 4), ("payload", "bytes", 5), ("sealed_blinds", "repeated bytes", 6))),
     ("ForwardReply", ()),
     ("DataPlaneRequest", ()),
     ("DataPlaneReply", (("port", "int32", 1),)),
@@ -150,19 +150,17 @@ def _varint(value: int) -> bytes:
 @functools.lru_cache(maxsize=None)  # a fact of the fixed API, looked up per message sent and received
 def _payload_field(message: str) -> int:
     fields = dict(MESSAGES)[message]
-    number = dict((name, n) for name, _, n in fields)["payload"]
-    if number != max(n for _, _, n in fields):
-        raise ValueError(f"{message}'s payload is not its last field: encode() would reorder the fields.")
-    return number
+    return dict((name, n) for name, _, n in fields)["payload"]
 
 
 def encode(message: str, payload, **fields) -> bytes:
     """The wire bytes of `message` with `payload` (bytes or a contiguous array), copying the payload once.
 
-    Byte-identical to ``messages()[message](payload=bytes(payload), **fields).SerializeToString()``
-    (protobuf writes fields in number order; ``payload`` is the last field of every message that has
-    one; an empty payload is omitted as proto3 does), without protobuf's copies of a large payload
-    (into the message, then into the serialized string). Parse the bytes with protobuf as usual.
+    The message ``messages()[message](payload=bytes(payload), **fields)`` (an empty payload is omitted as
+    proto3 does), with the payload written last, without protobuf's copies of a large payload (into the
+    message, then into the serialized string): byte-identical to protobuf's ``SerializeToString()`` when
+    the payload is the highest-numbered field set (protobuf writes fields in number order; a reply's
+    ``sealed_blinds``, added later, come before it here). Parse the bytes with protobuf as usual.
     """
     head = messages()[message](**fields).SerializeToString()
     view = memoryview(payload).cast("B")

@@ -26,10 +26,12 @@ from typing import Dict, List, Optional, Sequence
 
 __all__ = ["predict_step_ms", "SERVICE_HOPS", "main"]
 
-#: Sequential round trips on the critical path of one Contribute call: the owner's to the servers, and
-#: server0's ForwardBlinded to server1 (sent once every owner's key arrived; server1 releases the step and
-#: answers both after it), so an owner waits ``rtt_owner + rtt_servers`` for its two answers.
-SERVICE_HOPS = 2
+#: Sequential round trips on the critical path of one Contribute call: the owner's to the servers, and half of
+#: server0's to server1 (its ForwardBlinded leaves once every owner's key arrived; server1 answers the owners once
+#: it holds it, with server0's blind key sealed for each owner in the answer, `service.sealed_blind`), so an owner
+#: waits ``rtt_owner + rtt_servers / 2``. Until 2026-11-27 it waited for server0's answer, sent once server1's
+#: release came back: ``rtt_owner + rtt_servers`` (2).
+SERVICE_HOPS = 1.5
 
 
 def predict_step_ms(loopback_ms: float, round_trips: float, up_bytes: float, down_bytes: float,
@@ -44,7 +46,7 @@ def predict_step_ms(loopback_ms: float, round_trips: float, up_bytes: float, dow
       none of it goes away at a distance.
     - ``round_trips``: sequential round trips on the step's critical path; for the service, Contribute
       calls per step x `SERVICE_HOPS` (each call waits for the owner's round trip and server0's forward
-      to server1, every link at ``rtt_ms``).
+      to server1, one way, every link at ``rtt_ms``).
     - ``up_bytes``, ``down_bytes``: what one owner sends and receives per step; the upload to server1 and
       the download from it are sequential (the answer needs every owner's share), server0's forward of
       the same size overlaps the owners' uploads. ``bw`` is each owner's link (and the servers' links are
@@ -114,7 +116,7 @@ def _line(r: Dict) -> str:
     return (f"[distance] {r['elements']:,} elements, {r['owners']} owners, {link} (medians of {r['rounds']} runs of "
             f"{r['steps']} steps): loopback {r['loopback_ms']:.1f} "
             f"ms/step, {r['round_trips_per_step']:g} round trips/step ({r['calls_per_step']:g} Contribute x "
-            f"{SERVICE_HOPS} hops), per owner {r['up_bytes_per_owner']:,.0f} B up, {r['down_bytes_per_owner']:,.0f} "
+            f"{SERVICE_HOPS:g} hops), per owner {r['up_bytes_per_owner']:,.0f} B up, {r['down_bytes_per_owner']:,.0f} "
             f"B down; predicted {r['predicted_ms']:.1f} ms/step, measured {r['measured_ms']:.1f} "
             f"({r['measured_over_predicted']:.2f}x){control}")
 

@@ -118,7 +118,7 @@ def _distance_figures(row: Dict) -> Dict:
 
     Bytes are the chief's client's per step (each owner sends and receives the same); round trips are its
     sequential Contribute calls per step (`in_flight.Tickets.waves`: a step's sums travel together) x
-    `distance.SERVICE_HOPS` (the owner's and server0's forward to server1).
+    `distance.SERVICE_HOPS` (the owner's, and server0's forward to server1, one way).
     """
     from tools.bench.distance import SERVICE_HOPS, predict_step_ms  # pylint: disable=import-outside-toplevel
 

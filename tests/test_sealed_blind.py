@@ -1,0 +1,186 @@
+"""Server0's blind key sealed for each owner, carried by server1's answer (`sealed_blind`).
+
+The owners finish a step on server1's answer alone (server0's answer, one server-to-server hop later, is not
+waited for), and nothing server1 holds opens a seal: the blind key stays server0's and the owners'. In process,
+loopback, steps of 8 elements.
+"""
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from service_helpers import cert_dirs, in_threads, make_service, owner_names  # noqa: F401 (fixtures)
+from tfe_estimator.service import AggregationServer, ring, sealed_blind, wire
+from tfe_estimator.service.sealed_blind import SEALED_BYTES, SealError, open_own, open_sealed, seal
+
+X = np.arange(8, dtype=np.int64)
+SETTINGS = ("m/sum_0", 64, 8)
+
+
+def _put(client, step, key):
+    share = (X.view(np.uint64) - ring.keystream_words(key, 8)).view(np.int64)
+    return client.contribute("c", step, 64, 8, key, share)
+
+
+def _reveal(result):
+    blind, w = result
+    return (w.view(np.uint64) + ring.keystream_words(blind, 8)).view(np.int64)
+
+
+def test_a_seal_opens_only_under_its_owners_key_for_its_step():
+    keys, blind = [os.urandom(16) for _ in range(3)], os.urandom(16)
+    sealed = [seal(key, blind, *SETTINGS, step=5) for key in keys]
+    assert all(len(s) == SEALED_BYTES for s in sealed)
+    assert seal(keys[0], blind, *SETTINGS, step=5) != sealed[0]  # a fresh nonce each time
+    for key in keys:
+        assert open_sealed(key, sealed[keys.index(key)], *SETTINGS, step=5) == blind
+        assert open_own(key, sealed, *SETTINGS, step=5) == blind  # its own among every owner's
+    assert open_own(os.urandom(16), sealed, *SETTINGS, step=5) is None
+    for args in ((keys[1], sealed[0], *SETTINGS, 5), (keys[0], sealed[0], *SETTINGS, 6),
+                 (keys[0], sealed[0], "m/sum_1", 64, 8, 5), (keys[0], sealed[0], "m/sum_0", 32, 8, 5),
+                 (keys[0], sealed[0], "m/sum_0", 64, 9, 5)):
+        with pytest.raises(SealError, match="does not open under this owner's key"):
+            open_sealed(*args)
+    altered = bytearray(sealed[0])
+    altered[20] ^= 1
+    with pytest.raises(SealError):
+        open_sealed(keys[0], bytes(altered), *SETTINGS, step=5)
+    with pytest.raises(SealError, match="44 bytes, not 43"):
+        open_sealed(keys[0], sealed[0][:-1], *SETTINGS, step=5)
+    with pytest.raises(ValueError, match="owner_key has 15 bytes"):
+        seal(keys[0][:15], blind, *SETTINGS, step=5)
+
+
+def test_the_reply_with_sealed_keys_parses_as_protobuf():
+    # The payload is written last (wire.encode's one copy), after the sealed keys' field: any protobuf reads it.
+    sealed = [os.urandom(SEALED_BYTES) for _ in range(3)]
+    data = wire.encode("ContributeReply", np.arange(5, dtype="<i8"), step=4, sealed_blinds=sealed)
+    parsed = wire.messages()["ContributeReply"].FromString(data)
+    assert parsed.step == 4 and list(parsed.sealed_blinds) == sealed
+    assert parsed.payload == np.arange(5, dtype="<i8").tobytes()
+    decoded = wire.decode("ContributeReply", data)
+    assert list(decoded.sealed_blinds) == sealed and bytes(decoded.payload) == parsed.payload
+    assert len(data) == wire.encoded_size("ContributeReply", 40, step=4, sealed_blinds=sealed)
+
+
+def _server0_answers_held(monkeypatch, released: threading.Event):
+    """Server0's answers to the owners leave only once `released` is set (or after 4 s); before the servers
+    start (their gRPC handlers are bound then)."""
+    contribute = AggregationServer._contribute  # pylint: disable=protected-access
+
+    def held(self, *args):
+        answer = contribute(self, *args)
+        if self._role == 0:  # pylint: disable=protected-access
+            released.wait(4.0)
+        return answer
+
+    monkeypatch.setattr(AggregationServer, "_contribute", held)
+
+
+@pytest.mark.parametrize("data_plane", [True, False])
+def test_owners_finish_a_step_on_server1s_answer_without_server0s(make_service, monkeypatch, data_plane):
+    released = threading.Event()
+    _server0_answers_held(monkeypatch, released)
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    owners = [service.client("chief", 0, data_plane=data_plane), service.client("worker", 0, data_plane=data_plane)]
+    for step in range(3):
+        keys = [np.frombuffer(os.urandom(16), np.int32) for _ in owners]
+        start = time.monotonic()
+        results = in_threads([lambda o=o: _put(owners[o], step, keys[o]) for o in range(2)])
+        assert time.monotonic() - start < 3.0  # server0's answers are held for 4 s
+        for result in results:
+            assert isinstance(result, tuple), result
+            np.testing.assert_array_equal(_reveal(result), 2 * X)
+        assert bytes(results[0][0]) == bytes(results[1][0])  # one blind key per step, from server0's seal
+    released.set()
+    assert [o.answers["c"] for o in owners] == [[3, 0], [3, 0]]
+
+
+def test_mutation_without_seals_the_owners_wait_for_server0(make_service, monkeypatch):
+    monkeypatch.setattr(AggregationServer, "_seal", staticmethod(lambda *args: ()))
+    _server0_answers_held(monkeypatch, threading.Event())
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    owners = [service.client("chief", 0), service.client("worker", 0)]
+    keys = [np.frombuffer(os.urandom(16), np.int32) for _ in owners]
+    start = time.monotonic()
+    results = in_threads([lambda o=o: _put(owners[o], 0, keys[o]) for o in range(2)])
+    assert time.monotonic() - start >= 4.0
+    for result in results:
+        np.testing.assert_array_equal(_reveal(result), 2 * X)
+
+
+def _server1_view(monkeypatch):
+    """Every byte server1 will receive in its calls' fields and metadata (not the ring words): what a curious
+    server1 could try to open the seals with (patched before the servers start)."""
+    seen = []
+    for name in ("_contribute", "_forwarded"):
+        handler = getattr(AggregationServer, name)
+
+        def recording(self, identity, request, context, reply, handler=handler):
+            if self._role == 1:  # pylint: disable=protected-access
+                seen.extend(v.encode() if isinstance(v, str) else bytes(v)
+                            for _, v in context.invocation_metadata() or ())
+                seen.extend(bytes(s) for s in getattr(request, "sealed_blinds", ()))
+                seen.append(request.channel.encode())
+            return handler(self, identity, request, context, reply)
+
+        monkeypatch.setattr(AggregationServer, name, recording)
+    return seen
+
+
+def _server1_opens(seen, sealed, blind) -> bool:
+    """Whether anything server1 saw is the blind key, or opens a seal as a key (directly or as the owners'
+    mask key: hex metadata decoded too)."""
+    associated = sealed_blind._associated("c", 64, 8, 0)  # pylint: disable=protected-access  # server1 knows them
+    candidates = set()
+    for value in seen:
+        candidates.add(value)
+        try:
+            candidates.update(bytes.fromhex(part) for part in value.decode().split(","))
+        except (UnicodeDecodeError, ValueError):
+            pass
+    if any(blind in value for value in seen):
+        return True
+    for candidate in (c for c in candidates if len(c) == 16):
+        for entry in sealed:
+            try:
+                if open_sealed(candidate, entry, "c", 64, 8, 0) == blind:
+                    return True
+            except SealError:
+                pass
+            try:
+                if AESGCM(candidate).decrypt(entry[:12], entry[12:], associated) == blind:
+                    return True
+            except Exception:  # pylint: disable=broad-except  # InvalidTag: it does not open
+                pass
+    return False
+
+
+def _a_step_seen_by_server1(make_service, monkeypatch):
+    seen = _server1_view(monkeypatch)
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    owners = [service.client("chief", 0), service.client("worker", 0)]
+    keys = [np.frombuffer(os.urandom(16), np.int32) for _ in owners]
+    results = in_threads([lambda o=o: _put(owners[o], 0, keys[o]) for o in range(2)])
+    for result in results:
+        np.testing.assert_array_equal(_reveal(result), 2 * X)
+    sealed = [s for s in seen if len(s) == SEALED_BYTES]
+    assert len(sealed) == 2  # the forward carried one seal per owner
+    return seen, sealed, bytes(results[0][0])
+
+
+def test_nothing_server1_holds_opens_a_seal(make_service, monkeypatch):
+    assert not _server1_opens(*_a_step_seen_by_server1(make_service, monkeypatch))
+
+
+@pytest.mark.parametrize("leak", ["key digest as sealing key", "blind in clear"])
+def test_mutation_a_seal_server1_can_open_is_caught(make_service, monkeypatch, leak):
+    if leak == "key digest as sealing key":  # a key derived from what server1 sees (the digest of the mask key)
+        monkeypatch.setattr(sealed_blind, "_cipher", lambda key: AESGCM(ring.key_digest(bytes(key))))
+    else:
+        monkeypatch.setattr(sealed_blind, "seal", lambda key, blind, *args: bytes(12) + bytes(blind) + bytes(16))
+        monkeypatch.setattr(sealed_blind, "open_own", lambda key, sealed, *args: bytes(sealed[0][12:28]))
+    assert _server1_opens(*_a_step_seen_by_server1(make_service, monkeypatch))
