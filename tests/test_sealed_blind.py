@@ -184,3 +184,56 @@ def test_mutation_a_seal_server1_can_open_is_caught(make_service, monkeypatch, l
         monkeypatch.setattr(sealed_blind, "seal", lambda key, blind, *args: bytes(12) + bytes(blind) + bytes(16))
         monkeypatch.setattr(sealed_blind, "open_own", lambda key, sealed, *args: bytes(sealed[0][12:28]))
     assert _server1_opens(*_a_step_seen_by_server1(make_service, monkeypatch))
+
+
+def _lying_server1(monkeypatch, lie):
+    """Server1 answers ``lie`` instead of the seals server0 forwarded for the step (patched before start)."""
+    contribute, earlier = AggregationServer._contribute, {}  # pylint: disable=protected-access
+
+    def lying(self, identity, request, context, reply):
+        answer = contribute(self, identity, request, context, reply)
+        if self._role != 1:  # pylint: disable=protected-access
+            return answer
+        # pylint: disable=protected-access
+        message = wire.messages()["ContributeReply"].FromString(bytes(answer))
+        seals = list(message.sealed_blinds)
+        altered = {"an earlier step's seals": earlier.get(identity, [os.urandom(SEALED_BYTES)]),
+                   "no seals": [], "the other owner's seal": [seals[1 - self._owners.index(identity)]]}[lie]
+        earlier[identity] = seals
+        return wire.messages()["ContributeReply"](step=message.step, payload=message.payload,
+                                                  sealed_blinds=altered).SerializeToString()
+
+    monkeypatch.setattr(AggregationServer, "_contribute", lying)
+
+
+def _three_steps(service):
+    owners = [service.client("chief", 0), service.client("worker", 0)]
+    results = []
+    for step in range(3):
+        keys = [np.frombuffer(os.urandom(16), np.int32) for _ in owners]
+        results += in_threads([lambda o=o: _put(owners[o], step, keys[o]) for o in range(2)])
+    return results
+
+
+@pytest.mark.parametrize("lie", ["an earlier step's seals", "no seals", "the other owner's seal"])
+def test_a_server1_that_alters_the_seals_only_costs_the_owners_server0s_reply(make_service, monkeypatch, caplog,
+                                                                            lie):
+    # Server1 answers other seals than server0's for the step (an earlier step's, none, the other owner's only):
+    # an owner opens only a seal of its own key for that step, so it waits for server0's reply instead and still
+    # reveals the true sum; a seal that does not open is said once per client (none at all: an older server0).
+    _lying_server1(monkeypatch, lie)
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    caplog.set_level("WARNING", logger="tfe_estimator")
+    for result in _three_steps(service):
+        assert isinstance(result, tuple), result
+        np.testing.assert_array_equal(_reveal(result), 2 * X)
+    said = [r for r in caplog.records if "none of which opens" in r.getMessage()]
+    assert len(said) == (0 if lie == "no seals" else 2), said  # once per owner's client
+
+
+def test_mutation_a_seal_taken_without_its_tag_gives_the_owners_a_wrong_sum(make_service, monkeypatch):
+    monkeypatch.setattr(sealed_blind, "open_own", lambda key, sealed, *args: bytes(sealed[0][12:28]))
+    _lying_server1(monkeypatch, "an earlier step's seals")
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    results = _three_steps(service)
+    assert not all(np.array_equal(_reveal(r), 2 * X) for r in results)

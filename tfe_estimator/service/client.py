@@ -3,7 +3,10 @@
 Each owner masks its vector on its own device (``ops.mask_share`` -> ``share``,
 ``seed``), then `OwnerClient.contribute` sends the key to server0 and the
 masked share to server1 at once and returns ``(blind_key, w)``; the owner
-reveals locally with ``ops.reveal_sum(w, None, ..., key=blind_key)``.
+reveals locally with ``ops.reveal_sum(w, None, ..., key=blind_key)``. Server1's
+answer carries the blind key sealed for this owner by server0
+(`sealed_blind`): the call returns on it, without waiting for server0's
+answer (which leaves server0 only once server1's release came back to it).
 
 `get_client` keeps one client per string key in this process, so a
 ``tf.numpy_function`` in an owner's graph can find its client by name.
@@ -383,6 +386,10 @@ class OwnerClient:
     def contribute(self, channel: str, step: int, ring_bits: int, num_elements: int, key: np.ndarray,
                    share: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Puts `key` on server0 and `share` on server1 concurrently; waits for every owner of the step.
+
+        Returns on server1's answer when the blind key sealed for this owner in it opens under `key`
+        (`sealed_blind`); server0's call then ends on its own. Otherwise (a replay of a step released from another
+        key of this owner; a server0 that does not seal) it waits for server0's answer too.
 
         Args:
           channel: the sum's name (the same in every owner).
