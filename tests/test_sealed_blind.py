@@ -13,21 +13,11 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from service_helpers import cert_dirs, in_threads, make_service, owner_names  # noqa: F401 (fixtures)
+from test_service_release_log import X, _put, _reveal
 from tfe_estimator.service import AggregationServer, ring, sealed_blind, wire
 from tfe_estimator.service.sealed_blind import SEALED_BYTES, SealError, open_own, open_sealed, seal
 
-X = np.arange(8, dtype=np.int64)
 SETTINGS = ("m/sum_0", 64, 8)
-
-
-def _put(client, step, key):
-    share = (X.view(np.uint64) - ring.keystream_words(key, 8)).view(np.int64)
-    return client.contribute("c", step, 64, 8, key, share)
-
-
-def _reveal(result):
-    blind, w = result
-    return (w.view(np.uint64) + ring.keystream_words(blind, 8)).view(np.int64)
 
 
 def test_a_seal_opens_only_under_its_owners_key_for_its_step():

@@ -34,13 +34,11 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from tfe_estimator.service import ring
 
-__all__ = ["SEALED_BYTES", "SEALED_METADATA", "SealError", "seal", "open_sealed", "open_own"]
+__all__ = ["SEALED_BYTES", "SealError", "seal", "open_sealed", "open_own"]
 
 _NONCE, _TAG = 12, 16
 #: Bytes of one sealed blind key: nonce, the 16-byte key encrypted, GCM's tag.
 SEALED_BYTES = _NONCE + ring.KEY_BYTES + _TAG
-#: Server0's forward metadata: the sealed blind keys in owner order, hex, comma-separated.
-SEALED_METADATA = "tfe-sealed-blinds"
 _LABEL = b"tfe_estimator/service sealed blind key v1"
 
 
