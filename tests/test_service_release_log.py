@@ -124,6 +124,12 @@ def test_mutation_without_the_record_a_restored_owner_cannot_replay_the_step(mak
     for result in results:
         assert isinstance(result, tuple), result
         np.testing.assert_array_equal(_reveal(result), 2 * X)
+    # An owner whose call to the dead server0 failed may have put its key on the new one before server1's answer
+    # ended the call, which then ended that put: wait until the new server0 dropped it (it polls every 0.25 s).
+    channels = service.servers[-1]._channels  # pylint: disable=protected-access
+    deadline = time.monotonic() + 10.0
+    while any(not c.idle() and c._open for c in list(channels.values())) and time.monotonic() < deadline:  # noqa
+        time.sleep(0.05)
     late = service.client("worker", 0, retry_secs=0.0, timeout_secs=3.0)
     with pytest.raises(ServiceError, match="DEADLINE_EXCEEDED"):
         _put(late, 0, np.frombuffer(os.urandom(16), np.int32))
