@@ -92,6 +92,42 @@ def test_share_plus_the_seeds_keystream_is_the_encoding(ring_bits):
         assert value == int(np.float64(x[i]) * 2**32)  # truncation toward zero, like tf.cast
 
 
+@pytest.mark.parametrize("ring_bits", [32, 64, 128])
+def test_a_key_drawn_before_masks_the_share_and_is_its_seed(ring_bits):
+    # mask_share(key=aes_seed()): the key is drawn by its own op (it may leave the graph while the values are
+    # computed) and the share is the same function of the values and that key as with a fresh one.
+    x = np.random.RandomState(1).randn(999).astype(np.float32) * 100
+    with tf.Graph().as_default():
+        key = ops.aes_seed()
+        share, seed = ops.mask_share(tf.constant(x), 2.0**10, ring_bits, 16, "replica 0", "hint", key=key)
+        given = ops.mask_share(tf.constant(x), 2.0**10, ring_bits, 16, "replica 0", "hint",
+                               key=tf.constant([1, 2, 3, 4], tf.int32))
+        with tf.compat.v1.Session() as sess:
+            drawn, share, seed, (given_share, given_seed) = sess.run([key, share, seed, given])
+    np.testing.assert_array_equal(seed, drawn)
+    np.testing.assert_array_equal(given_seed, [1, 2, 3, 4])
+    for words, key_bytes in ((share, drawn), (given_share, np.array([1, 2, 3, 4], "<i4"))):
+        masked = np.ascontiguousarray(words).reshape(-1).view(np.uint8)
+        stream = np.frombuffer(_aes_ctr(key_bytes.astype("<i4").tobytes(), bytes(16), masked.nbytes), np.uint8)
+        if ring_bits == 32:  # one 32-bit lane per element (random rounding: within one unit of the encoding)
+            lanes = (masked.view("<u4").astype(np.uint64) + stream.view("<u4")) % 2**32
+            values = np.where(lanes >= 2**31, lanes.astype(np.int64) - 2**32, lanes.astype(np.int64))[:x.size]
+            assert np.all(np.abs(values - np.float64(x) * 2**16) <= 1)
+        else:
+            lanes = masked.view("<u8") + stream.view("<u8")
+            np.testing.assert_array_equal(lanes.view("<i8")[::ring_bits // 64][:x.size],
+                                          (np.float64(x) * 2**16).astype(np.int64))
+
+
+def test_a_key_of_another_shape_is_refused_by_name():
+    with tf.Graph().as_default():
+        share, _ = ops.mask_share(tf.constant([1.0]), 2.0**24, 64, 16, "replica 0", "hint",
+                                  key=tf.constant([1, 2, 3], tf.int32))
+        with tf.compat.v1.Session() as sess, pytest.raises(tf.errors.InvalidArgumentError,
+                                                           match=r"key must be int32\[4\], got shape \[3\]"):
+            sess.run(share)
+
+
 def test_masks_are_fresh_on_every_run_and_every_replica():
     x = np.zeros(256, np.float32)
     with tf.Graph().as_default():

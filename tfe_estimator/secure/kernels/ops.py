@@ -29,12 +29,12 @@ import tensorflow as tf
 
 from tfe_estimator.secure import kernels
 
-__all__ = ["mask_share", "server_sum", "blinded_server_sum", "reveal_sum", "decode_sum", "decode_factor", "keystream",
-           "discrete_gaussian"]
+__all__ = ["mask_share", "aes_seed", "server_sum", "blinded_server_sum", "reveal_sum", "decode_sum", "decode_factor",
+           "keystream", "discrete_gaussian"]
 
 
 def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring_bits: int, fraction_bits: int,
-               owner: str, hint: str, noise: Optional[tf.Tensor] = None):
+               owner: str, hint: str, noise: Optional[tf.Tensor] = None, key: Optional[tf.Tensor] = None):
     """Checks, encodes and masks `values` in one pass; returns ``(share, seed)``.
 
     `values` is a tensor or a list of tensors of one dtype, read as one flat
@@ -43,11 +43,26 @@ def mask_share(values: Union[tf.Tensor, Sequence[tf.Tensor]], bound: float, ring
     Fails at run time, naming `owner` and `hint` but no value, if an element
     is NaN/infinite or not below `bound` in magnitude. `noise` (int64, one
     element per value, in ring units) is added to the encoding before masking.
+    `key` (int32[4], e.g. `aes_seed()`'s, drawn before the values are
+    computed): the seed to mask with instead of a fresh one; it must mask
+    nothing else.
     """
     values = list(values) if isinstance(values, (list, tuple)) else [values]
     return kernels.load().tfe_mask_share(
-        values, [] if noise is None else [noise], ring_bits=ring_bits, fraction_bits=fraction_bits,
-        bound_log2=_log2(bound), owner=owner, hint=hint)
+        values, [] if noise is None else [noise], [] if key is None else [key], ring_bits=ring_bits,
+        fraction_bits=fraction_bits, bound_log2=_log2(bound), owner=owner, hint=hint)
+
+
+def aes_seed():
+    """A fresh 128-bit AES key (int32[4]) from the cipher library's CSPRNG (``RAND_bytes``), drawn when the op
+    runs: e.g. a mask's key drawn before the values it masks are computed (`mask_share`'s ``key``).
+
+    Example::
+
+        key = aes_seed()
+        share, seed = mask_share(grads, 2.0**24, 64, 32, "chief:0", "clip gradients", key=key)  # seed == key
+    """
+    return kernels.load().tfe_aes_seed()
 
 
 def discrete_gaussian(num_elements: int, variance: float, fast_path_margin_log2: int = 40,

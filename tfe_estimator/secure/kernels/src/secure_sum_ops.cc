@@ -249,6 +249,7 @@ inline bool RoundAndMask32<float>(const float* xs, const uint32_t* u, uint32_t* 
 REGISTER_OP("TfeMaskShare")
     .Input("values: N * T")  // read as one vector, in order: no concat before the op
     .Input("noise: num_noise * int64")  // differential privacy: 0 or 1 tensor
+    .Input("key: num_key * int32")  // 0 tensors: a fresh key here; 1: this key (drawn before, e.g. TfeAesSeed)
     .Output("share: int64")
     .Output("seed: int32")
     .Attr("T: {float, double, int32, int64}")
@@ -259,6 +260,7 @@ REGISTER_OP("TfeMaskShare")
     .Attr("owner: string")
     .Attr("hint: string")
     .Attr("num_noise: int >= 0 = 0")
+    .Attr("num_key: int >= 0 = 0")
     .SetIsStateful()  // a fresh seed on every run
     .SetShapeFn([](InferenceContext* c) {
       int num_values;
@@ -288,6 +290,9 @@ an error naming `owner` and `hint` but no value (the magnitude is logged here).
 With num_noise = 1, `noise` (int64, one element per value, e.g. discrete Gaussian
 noise for differential privacy) is added to the encoded values modulo
 2**ring_bits before masking, so it never leaves this op unmasked.
+With num_key = 1, `key` (int32[4], a key drawn before the op, e.g. by TfeAesSeed, so
+that it can leave the graph while the values are still computed) is the seed instead
+of a fresh one; it must never mask two vectors.
 )doc");
 
 template <typename T>
@@ -303,6 +308,9 @@ class MaskShareOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_noise", &num_noise_));
     OP_REQUIRES(ctx, num_noise_ <= 1,
                 ::tensorflow::errors::InvalidArgument("num_noise must be 0 or 1, got ", num_noise_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_key", &num_key_));
+    OP_REQUIRES(ctx, num_key_ <= 1,
+                ::tensorflow::errors::InvalidArgument("num_key must be 0 or 1, got ", num_key_));
     OP_REQUIRES(ctx, ring_bits_ != 32 || (std::is_floating_point<T>::value && num_noise_ == 0),
                 ::tensorflow::errors::InvalidArgument(
                     "the 32-bit ring carries clipped float updates without noise only"));
@@ -338,7 +346,15 @@ class MaskShareOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, RingTensorShape(n, ring_bits_), &share));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({kSeedWords}), &seed));
     uint8_t* key = reinterpret_cast<uint8_t*>(seed->flat<int32_t>().data());
-    OP_REQUIRES(ctx, FreshKey(key), ::tensorflow::errors::Internal("RAND_bytes failed: no secure seed"));
+    if (num_key_ == 1) {
+      const Tensor& given = ctx->input(values.size() + num_noise_);
+      OP_REQUIRES(ctx, given.dims() == 1 && given.NumElements() == kSeedWords,
+                  ::tensorflow::errors::InvalidArgument("key must be int32[", kSeedWords, "], got shape ",
+                                                        given.shape().DebugString()));
+      std::memcpy(key, given.flat<int32_t>().data(), kKeyBytes);
+    } else {
+      OP_REQUIRES(ctx, FreshKey(key), ::tensorflow::errors::Internal("RAND_bytes failed: no secure seed"));
+    }
 
     uint8_t* out = reinterpret_cast<uint8_t*>(share->flat<int64_t>().data());
     const double scale = std::ldexp(1.0, fraction_bits_);
@@ -465,6 +481,7 @@ class MaskShareOp : public OpKernel {
   std::string hint_;
   int bound_log2_;
   int num_noise_;
+  int num_key_;
 };
 
 #define REGISTER_MASK(T) \
