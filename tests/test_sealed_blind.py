@@ -227,3 +227,36 @@ def test_mutation_a_seal_taken_without_its_tag_gives_the_owners_a_wrong_sum(make
     service = make_service(owner_names(2), step_timeout_secs=15.0)
     results = _three_steps(service)
     assert not all(np.array_equal(_reveal(r), 2 * X) for r in results)
+
+
+def test_a_key_put_before_its_share_lets_server0s_part_reach_server1_first(make_service, monkeypatch):
+    # put_key when the step starts, contribute once the share is computed (here 0.3 s later): server0 forwards
+    # its part while the owners compute, so server1 holds it before any share arrives, and server0 gets each
+    # owner's key once (the contribution does not put it again).
+    order, contribute, forwarded = [], AggregationServer._contribute, AggregationServer._forwarded
+
+    def noting(name, handler):
+        def noted(self, identity, *args):
+            order.append((self._role, name, identity))  # pylint: disable=protected-access
+            return handler(self, identity, *args)
+        return noted
+
+    monkeypatch.setattr(AggregationServer, "_contribute", noting("put", contribute))
+    monkeypatch.setattr(AggregationServer, "_forwarded", noting("forward", forwarded))
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    owners = [service.client("chief", 0), service.client("worker", 0)]
+    for step in range(2):
+        order.clear()
+        keys = [np.frombuffer(os.urandom(16), np.int32) for _ in owners]
+        for o, owner in enumerate(owners):
+            owner.put_key("c", step, 64, 8, keys[o])
+        time.sleep(0.3)  # the owners' compute
+        for result in in_threads([lambda o=o: _put(owners[o], step, keys[o]) for o in range(2)]):
+            np.testing.assert_array_equal(_reveal(result), 2 * X)
+        assert [e for e in order if e[0] == 0].count((0, "put", "chief:0")) == 1
+        first_share = order.index(next(e for e in order if e[:2] == (1, "put")))
+        assert order.index((1, "forward", "tfe:0")) < first_share, order
+    # A key put for a step whose contribution uses another key (its session run failed and ran again): the
+    # contribution puts its own key, the early one is never used.
+    owners[0].put_key("c", 2, 64, 8, np.frombuffer(os.urandom(16), np.int32))
+    assert owners[0]._taken_early("c", 2, 64, 8, os.urandom(16)) is None  # pylint: disable=protected-access

@@ -304,6 +304,9 @@ class OwnerClient:
                                  native_link.make_link_factory(self.data_link, tls, k, server_name(tls, k)))
                        for k, address in enumerate(addresses)]
         self._unopened = False  # server1 answered sealed blind keys none of which opened (said once)
+        #: (channel, step) -> (key bytes, settings, its put on server0): keys put before their shares (`put_key`)
+        self._early: Dict[Tuple[str, int], tuple] = {}
+        self._early_lock = threading.Lock()
         #: Threads the puts run on, kept from call to call (`thread_pool`).
         self._put_threads = ThreadPool("tfe-put")
         # A method no server serves: its answer (UNIMPLEMENTED) proves the server is there, with no side effect.
@@ -383,6 +386,38 @@ class OwnerClient:
         except grpc.RpcError as e:
             raise self._error(method, server, e) from None
 
+    def put_key(self, channel: str, step: int, ring_bits: int, num_elements: int, key: np.ndarray) -> None:
+        """Puts `key` (the int32[4] seed a mask of this step will use) on server0 now, before its share exists:
+        server0 forwards its blinded part once every owner's key is in, while the owners still compute, and the
+        `contribute` of the same step and key then puts only the share (its wait for server0's part is gone
+        when the compute took longer than one server-to-server leg). Returns at once; a failed put is seen, and
+        put again, by that `contribute`.
+
+        Example::
+
+            client.put_key("m/sum_0", step, 64, n, key)      # when the step starts
+            blind_key, w = client.contribute("m/sum_0", step, 64, n, key, share)
+        """
+        key_bytes = np.ascontiguousarray(key, "<i4").tobytes()
+        if len(key_bytes) != ring.KEY_BYTES:
+            raise ValueError(f"key has {len(key_bytes)} bytes; pass the int32[4] seed of the step's mask.")
+        fields = dict(channel=channel, step=step, ring_bits=ring_bits, num_elements=num_elements)
+        self.bytes_sent += wire.encoded_size("ContributeRequest", len(key_bytes), **fields)
+        call = _Put(self, 0, fields, None, key_bytes, self._timeout)
+        with self._early_lock:
+            stale = [k for k in self._early if k[0] == channel and k[1] < step]
+            for k in stale:  # a step whose share never came (its session run failed): its server0 call ends alone
+                del self._early[k]
+            self._early[(channel, step)] = (key_bytes, (ring_bits, num_elements), call)
+
+    def _taken_early(self, channel: str, step: int, ring_bits: int, num_elements: int, key_bytes: bytes):
+        """The put of `put_key` for this step if it put this very key with these settings, else None."""
+        with self._early_lock:
+            early = self._early.pop((channel, step), None)
+        if early is None or early[0] != key_bytes or early[1] != (ring_bits, num_elements):
+            return None
+        return early[2]
+
     def contribute(self, channel: str, step: int, ring_bits: int, num_elements: int, key: np.ndarray,
                    share: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Puts `key` on server0 and `share` on server1 concurrently; waits for every owner of the step.
@@ -429,7 +464,8 @@ class OwnerClient:
             return _Put(self, server, fields, metadata[server], payloads[server], timeout,
                         into=lent if server == 1 else None)
 
-        calls = {server: put(server) for server in (0, 1)}
+        early = self._taken_early(channel, step, ring_bits, num_elements, key_bytes)
+        calls = {0: early if early is not None else put(0), 1: put(1)}
         replies = {}
         recheck = False  # server1 failed before server0 answered: put on server0 again once it answers
         answered = {}  # server0's first answer's call: its replay flag counts (the same key put again is flagged)
