@@ -13,7 +13,10 @@ talks to the aggregation service only through its contribution ops (one
   masked by that key's keystream;
 - every answer op (``service_answer``, the other ``tf.numpy_function`` of a
   sum, which waits for the call) takes exactly one contribution op's ticket,
-  so nothing leaves through it.
+  so nothing leaves through it;
+- every key op (``service_key``, which puts a contribution's key on server0
+  when the step starts) takes exactly the step and a ``TfeAesSeed`` key that
+  nothing but it and one ``TfeMaskShare``'s key input reads.
 
 `ServiceStrategy` runs it when a training graph is finalized (the owners'
 handshake hook), so a graph that would send anything else stops before its
@@ -44,8 +47,25 @@ def _local(device: str) -> bool:
     return not device or tf.DeviceSpec.from_string(device).job in (None, "localhost")
 
 
+def _check_key_op(op: tf.Operation) -> None:
+    """A key op sends the step and a key drawn for one mask op only (module docstring)."""
+    inputs = list(op.inputs)
+    sent = ", ".join(f"{t.op.name}:{t.value_index} ({t.op.type})" for t in inputs)
+    ok = len(inputs) == 2 and inputs[0].dtype == tf.int64 and inputs[0].shape.rank == 0 \
+        and inputs[1].op.type == "TfeAesSeed"
+    if ok:
+        readers = inputs[1].consumers()
+        masks = [r for r in readers if r.type == "TfeMaskShare" and r.get_attr("num_key") == 1
+                 and r.inputs[-1].op is inputs[1].op and r.inputs[-1].value_index == inputs[1].value_index]
+        ok = len(masks) == 1 and all(r is op or r is masks[0] for r in readers)
+    if not ok:
+        raise OwnerGraphAuditError(
+            f"owner graph audit: the key op {op.name} would send [{sent}], but a key op may send only the step and "
+            "a TfeAesSeed key read by nothing but it and one TfeMaskShare's key input.")
+
+
 def audit_owner_graph(graph: tf.Graph, contribution_name: str = "service_contribute",
-                      answer_name: str = "service_answer") -> int:
+                      answer_name: str = "service_answer", key_name: str = "service_key") -> int:
     """Checks `graph` (module docstring); returns how many contributions it holds.
 
     Raises:
@@ -67,6 +87,9 @@ def audit_owner_graph(graph: tf.Graph, contribution_name: str = "service_contrib
                 raise OwnerGraphAuditError(
                     f"owner graph audit: the answer op {op.name} takes [{sent}], but an answer op may take only "
                     "its contribution's ticket.")
+            continue
+        if op.name.split("/")[-1].startswith(key_name):
+            _check_key_op(op)
             continue
         if not op.name.split("/")[-1].startswith(contribution_name):
             continue

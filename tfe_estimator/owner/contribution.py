@@ -73,13 +73,16 @@ from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import check_pass, ops
 from tfe_estimator.service import ring
 
-__all__ = ["service_sum", "chain", "tf_errors", "CONTRIBUTE_OP_NAME", "ANSWER_OP_NAME", "STEP_CHAIN", "READS_CHAIN",
-           "ancestors"]
+__all__ = ["service_sum", "chain", "tf_errors", "CONTRIBUTE_OP_NAME", "ANSWER_OP_NAME", "KEY_OP_NAME", "STEP_CHAIN",
+           "READS_CHAIN", "ancestors"]
 
 #: The name (scope) of the op through which a contribution leaves the graph: what the audit looks for.
 CONTRIBUTE_OP_NAME = "service_contribute"
 #: The name of the op that waits for a contribution's answer (its only input: the contribution's ticket).
 ANSWER_OP_NAME = "service_answer"
+#: The name of the op that puts a contribution's key on server0 when the step starts (its inputs: the step and
+#: the key, drawn by ``TfeAesSeed`` before the values are computed; the mask op masks with that key).
+KEY_OP_NAME = "service_key"
 
 #: The chain of the training step's sums, and of the cross-replica reads of on-read variables (the saver's).
 STEP_CHAIN, READS_CHAIN = "step", "reads"
@@ -126,6 +129,7 @@ def service_sum(
     contribute: Callable[[str, int, int, int, np.ndarray, np.ndarray], tuple],
     noise_variance: Optional[float] = None,
     checks: Optional[Callable[[], Optional[sum_check.SumCheck]]] = None,
+    put_key: Optional[Callable[[str, int, int, int, np.ndarray], None]] = None,
 ) -> List[List[tf.Tensor]]:
     """This owner's contribution to the sum over all owners of `vectors`, revealed on each target.
 
@@ -144,6 +148,9 @@ def service_sum(
         units^2, added to its encoded local sum inside the mask op (before masking), or None.
       checks: called at run time, before each contribution: the `sum_check.SumCheck` of the model's
         check seed (the sum is checked), or None (not checked: equal on every owner, e.g. evaluation).
+      put_key: ``put_key(channel, step, ring_bits, num_elements, key)`` (`OwnerClient.put_key`), or None: a
+        contribution's key is then drawn when the step starts and put on server0 at once (`KEY_OP_NAME`), so
+        that server0's part travels while the owner computes; the mask op masks with it.
 
     Returns:
       Per target, the decoded sums shaped like ``vectors[0]``.
@@ -152,16 +159,20 @@ def service_sum(
     num_elements = sum(s.num_elements() for s in shapes)
     with tf.device(sources[0]), tf.name_scope("service_local_sum"):
         local = list(vectors[0]) if len(vectors) == 1 else [tf.add_n(list(parts)) for parts in zip(*vectors)]
-    with tf.device(sources[0]), tf.name_scope("service_mask_share"):
-        noise = None if noise_variance is None else ops.discrete_gaussian(num_elements, noise_variance)
-        share, key = ops.mask_share(local, encoding.bound * len(vectors), encoding.ring_bits,
-                                    encoding.fraction_bits, owner, hint, noise=noise)
-    if checks is not None:
-        check_pass.load()
     graph = tf.compat.v1.get_default_graph()
     eager = tf.executing_eagerly()  # Keras reading a metric across owners: each op runs as it is called
     stateful = not isinstance(graph, func_graph.FuncGraph)
-    if not eager and stateful and noise_variance is None:
+    may_ride = not eager and stateful and noise_variance is None and _may_ride(graph, local, num_elements,
+                                                                               checks is not None)
+    early = put_key is not None and not eager and not may_ride
+    with tf.device(sources[0]), tf.name_scope("service_mask_share"):
+        noise = None if noise_variance is None else ops.discrete_gaussian(num_elements, noise_variance)
+        drawn = ops.aes_seed() if early else None  # drawn when the step starts: no input
+        share, key = ops.mask_share(local, encoding.bound * len(vectors), encoding.ring_bits,
+                                    encoding.fraction_bits, owner, hint, noise=noise, key=drawn)
+    if checks is not None:
+        check_pass.load()
+    if may_ride:
         rider = _ride_on_host(graph, key, share, step, encoding, num_elements, checks is not None)
         if rider is not None:
             with tf.device(sources[0]), tf.name_scope("service_reveal"):
@@ -170,6 +181,11 @@ def service_sum(
     last, answers = _LAST.setdefault(graph, {}), _ANSWERS.setdefault(graph, {}).setdefault(_CHAIN[0], [])
     after = [last[_CHAIN[0]]] if _CHAIN[0] in last and not eager else []
     host = riders.Host(encoding.ring_bits) if not eager and stateful else None
+    if early:
+        put = functools.partial(_put_key, put_key, channel, encoding.ring_bits, num_elements, checks, host)
+        with tf.device(sources[0]):
+            after = after + [tf.numpy_function(put, [step, drawn], tf.int64, stateful=stateful,
+                                               name=KEY_OP_NAME).op]
     # floats are decoded in the pass that unmasks and checks the answer (`sum_check.checked_contribute`)
     decode = (dtype.as_numpy_dtype, ops.decode_factor(encoding.fraction_bits, scale),
               [s.num_elements() for s in shapes]) if dtype in (tf.float32, tf.float64) else None
@@ -222,6 +238,26 @@ def _on_targets(total: List[tf.Tensor], targets: Sequence[str]) -> List[List[tf.
     return results
 
 
+def _may_ride(graph, values, num_elements, checked) -> bool:
+    """Whether a sum of `values` can ride in the chain's last contribution (`_ride_on_host`), decided before its
+    mask op exists (a contribution of its own draws its key first)."""
+    found = _HOSTS.get(graph, {}).get(_CHAIN[0])
+    if found is None or num_elements > riders.MAX_ELEMENTS:
+        return False
+    host_op, _, host_checked = found
+    above = set().union(*(ancestors(v.op) | {v.op} for v in values))
+    return host_checked == checked and host_op not in above  # `_ride_on_host` checks the rest (a TF1 frame)
+
+
+def _put_key(put_key, channel, ring_bits, num_elements, checks, host, step, key) -> np.ndarray:
+    """The numpy side of the key op: puts this step's key on server0 now, for the contribution of the channel's
+    full size (its riders' limbs and check words after its own elements, as `sum_check` appends them)."""
+    total = num_elements + (host.limbs if host is not None else 0) + (
+        sum_check.CHECK_WORDS if checks is not None and checks() is not None else 0)
+    put_key(channel, int(step), ring_bits, total, key)
+    return np.int64(0)
+
+
 def _ride_on_host(graph, key, share, step, encoding, num_elements, checked) -> Optional[tf.Tensor]:
     """Makes this sum ride in the chain's last contribution (`riders`) if it can; returns its revealed ring
     words, or None (it is a contribution of its own).
@@ -236,7 +272,7 @@ def _ride_on_host(graph, key, share, step, encoding, num_elements, checked) -> O
     if host_checked != checked or host_op in ancestors(share.op) or host_op is share.op or \
             getattr(host_op, "_control_flow_context", None) is not getattr(share.op, "_control_flow_context", None):
         return None  # TF1 cond/while: the edges below stay in one frame
-    index = host.add()
+    index = host.add(num_elements * riders.limbs_per_element(encoding.ring_bits, host.ring_bits))
     ride = functools.partial(_ride, host, index, encoding.ring_bits, num_elements)
     with tf.device(share.device):
         ticket = tf.numpy_function(ride, [step, key, share], tf.int64, stateful=True, name=CONTRIBUTE_OP_NAME)

@@ -91,13 +91,15 @@ class Host:
     def __init__(self, ring_bits: int):
         self.ring_bits = ring_bits
         self.riders = 0  # riders built on this host (their indices: 0 .. riders - 1)
+        self.limbs = 0  # the host elements they take in every call (after the host's own)
         self._pending: Dict[int, Tuple[List[int], _Ride]] = {}
         self._latest: Dict[int, int] = {}  # rider index -> its latest ticket (an earlier one was never collected)
         self._lock = threading.Lock()
 
-    def add(self) -> int:
-        """Registers one more rider (graph construction); returns its index."""
+    def add(self, limbs: int = 0) -> int:
+        """Registers one more rider (graph construction) of `limbs` host elements; returns its index."""
         self.riders += 1
+        self.limbs += limbs
         return self.riders - 1
 
     def _put(self, index: int, limbs: List[int], answer: _Ride, ticket: int) -> None:

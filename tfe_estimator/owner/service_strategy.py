@@ -258,8 +258,13 @@ class ServiceAggregation(SecureAggregation):
 
             return check_seed.lookup(binding.owner, model["model"])
 
+        def put_key(name, step, *args):  # the step's key on server0 before its share (OwnerClient.put_key)
+            if model["model"] is not None:  # else the contribution refuses, naming the handshake
+                service_client(binding).put_key(channel_name(model["model"], name), step, *args)
+
         return contribution.service_sum(vectors, sources, targets, encoding, dtype, binding.owner, hint, scale,
-                                           channel, step, contribute, noise_variance=noise_variance, checks=checks)
+                                           channel, step, contribute, noise_variance=noise_variance, checks=checks,
+                                           put_key=put_key)
 
     def _next_channel(self):
         """The graph's next sum's name (equal on every owner: they build the same graph), the step and the
