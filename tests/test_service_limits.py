@@ -252,11 +252,13 @@ def test_mutation_without_the_abort_the_abandoned_vector_comes_back(make_service
     assert _abandoned_vector_returned(make_service(owner_names(2), step_timeout_secs=1.0))
 
 
-def test_a_share_masked_with_another_key_than_server0_summed_is_refused(make_service):
-    # Server0 released step 0 with the chief's key k1 (its share not on server1 yet); a fresh share of key k2
-    # (e.g. after a restart) must not be summed with server0's part of k1; the same share of k1 completes it.
+def test_a_share_masked_with_another_key_than_server0_summed_aborts_the_step_and_it_is_summed_again(make_service):
+    # Server0 released step 0 with the chief's key k1 (its share not on server1 yet: the key was put when the
+    # step started, then the owner restarted); a fresh share of key k2 is never summed with server0's part of k1:
+    # server1 aborts the step, server0's release fails, and the step is summed again from k2. A late put of k1
+    # gets that release's answer (a replay), the same sum.
     service = make_service(owner_names(1), step_timeout_secs=10.0)
-    (chief,) = service.clients_of(1)
+    chief = service.client("chief", 0, retry_secs=None)  # an owner puts an aborted step again
     x = np.arange(8, dtype=np.int64)
     share1, key1 = _mask(x)
     share2, key2 = _mask(x)
@@ -266,10 +268,49 @@ def test_a_share_masked_with_another_key_than_server0_summed_is_refused(make_ser
     results = in_threads([lambda: stub(key_only, timeout=20),  # server0 alone: released, forwarded, waits
                           _later(0.5, lambda: chief.contribute("c", 0, 64, 8, key2, share2)),
                           _later(1.0, lambda: chief.contribute("c", 0, 64, 8, key1, share1))])
-    assert isinstance(results[1], ServiceError) and results[1].code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "masked with another key than the one server0 summed" in results[1].details
-    np.testing.assert_array_equal(_reveal(results[2]), x)  # the same contribution completes the step
-    assert bytes(results[0].payload) == results[2][0].tobytes()  # one blind key: released once
+    assert isinstance(results[0], grpc.RpcError) and results[0].code() == grpc.StatusCode.ABORTED, results[0]
+    assert "masked with another key than the one server0 summed" in results[0].details()
+    np.testing.assert_array_equal(_reveal(results[1]), x)  # summed again from k2
+    np.testing.assert_array_equal(_reveal(results[2]), x)  # k1's late put: that release's answer
+    assert results[1][0].tobytes() == results[2][0].tobytes()  # one blind key: released once
+
+
+def test_mutation_without_the_abort_a_share_is_summed_with_a_part_of_another_key(make_service, monkeypatch):
+    monkeypatch.setattr(steps.StepChannel, "_mismatch", lambda *args: None)
+    service = make_service(owner_names(1), step_timeout_secs=10.0)
+    chief = service.client("chief", 0, retry_secs=None)
+    x = np.arange(8, dtype=np.int64)
+    _, key1 = _mask(x)
+    share2, key2 = _mask(x)
+    stub = chief._stubs[0]["Contribute"]  # pylint: disable=protected-access
+    key_only = wire.encode("ContributeRequest", np.asarray(key1, "<i4"), channel="c", step=0, ring_bits=64,
+                           num_elements=8)
+    results = in_threads([lambda: stub(key_only, timeout=20),
+                          _later(0.5, lambda: chief.contribute("c", 0, 64, 8, key2, share2))])
+    assert isinstance(results[1], tuple), results[1]
+    assert not np.array_equal(_reveal(results[1]), x)  # share of k2 + part of k1: garbage
+
+
+def test_server0s_part_of_another_key_than_a_share_aborts_the_step(make_service):
+    # The share (key k2) reached server1 first, server0's part of the owner's earlier key k1 after it: the part is
+    # refused ABORTED (server0's release fails), the share's call is aborted too; the owner's contribution of k2
+    # then completes the step.
+    service = make_service(owner_names(1), step_timeout_secs=10.0)
+    chief = service.client("chief", 0, retry_secs=None)
+    x = np.arange(8, dtype=np.int64)
+    _, key1 = _mask(x)
+    share2, key2 = _mask(x)
+    stubs = chief._stubs  # pylint: disable=protected-access
+    fields = dict(channel="c", step=0, ring_bits=64, num_elements=8)
+    share_only = wire.encode("ContributeRequest", np.asarray(share2, "<i8"), **fields)
+    key_only = wire.encode("ContributeRequest", np.asarray(key1, "<i4"), **fields)
+    digest = ((ring.KEY_METADATA, ring.key_digest(np.asarray(key2, "<i4").tobytes()).hex()),)
+    results = in_threads([lambda: stubs[1]["Contribute"](share_only, timeout=20, metadata=digest),
+                          _later(0.5, lambda: stubs[0]["Contribute"](key_only, timeout=20))])
+    for result in results:
+        assert isinstance(result, grpc.RpcError) and result.code() == grpc.StatusCode.ABORTED, result
+    assert "summed from another key of chief:0" in results[0].details()
+    np.testing.assert_array_equal(_reveal(chief.contribute("c", 0, 64, 8, key2, share2)), x)
 
 
 def _step_after_an_abort_on_server1(service) -> bool:

@@ -33,6 +33,10 @@ tells them to users):
   step's accumulator comes from the server's `buffers.BufferPool` and goes back
   there when the step's answer is built or the step is aborted (answers are
   copies: a stored answer never changes when its buffer is reused);
+- server1: an owner's share masked with another key than the one server0's
+  part of the step was summed from (whichever came first) aborts the step: it
+  is never summed, the owners put it again, server0 sums it again from the
+  keys put then (an owner restarted after its key was summed);
 - a rewind drops only its owner's unreleased contributions (on every step);
   a dropped contribution is never counted and its call never gets the step's
   answer (it gets the drop's error), while the same owner's later contribution
@@ -244,10 +248,10 @@ class StepChannel:
 
         Args:
           digests: server1 only: an owner's share: ``[digest of its key]`` (the owner's client sends it);
-            server0's forwarded part: the digest of every owner's key it summed, in owner order. A share
-            masked with another key than the one server0 summed for the step is refused (or dropped when the
-            forwarded part comes later): the sum would be garbage (e.g. a restarted owner's fresh share for a
-            step server0 released before its crash).
+            server0's forwarded part: the digest of every owner's key it summed, in owner order. A share and a
+            part of different keys abort the step (the sum would be garbage: e.g. a restarted owner's fresh
+            share for a step server0 summed before its crash); the share that finds the mismatch opens the step
+            again, the part that finds it is refused ABORTED (server0's release fails, it sums again).
           blind_digest: server1 only, server0's forwarded part: the digest of the key it is blinded with. A
             forwarded part for a step already released is answered as a replay (nothing added) only when
             both its digests and this one are the release's: the same part (server0 restarted, `release_log`).
@@ -262,10 +266,8 @@ class StepChannel:
                 current.expected[participant] == digest:
             return None
         return (f"{self._names[participant]}'s masked share for step {current.step} was masked with another key "
-                "than the one server0 summed for that step (a fresh contribution to a step server0 already "
-                "released, e.g. after the owner restarted between its two puts). The owner must put the same "
-                "contribution again; if it cannot, restart every owner from one checkpoint after that step, or "
-                "restart both servers.")
+                "than the one server0 summed for that step (the owner restarted after server0 summed its key, "
+                "e.g. a key put when the step started); server0 sums the step again from the keys put now")
 
     def _put(self, participant, step, payload, addend, digests=None, blind_digest=None, sealed=None):
         me = self._names[participant]
@@ -298,8 +300,15 @@ class StepChannel:
         current = self._open.get(step)
         mine = digests[0] if digests and participant < len(self._owners) else None
         wrong = self._mismatch(current, participant, mine)
-        if wrong:
-            raise self._refuse("FAILED_PRECONDITION", wrong)
+        if wrong:  # never summed with server0's part of the other key: the step starts again, with this share
+            self._abort(current, wrong)
+            current = None
+        if participant >= len(self._owners) and current is not None and digests and \
+                len(digests) == len(self._owners):
+            wrong = next((w for w in (self._mismatch_of(current, digests, owner, digest)
+                                      for owner, digest in current.digests.items()) if w), None)
+            if wrong:  # server0's part of keys an owner no longer masks with: both sum the step again
+                raise _fresh(self._abort(current, wrong))
         charge = len(payload) + (0 if current is not None else 8 * self.words)
         try:
             self._budget.reserve(self._payer(participant), charge,
@@ -328,13 +337,17 @@ class StepChannel:
             current.blind_digest, current.sealed = blind_digest, sealed
         if participant >= len(self._owners) and digests and len(digests) == len(self._owners):
             current.expected = list(digests)
-            for owner, digest in list(current.digests.items()):
-                wrong = self._mismatch(current, owner, digest)
-                if wrong:
-                    self._drop(current, owner, self._refuse("FAILED_PRECONDITION", wrong))
         if len(current.parts) < len(self._names):
             return Ticket(step, current, None, None, token)
         return Ticket(step, current, None, self._release(current), token)
+
+    def _mismatch_of(self, current: _Open, digests: Sequence[bytes], owner: int, digest: bytes) -> Optional[str]:
+        """`_mismatch` of an owner's share already in `current` against server0's part of `digests` (arriving)."""
+        if digests[owner] == digest:
+            return None
+        return (f"server0's part of step {current.step} was summed from another key of {self._names[owner]} than "
+                "the one its share is masked with (the owner restarted after server0 summed its key); server0 sums "
+                "the step again from the keys put now")
 
     def _stale(self, me: str, step: int) -> str:
         kept = sorted(self._window)
