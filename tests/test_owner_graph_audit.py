@@ -73,3 +73,44 @@ def test_the_audited_sum_reveals_each_part_through_a_stand_in_service():
             first, second = session.run(totals[0])
     np.testing.assert_allclose(first, [1.0, 2.0])
     np.testing.assert_allclose(second, [[3.0]])
+
+
+def _early_graph(leak=None):
+    """A sum whose key is drawn when the step starts and put early (`put_key`); `leak` plants a key op that
+    sends something else."""
+    puts, keys = [], []
+
+    def echo(channel, step, ring_bits, num_elements, key, share):
+        keys.append(np.array(key))
+        return _echo(channel, step, ring_bits, num_elements, key, share)
+
+    graph = tf.Graph()
+    with graph.as_default():
+        step = tf.constant(3, tf.int64)
+        grads = [tf.constant([1.0, 2.0]), tf.constant([[3.0]])]
+        totals = service_sum([grads], ["/cpu:0"], ["/cpu:0"], ENCODING, tf.float32, "chief:0", "hint", 1.0, "sum_0",
+                             step, echo, put_key=lambda *args: puts.append(args[:4] + (np.array(args[4]),)))
+        if leak == "gradients":
+            tf.numpy_function(lambda s, g: s, [step, grads[0]], tf.int64, name="service_key")
+        elif leak == "a key read elsewhere":
+            key = next(op for op in graph.get_operations() if op.type == "TfeAesSeed").outputs[0]
+            tf.identity(key, name="copied")
+    return graph, totals, (puts, keys)
+
+
+def test_a_key_put_when_the_step_starts_is_the_mask_ops_key_and_the_sum_is_revealed():
+    graph, totals, (puts, keys) = _early_graph()
+    assert audit_owner_graph(graph) == 1
+    with tf.compat.v1.Session(graph=graph) as session:
+        first, second = session.run(totals[0])
+    np.testing.assert_allclose(first, [1.0, 2.0])  # the stand-in service's answer, unmasked with the put key
+    np.testing.assert_allclose(second, [[3.0]])
+    (channel, step, ring_bits, num_elements, key), = puts
+    assert (channel, step, ring_bits, num_elements) == ("sum_0", 3, 64, 3)
+    np.testing.assert_array_equal(key, keys[0])  # the key put early is the one the share is masked with
+
+
+@pytest.mark.parametrize("leak", ["gradients", "a key read elsewhere"])
+def test_a_key_op_that_sends_anything_else_is_refused_naming_it(leak):
+    with pytest.raises(OwnerGraphAuditError, match=r"the key op service_key.* would send \[.*\], but a key op may"):
+        audit_owner_graph(_early_graph(leak)[0])

@@ -113,11 +113,13 @@ def test_two_owners_train_through_the_service_to_the_plaintext_twin_each_in_its_
         assert all(d == "" or d.startswith("/job:localhost/") or d.startswith("/device:") for d in audit["devices"]), \
             audit["devices"]
         # What leaves the graph: per contribution the step, a fresh key and a masked share (the mask op's outputs);
-        # per answer op only its contribution's ticket; no other numpy_function.
+        # per answer op only its contribution's ticket; per key op (the contribution's key, put on server0 when the
+        # step starts) the step and the key drawn for it; no other numpy_function.
         assert audit["contributions"] and not audit["others"], audit
         for inputs in audit["contributions"]:
             assert inputs[1:] == ["TfeMaskShare:1", "TfeMaskShare:0"], inputs
         assert audit["answers"] == [["PyFunc:0"]] * len(audit["contributions"]), audit
+        assert audit["keys"] and all(inputs[1:] == ["TfeAesSeed:0"] for inputs in audit["keys"]), audit  # the host
         # One call per step: the reported loss rides in the gradients' contribution (`riders`), one round trip.
         with open(os.path.join(workdir, owner, "training_calls.json")) as f:
             calls = json.load(f)

@@ -50,10 +50,11 @@ class GraphAudit(tf.estimator.SessionRunHook):
     def begin(self):
         graph = tf.compat.v1.get_default_graph()
         functions = [op for op in graph.get_operations() if op.type in ("PyFunc", "EagerPyFunc")]
-        kinds = {"contributions": [], "answers": [], "others": []}
+        kinds = {"contributions": [], "answers": [], "keys": [], "others": []}
         for op in functions:
             kind = ("contributions" if "service_contribute" in op.name else
-                    "answers" if "service_answer" in op.name else "others")
+                    "answers" if "service_answer" in op.name else
+                    "keys" if "service_key" in op.name else "others")
             kinds[kind].append([f"{t.op.type}:{t.value_index}" for t in op.inputs])
         after_answers = [sorted(_answers_before(op)) for op in functions if "service_contribute" in op.name]
         with open("graph_audit.json", "w") as f:
