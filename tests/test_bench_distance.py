@@ -168,3 +168,17 @@ def test_the_service_through_the_relay_pays_one_and_a_half_round_trips_per_contr
     assert 1.5 * 100 * 0.95 <= relayed["ms_per_step"] < 1.9 * 100, relayed
     pids = ",".join(str(p) for p in relayed["server_pids"])
     assert subprocess.run(["ps", "-p", pids], capture_output=True, check=False).returncode == 1
+
+
+def test_a_key_put_before_the_owners_compute_hides_server0s_forward(tmp_path):
+    from tfe_estimator.cluster import certs
+    from tools.bench.service_alone import measure
+
+    certs.make_cluster_certs(str(tmp_path), [("chief", 0), ("worker", 0), ("tfe", 0), ("tfe", 1)], cluster="bench")
+    # Execute: every link 100 ms away, 60 ms of compute per step, the key put on server0 before it.
+    early = measure(1000, 3, 2, str(tmp_path), rtt_ms=100, compute_ms=60, key_early=True)
+    # Assert: the compute plus the owner's own round trip (server0's forward, 50 ms, travelled during the
+    # compute), not the 1.5 round trips of a key put with its share (210 ms and more).
+    assert distance.service_hops(100, 60, key_early=True) == 1.0 and distance.service_hops(100, 60) == 1.5
+    assert 60 + 100 * 0.95 <= early["ms_per_step"] < 60 + 1.25 * 100, early
+    assert early["calls_per_step"] == 1

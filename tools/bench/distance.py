@@ -24,7 +24,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["predict_step_ms", "SERVICE_HOPS", "main"]
+__all__ = ["predict_step_ms", "service_hops", "SERVICE_HOPS", "main"]
 
 #: Sequential round trips on the critical path of one Contribute call: the owner's to the servers, and half of
 #: server0's to server1 (its ForwardBlinded leaves once every owner's key arrived; server1 answers the owners once
@@ -74,24 +74,42 @@ def predict_step_ms(loopback_ms: float, round_trips: float, up_bytes: float, dow
     return step
 
 
+def service_hops(rtt_ms: float, compute_ms: float = 0.0, key_early: bool = False) -> float:
+    """Sequential round trips of one Contribute call: `SERVICE_HOPS`; with the step's key put on server0 when the
+    step starts (`key_early`), server0's forward travels during the owner's `compute_ms`, hiding up to its
+    half round trip.
+
+    Example::
+
+        >>> service_hops(20.0), service_hops(20.0, compute_ms=4.0, key_early=True)
+        (1.5, 1.3)
+    """
+    if not key_early or not rtt_ms:
+        return SERVICE_HOPS
+    return 1.0 + max(0.0, (SERVICE_HOPS - 1.0) - float(compute_ms) / float(rtt_ms))
+
+
 def compare(elements: int, owners: int, steps: int, rtt_ms: float, bandwidth_mbps: Optional[float],
-            certs_dir: str, rounds: int = 2, control: bool = False) -> Dict:
+            certs_dir: str, rounds: int = 2, control: bool = False, compute_ms: float = 0.0,
+            key_early: bool = False) -> Dict:
     """Loopback, predicted and relayed step of the service alone, alternating `rounds` times (medians).
 
-    With `control`, also through the relay at 0 ms (what the relay itself costs).
+    With `control`, also through the relay at 0 ms (what the relay itself costs). `compute_ms`, `key_early`:
+    each owner's compute before its contribution, and its key put before it (`service_alone.measure`).
     """
     from tools.bench.service_alone import measure  # pylint: disable=import-outside-toplevel
 
+    owner = dict(compute_ms=compute_ms, key_early=key_early)
     runs: Dict[str, List[Dict]] = {"loopback": [], "relayed": [], "control": []}
     for _ in range(max(1, rounds)):
-        runs["loopback"].append(measure(elements, steps, owners, certs_dir))
+        runs["loopback"].append(measure(elements, steps, owners, certs_dir, **owner))
         runs["relayed"].append(measure(elements, steps, owners, certs_dir, rtt_ms=rtt_ms,
-                                       bandwidth_mbps=bandwidth_mbps))
+                                       bandwidth_mbps=bandwidth_mbps, **owner))
         if control:
-            runs["control"].append(measure(elements, steps, owners, certs_dir, rtt_ms=0.0))
+            runs["control"].append(measure(elements, steps, owners, certs_dir, rtt_ms=0.0, **owner))
     loopback = runs["loopback"][0]
     ms = {name: statistics.median(r["ms_per_step"] for r in rs) for name, rs in runs.items() if rs}
-    round_trips = loopback["calls_per_step"] * SERVICE_HOPS
+    round_trips = loopback["calls_per_step"] * service_hops(rtt_ms, compute_ms, key_early)
     rate = None if bandwidth_mbps is None else bandwidth_mbps * 1e6 / 8
     predicted = predict_step_ms(ms["loopback"], round_trips, loopback["up_bytes"], loopback["down_bytes"],
                                 rtt_ms, rate)
@@ -101,7 +119,8 @@ def compare(elements: int, owners: int, steps: int, rtt_ms: float, bandwidth_mbp
               "up_bytes_per_owner": loopback["up_bytes"], "down_bytes_per_owner": loopback["down_bytes"],
               "predicted_ms": predicted, "measured_ms": ms["relayed"],
               "measured_over_predicted": ms["relayed"] / predicted,
-              "runs_ms": {name: [r["ms_per_step"] for r in rs] for name, rs in runs.items() if rs}}
+              "runs_ms": {name: [r["ms_per_step"] for r in rs] for name, rs in runs.items() if rs},
+              "compute_ms": compute_ms, "key_early": key_early}
     if control:  # the relay's own cost on this machine, apart from the distance it adds
         result["relay_0ms_ms"] = ms["control"]
         result["predicted_from_relay_0ms_ms"] = predict_step_ms(
@@ -113,12 +132,14 @@ def _line(r: Dict) -> str:
     link = f"RTT {r['rtt_ms']:g} ms" + (f", {r['bandwidth_mbps']:g} Mbit/s" if r["bandwidth_mbps"] else "")
     control = (f"; through the relay at 0 ms {r['relay_0ms_ms']:.1f} ms/step, predicted from it "
                f"{r['predicted_from_relay_0ms_ms']:.1f}" if "relay_0ms_ms" in r else "")
+    compute = (f" (with {r['compute_ms']:g} ms of compute per step"
+               + (", the key put before it" if r["key_early"] else "") + ")") if r.get("compute_ms") else ""
     return (f"[distance] {r['elements']:,} elements, {r['owners']} owners, {link} (medians of {r['rounds']} runs of "
             f"{r['steps']} steps): loopback {r['loopback_ms']:.1f} "
-            f"ms/step, {r['round_trips_per_step']:g} round trips/step ({r['calls_per_step']:g} Contribute x "
-            f"{SERVICE_HOPS:g} hops), per owner {r['up_bytes_per_owner']:,.0f} B up, {r['down_bytes_per_owner']:,.0f} "
-            f"B down; predicted {r['predicted_ms']:.1f} ms/step, measured {r['measured_ms']:.1f} "
-            f"({r['measured_over_predicted']:.2f}x){control}")
+            f"ms/step{compute}, {r['round_trips_per_step']:g} round trips/step ({r['calls_per_step']:g} Contribute x "
+            f"{r['round_trips_per_step'] / r['calls_per_step']:g} hops), per owner {r['up_bytes_per_owner']:,.0f} B "
+            f"up, {r['down_bytes_per_owner']:,.0f} B down; predicted {r['predicted_ms']:.1f} ms/step, measured "
+            f"{r['measured_ms']:.1f} ({r['measured_over_predicted']:.2f}x){control}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -130,6 +151,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--bandwidth-mbps", type=float, default=None, help="each connection's rate (default none)")
     parser.add_argument("--rounds", type=int, default=2, help="loopback/relayed alternations (default 2)")
     parser.add_argument("--control", action="store_true", help="also run through the relay at 0 ms")
+    parser.add_argument("--compute-ms", type=float, default=0.0,
+                        help="each owner's compute before each contribution (default 0)")
+    parser.add_argument("--key-early", action="store_true",
+                        help="each owner puts the step's key on server0 before its compute (an owner graph's key op)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
     from tfe_estimator.cluster import certs  # pylint: disable=import-outside-toplevel
@@ -140,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         certs.make_cluster_certs(certs_dir, tasks, cluster="bench")
         for elements in args.elements:
             results.append(compare(elements, args.owners, args.steps, args.rtt_ms, args.bandwidth_mbps,
-                                   certs_dir, args.rounds, args.control))
+                                   certs_dir, args.rounds, args.control, args.compute_ms, args.key_early))
             print(_line(results[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

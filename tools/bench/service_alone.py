@@ -84,7 +84,7 @@ def floor(owners: int, certs_dir: Optional[str] = None) -> Dict[str, float]:
 
 def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Optional[float] = None,
             bandwidth_mbps: Optional[float] = None, huge_pages: bool = False, data_plane: bool = False,
-            data_link: Optional[str] = None) -> Dict:
+            data_link: Optional[str] = None, compute_ms: float = 0.0, key_early: bool = False) -> Dict:
     """Times `steps` secure sums of `elements` between `owners` owner threads and two server processes.
 
     With `rtt_ms`, every owner reaches each server, and server0 reaches server1, through a
@@ -94,6 +94,8 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
     With `huge_pages`, the servers start with glibc's huge-page tunable, as deployed
     (`tfe_estimator.cluster.huge_pages`). `data_link`: the owners' data-plane client (`OwnerClient`'s
     ``data_link``: ``"python"`` or ``"c"``; None: ``$TFE_ESTIMATOR_DATA_LINK``, else Python's).
+    `compute_ms`: each owner waits that long before each contribution (its model's compute); with `key_early`
+    it puts the step's key on server0 before that wait (`OwnerClient.put_key`, as an owner graph's key op does).
 
     Returns wall ``ms_per_step``; CPU ms per step of ``server_cpu_ms`` (server0, server1) and ``owners_cpu_ms``
     (all owner clients); per owner and step the Contribute calls (``calls_per_step``: one round trip to both
@@ -124,6 +126,10 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
         def run(first: int, count: int) -> None:
             def owner(k: int) -> None:
                 for step in range(first, first + count):
+                    if key_early:
+                        clients[k].put_key("sum", step, 64, elements, key)
+                    if compute_ms:
+                        time.sleep(compute_ms / 1e3)
                     clients[k].contribute("sum", step, 64, elements, key, shares[k])
             threads = [threading.Thread(target=owner, args=(k,)) for k in range(owners)]
             for thread in threads:
