@@ -21,6 +21,14 @@ words to its masked share inside the call and verifies them on the
 revealed sum in the pass that decodes it: a sum a server altered stops
 the session run (`sum_check.SumIntegrityError`), nothing of it applied.
 
+A contribution's key is drawn when the step starts (``TfeAesSeed``, no
+input) and put on server0 at once by a key op (``service_key``, a control
+input of the contribution; `OwnerClient.put_key`); the mask op masks with
+it. Server0's blinded part then travels to server1 while the owner still
+computes, so the owner waits for its own round trip only once its compute
+takes longer than one server-to-server leg. (A small sum that rides, below,
+keeps a key of its own that never leaves.)
+
 Nothing but a fresh key and a masked share leaves the graph; what comes back
 is the sum of all owners, masked, and the key that unmasks it. The service
 binds every contribution to the caller's certificate, releases a step only
