@@ -252,19 +252,24 @@ def test_mutation_without_the_abort_the_abandoned_vector_comes_back(make_service
     assert _abandoned_vector_returned(make_service(owner_names(2), step_timeout_secs=1.0))
 
 
+def _an_owner_with_two_keys(make_service):
+    """One owner (it puts an aborted step again), x, two masks of x ``(share, key)``, its gRPC Contribute stub on
+    server0, and a put of the first key alone (server0 releases it and forwards its part at once)."""
+    service = make_service(owner_names(1), step_timeout_secs=10.0)
+    chief = service.client("chief", 0, retry_secs=None)
+    x = np.arange(8, dtype=np.int64)
+    first, second = _mask(x), _mask(x)
+    key_only = wire.encode("ContributeRequest", np.asarray(first[1], "<i4"), channel="c", step=0, ring_bits=64,
+                           num_elements=8)
+    return chief, x, first, second, chief._stubs[0]["Contribute"], key_only  # pylint: disable=protected-access
+
+
 def test_a_share_masked_with_another_key_than_server0_summed_aborts_the_step_and_it_is_summed_again(make_service):
     # Server0 released step 0 with the chief's key k1 (its share not on server1 yet: the key was put when the
     # step started, then the owner restarted); a fresh share of key k2 is never summed with server0's part of k1:
     # server1 aborts the step, server0's release fails, and the step is summed again from k2. A late put of k1
     # gets that release's answer (a replay), the same sum.
-    service = make_service(owner_names(1), step_timeout_secs=10.0)
-    chief = service.client("chief", 0, retry_secs=None)  # an owner puts an aborted step again
-    x = np.arange(8, dtype=np.int64)
-    share1, key1 = _mask(x)
-    share2, key2 = _mask(x)
-    stub = chief._stubs[0]["Contribute"]  # pylint: disable=protected-access
-    key_only = wire.encode("ContributeRequest", np.asarray(key1, "<i4"), channel="c", step=0, ring_bits=64,
-                           num_elements=8)
+    chief, x, (share1, key1), (share2, key2), stub, key_only = _an_owner_with_two_keys(make_service)
     results = in_threads([lambda: stub(key_only, timeout=20),  # server0 alone: released, forwarded, waits
                           _later(0.5, lambda: chief.contribute("c", 0, 64, 8, key2, share2)),
                           _later(1.0, lambda: chief.contribute("c", 0, 64, 8, key1, share1))])
@@ -277,14 +282,7 @@ def test_a_share_masked_with_another_key_than_server0_summed_aborts_the_step_and
 
 def test_mutation_without_the_abort_a_share_is_summed_with_a_part_of_another_key(make_service, monkeypatch):
     monkeypatch.setattr(steps.StepChannel, "_mismatch", lambda *args: None)
-    service = make_service(owner_names(1), step_timeout_secs=10.0)
-    chief = service.client("chief", 0, retry_secs=None)
-    x = np.arange(8, dtype=np.int64)
-    _, key1 = _mask(x)
-    share2, key2 = _mask(x)
-    stub = chief._stubs[0]["Contribute"]  # pylint: disable=protected-access
-    key_only = wire.encode("ContributeRequest", np.asarray(key1, "<i4"), channel="c", step=0, ring_bits=64,
-                           num_elements=8)
+    chief, x, _, (share2, key2), stub, key_only = _an_owner_with_two_keys(make_service)
     results = in_threads([lambda: stub(key_only, timeout=20),
                           _later(0.5, lambda: chief.contribute("c", 0, 64, 8, key2, share2))])
     assert isinstance(results[1], tuple), results[1]
