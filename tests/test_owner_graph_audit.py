@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 from tfe_estimator.audit.owner_graph import OwnerGraphAuditError, audit_owner_graph
+from tfe_estimator.owner import riders
 from tfe_estimator.owner.contribution import service_sum
 from tfe_estimator.secure.fused_sum import Encoding
 from tfe_estimator.secure.kernels import ops
@@ -114,3 +115,32 @@ def test_a_key_put_when_the_step_starts_is_the_mask_ops_key_and_the_sum_is_revea
 def test_a_key_op_that_sends_anything_else_is_refused_naming_it(leak):
     with pytest.raises(OwnerGraphAuditError, match=r"the key op service_key.* would send \[.*\], but a key op may"):
         audit_owner_graph(_early_graph(leak)[0])
+
+
+def test_only_the_chains_first_sum_puts_its_key_when_the_step_starts():
+    # An evaluation makes dozens of sums; each key put early waits on server0 as one of the owner's calls there
+    # (--max-waiting-puts): only the chain's first puts early, the others put their keys with their shares.
+    # Sums above riders.MAX_ELEMENTS make calls of their own.
+    puts, keys = [], []
+
+    def echo(channel, step, ring_bits, num_elements, key, share):
+        keys.append((channel, np.array(key)))
+        return _echo(channel, step, ring_bits, num_elements, key, share)
+
+    graph = tf.Graph()
+    size = riders.MAX_ELEMENTS + 1
+    with graph.as_default():
+        step = tf.constant(3, tf.int64)
+        totals = [service_sum([[tf.fill([size], float(k))]], ["/cpu:0"], ["/cpu:0"], ENCODING, tf.float32,
+                              "chief:0", "hint", 1.0, f"sum_{k}", step, echo,
+                              put_key=lambda *args: puts.append(args[:4] + (np.array(args[4]),)))
+                  for k in range(5)]
+        assert [op.type for op in graph.get_operations() if op.type == "TfeAesSeed"] == ["TfeAesSeed"]
+        assert audit_owner_graph(graph) == 5
+        with tf.compat.v1.Session(graph=graph) as session:
+            values = session.run([t[0][0] for t in totals])
+    for k, value in enumerate(values):
+        np.testing.assert_allclose(value, np.full(size, float(k)))
+    (channel, step, _, num_elements, key), = puts
+    assert (channel, step, num_elements) == ("sum_0", 3, size)
+    np.testing.assert_array_equal(key, dict(keys)["sum_0"])

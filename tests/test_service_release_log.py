@@ -119,16 +119,21 @@ def test_mutation_without_the_record_a_restored_owner_cannot_replay_the_step(mak
     # from a checkpoint replays it with a fresh key (its seal does not open), and a server0 that kept no record
     # has no answer for it: the worker waits out its deadline.
     monkeypatch.setattr(ReleaseLog, "write", lambda *args: None)
-    service, _, _, results = _killed_after_server1_released(make_service, cert_dirs[0], str(tmp_path / "s"),
-                                                            monkeypatch)
+    service, owners, _, results = _killed_after_server1_released(make_service, cert_dirs[0], str(tmp_path / "s"),
+                                                                 monkeypatch)
     for result in results:
         assert isinstance(result, tuple), result
         np.testing.assert_array_equal(_reveal(result), 2 * X)
     # An owner whose call to the dead server0 failed may have put its key on the new one before server1's answer
-    # ended the call, which then ended that put: wait until the new server0 dropped it (it polls every 0.25 s).
+    # ended the call, which then cancelled that put: close the owners' clients (nothing of them in flight after)
+    # and wait until the new server0 has held no open step for a second (it drops a cancelled put in 0.25 s).
+    for owner in owners:
+        owner.close()
     channels = service.servers[-1]._channels  # pylint: disable=protected-access
-    deadline = time.monotonic() + 10.0
-    while any(not c.idle() and c._open for c in list(channels.values())) and time.monotonic() < deadline:  # noqa
+    deadline, quiet = time.monotonic() + 15.0, time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - quiet < 1.0:
+        if any(c._open for c in list(channels.values())):  # pylint: disable=protected-access
+            quiet = time.monotonic()
         time.sleep(0.05)
     late = service.client("worker", 0, retry_secs=0.0, timeout_secs=3.0)
     with pytest.raises(ServiceError, match="DEADLINE_EXCEEDED"):

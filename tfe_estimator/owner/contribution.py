@@ -21,12 +21,16 @@ words to its masked share inside the call and verifies them on the
 revealed sum in the pass that decodes it: a sum a server altered stops
 the session run (`sum_check.SumIntegrityError`), nothing of it applied.
 
-A contribution's key is drawn when the step starts (``TfeAesSeed``, no
-input) and put on server0 at once by a key op (``service_key``, a control
-input of the contribution; `OwnerClient.put_key`); the mask op masks with
-it. Server0's blinded part then travels to server1 while the owner still
-computes, so the owner waits for its own round trip only once its compute
-takes longer than one server-to-server leg. (A small sum that rides, below,
+The key of a chain's first contribution (the training step's gradients) is
+drawn when the step starts (``TfeAesSeed``, no input) and put on server0 at
+once by a key op (``service_key``, a control input of the contribution;
+`OwnerClient.put_key`); the mask op masks with it. Server0's blinded part
+then travels to server1 while the owner still computes, so the owner waits
+for its own round trip only once its compute takes longer than one
+server-to-server leg. Later contributions of the chain put their keys with
+their shares: a key put early is one of the owner's calls waiting on
+server0, and only the first stays within `in_flight`'s budget whatever the
+number of sums (an evaluation has dozens). (A small sum that rides, below,
 keeps a key of its own that never leaves.)
 
 Nothing but a fresh key and a masked share leaves the graph; what comes back
@@ -172,7 +176,11 @@ def service_sum(
     stateful = not isinstance(graph, func_graph.FuncGraph)
     may_ride = not eager and stateful and noise_variance is None and _may_ride(graph, local, num_elements,
                                                                                checks is not None)
-    early = put_key is not None and not eager and not may_ride
+    # Only the chain's first contribution of a session run puts its key early: the others start behind it
+    # (`in_flight`), and a key put waits on server0 as one of the owner's calls there (``--max-waiting-puts``):
+    # an evaluation's dozens of metric sums putting every key at once were refused there.
+    early = put_key is not None and not eager and not may_ride and \
+        _CHAIN[0] not in _LAST.get(graph, {})
     with tf.device(sources[0]), tf.name_scope("service_mask_share"):
         noise = None if noise_variance is None else ops.discrete_gaussian(num_elements, noise_variance)
         drawn = ops.aes_seed() if early else None  # drawn when the step starts: no input

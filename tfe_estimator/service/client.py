@@ -470,7 +470,7 @@ class OwnerClient:
         recheck = False  # server1 failed before server0 answered: put on server0 again once it answers
         answered = {}  # server0's first answer's call: its replay flag counts (the same key put again is flagged)
         sealed = None  # the blind key, from server1's answer (sealed for this owner by server0): server0's not needed
-        again0 = False  # this call put on server0 again (a retry, a recheck)
+        first0 = calls[0]  # any other call on server0 is this call's put again (a retry, a recheck)
         while len(replies) < 2 and sealed is None:
             # server1's answer is acted on at once (it carries the blind key sealed for this owner); server0's too
             # while `recheck` (server1 may wait for the part it forwards again)
@@ -487,14 +487,14 @@ class OwnerClient:
                         if sealed is not None:
                             # server0's first call ends on its own (its answer is the same key); one put again is
                             # ended now, so that a restarted server0 holds no contribution of a finished step
-                            if again0 and not calls[0].done():
+                            if calls[0] is not first0 and not calls[0].done():
                                 calls[0].cancel()
                             break
                     if server == 0 and recheck:
                         recheck = False
                         del replies[0]
                         answered.setdefault(0, call)
-                        calls[0], again0 = put(0), True
+                        calls[0] = put(0)
                 except grpc.RpcError as e:
                     if e.code() in _RETRY and time.monotonic() < patience:
                         # The same contribution again (never a fresh one: server0 may have released the step with
@@ -506,7 +506,6 @@ class OwnerClient:
                                      patience - time.monotonic())
                         time.sleep(0.2 if e.code() == grpc.StatusCode.ABORTED else 1.0)
                         calls[server] = put(server)
-                        again0 = again0 or server == 0
                         if server == 0 and 1 in replies:
                             # Server0 releases the step again (its first release failed): server1's answer must
                             # come from that same release (w and the blind key pair up), so ask server1 again.
@@ -521,7 +520,7 @@ class OwnerClient:
                             if not recheck:
                                 del replies[0]
                                 answered.setdefault(0, calls[0])
-                                calls[0], again0 = put(0), True
+                                calls[0] = put(0)
                         continue
                     for other in calls.values():
                         other.cancel()

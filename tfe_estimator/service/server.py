@@ -529,20 +529,17 @@ class AggregationServer:
         if self._role == 1:
             payload, sealed = released.acc, released.result.sealed or ()
         else:
-            summed = [key_digest(released.parts[o]) for o in range(len(self._owners))]
-            blind = self._blind(channel, released, summed)
-            digests = ",".join(d.hex() for d in summed)
+            keys = [bytes(released.parts[o]) for o in range(len(self._owners))]
+            blind = self._blind(channel, released, [key_digest(k) for k in keys])
             try:
-                self._send_forward(channel, released, digests, key_digest(blind).hex(),
-                                   self._seal(channel, released.step, [released.parts[o] for o in
-                                                                       range(len(self._owners))], blind))
+                self._send_forward(channel, released, keys, blind)
             except _Forwarded as e:
                 channel.finish(released, None, StepRefused(
                     e.code.name, f"Service mode, {channel.label} step {released.step}: server0 could not forward "
                                  f"its blinded part to server1 at {self._peer_address}: {e.message}"))
                 return
             # what forwards the same part again if server1 loses the release (`_reforward`): 16 bytes per owner
-            released.result.keys = ([bytes(released.parts[o]) for o in range(len(self._owners))], blind)
+            released.result.keys = (keys, blind)
             payload = blind
         # The one copy: the answer is bytes of its own, stored in the replay window while the buffer is reused.
         channel.finish(released, wire.encode("ContributeReply", payload, step=released.step, sealed_blinds=sealed))
@@ -665,8 +662,7 @@ class AggregationServer:
                     ring.keystream_apply(key, acc, channel.ring_bits)
                 again = Released(result.step, acc, channel.ring_bits, channel.num_elements, result, {})
                 try:
-                    self._send_forward(channel, again, digests, blind_digest,
-                                       self._seal(channel, result.step, keys, blind))
+                    self._send_forward(channel, again, keys, blind)
                 except _Forwarded as e:
                     _LOG.warning("aggregation server0: step %d of %s: server1 did not take the part forwarded "
                                  "again: %s: %s", result.step, channel.label, e.code.name, e.message)
@@ -864,13 +860,15 @@ class AggregationServer:
             raise _Forwarded(code, bytes(message).decode("utf-8", "replace"))
         return True, None
 
-    def _send_forward(self, channel: StepChannel, released: Released, digests: str, blind_digest: str,
-                      sealed: Sequence[bytes]) -> None:
-        """Forwards a released step's blinded part, with its blind key `sealed` for each owner, to server1: on its
-        data plane if it has one, else gRPC."""
+    def _send_forward(self, channel: StepChannel, released: Released, keys: Sequence[bytes], blind: bytes) -> None:
+        """Forwards a released step's blinded part to server1, with the digests of the owners' `keys` (in owner
+        order) and of the `blind` key, and the blind key sealed for each owner (`_seal`): on its data plane if it
+        has one, else gRPC."""
         fields = dict(channel=channel.name, step=released.step, ring_bits=released.ring_bits,
-                      num_elements=released.num_elements, sealed_blinds=sealed)
-        meta = ((DIGESTS_METADATA, digests), (_BLIND_METADATA, blind_digest))
+                      num_elements=released.num_elements,
+                      sealed_blinds=self._seal(channel, released.step, keys, blind))
+        meta = ((DIGESTS_METADATA, ",".join(key_digest(k).hex() for k in keys)),
+                (_BLIND_METADATA, key_digest(blind).hex()))
         size = wire.encoded_size("ForwardRequest", released.acc.nbytes, **fields)
         for attempt in range(2):
             taken, unreachable = self._forward_on_plane(self._peer_link(size), fields, meta, released.acc)
