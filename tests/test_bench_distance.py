@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tools.bench import distance
+from tools.bench import distance, service_case
 from tools.bench.relay import DelayRelay
 
 
@@ -126,6 +126,15 @@ def test_the_prediction_adds_round_trips_and_transfer_time():
     assert doctest.testmod(distance, verbose=False).failed == 0
     with pytest.raises(ValueError, match="rtt_ms=-5"):
         distance.predict_step_ms(10.0, 2, 1e6, 1e6, rtt_ms=-5)
+    # The key put when the step starts travels during the model's compute (the bench takes the plaintext step):
+    # half a round trip of compute or more leaves one round trip per call, less leaves the rest of the half.
+    assert distance.service_hops(20.0, compute_ms=12.0, key_early=True) == 1.0
+    assert distance.service_hops(20.0, compute_ms=4.0, key_early=True) == pytest.approx(1.3)
+    assert distance.service_hops(20.0, compute_ms=12.0) == 1.5
+    row = {"sequential_calls_per_step": 1, "plaintext_ms_per_step": 4.0, "secure_ms_per_step": 10.0,
+           "upload_bytes_per_step": 0, "download_bytes_per_step": 0}
+    figures = service_case._distance_figures(row)  # pylint: disable=protected-access
+    assert figures["round_trips_per_step"] == pytest.approx(1.0 + 0.5 - 4.0 / service_case.DISTANCE_RTT_MS)
     with pytest.raises(ValueError, match="bandwidth_bytes_per_s=0"):
         distance.predict_step_ms(10.0, 2, 1e6, 1e6, rtt_ms=5, bandwidth_bytes_per_s=0)
 

@@ -208,7 +208,9 @@ def _service_distance(cases) -> list:
     return [
         "",
         "Service-mode cases at a distance: sequential round trips per step (Contribute calls that wait for "
-        "each other x 2: the owner's and server0's forward to server1; a step's sums travel together), bytes "
+        "each other x `distance.service_hops`: the owner's, and what is left of server0's forward to server1 "
+        "once the key put when the step starts travelled during the model's compute, taken as the plaintext "
+        "step; a step's sums travel together), bytes "
         "per owner and step, and the step predicted by "
         "`tools.bench.distance.predict_step_ms` (loopback step + round trips x RTT + bytes / bandwidth; "
         "`python -m tools.bench.distance` checks it through a delaying relay):",

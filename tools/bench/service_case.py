@@ -118,11 +118,13 @@ def _distance_figures(row: Dict) -> Dict:
 
     Bytes are the chief's client's per step (each owner sends and receives the same); round trips are its
     sequential Contribute calls per step (`in_flight.Tickets.waves`: a step's sums travel together) x
-    `distance.SERVICE_HOPS` (the owner's, and server0's forward to server1, one way).
+    `distance.service_hops` (the owner's, and what is left of server0's forward to server1, one way, once the
+    key put when the step starts travelled during the model's compute, taken as the plaintext step).
     """
-    from tools.bench.distance import SERVICE_HOPS, predict_step_ms  # pylint: disable=import-outside-toplevel
+    from tools.bench.distance import predict_step_ms, service_hops  # pylint: disable=import-outside-toplevel
 
-    round_trips = row["sequential_calls_per_step"] * SERVICE_HOPS
+    hops = service_hops(DISTANCE_RTT_MS, compute_ms=row["plaintext_ms_per_step"], key_early=True)
+    round_trips = row["sequential_calls_per_step"] * hops
     up, down = row["upload_bytes_per_step"], row["download_bytes_per_step"]
     return {"round_trips_per_step": round_trips,
             "bytes_per_owner_per_step": {"up": up, "down": down},
