@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from service_helpers import cert_dirs, in_threads, make_service, owner_names  # noqa: F401 (fixtures)
 from test_service_release_log import X, _put, _reveal
 from tfe_estimator.service import AggregationServer, ring, sealed_blind, wire
+from tfe_estimator.service import client as client_module
 from tfe_estimator.service.sealed_blind import SEALED_BYTES, SealError, open_own, open_sealed, seal
 
 SETTINGS = ("m/sum_0", 64, 8)
@@ -260,3 +261,34 @@ def test_a_key_put_before_its_share_lets_server0s_part_reach_server1_first(make_
     # contribution puts its own key, the early one is never used.
     owners[0].put_key("c", 2, 64, 8, np.frombuffer(os.urandom(16), np.int32))
     assert owners[0]._taken_early("c", 2, 64, 8, os.urandom(16)) is None  # pylint: disable=protected-access
+
+
+def _open_steps(server, channel="c"):
+    return {step for (name, _, _), c in list(server._channels.items()) if name == channel  # pylint: disable=protected-access
+            for step in list(c._open)}  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("cancel", [True, False])
+def test_a_key_put_never_taken_ends_on_server0_when_the_channels_next_key_is_put(make_service, monkeypatch, cancel):
+    # An owner's session run failed after its key op: the key put for step 2 is never taken. Its next key put
+    # of the channel ends that call, so server0 drops step 2 at once (not after the step timeout) and the owners'
+    # step 3 goes through. Mutation (cancel=False): the put stays open on server0 until the step timeout.
+    if not cancel:
+        monkeypatch.setattr(client_module._Put, "cancel", lambda self: True)  # pylint: disable=protected-access
+    service = make_service(owner_names(2), step_timeout_secs=20.0)
+    server0 = service.servers[1]  # started second
+    owners = [service.client("chief", 0), service.client("worker", 0)]
+    owners[0].put_key("c", 2, 64, 8, np.frombuffer(os.urandom(16), np.int32))
+    deadline = time.monotonic() + 5.0
+    while _open_steps(server0) != {2} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _open_steps(server0) == {2}
+    keys = [np.frombuffer(os.urandom(16), np.int32) for _ in owners]
+    owners[0].put_key("c", 3, 64, 8, keys[0])
+    deadline = time.monotonic() + 3.0
+    while 2 in _open_steps(server0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (2 not in _open_steps(server0)) == cancel
+    if cancel:  # the owners' step 3 (the early put of step 3 may have been refused while step 2 was open)
+        for result in in_threads([lambda o=o: _put(owners[o], 3, keys[o]) for o in range(2)]):
+            np.testing.assert_array_equal(_reveal(result), 2 * X)

@@ -405,16 +405,21 @@ class OwnerClient:
         self.bytes_sent += wire.encoded_size("ContributeRequest", len(key_bytes), **fields)
         call = _Put(self, 0, fields, None, key_bytes, self._timeout)
         with self._early_lock:
-            stale = [k for k in self._early if k[0] == channel and k[1] < step]
-            for k in stale:  # a step whose share never came (its session run failed): its server0 call ends alone
-                del self._early[k]
+            # A put of this channel not taken by its contribution (its session run failed, or the step went back
+            # to a checkpoint's): never taken now, so its call on server0 ends (the step, if nobody released it,
+            # is aborted there and put again by whoever contributes to it).
+            stale = [self._early.pop(k)[2] for k in list(self._early) if k[0] == channel]
             self._early[(channel, step)] = (key_bytes, (ring_bits, num_elements), call)
+        for put in stale:
+            put.cancel()
 
     def _taken_early(self, channel: str, step: int, ring_bits: int, num_elements: int, key_bytes: bytes):
-        """The put of `put_key` for this step if it put this very key with these settings, else None."""
+        """The put of `put_key` for this step if it put this very key with these settings and has not failed
+        (e.g. refused while server0 still held a put of this channel that was never taken), else None."""
         with self._early_lock:
             early = self._early.pop((channel, step), None)
-        if early is None or early[0] != key_bytes or early[1] != (ring_bits, num_elements):
+        if early is None or early[0] != key_bytes or early[1] != (ring_bits, num_elements) or \
+                (early[2].done() and early[2].exception() is not None):
             return None
         return early[2]
 
