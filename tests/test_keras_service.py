@@ -197,8 +197,12 @@ def launched(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("keras_service"))
     data = _owner_data(workdir, OWNERS)
     dp = ("--then-dp", str(DP_NOISE)) if _HAS_PRIVACY else ()
-    status, log = _launch(workdir, "--refused-first", "worker-0", "0.5", "--crash-in", "worker-0", "5", "2",
-                          "--then-evaluate", *dp, "--then-loop", max_restarts=1)
+    # Keys put when the step starts, as at a distance (on loopback "auto" puts them with the shares): the launch
+    # covers that path in tf.function steps, through the worker's restart and replay.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TFE_ESTIMATOR_EARLY_KEY", "on")
+        status, log = _launch(workdir, "--refused-first", "worker-0", "0.5", "--crash-in", "worker-0", "5", "2",
+                              "--then-evaluate", *dp, "--then-loop", max_restarts=1)
     assert status == 0, report(log)
     return workdir, data, log
 

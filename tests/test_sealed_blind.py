@@ -245,7 +245,7 @@ def test_a_key_put_before_its_share_lets_server0s_part_reach_server1_first(make_
     monkeypatch.setattr(AggregationServer, "_contribute", noting("put", contribute))
     monkeypatch.setattr(AggregationServer, "_forwarded", noting("forward", forwarded))
     service = make_service(owner_names(2), step_timeout_secs=15.0)
-    owners = [service.client("chief", 0), service.client("worker", 0)]
+    owners = [service.client("chief", 0, early_key="on"), service.client("worker", 0, early_key="on")]
     for step in range(2):
         order.clear()
         keys = [np.frombuffer(os.urandom(16), np.int32) for _ in owners]
@@ -277,7 +277,7 @@ def test_a_key_put_never_taken_ends_on_server0_when_the_channels_next_key_is_put
         monkeypatch.setattr(client_module._Put, "cancel", lambda self: True)  # pylint: disable=protected-access
     service = make_service(owner_names(2), step_timeout_secs=20.0)
     server0 = service.servers[1]  # started second
-    owners = [service.client("chief", 0), service.client("worker", 0)]
+    owners = [service.client("chief", 0, early_key="on"), service.client("worker", 0, early_key="on")]
     owners[0].put_key("c", 2, 64, 8, np.frombuffer(os.urandom(16), np.int32))
     deadline = time.monotonic() + 5.0
     while _open_steps(server0) != {2} and time.monotonic() < deadline:
@@ -292,3 +292,31 @@ def test_a_key_put_never_taken_ends_on_server0_when_the_channels_next_key_is_put
     if cancel:  # the owners' step 3 (the early put of step 3 may have been refused while step 2 was open)
         for result in in_threads([lambda o=o: _put(owners[o], 3, keys[o]) for o in range(2)]):
             np.testing.assert_array_equal(_reveal(result), 2 * X)
+
+
+@pytest.mark.parametrize("setting, expected", [(None, False), ("auto", False), ("on", True), ("off", False)])
+def test_keys_go_early_only_where_server0_is_far_or_the_owner_says_so(make_service, monkeypatch, caplog, setting,
+                                                                      expected):
+    # On loopback server0 is well under EARLY_KEY_MIN_RTT_MS away: "auto" (the default) keeps the key for the
+    # share (nothing to hide, and the servers' work would compete with the owner's compute); "on" puts it.
+    # (Through a relay at a distance "auto" puts it: test_bench_distance's key-early case.)
+    monkeypatch.delenv(client_module.EARLY_KEY_ENV, raising=False)
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    owner = service.client("chief", 0, early_key=setting)
+    with caplog.at_level("INFO", logger="tfe_estimator"):
+        owner.put_key("c", 0, 64, 8, np.frombuffer(os.urandom(16), np.int32))
+    deadline = time.monotonic() + (3.0 if expected else 0.5)
+    while _open_steps(service.servers[1]) != {0} and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (_open_steps(service.servers[1]) == {0}) == expected
+    if setting in (None, "auto"):
+        assert "keys are put with the shares (TFE_ESTIMATOR_EARLY_KEY=auto)" in caplog.text
+
+
+def test_an_unknown_early_key_setting_is_refused_naming_it(make_service, monkeypatch):
+    service = make_service(owner_names(2))
+    with pytest.raises(ValueError, match=r"early_key='sometimes' \(TFE_ESTIMATOR_EARLY_KEY\): use 'auto', 'on'"):
+        service.client("chief", 0, early_key="sometimes")
+    monkeypatch.setenv(client_module.EARLY_KEY_ENV, "yes")
+    with pytest.raises(ValueError, match=r"early_key='yes'"):
+        service.client("chief", 0)

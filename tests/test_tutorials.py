@@ -267,8 +267,12 @@ def _concatenate(frames):
 
 
 @pytest.mark.multiprocess
-def test_two_owners_in_service_mode_report_the_plaintext_metrics_of_the_linear_tutorial(tmp_path):
+def test_two_owners_in_service_mode_report_the_plaintext_metrics_of_the_linear_tutorial(tmp_path, monkeypatch):
     from tfe_estimator.cluster.launcher import Launcher  # pylint: disable=import-outside-toplevel
+
+    # Keys put when the step starts, as at a distance (on loopback "auto" puts them with the shares): the launch
+    # covers that path with evaluations of many sums, the saver's reads and model_to_estimator.
+    monkeypatch.setenv("TFE_ESTIMATOR_EARLY_KEY", "on")
 
     # Prepare: each owner's own rows (96 training rows: 3 batches; 64 and 32 evaluation rows: 2 and 1 batches).
     rng = np.random.RandomState(3)

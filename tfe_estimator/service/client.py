@@ -21,6 +21,7 @@ Example::
 """
 import contextlib
 import logging
+import os
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -35,8 +36,8 @@ from tfe_estimator.service.data_link import DataLink, LinkError, PlaneLink
 from tfe_estimator.service.thread_pool import ThreadPool
 from tfe_estimator.service.tls import TlsFiles, server_name, server_name_option
 
-__all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "REPLY_MARGIN_BYTES", "get_client", "live_clients",
-           "release_client", "reply_into"]
+__all__ = ["OwnerClient", "ServiceError", "CLIENT_OPTIONS", "REPLY_MARGIN_BYTES", "EARLY_KEY_ENV",
+           "EARLY_KEY_MIN_RTT_MS", "get_client", "live_clients", "release_client", "reply_into"]
 
 #: Channel options of an owner: no size limit (1e7 parameters are 80 MB), reconnect within ~1 s once a server is
 #: up (gRPC's default backoff grows to 120 s), no keep-alive pings (the servers do not expect any).
@@ -47,6 +48,14 @@ CLIENT_OPTIONS = (("grpc.max_send_message_length", -1), ("grpc.max_receive_messa
 #: Bytes of server1's answer beyond its ring words, for a `reply_into` buffer: its step, the payload's field header
 #: and server0's blind key sealed for each owner (`sealed_blind`: 46 bytes per owner, so ~1,400 owners fit).
 REPLY_MARGIN_BYTES = 1 << 16
+
+#: `OwnerClient`'s ``early_key`` from the environment: ``auto`` (default), ``on`` or ``off``.
+EARLY_KEY_ENV = "TFE_ESTIMATOR_EARLY_KEY"
+#: With ``early_key="auto"``, keys go to server0 before their shares when its round trip is at least this long: a
+#: step then saves up to half of the servers' round trip; nearer, nothing is hidden (the cost of the key's own call
+#: and, on one machine, of the servers' work competing with the owners' compute remain: ~7% of the 2-core loopback
+#: step at 1e6, docs/benchmarks.md).
+EARLY_KEY_MIN_RTT_MS = 2.0
 
 _LOG = logging.getLogger("tfe_estimator")
 #: Per thread, the buffer `reply_into` lends to this thread's `OwnerClient.contribute` calls.
@@ -261,6 +270,10 @@ class OwnerClient:
         (BoringSSL from C, `native_link.NativeLink`) or ``"python"`` (Python's ssl, `data_link.DataLink`);
         default: the environment variable ``TFE_ESTIMATOR_DATA_LINK``, else ``"auto"``. ``data_link`` (the
         attribute) is the one taken: ``"c"`` or ``"python"``.
+      early_key: whether `put_key` puts a step's key on server0 before its share: ``"auto"`` (when server0 is at
+        least `EARLY_KEY_MIN_RTT_MS` away, measured once: near it there is no distance to hide, and on one
+        machine the servers' work would only compete with the owners' compute), ``"on"`` or ``"off"``;
+        default: the environment variable ``TFE_ESTIMATOR_EARLY_KEY``, else ``"auto"``.
 
     Example::
 
@@ -270,8 +283,11 @@ class OwnerClient:
 
     def __init__(self, addresses: Sequence[str], tls: TlsFiles, timeout_secs: float = 600.0,
                  wait_for_ready: bool = True, retry_secs: Optional[float] = None, data_plane: bool = True,
-                 data_link: Optional[str] = None):
+                 data_link: Optional[str] = None, early_key: Optional[str] = None):
         addresses = tuple(addresses)
+        early_key = os.environ.get(EARLY_KEY_ENV, "auto") if early_key is None else early_key
+        if early_key not in ("auto", "on", "off"):
+            raise ValueError(f"early_key={early_key!r} ({EARLY_KEY_ENV}): use 'auto', 'on' or 'off'.")
         if len(addresses) != 2 or not all(isinstance(a, str) and a for a in addresses):
             raise ValueError(f"addresses={addresses!r} must be (server0 address, server1 address).")
         if not isinstance(tls, TlsFiles):
@@ -304,6 +320,8 @@ class OwnerClient:
                                  native_link.make_link_factory(self.data_link, tls, k, server_name(tls, k)))
                        for k, address in enumerate(addresses)]
         self._unopened = False  # server1 answered sealed blind keys none of which opened (said once)
+        #: `put_key` puts keys: True/False, or None until measured (``early_key="auto"``: `_early_wanted`)
+        self._early_on: Optional[bool] = {"on": True, "off": False}.get(early_key)
         #: (channel, step) -> (key bytes, settings, its put on server0): keys put before their shares (`put_key`)
         self._early: Dict[Tuple[str, int], tuple] = {}
         self._early_lock = threading.Lock()
@@ -401,6 +419,8 @@ class OwnerClient:
         key_bytes = np.ascontiguousarray(key, "<i4").tobytes()
         if len(key_bytes) != ring.KEY_BYTES:
             raise ValueError(f"key has {len(key_bytes)} bytes; pass the int32[4] seed of the step's mask.")
+        if not self._early_wanted():
+            return  # the contribution puts the key with its share
         fields = dict(channel=channel, step=step, ring_bits=ring_bits, num_elements=num_elements)
         self.bytes_sent += wire.encoded_size("ContributeRequest", len(key_bytes), **fields)
         call = _Put(self, 0, fields, None, key_bytes, self._timeout)
@@ -412,6 +432,22 @@ class OwnerClient:
             self._early[(channel, step)] = (key_bytes, (ring_bits, num_elements), call)
         for put in stale:
             put.cancel()
+
+    def _early_wanted(self) -> bool:
+        """Whether keys go to server0 before their shares (``early_key``); ``"auto"`` measures server0's round
+        trip once (the least of 3 probes, `unreachable`'s call): at least `EARLY_KEY_MIN_RTT_MS`, said in the log."""
+        if self._early_on is None:
+            rtts = []
+            for _ in range(3):
+                start = time.monotonic()
+                if self.unreachable(0) is not None:
+                    return False  # measured again at the next key; the contribution will say what is wrong
+                rtts.append(1e3 * (time.monotonic() - start))
+            self._early_on = min(rtts) >= EARLY_KEY_MIN_RTT_MS
+            _LOG.info("service mode: aggregation server0 at %s is %.1f ms away: keys are put %s (%s=auto)",
+                      self._addresses[0], min(rtts), "when the step starts" if self._early_on else "with the shares",
+                      EARLY_KEY_ENV)
+        return self._early_on
 
     def _taken_early(self, channel: str, step: int, ring_bits: int, num_elements: int, key_bytes: bytes):
         """The put of `put_key` for this step if it put this very key with these settings and has not failed
