@@ -320,3 +320,16 @@ def test_an_unknown_early_key_setting_is_refused_naming_it(make_service, monkeyp
     monkeypatch.setenv(client_module.EARLY_KEY_ENV, "yes")
     with pytest.raises(ValueError, match=r"early_key='yes'"):
         service.client("chief", 0)
+
+
+def test_a_server0_that_does_not_answer_the_measurement_is_measured_again_a_minute_later(make_service, monkeypatch):
+    service = make_service(owner_names(2))
+    owner = service.client("chief", 0, early_key="auto")
+    asked = []
+    monkeypatch.setattr(owner, "unreachable", lambda server: asked.append(server) or "connection refused")
+    for step in range(3):  # each key goes with its share; server0 is asked once, not at every step
+        owner.put_key("c", step, 64, 8, np.frombuffer(os.urandom(16), np.int32))
+    assert asked == [0] and owner._early_on is None  # pylint: disable=protected-access
+    monkeypatch.setattr(time, "monotonic", lambda real=time.monotonic: real() + 61.0)
+    owner.put_key("c", 3, 64, 8, np.frombuffer(os.urandom(16), np.int32))
+    assert asked == [0, 0]

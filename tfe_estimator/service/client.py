@@ -322,6 +322,7 @@ class OwnerClient:
         self._unopened = False  # server1 answered sealed blind keys none of which opened (said once)
         #: `put_key` puts keys: True/False, or None until measured (``early_key="auto"``: `_early_wanted`)
         self._early_on: Optional[bool] = {"on": True, "off": False}.get(early_key)
+        self._early_probe_after = 0.0  # server0 did not answer the measurement: not before then again
         #: (channel, step) -> (key bytes, settings, its put on server0): keys put before their shares (`put_key`)
         self._early: Dict[Tuple[str, int], tuple] = {}
         self._early_lock = threading.Lock()
@@ -437,11 +438,14 @@ class OwnerClient:
         """Whether keys go to server0 before their shares (``early_key``); ``"auto"`` measures server0's round
         trip once (the least of 3 probes, `unreachable`'s call): at least `EARLY_KEY_MIN_RTT_MS`, said in the log."""
         if self._early_on is None:
+            if time.monotonic() < self._early_probe_after:
+                return False
             rtts = []
             for _ in range(3):
                 start = time.monotonic()
-                if self.unreachable(0) is not None:
-                    return False  # measured again at the next key; the contribution will say what is wrong
+                if self.unreachable(0) is not None:  # measured again in a minute; the contribution says what is wrong
+                    self._early_probe_after = time.monotonic() + 60.0
+                    return False
                 rtts.append(1e3 * (time.monotonic() - start))
             self._early_on = min(rtts) >= EARLY_KEY_MIN_RTT_MS
             _LOG.info("service mode: aggregation server0 at %s is %.1f ms away: keys are put %s (%s=auto)",
