@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -299,7 +300,7 @@ def test_keys_go_early_only_where_server0_is_far_or_the_owner_says_so(make_servi
                                                                       expected):
     # On loopback server0 is well under EARLY_KEY_MIN_RTT_MS away: "auto" (the default) keeps the key for the
     # share (nothing to hide, and the servers' work would compete with the owner's compute); "on" puts it.
-    # (Through a relay at a distance "auto" puts it: test_bench_distance's key-early case.)
+    # (At a distance "auto" puts it: the test below.)
     monkeypatch.delenv(client_module.EARLY_KEY_ENV, raising=False)
     service = make_service(owner_names(2), step_timeout_secs=15.0)
     owner = service.client("chief", 0, early_key=setting)
@@ -326,10 +327,38 @@ def test_a_server0_that_does_not_answer_the_measurement_is_measured_again_a_minu
     service = make_service(owner_names(2))
     owner = service.client("chief", 0, early_key="auto")
     asked = []
-    monkeypatch.setattr(owner, "unreachable", lambda server: asked.append(server) or "connection refused")
+
+    class Unavailable(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+    def probe(*args, **kwargs):
+        asked.append(0)
+        raise Unavailable()
+
+    owner._probes[0] = probe  # pylint: disable=protected-access
     for step in range(3):  # each key goes with its share; server0 is asked once, not at every step
         owner.put_key("c", step, 64, 8, np.frombuffer(os.urandom(16), np.int32))
     assert asked == [0] and owner._early_on is None  # pylint: disable=protected-access
     monkeypatch.setattr(time, "monotonic", lambda real=time.monotonic: real() + 61.0)
     owner.put_key("c", 3, 64, 8, np.frombuffer(os.urandom(16), np.int32))
     assert asked == [0, 0]
+
+
+def test_auto_puts_keys_early_when_server0_is_a_distance_away(make_service, monkeypatch, caplog):
+    # Server0 reached through a relay adding 10 ms per round trip (server1 directly): "auto" measures it and
+    # puts the step's key when the step starts.
+    from tools.bench.relay import DelayRelay  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.delenv(client_module.EARLY_KEY_ENV, raising=False)
+    service = make_service(owner_names(2), step_timeout_secs=15.0)
+    with DelayRelay(service.addresses[0], rtt_ms=10) as relay:
+        owner = service.client("chief", 0, addresses=(f"localhost:{relay.port}", service.addresses[1]))
+        with caplog.at_level("INFO", logger="tfe_estimator"):
+            owner.put_key("c", 0, 64, 8, np.frombuffer(os.urandom(16), np.int32))
+        deadline = time.monotonic() + 5.0
+        while _open_steps(service.servers[1]) != {0} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _open_steps(service.servers[1]) == {0}
+        assert "keys are put when the step starts (TFE_ESTIMATOR_EARLY_KEY=auto)" in caplog.text
+        owner.close()

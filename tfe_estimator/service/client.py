@@ -436,16 +436,20 @@ class OwnerClient:
 
     def _early_wanted(self) -> bool:
         """Whether keys go to server0 before their shares (``early_key``); ``"auto"`` measures server0's round
-        trip once (the least of 3 probes, `unreachable`'s call): at least `EARLY_KEY_MIN_RTT_MS`, said in the log."""
+        trip once (the least of 3 calls of a method no server serves): at least `EARLY_KEY_MIN_RTT_MS`, said in the
+        log."""
         if self._early_on is None:
             if time.monotonic() < self._early_probe_after:
                 return False
             rtts = []
             for _ in range(3):
                 start = time.monotonic()
-                if self.unreachable(0) is not None:  # measured again in a minute; the contribution says what is wrong
-                    self._early_probe_after = time.monotonic() + 60.0
-                    return False
+                try:  # a method no server serves: UNIMPLEMENTED is its answer (the channel may still be connecting)
+                    self._probes[0](b"", timeout=3.0, wait_for_ready=True)
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.UNIMPLEMENTED:  # measured again in a minute; the contribution
+                        self._early_probe_after = time.monotonic() + 60.0  # says what is wrong
+                        return False
                 rtts.append(1e3 * (time.monotonic() - start))
             self._early_on = min(rtts) >= EARLY_KEY_MIN_RTT_MS
             _LOG.info("service mode: aggregation server0 at %s is %.1f ms away: keys are put %s (%s=auto)",

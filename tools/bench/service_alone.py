@@ -118,7 +118,7 @@ def measure(elements: int, steps: int, owners: int, certs_dir: str, rtt_ms: Opti
         servers = bench_servers.start(certs_dir, addresses, [f"{j}:{i}" for j, i in tasks], peer_address=reached[1],
                                       data_plane=data_plane, env=with_huge_pages(os.environ) if huge_pages else None)
         clients = [OwnerClient(reached, TlsFiles.from_dir(certs_dir, job, index), data_plane=data_plane,
-                               data_link=data_link) for job, index in tasks]
+                               data_link=data_link, early_key="on" if key_early else "off") for job, index in tasks]
         rng = np.random.default_rng(0)
         shares = [rng.integers(-2**62, 2**62, elements, dtype=np.int64) for _ in tasks]
         key = np.arange(4, dtype=np.int32)
