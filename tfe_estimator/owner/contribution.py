@@ -189,7 +189,7 @@ def service_sum(
     if checks is not None:
         check_pass.load()
     if may_ride:
-        rider = _ride_on_host(graph, key, share, step, encoding, num_elements, checks is not None)
+        rider = _ride_on_host(graph, key, share, step, encoding, num_elements)
         if rider is not None:
             with tf.device(sources[0]), tf.name_scope("service_reveal"):
                 total = ops.decode_sum(rider, dtype, encoding.ring_bits, encoding.fraction_bits, scale, shapes)
@@ -274,19 +274,16 @@ def _put_key(put_key, channel, ring_bits, num_elements, checks, host, step, key)
     return np.int64(0)
 
 
-def _ride_on_host(graph, key, share, step, encoding, num_elements, checked) -> Optional[tf.Tensor]:
+def _ride_on_host(graph, key, share, step, encoding, num_elements) -> Optional[tf.Tensor]:
     """Makes this sum ride in the chain's last contribution (`riders`) if it can; returns its revealed ring
     words, or None (it is a contribution of its own).
 
-    It rides when it is small (`riders.MAX_ELEMENTS`), the chain has a host checked alike, and the host's
-    contribution does not depend on this sum (the rider's op runs before it: no cycle).
+    Called once `_may_ride` found it small (`riders.MAX_ELEMENTS`), the chain's host checked alike and not
+    depending on this sum (the rider's op runs before it: no cycle); it rides unless the host is in another
+    TF1 control-flow frame.
     """
-    found = _HOSTS.get(graph, {}).get(_CHAIN[0])
-    if found is None or num_elements > riders.MAX_ELEMENTS:
-        return None
-    host_op, host, host_checked = found
-    if host_checked != checked or host_op in ancestors(share.op) or host_op is share.op or \
-            getattr(host_op, "_control_flow_context", None) is not getattr(share.op, "_control_flow_context", None):
+    host_op, host, _ = _HOSTS[graph][_CHAIN[0]]
+    if getattr(host_op, "_control_flow_context", None) is not getattr(share.op, "_control_flow_context", None):
         return None  # TF1 cond/while: the edges below stay in one frame
     index = host.add(num_elements * riders.limbs_per_element(encoding.ring_bits, host.ring_bits))
     ride = functools.partial(_ride, host, index, encoding.ring_bits, num_elements)
