@@ -581,7 +581,9 @@ class EpsilonLoggingHook(tf.compat.v1.train.SessionRunHook):
         self._replicas = int(num_replicas)
         self._every = max(1, int(every_n_steps))
         self._stream = stream
-        self._step = tf.compat.v1.train.get_global_step()
+        step = tf.compat.v1.train.get_global_step()
+        # its read tensor, resolved once (fetching a strategy's MirroredVariable resolves it again at every run)
+        self._step = None if step is None else tf.compat.v1.get_default_graph().as_graph_element(step)
         self._last = None
         self._runs = 0
 
