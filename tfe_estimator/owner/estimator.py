@@ -144,20 +144,19 @@ class WeightCheckHook(tf.compat.v1.train.SessionRunHook):
     def __init__(self, binding, client: Callable, model: dict, every_n_steps: Optional[int]):
         self._binding, self._client, self._model = binding, client, model
         self._every = every_n_steps if every_n_steps and every_n_steps > 0 else None
-        self._step = self._step_read = None
+        self._step = None  # the global step's read tensor (`begin`)
         self._variables = []
         self._checked = None
 
     def begin(self):
-        self._step = tf.compat.v1.train.get_global_step()
+        step = tf.compat.v1.train.get_global_step()
+        # its read tensor, resolved once: fetching the strategy's MirroredVariable itself makes every session run
+        # resolve it again (~55 us of Python per step)
+        self._step = None if step is None else tf.compat.v1.get_default_graph().as_graph_element(step)
         self._variables = sorted(tf.compat.v1.trainable_variables(), key=lambda v: v.name)
-        # The step variable's read tensor, resolved once: fetching the strategy's MirroredVariable itself makes
-        # every session run resolve it again (~55 us of Python per step).
-        graph = tf.compat.v1.get_default_graph()
-        self._step_read = None if self._step is None else graph.as_graph_element(self._step)
 
     def before_run(self, run_context):
-        return None if self._every is None else tf.compat.v1.train.SessionRunArgs(self._step_read)
+        return None if self._every is None else tf.compat.v1.train.SessionRunArgs(self._step)
 
     def after_run(self, run_context, run_values):
         # The step fetched with the training op is read before or after that op's own increment (nothing orders
