@@ -418,3 +418,26 @@ def test_when_the_user_allows_it_a_second_release_is_counted_for_epsilon(tmp_pat
 def test_mutation_without_the_ledger_a_second_release_passes_unnoticed(make_service):
     # Step 1 is released a second time (fresh, not from a window) and nothing refuses it.
     assert _released_again_after_both_servers_restart(make_service, {"model": 7})[-1] == (1, False)
+
+
+def test_estimators_weight_check_hook_compares_at_every_checkpoint_step_and_at_the_end(monkeypatch):
+    # The hook reads the global step (a strategy's MirroredVariable) as its read tensor, resolved once when it
+    # begins: it still compares at steps 2 and 4 (checkpoint steps of every_n_steps=2) and at the end (step 5).
+    from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+
+    from tfe_estimator.owner.estimator import WeightCheckHook  # pylint: disable=import-outside-toplevel
+
+    compared = []
+    monkeypatch.setattr(weight_check, "check_weights",
+                        lambda binding, client, model, step, values, wait_secs: compared.append((model, step)))
+    with tf.Graph().as_default():
+        with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+            step = tf.compat.v1.train.get_or_create_global_step()
+        assert type(step).__name__ == "MirroredVariable"
+        tf.compat.v1.get_variable("w", [2])  # a trainable variable the check reads
+        hook = WeightCheckHook(SimpleNamespace(timeout_secs=10.0), None, {"model": 7}, every_n_steps=2)
+        increment = tf.compat.v1.assign_add(step, 1)
+        with tf.compat.v1.train.MonitoredSession(hooks=[hook]) as session:
+            for _ in range(5):
+                session.run(increment)
+    assert compared == [(7, 2), (7, 4), (7, 5)]
